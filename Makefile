@@ -1,0 +1,31 @@
+# Two commands on a fresh clone: `make run` (the main job) and `make test` (the suite).
+# Both create .venv and install everything they need. torch is pinned to the CPU
+# build that ships on this machine kind; an unpinned torch would pull CUDA wheels.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+TORCH_SPEC ?= torch==2.13.0
+STAMP := $(VENV)/.plait-installed
+
+.PHONY: run test test-fast install clean
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
+	$(PY) -m pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+run: $(STAMP)
+	OMP_NUM_THREADS=1 $(VENV)/bin/plait bench all_reduce --nprocs 4
+
+test: $(STAMP)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q
+
+test-fast: $(STAMP)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m "not slow"
+
+clean:
+	rm -rf $(VENV) build src/*.egg-info .pytest_cache

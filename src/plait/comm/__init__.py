@@ -1,0 +1,36 @@
+"""plait.comm: collective communication built on point-to-point send/recv.
+
+Schedules are data (``plait.comm.schedule``), built by the algorithms in
+``plait.comm.algorithms``, run by the virtual executor (``plait.comm.virtual``) in
+tests and by the torch executor on real ranks. The collectives below mirror
+torch.distributed's signatures and add ``algorithm=``.
+"""
+
+from plait.comm.algorithms import ALGORITHMS, COLLECTIVES, algorithms_for, build_schedule, describe
+from plait.comm.collectives import (
+    ReduceOp,
+    all_gather_into_tensor,
+    all_gather_single,
+    all_reduce,
+    all_to_all_single,
+    barrier,
+    broadcast,
+    default_algorithm,
+    gather,
+    reduce,
+    reduce_scatter_single,
+    reduce_scatter_tensor,
+    scatter,
+    synchronize,
+)
+from plait.comm.engine import CONFIG, Handle, configure, reset_stats, stats
+from plait.comm.errors import CommError, CommTimeoutError, MismatchError
+from plait.comm.schedule import Schedule, Step, Transfer
+
+__all__ = [
+    "ALGORITHMS", "COLLECTIVES", "CONFIG", "CommError", "CommTimeoutError", "Handle", "MismatchError",
+    "ReduceOp", "Schedule", "Step", "Transfer", "algorithms_for", "all_gather_into_tensor",
+    "all_gather_single", "all_reduce", "all_to_all_single", "barrier", "broadcast", "build_schedule",
+    "configure", "default_algorithm", "describe", "gather", "reduce", "reduce_scatter_single",
+    "reduce_scatter_tensor", "reset_stats", "scatter", "stats", "synchronize",
+]

@@ -1,0 +1,315 @@
+"""plait's collectives: torch.distributed's signatures plus ``algorithm=``.
+
+Each call validates its arguments on this rank, lays its tensors out in one flat
+buffer (``plait.comm.layout``), optionally checks with the other ranks that they
+agree on sizes, dtype, op, root and algorithm, then runs the algorithm's schedule on
+the communication engine (inline, or on the background thread with ``async_op=True``).
+``algorithm="torch"`` runs torch.distributed's own collective through the same engine,
+so plait and torch calls stay in program order.
+"""
+
+from __future__ import annotations
+
+import time
+import zlib
+
+import torch
+import torch.distributed as dist
+
+from plait.comm import layout
+from plait.comm.algorithms import DEFAULT_NAMES, REDUCING, TORCH, build_schedule, builder
+from plait.comm.algorithms.hierarchical import parse_hierarchy
+from plait.comm.engine import CONFIG, engine, record
+from plait.comm.errors import MismatchError
+from plait.comm.executor import Transport
+from plait.comm.ops import COMBINE, check_reducible, op_name
+
+ReduceOp = dist.ReduceOp
+
+_DTYPE_CODES = {
+    dtype: code
+    for code, dtype in enumerate(
+        [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8, torch.uint8,
+         torch.int16, torch.int32, torch.int64, torch.bool, torch.complex64, torch.complex128]
+    )
+}
+_OP_CODES = {"none": 0, "sum": 1, "avg": 2, "min": 3, "max": 4, "prod": 5}
+_TORCH_OPS = {"sum": ReduceOp.SUM, "avg": ReduceOp.SUM, "min": ReduceOp.MIN, "max": ReduceOp.MAX,
+              "prod": ReduceOp.PRODUCT}
+
+
+def default_algorithm(collective: str, nbytes: int, world_size: int) -> str:
+    """The default table (until the cost model's tuner replaces it): fewest rounds for
+    small messages, bandwidth-optimal rings for large ones. Switch points measured
+    with ``plait bench`` on gloo/loopback."""
+    small = nbytes <= 64 * 1024
+    if collective == "all_reduce":
+        return "recursive_doubling" if small else "ring"
+    if collective == "reduce_scatter":
+        return "direct" if small else "ring"
+    if collective == "all_gather":
+        return "bruck" if small else "ring"
+    if collective == "broadcast":
+        return "tree" if small else "ring"
+    if collective == "reduce":
+        return "tree" if small else "ring"
+    if collective in ("gather", "scatter"):
+        return "tree"
+    if collective == "all_to_all":
+        return "direct" if world_size <= 8 else "pairwise"
+    return "bruck"  # barrier
+
+
+def _resolve_group(group):
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            "plait.comm needs a process group: call torch.distributed.init_process_group(...) first "
+            "(or launch with torchrun / plait.testing)"
+        )
+    if group is None:
+        group = dist.group.WORLD
+    if group == dist.GroupMember.NON_GROUP_MEMBER:
+        return None, -1, 0
+    rank = dist.get_rank(group)
+    if rank < 0:
+        return None, -1, 0
+    return group, rank, dist.get_world_size(group)
+
+
+def _group_root(group, root: int, world_size: int, name: str) -> int:
+    """torch takes global ranks for src/dst; schedules use group ranks."""
+    if not isinstance(root, int):
+        raise TypeError(f"{name} must be an int rank, got {type(root).__name__}")
+    if group is dist.group.WORLD:
+        if not 0 <= root < world_size:
+            raise ValueError(f"{name}={root} is not a rank of this group of {world_size} ranks")
+        return root
+    try:
+        return dist.get_group_rank(group, root)
+    except (ValueError, RuntimeError):
+        raise ValueError(f"{name}={root} (a global rank) is not a member of this group") from None
+
+
+def _resolve_algorithm(algorithm, collective: str, nbytes: int, world_size: int) -> str:
+    if algorithm in DEFAULT_NAMES:
+        return default_algorithm(collective, nbytes, world_size)
+    if not isinstance(algorithm, str):
+        raise TypeError(f"algorithm must be a string, got {type(algorithm).__name__}")
+    if algorithm != TORCH:
+        builder(collective, algorithm)  # raises listing the valid names
+    return algorithm
+
+
+def _code(text: str) -> int:
+    return zlib.crc32(text.encode()) & 0x7FFFFFFF
+
+
+def _check_agreement(collective, algorithm, transport, rank, p, numel, device, dtype, op, root, hierarchy):
+    """Exchange (collective, algorithm, numel, dtype, op, root) with every rank over a
+    Bruck all-gather; every rank raises the same MismatchError if they differ."""
+    fields = ("collective", "algorithm", "elements", "dtype", "op", "root", "hierarchy")
+    mine = [_code(collective), _code(algorithm), numel, _DTYPE_CODES.get(dtype, 99),
+            _OP_CODES[op], -1 if root is None else root, _code(repr(hierarchy))]
+    k = len(mine)
+    table = torch.zeros(p * k, dtype=torch.int64, device=device)
+    table[rank * k : (rank + 1) * k] = torch.tensor(mine, dtype=torch.int64)
+    schedule = build_schedule("all_gather", "bruck", p, p * k)
+    engine().executor.run(schedule, table, rank, transport, COMBINE["sum"], timeout_s=CONFIG.timeout_s,
+                          label=f"{collective} argument check")
+    rows = table.view(p, k).tolist()
+    bad = [i for i in range(k) if len({row[i] for row in rows}) > 1]
+    if not bad:
+        return
+    parts = []
+    for i in bad:
+        if fields[i] == "elements":
+            parts.append("elements: " + ", ".join(f"rank {r}={row[i]}" for r, row in enumerate(rows)))
+        else:
+            groups: dict[int, list[int]] = {}
+            for r, row in enumerate(rows):
+                groups.setdefault(row[i], []).append(r)
+            parts.append(f"{fields[i]} differs between ranks {list(groups.values())}")
+    raise MismatchError(
+        f"{collective}: ranks disagree ({'; '.join(parts)}); every rank must call the same collective "
+        f"with the same algorithm, op, root and tensor size/dtype (this rank {rank}: {numel} "
+        f"elements of {dtype})"
+    )
+
+
+def _launch(collective, group, async_op, algorithm, prepare, *, tensor, nbytes, op="none", root=None,
+            torch_call=None, hierarchy=None):
+    """Common path of every collective; returns None or a Handle.
+
+    ``tensor`` is the rank's data tensor (for dtype, device and the check), ``nbytes``
+    the collective's size as nccl-tests counts it (picks the default algorithm).
+    ``prepare(rank, p)`` lays out plait's buffer; ``torch_call(rank, p)`` runs torch's.
+    """
+    group, rank, p = _resolve_group(group)
+    if group is None:
+        return None  # this rank is not in the group, as torch does
+    dtype = tensor.dtype
+    if collective in REDUCING:
+        check_reducible(dtype, op, collective)
+    algorithm = _resolve_algorithm(algorithm, collective, nbytes, p)
+    prepared = prepare(rank, p) if algorithm != TORCH else None  # validates this rank's arguments
+    numel = prepared.buffer.numel() if prepared is not None else tensor.numel()
+    tree = None
+    if algorithm == "hierarchical":
+        spec = hierarchy if hierarchy is not None else CONFIG.hierarchy
+        world = group is dist.group.WORLD
+        tree = parse_hierarchy(spec, p, None if world else 1)
+    check = CONFIG.check_args and p > 1
+
+    def job():
+        transport = Transport(group) if p > 1 else None
+        if check:
+            _check_agreement(collective, algorithm, transport, rank, p, numel, tensor.device, dtype, op, root, tree)
+        start = time.perf_counter()
+        if algorithm == TORCH:
+            torch_call(rank, p)
+            record(collective, TORCH, nbytes, 0, time.perf_counter() - start)
+            return
+        sent = messages = 0
+        if p > 1:
+            segments = max(1, min(64, nbytes // CONFIG.pipeline_segment_bytes))
+            schedule = build_schedule(collective, algorithm, p, numel, root, segments, tree)
+            segment_numel = CONFIG.segment_bytes // prepared.buffer.element_size() if CONFIG.segment_bytes else 0
+            sent, messages = engine().executor.run(
+                schedule, prepared.buffer, rank, transport, COMBINE[op if op != "none" else "sum"],
+                timeout_s=CONFIG.timeout_s, segment_numel=segment_numel, label=collective,
+            )
+        prepared.finish()
+        record(collective, algorithm, sent, messages, time.perf_counter() - start)
+
+    return engine().submit(job, f"{collective}(algorithm={algorithm})", async_op)
+
+
+# ----- the public collectives ------------------------------------------------------------
+def _nbytes(tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op=False, *, algorithm=None, hierarchy=None):
+    """All-reduce ``tensor`` in place across the group (see plait.comm.algorithms for
+    each algorithm's steps and cost). ``hierarchy`` only matters for "hierarchical"."""
+    name = op_name(op)
+
+    def torch_call(rank, p):
+        dist.all_reduce(tensor, _TORCH_OPS[name], group=group)
+        if name == "avg":  # gloo has no AVG
+            tensor.div_(p)
+
+    return _launch("all_reduce", group, async_op, algorithm,
+                   lambda rank, p: layout.prepare_all_reduce(tensor, rank, p, name),
+                   tensor=tensor, nbytes=_nbytes(tensor), op=name, torch_call=torch_call, hierarchy=hierarchy)
+
+
+def reduce_scatter_single(output, input, op=ReduceOp.SUM, group=None, async_op=False, *, algorithm=None):
+    """Reduce ``input`` (p equal chunks) across ranks; rank r gets chunk r in ``output``."""
+    name = op_name(op)
+
+    def torch_call(rank, p):
+        dist.reduce_scatter_tensor(output, input, _TORCH_OPS[name], group=group)
+        if name == "avg":
+            output.div_(p)
+
+    return _launch("reduce_scatter", group, async_op, algorithm,
+                   lambda rank, p: layout.prepare_reduce_scatter(output, input, rank, p, name),
+                   tensor=input, nbytes=_nbytes(input), op=name, torch_call=torch_call)
+
+
+def all_gather_single(output, input, group=None, async_op=False, *, algorithm=None):
+    """Gather every rank's ``input`` into ``output`` (p * input elements), rank order."""
+
+    def torch_call(rank, p):
+        dist.all_gather_into_tensor(output, input, group=group)
+
+    return _launch("all_gather", group, async_op, algorithm,
+                   lambda rank, p: layout.prepare_all_gather(output, input, rank, p),
+                   tensor=input, nbytes=_nbytes(output), torch_call=torch_call)
+
+
+reduce_scatter_tensor = reduce_scatter_single
+all_gather_into_tensor = all_gather_single
+
+
+def _rooted(collective, group, async_op, algorithm, root, root_name, prepare, torch_call, **kwargs):
+    """Rooted collectives: torch takes a global rank; schedules take the group rank."""
+    resolved, _, p = _resolve_group(group)
+    if resolved is None:
+        return None
+    group_root = _group_root(resolved, root, p, root_name)
+    return _launch(collective, group, async_op, algorithm,
+                   lambda rank, p: prepare(rank, p, group_root),
+                   root=group_root, torch_call=lambda rank, p: torch_call(rank, p, group_root), **kwargs)
+
+
+def broadcast(tensor, src=0, group=None, async_op=False, *, algorithm=None):
+    """Copy ``tensor`` from rank ``src`` (a global rank, as in torch) to every rank."""
+    return _rooted("broadcast", group, async_op, algorithm, src, "src",
+                   lambda rank, p, root: layout.prepare_broadcast(tensor, rank, p, root),
+                   lambda rank, p, root: dist.broadcast(tensor, src, group=group),
+                   tensor=tensor, nbytes=_nbytes(tensor))
+
+
+def reduce(tensor, dst=0, op=ReduceOp.SUM, group=None, async_op=False, *, algorithm=None):
+    """Reduce every rank's ``tensor`` into rank ``dst``'s (others are left unchanged)."""
+    name = op_name(op)
+
+    def torch_call(rank, p, root):
+        work = tensor if rank == root else tensor.clone()
+        dist.reduce(work, dst, _TORCH_OPS[name], group=group)
+        if rank == root and name == "avg":
+            tensor.div_(p)
+
+    return _rooted("reduce", group, async_op, algorithm, dst, "dst",
+                   lambda rank, p, root: layout.prepare_reduce(tensor, rank, p, root, name),
+                   torch_call, tensor=tensor, nbytes=_nbytes(tensor), op=name)
+
+
+def gather(tensor, gather_list=None, dst=0, group=None, async_op=False, *, algorithm=None):
+    """Gather every rank's ``tensor`` into ``gather_list`` on rank ``dst``."""
+    return _rooted("gather", group, async_op, algorithm, dst, "dst",
+                   lambda rank, p, root: layout.prepare_gather(tensor, gather_list, rank, p, root),
+                   lambda rank, p, root: dist.gather(tensor, gather_list if rank == root else None, dst,
+                                                     group=group),
+                   tensor=tensor, nbytes=_nbytes(tensor) * dist.get_world_size(group))
+
+
+def scatter(tensor, scatter_list=None, src=0, group=None, async_op=False, *, algorithm=None):
+    """Rank ``src`` sends ``scatter_list[r]`` to rank r, which receives it in ``tensor``."""
+    return _rooted("scatter", group, async_op, algorithm, src, "src",
+                   lambda rank, p, root: layout.prepare_scatter(tensor, scatter_list, rank, p, root),
+                   lambda rank, p, root: dist.scatter(tensor, scatter_list if rank == root else None, src,
+                                                      group=group),
+                   tensor=tensor, nbytes=_nbytes(tensor) * dist.get_world_size(group))
+
+
+def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, group=None,
+                      async_op=False, *, algorithm=None):
+    """Rank s's input chunk d goes to rank d's output chunk s (equal chunks)."""
+    if (output_split_sizes or input_split_sizes) and algorithm != TORCH:
+        raise ValueError(
+            "all_to_all_single: plait's algorithms take equal splits; drop the split sizes "
+            "or pass algorithm='torch' for uneven ones"
+        )
+
+    def torch_call(rank, p):
+        dist.all_to_all_single(output, input, output_split_sizes, input_split_sizes, group=group)
+
+    return _launch("all_to_all", group, async_op, algorithm,
+                   lambda rank, p: layout.prepare_all_to_all(output, input, rank, p),
+                   tensor=input, nbytes=_nbytes(input), torch_call=torch_call)
+
+
+def barrier(group=None, async_op=False, *, algorithm=None, device=None):
+    """Block until every rank of the group has reached the barrier."""
+    token = torch.zeros(1, dtype=torch.int32, device=device or "cpu")
+    return _launch("barrier", group, async_op, algorithm,
+                   lambda rank, p: layout.prepare_barrier(token.device),
+                   tensor=token, nbytes=0, torch_call=lambda rank, p: dist.barrier(group=group))
+
+
+def synchronize() -> None:
+    """Wait for every collective this process queued with async_op=True."""
+    engine().synchronize()

@@ -1,0 +1,216 @@
+"""The communication engine: one background thread per process that runs
+collectives in the order they were called, plus the process-wide config and the
+per-collective counters.
+
+``async_op=True`` queues the collective and returns a :class:`Handle` at once, so
+the caller computes while the schedule runs (the comm thread spends its time in
+gloo/NCCL waits, which release the GIL). A synchronous call runs inline when nothing
+is queued, else it queues behind the pending ones and waits: every rank issues
+collectives in program order, as torch requires, so messages always match.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+from plait.comm.executor import Executor
+
+
+def _env_float(name: str, default: float) -> float:
+    text = os.environ.get(name)
+    if not text:
+        return default
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"{name}={text!r} is not a number of seconds/bytes") from None
+    return value
+
+
+@dataclass
+class CommConfig:
+    """Process-wide defaults (set with :func:`configure`; env vars give the start values).
+
+    timeout_s: how long a collective may wait for a peer (PLAIT_COMM_TIMEOUT_S, 300).
+    check_args: exchange sizes/dtypes/op/root/algorithm before each collective and raise
+        on a mismatch (PLAIT_COMM_CHECK, on); costs one small all-gather per call.
+    segment_bytes: messages above this are split so reductions stream
+        (PLAIT_COMM_SEGMENT_BYTES, 1 MiB); every rank must use the same value.
+    pipeline_segment_bytes: segment size of pipelined chains and binary trees (256 KiB).
+    hierarchy: default hierarchy for algorithm="hierarchical" (PLAIT_HIERARCHY).
+    """
+
+    timeout_s: float = field(default_factory=lambda: _env_float("PLAIT_COMM_TIMEOUT_S", 300.0))
+    check_args: bool = field(default_factory=lambda: os.environ.get("PLAIT_COMM_CHECK", "1") not in ("0", "false"))
+    segment_bytes: int = field(default_factory=lambda: int(_env_float("PLAIT_COMM_SEGMENT_BYTES", 1 << 20)))
+    pipeline_segment_bytes: int = 256 << 10
+    hierarchy: object = field(default_factory=lambda: os.environ.get("PLAIT_HIERARCHY") or None)
+
+
+CONFIG = CommConfig()
+
+
+def configure(*, timeout_s=None, check_args=None, segment_bytes=None, pipeline_segment_bytes=None, hierarchy=None):
+    """Change process-wide comm defaults; returns the previous values (for restoring)."""
+    previous = dict(
+        timeout_s=CONFIG.timeout_s,
+        check_args=CONFIG.check_args,
+        segment_bytes=CONFIG.segment_bytes,
+        pipeline_segment_bytes=CONFIG.pipeline_segment_bytes,
+        hierarchy=CONFIG.hierarchy,
+    )
+    if timeout_s is not None:
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0 seconds, got {timeout_s}")
+        CONFIG.timeout_s = float(timeout_s)
+    if check_args is not None:
+        CONFIG.check_args = bool(check_args)
+    if segment_bytes is not None:
+        if segment_bytes < 0:
+            raise ValueError(f"segment_bytes must be >= 0 (0 = never split), got {segment_bytes}")
+        CONFIG.segment_bytes = int(segment_bytes)
+    if pipeline_segment_bytes is not None:
+        if pipeline_segment_bytes <= 0:
+            raise ValueError(f"pipeline_segment_bytes must be > 0, got {pipeline_segment_bytes}")
+        CONFIG.pipeline_segment_bytes = int(pipeline_segment_bytes)
+    if hierarchy is not None:
+        CONFIG.hierarchy = hierarchy
+    return previous
+
+
+# ----- counters ----------------------------------------------------------------------------
+_STATS_LOCK = threading.Lock()
+_STATS: dict[str, dict] = {}
+
+
+def record(collective: str, algorithm: str, bytes_sent: int, messages: int, time_s: float) -> None:
+    with _STATS_LOCK:
+        entry = _STATS.setdefault(
+            collective, {"calls": 0, "bytes_sent": 0, "messages": 0, "time_s": 0.0, "algorithms": {}}
+        )
+        entry["calls"] += 1
+        entry["bytes_sent"] += bytes_sent
+        entry["messages"] += messages
+        entry["time_s"] += time_s
+        entry["algorithms"][algorithm] = entry["algorithms"].get(algorithm, 0) + 1
+
+
+def stats() -> dict[str, dict]:
+    """Per collective on this rank: calls, bytes_sent, messages, time_s, and calls per
+    algorithm. (For algorithm="torch", bytes are what the call moves, as torch does
+    not report its own traffic.)"""
+    with _STATS_LOCK:
+        return {name: {**entry, "algorithms": dict(entry["algorithms"])} for name, entry in _STATS.items()}
+
+
+def reset_stats() -> None:
+    with _STATS_LOCK:
+        _STATS.clear()
+
+
+# ----- handles and the thread ------------------------------------------------------------
+class Handle:
+    """What ``async_op=True`` returns: ``wait()`` blocks until the collective is done
+    (re-raising its error), ``is_completed()`` polls."""
+
+    def __init__(self, description: str):
+        self.description = description
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+
+    def _finish(self, error: BaseException | None) -> None:
+        self._error = error
+        self._done.set()
+
+    def is_completed(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self, timeout=None) -> bool:
+        """Block until done; ``timeout`` in seconds (or a timedelta) raises TimeoutError."""
+        if hasattr(timeout, "total_seconds"):
+            timeout = timeout.total_seconds()
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"{self.description} still running after {timeout}s")
+        if self._error is not None:
+            raise self._error
+        return True
+
+    def exception(self) -> BaseException | None:
+        return self._error if self._done.is_set() else None
+
+
+class Engine:
+    """Runs jobs in submission order on one daemon thread (started on first async use)."""
+
+    def __init__(self):
+        self.executor = Executor()
+        self._queue: queue.Queue = queue.Queue()
+        self._lock = threading.Lock()  # guards _pending and the inline fast path
+        self._run_lock = threading.Lock()  # one job at a time
+        self._pending = 0
+        self._thread: threading.Thread | None = None
+
+    def submit(self, job, description: str, async_op: bool):
+        if not async_op:
+            with self._lock:
+                inline = self._pending == 0
+                if inline:
+                    self._run_lock.acquire()
+            if inline:
+                try:
+                    job()
+                finally:
+                    self._run_lock.release()
+                return None
+        handle = Handle(description)
+        with self._lock:
+            self._pending += 1
+            self._queue.put((job, handle))
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._loop, name="plait-comm", daemon=True)
+                self._thread.start()
+        if async_op:
+            return handle
+        handle.wait()
+        return None
+
+    def _loop(self) -> None:
+        while True:
+            job, handle = self._queue.get()
+            error = None
+            with self._run_lock:
+                try:
+                    job()
+                except BaseException as caught:  # handed to the waiter
+                    error = caught
+            with self._lock:
+                self._pending -= 1
+            handle._finish(error)
+
+    def synchronize(self) -> None:
+        """Wait until every queued collective has run."""
+        marker = self.submit(lambda: None, "synchronize", async_op=True)
+        marker.wait()
+
+
+_ENGINE: Engine | None = None
+_ENGINE_LOCK = threading.Lock()
+
+
+def engine() -> Engine:
+    global _ENGINE
+    with _ENGINE_LOCK:
+        if _ENGINE is None:
+            _ENGINE = Engine()
+        return _ENGINE
+
+
+def timed(collective: str, algorithm: str, run):
+    """Run ``run() -> (bytes_sent, messages)`` and record it."""
+    start = time.perf_counter()
+    bytes_sent, messages = run()
+    record(collective, algorithm, bytes_sent, messages, time.perf_counter() - start)

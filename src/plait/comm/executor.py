@@ -1,0 +1,211 @@
+"""The torch executor: runs one rank's part of a schedule over torch.distributed
+point-to-point messages.
+
+Per step it posts every receive, then every send, waits for them with the
+collective's deadline, and lands the receives with ``ops.apply_receives`` (the
+function the virtual executor uses, so results are bit-identical). Copies that do
+not overlap anything the rank sends in the step land straight in the buffer; the
+rest go through a scratch buffer kept per dtype and device. Messages larger than
+``segment_bytes`` are split, so a large reducing receive is combined segment by
+segment while the next segments are still on the wire.
+
+On gloo it calls the process group's own ``send``/``recv`` (the least Python per
+message); on NCCL it groups each step's messages with ``batch_isend_irecv`` so a
+pair that sends and receives in one step cannot deadlock. No ``torch.cuda`` here.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from plait.comm.errors import CommError, CommTimeoutError
+from plait.comm.ops import apply_receives
+from plait.comm.schedule import Schedule, Transfer
+
+
+@dataclass(frozen=True)
+class _Recv:
+    transfer: Transfer
+    messages: tuple[tuple[int, int, int], ...]  # (lo, hi, tag) in the buffer's index space
+    scratch_lo: int | None  # None: lands straight in the buffer
+    stream: bool  # combine each segment as soon as it arrives
+
+
+@dataclass(frozen=True)
+class _StepPlan:
+    index: int
+    sends: tuple[tuple[int, int, int, int], ...]  # (peer, lo, hi, tag)
+    recvs: tuple[_Recv, ...]
+    scratch_numel: int
+
+
+def _split(lo: int, hi: int, segment_numel: int) -> list[tuple[int, int]]:
+    if segment_numel <= 0 or hi - lo <= segment_numel:
+        return [(lo, hi)]
+    return [(a, min(a + segment_numel, hi)) for a in range(lo, hi, segment_numel)]
+
+
+def _overlaps(lo: int, hi: int, ranges) -> bool:
+    return any(lo < b and a < hi for a, b in ranges)
+
+
+def plan_rank(schedule: Schedule, rank: int, segment_numel: int) -> list[_StepPlan]:
+    """Per-step messages of ``rank`` (cached on the schedule)."""
+    key = ("plan", rank, segment_numel)
+    cached = schedule._per_rank.get(key)
+    if cached is not None:
+        return cached
+    plans = []
+    for index, (sends, recvs) in enumerate(schedule.rank_steps(rank)):
+        if not sends and not recvs:
+            continue
+        tags: dict[int, int] = {}
+        send_msgs = []
+        for t in sends:
+            for lo, hi in _split(t.src_offset, t.src_offset + t.numel, segment_numel):
+                tag = tags.get(t.dst, 0)
+                tags[t.dst] = tag + 1
+                send_msgs.append((t.dst, lo, hi, tag))
+        send_ranges = [t.src_range for t in sends]
+        reduce_ranges: dict[tuple[int, int], int] = {}
+        for t in recvs:
+            if t.reduce:
+                reduce_ranges[t.dst_range] = reduce_ranges.get(t.dst_range, 0) + 1
+        tags = {}
+        recv_plans = []
+        scratch = 0
+        for t in recvs:
+            messages = []
+            for lo, hi in _split(t.dst_offset, t.dst_offset + t.numel, segment_numel):
+                tag = tags.get(t.src, 0)
+                tags[t.src] = tag + 1
+                messages.append((lo, hi, tag))
+            direct = not t.reduce and not _overlaps(t.dst_offset, t.dst_offset + t.numel, send_ranges)
+            stream = t.reduce and reduce_ranges[t.dst_range] == 1
+            recv_plans.append(_Recv(t, tuple(messages), None if direct else scratch, stream))
+            if not direct:
+                scratch += t.numel
+        plans.append(_StepPlan(index, tuple(send_msgs), tuple(recv_plans), scratch))
+    schedule._per_rank[key] = plans
+    return plans
+
+
+class Transport:
+    """Posts point-to-point messages on one process group (group-local peer ranks)."""
+
+    def __init__(self, group):
+        self.group = group
+        self.backend = dist.get_backend(group)
+        self._global = {}
+
+    def _global_rank(self, peer: int) -> int:
+        if peer not in self._global:
+            self._global[peer] = dist.get_global_rank(self.group, peer)
+        return self._global[peer]
+
+    def post(self, recvs, sends):
+        """recvs/sends: lists of (tensor, peer, tag). Returns works in the same order."""
+        if self.backend == "nccl":
+            ops = [dist.P2POp(dist.irecv, t, self._global_rank(peer), self.group, tag) for t, peer, tag in recvs]
+            ops += [dist.P2POp(dist.isend, t, self._global_rank(peer), self.group, tag) for t, peer, tag in sends]
+            return dist.batch_isend_irecv(ops)
+        works = [self.group.recv([t], peer, tag) for t, peer, tag in recvs]
+        works += [self.group.send([t], peer, tag) for t, peer, tag in sends]
+        return works
+
+
+class Executor:
+    """Runs schedules for this process; keeps scratch buffers between calls."""
+
+    def __init__(self):
+        self._scratch: dict[tuple, torch.Tensor] = {}
+
+    def scratch(self, numel: int, dtype: torch.dtype, device) -> torch.Tensor:
+        key = (dtype, str(device))
+        held = self._scratch.get(key)
+        if held is None or held.numel() < numel:
+            held = torch.empty(numel, dtype=dtype, device=device)
+            self._scratch[key] = held
+        return held
+
+    def release(self) -> None:
+        self._scratch.clear()
+
+    def run(
+        self,
+        schedule: Schedule,
+        buffer: torch.Tensor,
+        rank: int,
+        transport: Transport,
+        combine,
+        *,
+        timeout_s: float,
+        segment_numel: int = 0,
+        label: str | None = None,
+    ) -> tuple[int, int]:
+        """Run ``rank``'s part of ``schedule`` on ``buffer``; returns (bytes sent, messages)."""
+        plans = plan_rank(schedule, rank, segment_numel)
+        deadline = time.monotonic() + timeout_s
+        element_size = buffer.element_size()
+        sent_bytes = 0
+        messages = 0
+        for plan in plans:
+            scratch = self.scratch(plan.scratch_numel, buffer.dtype, buffer.device) if plan.scratch_numel else None
+            recv_posts = []
+            for recv in plan.recvs:
+                for lo, hi, tag in recv.messages:
+                    if recv.scratch_lo is None:
+                        target = buffer[lo:hi]
+                    else:
+                        start = recv.scratch_lo + lo - recv.transfer.dst_offset
+                        target = scratch[start : start + hi - lo]
+                    recv_posts.append((target, recv.transfer.src, tag))
+            send_posts = [(buffer[lo:hi], peer, tag) for peer, lo, hi, tag in plan.sends]
+            try:
+                works = transport.post(recv_posts, send_posts)
+            except RuntimeError as error:
+                raise self._error(error, schedule, rank, plan.index, "?", timeout_s, label) from error
+            position = 0
+            landed = []
+            for recv in plan.recvs:
+                for lo, hi, _ in recv.messages:
+                    self._wait(works[position], deadline, schedule, rank, plan.index, recv.transfer.src, timeout_s, label)
+                    if recv.stream:
+                        start = recv.scratch_lo + lo - recv.transfer.dst_offset
+                        combine(buffer[lo:hi], scratch[start : start + hi - lo])
+                    position += 1
+                if recv.stream:
+                    continue
+                if recv.scratch_lo is None:
+                    landed.append((recv.transfer, None))
+                else:
+                    landed.append((recv.transfer, scratch[recv.scratch_lo : recv.scratch_lo + recv.transfer.numel]))
+            for (_, peer, _), work in zip(send_posts, works[position:]):
+                self._wait(work, deadline, schedule, rank, plan.index, peer, timeout_s, label)
+            if landed:
+                apply_receives(buffer, rank, landed, combine)
+            messages += len(send_posts)
+            sent_bytes += sum(hi - lo for _, lo, hi, _ in plan.sends) * element_size
+        return sent_bytes, messages
+
+    @staticmethod
+    def _wait(work, deadline, schedule, rank, step, peer, timeout_s, label):
+        remaining = max(deadline - time.monotonic(), 0.001)
+        try:
+            work.wait(timedelta(seconds=remaining))
+        except RuntimeError as error:
+            raise Executor._error(error, schedule, rank, step, peer, timeout_s, label) from error
+
+    @staticmethod
+    def _error(error, schedule, rank, step, peer, timeout_s, label):
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        collective = label or schedule.collective
+        kwargs = dict(rank=rank, collective=collective, algorithm=schedule.algorithm, step=step, peer=peer)
+        if "timed out" in reason.lower() or "timeout" in reason.lower():
+            return CommTimeoutError(timeout_s=timeout_s, reason=reason, **kwargs)
+        return CommError(reason=reason, **kwargs)
