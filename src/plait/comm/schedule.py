@@ -129,7 +129,8 @@ class Schedule:
 
     # ----- validation ----------------------------------------------------------
     def validate(self) -> "Schedule":
-        """Check ranks, bounds and that no two copies land on the same elements in a step."""
+        """Check ranks and bounds, that no copy lands where anything else lands in the same
+        step, and that reductions landing together cover identical ranges."""
         p, n = self.world_size, self.buffer_numel
         if p < 1:
             raise ScheduleError(f"world_size must be >= 1, got {p}")
@@ -153,6 +154,13 @@ class Schedule:
                         raise ScheduleError(
                             f"{self.algorithm} {self.collective} step {index}: rank {dst} "
                             f"receives overlapping copies [{a0},{a1}) and [{b0},{b1})"
+                        )
+                    if b0 < a1 and (a0, a1) != (b0, b1):
+                        # reductions into one region are combined in rank order, so
+                        # they must cover exactly the same elements
+                        raise ScheduleError(
+                            f"{self.algorithm} {self.collective} step {index}: rank {dst} "
+                            f"reduces into partly overlapping ranges [{a0},{a1}) and [{b0},{b1})"
                         )
         return self
 

@@ -32,3 +32,72 @@ def run_schedule(schedule: Schedule, buffers: list[torch.Tensor], op: str = "sum
         for rank, received in incoming.items():
             apply_receives(buffers[rank], rank, received, combine)
     return buffers
+
+
+def simulate(
+    collective: str,
+    algorithm: str,
+    inputs: list,
+    op: str = "sum",
+    root: int = 0,
+    *,
+    segments: int = 1,
+    hierarchy=None,
+) -> list:
+    """Run ``collective`` with ``algorithm`` over one input tensor per rank, in one
+    process, through the same buffer layouts the real collectives use.
+
+    Returns one output per rank: all_reduce, broadcast, reduce -> the rank's tensor
+    after the call; reduce_scatter, scatter -> its chunk; all_gather -> the gathered
+    tensor; gather -> the gathered tensor on the root, None elsewhere; all_to_all ->
+    the output tensor; barrier -> None (``inputs`` may then be ``[None] * p``).
+    """
+    from plait.comm import layout
+    from plait.comm.algorithms import build_schedule
+    from plait.comm.algorithms.hierarchical import parse_hierarchy
+
+    p = len(inputs)
+    prepared, outputs = [], []
+    for rank, x in enumerate(inputs):
+        if collective == "all_reduce":
+            out = x.clone()
+            prepared.append(layout.prepare_all_reduce(out, rank, p, op))
+        elif collective == "reduce_scatter":
+            out = x.new_empty(x.numel() // p)
+            prepared.append(layout.prepare_reduce_scatter(out, x, rank, p, op))
+        elif collective == "all_gather":
+            out = x.new_empty(x.numel() * p)
+            prepared.append(layout.prepare_all_gather(out, x, rank, p))
+        elif collective == "broadcast":
+            out = x.clone()
+            prepared.append(layout.prepare_broadcast(out, rank, p, root))
+        elif collective == "reduce":
+            out = x.clone()
+            prepared.append(layout.prepare_reduce(out, rank, p, root, op))
+        elif collective == "gather":
+            out = [x.new_empty(x.numel()) for _ in range(p)] if rank == root else None
+            prepared.append(layout.prepare_gather(x, out, rank, p, root))
+        elif collective == "scatter":
+            out = x.new_empty(x.numel() // p)
+            pieces = list(x.chunk(p)) if rank == root else None
+            prepared.append(layout.prepare_scatter(out, pieces, rank, p, root))
+        elif collective == "all_to_all":
+            out = x.new_empty(x.numel())
+            prepared.append(layout.prepare_all_to_all(out, x, rank, p))
+        elif collective == "barrier":
+            out = None
+            prepared.append(layout.prepare_barrier("cpu"))
+        else:
+            raise ValueError(f"unknown collective {collective!r}")
+        outputs.append(out)
+    tree = parse_hierarchy(hierarchy, p, 1) if algorithm == "hierarchical" else None
+    rooted = collective in ("broadcast", "reduce", "gather", "scatter")
+    schedule = build_schedule(
+        collective, algorithm, p, prepared[0].buffer.numel(), root if rooted else None, segments, tree
+    )
+    run_schedule(schedule, [item.buffer for item in prepared], "sum" if op == "avg" else op)
+    for item in prepared:
+        item.finish()
+    if collective == "gather":
+        return [torch.cat(out) if out is not None else None for out in outputs]
+    return outputs
