@@ -95,6 +95,15 @@ def plan_rank(schedule: Schedule, rank: int, segment_numel: int) -> list[_StepPl
     return plans
 
 
+class PostError(RuntimeError):
+    """Posting a message to ``peer`` failed (its connection is gone)."""
+
+    def __init__(self, peer: int, cause: BaseException):
+        super().__init__(f"peer {peer}: {cause}")
+        self.peer = peer
+        self.cause = cause
+
+
 class Transport:
     """Posts point-to-point messages on one process group (group-local peer ranks)."""
 
@@ -114,8 +123,13 @@ class Transport:
             ops = [dist.P2POp(dist.irecv, t, self._global_rank(peer), self.group, tag) for t, peer, tag in recvs]
             ops += [dist.P2POp(dist.isend, t, self._global_rank(peer), self.group, tag) for t, peer, tag in sends]
             return dist.batch_isend_irecv(ops)
-        works = [self.group.recv([t], peer, tag) for t, peer, tag in recvs]
-        works += [self.group.send([t], peer, tag) for t, peer, tag in sends]
+        works = []
+        for kind, posts in (("recv", recvs), ("send", sends)):
+            for t, peer, tag in posts:
+                try:
+                    works.append(getattr(self.group, kind)([t], peer, tag))
+                except RuntimeError as error:
+                    raise PostError(peer, error) from error
         return works
 
 
@@ -168,8 +182,11 @@ class Executor:
             send_posts = [(buffer[lo:hi], peer, tag) for peer, lo, hi, tag in plan.sends]
             try:
                 works = transport.post(recv_posts, send_posts)
-            except RuntimeError as error:
-                raise self._error(error, schedule, rank, plan.index, "?", timeout_s, label) from error
+            except PostError as error:
+                raise self._error(error.cause, schedule, rank, plan.index, error.peer, timeout_s, label) from error
+            except RuntimeError as error:  # NCCL posts a step as one group
+                peers = sorted({peer for _, peer, _ in recv_posts + send_posts})
+                raise self._error(error, schedule, rank, plan.index, f"one of {peers}", timeout_s, label) from error
             position = 0
             landed = []
             for recv in plan.recvs:

@@ -1,0 +1,188 @@
+"""The collectives API on real gloo ranks: async handles and overlap, program order,
+non-contiguous tensors, sub-groups, stats, and every bad input with its message."""
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import plait.comm as comm
+from plait.comm.algorithms import build_schedule
+from plait.testing import RankError, run_distributed, run_fresh_world
+
+pytestmark = pytest.mark.slow
+
+
+# ----- rank functions ---------------------------------------------------------------------
+def async_overlap(rank, p):
+    """Queue several all-reduces, compute meanwhile, then wait: results and order hold."""
+    tensors = [torch.full((50_000,), float(rank + i)) for i in range(4)]
+    handles = [comm.all_reduce(t, async_op=True, algorithm=alg)
+               for t, alg in zip(tensors, ["ring", "torch", "recursive_doubling", "tree"])]
+    busy = torch.randn(200, 200)
+    for _ in range(5):
+        busy = busy @ busy.T / 200  # the caller keeps computing
+    # a synchronous call queues behind the async ones
+    sync = torch.full((10,), 1.0)
+    comm.all_reduce(sync, algorithm="ring")
+    done = [h.wait() for h in handles]
+    expected = [sum(r + i for r in range(p)) for i in range(4)]
+    ok = all(torch.all(t == e).item() for t, e in zip(tensors, expected)) and torch.all(sync == p).item()
+    return ok, done, all(h.is_completed() for h in handles)
+
+
+def non_contiguous(rank, p):
+    base = torch.arange(12, dtype=torch.float64).reshape(3, 4) + rank
+    view = base.T  # not contiguous
+    comm.all_reduce(view, algorithm="ring")
+    expected = (torch.arange(12, dtype=torch.float64).reshape(3, 4) * p + sum(range(p))).T
+    return torch.equal(view, expected) and torch.equal(base.T, expected)
+
+
+def sub_group(rank, p):
+    members = [0, 2]
+    group = dist.new_group(members)
+    if rank not in members:
+        return comm.all_reduce(torch.ones(3), group=group, algorithm="ring") is None
+    x = torch.full((5,), float(rank))
+    comm.all_reduce(x, group=group, algorithm="halving_doubling")
+    y = torch.full((4,), float(rank))
+    comm.broadcast(y, src=2, group=group, algorithm="tree")  # src is a global rank, as in torch
+    return torch.all(x == 2.0).item() and torch.all(y == 2.0).item()
+
+
+def stats_count(rank, p):
+    comm.reset_stats()
+    x = torch.ones(1000)
+    comm.configure(check_args=False)
+    try:
+        comm.all_reduce(x, algorithm="ring")
+    finally:
+        comm.configure(check_args=True)
+    s = comm.stats()["all_reduce"]
+    schedule = build_schedule("all_reduce", "ring", p, 1000)
+    return s["calls"], s["bytes_sent"], schedule.sent_numel(rank) * 4, s["messages"], s["time_s"] > 0
+
+
+def expect_error(rank, p, case):
+    """Run one bad call; return (exception type, message)."""
+    x = torch.ones(8)
+    try:
+        if case == "unknown_algorithm":
+            comm.all_reduce(x, algorithm="ringg")
+        elif case == "unsupported_collective":
+            comm.broadcast(x, 0, algorithm="halving_doubling")
+        elif case == "unknown_op":
+            comm.all_reduce(x, op=dist.ReduceOp.BXOR, algorithm="ring")
+        elif case == "avg_int":
+            comm.all_reduce(torch.ones(4, dtype=torch.int32), op=dist.ReduceOp.AVG, algorithm="ring")
+        elif case == "size_mismatch":
+            comm.all_reduce(torch.ones(8 + rank), algorithm="ring")
+        elif case == "dtype_mismatch":
+            comm.all_reduce(torch.ones(8, dtype=torch.float32 if rank else torch.float64), algorithm="ring")
+        elif case == "algorithm_mismatch":
+            comm.all_reduce(x, algorithm="ring" if rank else "tree")
+        elif case == "all_gather_sizes":
+            comm.all_gather_single(torch.empty(5), torch.ones(2), algorithm="ring")
+        elif case == "bad_root":
+            comm.broadcast(x, src=p + 3, algorithm="tree")
+        elif case == "uneven_all_to_all":
+            comm.all_to_all_single(torch.empty(p + 1), torch.ones(p + 1), algorithm="direct")
+        elif case == "bad_hierarchy":
+            comm.all_reduce(x, algorithm="hierarchical", hierarchy=[[0], [1, 1]])
+        else:
+            raise AssertionError(case)
+    except Exception as error:  # noqa: BLE001 - the test inspects it
+        return type(error).__name__, str(error)
+    return None, None
+
+
+def peer_never_arrives(rank, p, check):
+    comm.configure(timeout_s=2.0, check_args=check)
+    if rank == 1:
+        time.sleep(3.5)  # never calls the collective
+        return None
+    try:
+        comm.all_reduce(torch.ones(64), algorithm="ring")
+    except comm.CommTimeoutError as error:
+        return str(error)
+    return "no error"
+
+
+def peer_dies(rank, p):
+    comm.configure(timeout_s=20.0, check_args=False)
+    if rank == 1:
+        dist.destroy_process_group()  # its connections close, as when a process dies
+        time.sleep(1.0)
+        return None
+    time.sleep(0.5)
+    start = time.monotonic()
+    try:
+        comm.all_reduce(torch.ones(64), algorithm="ring")
+    except comm.CommError as error:
+        return str(error), time.monotonic() - start
+    return "no error", 0.0
+
+
+# ----- tests -------------------------------------------------------------------------------
+def test_async_handles_overlap_and_keep_order():
+    for ok, done, completed in run_distributed(async_overlap, 3):
+        assert ok and all(done) and completed
+
+
+def test_non_contiguous_is_handled_in_place():
+    assert all(run_distributed(non_contiguous, 3))
+
+
+def test_sub_groups_use_group_ranks_and_global_roots():
+    assert all(run_distributed(sub_group, 3))
+
+
+def test_stats_count_bytes_and_messages():
+    for rank, (calls, sent, expected, messages, timed) in enumerate(run_distributed(stats_count, 3)):
+        assert calls == 1 and sent == expected and messages == 4 and timed, rank
+
+
+ERRORS = {
+    "unknown_algorithm": ("ValueError", ["'ringg'", "valid:", "ring", "halving_doubling", "torch"]),
+    "unsupported_collective": ("ValueError", ["does not implement broadcast", "tree"]),
+    "unknown_op": ("ValueError", ["unsupported reduce op", "SUM"]),
+    "avg_int": ("TypeError", ["AVG needs a floating-point dtype", "int32"]),
+    "size_mismatch": ("MismatchError", ["rank 0=8", "rank 1=9", "rank 2=10"]),
+    "dtype_mismatch": ("MismatchError", ["dtype differs between ranks [[0], [1, 2]]"]),
+    "algorithm_mismatch": ("MismatchError", ["algorithm differs between ranks [[0], [1, 2]]"]),
+    "all_gather_sizes": ("ValueError", ["all_gather", "5", "2"]),
+    "bad_root": ("ValueError", ["src=6", "not a rank"]),
+    "uneven_all_to_all": ("ValueError", ["equal chunks", "algorithm='torch'"]),
+    "bad_hierarchy": ("ValueError", ["exactly once", "missing [2]"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(ERRORS))
+def test_bad_input_gets_a_clear_error(case):
+    kind, fragments = ERRORS[case]
+    for rank, (name, message) in enumerate(run_distributed(expect_error, 3, case)):
+        assert name == kind, (rank, name, message)
+        for fragment in fragments:
+            assert fragment in message, (rank, fragment, message)
+
+
+@pytest.mark.parametrize("check", [False, True])
+def test_peer_that_never_arrives_times_out_naming_it(check):
+    message = run_fresh_world(peer_never_arrives, 2, check, timeout_s=60)[0]
+    assert "rank 0" in message and "all_reduce" in message and "peer 1" in message, message
+    assert "timed out after 2s" in message and "step 0" in message, message
+    if check:
+        assert "argument check" in message
+
+
+def test_peer_that_dies_is_named():
+    message, elapsed_s = run_fresh_world(peer_dies, 2, timeout_s=60)[0]
+    assert "rank 0" in message and "peer 1" in message and "step 0" in message, message
+    assert elapsed_s < 15  # detected from the closed connection, not the 20 s timeout
+
+
+def test_without_process_group_the_error_says_how_to_start_one():
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        comm.all_reduce(torch.ones(2))
