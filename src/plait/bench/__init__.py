@@ -1,0 +1,1 @@
+"""Benchmarks: collective bandwidth in the nccl-tests format (`plait bench`)."""

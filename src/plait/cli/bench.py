@@ -1,0 +1,184 @@
+"""`plait bench <collective>`: nccl-tests style bandwidth tables for torch and plait.
+
+    plait bench all_reduce --nprocs 4 --min-bytes 1K --max-bytes 64M --algorithms ring,torch
+
+With --nprocs N (default 4 outside torchrun) it spawns N local gloo workers; under
+torchrun (RANK and WORLD_SIZE set, no --nprocs) it runs in that world (nccl when
+CUDA is available). Measurement: plait.bench.collectives; output: plait.bench.report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+
+from plait.bench.buffers import COLLECTIVES, DTYPE_NAMES, OPS, canonical_dtype_name
+from plait.bench.collectives import (BenchConfig, BenchRow, accepted_algorithms,
+                                     available_algorithms)
+from plait.bench.launch import (WorkerError, choose_backend, in_torchrun, run_in_current_world,
+                                spawn_and_run)
+from plait.bench import report
+
+_SIZE_PATTERN = re.compile(r"^\s*(\d+(?:\.\d*)?)\s*([kmgt]?)(?:i?b)?\s*$", re.IGNORECASE)
+_SIZE_SCALES = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_nbytes(text: str) -> int:
+    """'1K' -> 1024, '64M' -> 67108864, '1.5K' -> 1536, '512' -> 512 (binary suffixes
+    K/M/G/T, optional B or iB, as nccl-tests' -b/-e)."""
+    match = _SIZE_PATTERN.match(str(text))
+    if match is None:
+        raise argparse.ArgumentTypeError(
+            f"invalid size {text!r}: use an integer with an optional K, M, G or T suffix (1K = 1024)")
+    value = float(match.group(1)) * _SIZE_SCALES[match.group(2).lower()]
+    if value < 1 or value != int(value):
+        raise argparse.ArgumentTypeError(f"invalid size {text!r}: must be a whole number of bytes >= 1")
+    return int(value)
+
+
+def parse_collective(text: str) -> str:
+    """'all-reduce', 'allreduce' and 'all_reduce' all name all_reduce."""
+    name = text.strip().lower().replace("-", "_")
+    aliases = {collective.replace("_", ""): collective for collective in COLLECTIVES}
+    name = aliases.get(name, name)
+    if name not in COLLECTIVES:
+        raise argparse.ArgumentTypeError(
+            f"unknown collective {text!r}; valid: {', '.join(COLLECTIVES)}")
+    return name
+
+
+def resolve_algorithms(text: str | None, collective: str) -> tuple[str, ...]:
+    """Comma-separated names (or 'all'/None: torch + every plait algorithm), checked
+    against the algorithms available for `collective`."""
+    if text is None or text.strip().lower() == "all":
+        return tuple(available_algorithms(collective))
+    valid = accepted_algorithms(collective)
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in valid]
+    if unknown or not names:
+        raise ValueError(f"unknown algorithm(s) {', '.join(map(repr, unknown)) or '(none given)'} "
+                         f"for {collective}; valid: {', '.join(valid)}")
+    return tuple(dict.fromkeys(names))
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 1")
+    return value
+
+
+def _dtype(text: str) -> str:
+    try:
+        return canonical_dtype_name(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
+        "bench", help="benchmark a collective (nccl-tests format), torch vs plait algorithms",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("collective", type=parse_collective, metavar="COLLECTIVE",
+                        help=f"one of: {', '.join(COLLECTIVES)}")
+    parser.add_argument("--nprocs", "-n", type=_positive_int, default=None,
+                        help="spawn this many local processes (default: the torchrun world "
+                             "if RANK/WORLD_SIZE are set, else 4)")
+    parser.add_argument("--min-bytes", "-b", type=parse_nbytes, default=parse_nbytes("1K"),
+                        help="smallest size, K/M/G suffixes are binary (default 1K)")
+    parser.add_argument("--max-bytes", "-e", type=parse_nbytes, default=parse_nbytes("64M"),
+                        help="largest size (default 64M)")
+    parser.add_argument("--factor", "-f", type=int, default=2, help="size multiplier (default 2)")
+    parser.add_argument("--iters", type=_positive_int, default=20,
+                        help="most timed calls per (algorithm, size) (default 20)")
+    parser.add_argument("--warmup", "-w", type=int, default=5,
+                        help="most untimed calls per (algorithm, size); 0 also turns off "
+                             "the --time-budget scaling (default 5)")
+    parser.add_argument("--time-budget", type=float, default=0.5, metavar="SECONDS",
+                        help="scale iters down so each timed loop lasts about this long; "
+                             "0 always runs --iters (default 0.5)")
+    parser.add_argument("--algorithms", "-a", default=None,
+                        help="comma-separated algorithm names: 'torch' (torch.distributed), "
+                             "plait's, or 'auto' (plait's default per size); default: torch "
+                             "and every plait algorithm")
+    parser.add_argument("--op", "-o", default="sum", choices=tuple(OPS), help="reduction (default sum)")
+    parser.add_argument("--dtype", "-d", type=_dtype, default="float32",
+                        help=f"one of {', '.join(DTYPE_NAMES)} (default float32)")
+    parser.add_argument("--root", "-r", type=int, default=0, help="root rank (default 0)")
+    parser.add_argument("--check", "-c", action="store_true",
+                        help="check results against a local oracle; fills #wrong")
+    parser.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"),
+                        help="auto: gloo for spawned workers, nccl under torchrun with CUDA")
+    parser.add_argument("--timeout", type=float, default=120.0, metavar="SECONDS",
+                        help="per-collective timeout (default 120)")
+    parser.add_argument("--seed", type=int, default=1234, help="seed of the --check inputs")
+    parser.add_argument("--json", metavar="FILE", default=None,
+                        help="write rows as JSON to FILE ('-': stdout, the table goes to stderr)")
+    parser.add_argument("--csv", metavar="FILE", default=None, help="write rows as CSV to FILE")
+    parser.add_argument("--plot", metavar="FILE.png", default=None,
+                        help="plot busbw against size (log2 axis), one line per algorithm")
+    parser.set_defaults(run=run)
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> BenchConfig:
+    return BenchConfig(
+        collective=args.collective, algorithms=resolve_algorithms(args.algorithms, args.collective),
+        min_nbytes=args.min_bytes, max_nbytes=args.max_bytes, factor=args.factor, iters=args.iters,
+        warmup=args.warmup, op=args.op, dtype=args.dtype, root=args.root, check=args.check,
+        time_budget_s=args.time_budget, timeout_s=args.timeout, seed=args.seed)
+
+
+def run(args: argparse.Namespace) -> int:
+    config = config_from_args(args)
+    use_world = args.nprocs is None and in_torchrun()
+    is_reporter = not use_world or int(os.environ.get("RANK", "0")) == 0
+    stream = sys.stderr if args.json == "-" else sys.stdout
+    printer = report.Printer(stream)
+    if use_world:
+        nprocs = int(os.environ["WORLD_SIZE"])
+        backend = choose_backend(args.backend, spawned=False)
+    else:
+        nprocs = args.nprocs or 4
+        backend = choose_backend(args.backend, spawned=True)
+    if config.root >= nprocs:
+        raise ValueError(f"--root {config.root} must be < the number of processes ({nprocs})")
+    if is_reporter:
+        printer.write(report.format_header(config, nprocs=nprocs, backend=backend,
+                                           device="cuda" if backend == "nccl" else "cpu"))
+    try:
+        if use_world:
+            rows = run_in_current_world(config, backend, printer.on_event)
+        else:
+            rows = spawn_and_run(config, nprocs, backend, printer.on_event)
+    except WorkerError as error:
+        print(str(error), file=sys.stderr)
+        return 1
+    if not is_reporter:
+        return 0
+    printer.write(report.summary_lines(rows))
+    _write_outputs(args, rows)
+    # Exit 1 if any (algorithm, size) failed or computed wrong values: the run went on
+    # to the end, but a script should not mistake it for a clean one.
+    wrong = sum(row.wrong or 0 for row in rows)
+    errors = sum(row.error is not None for row in rows)
+    if wrong or errors:
+        print(f"plait bench: {wrong} wrong elements, {errors} (algorithm, size) errors",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+def _write_outputs(args: argparse.Namespace, rows: list[BenchRow]) -> None:
+    if args.json == "-":
+        report.write_json(rows, sys.stdout)
+    elif args.json:
+        with open(args.json, "w") as stream:
+            report.write_json(rows, stream)
+    if args.csv:
+        with open(args.csv, "w", newline="") as stream:
+            report.write_csv(rows, stream)
+    if args.plot:
+        report.write_plot(rows, args.plot)

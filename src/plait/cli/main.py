@@ -1,0 +1,50 @@
+"""The `plait` command: one argparse subcommand per module of plait.cli.
+
+Each subcommand module has `add_parser(subparsers)`, which registers its parser and
+sets `run=<its run(args) -> int>` as a default, and `run(args)`. Adding `schedule`,
+`calibrate`, `simulate`, `plan` or `train` is one module plus one name in SUBCOMMANDS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from plait import __version__
+
+SUBCOMMANDS = ("bench",)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="plait",
+        description="plait: distributed training on torch.distributed, with collectives "
+                    "built on send/recv, a cost model and parallelism strategies.")
+    parser.add_argument("--version", action="version", version=f"plait {__version__}")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name in SUBCOMMANDS:
+        importlib.import_module(f"plait.cli.{name}").add_parser(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run `plait ARGV...`; returns the exit status (argparse errors give 2)."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exit_request:  # --help, --version or a usage error
+        return exit_request.code if isinstance(exit_request.code, int) else 1
+    try:
+        return int(args.run(args) or 0)
+    except ValueError as error:
+        # User errors: say what is wrong and how to fix it, no traceback.
+        print(f"plait {args.command}: error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"plait {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
