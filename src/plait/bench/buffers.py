@@ -1,18 +1,9 @@
 """Benchmark buffers, seeded rank-distinct inputs and the locally computed oracle.
 
 Every rank rebuilds all ranks' inputs from fixed seeds (rank r draws from
-Generator(seed * 1_000_003 + r)), computes the expected result of the collective
-in float64 (int64 for integer dtypes) and counts the elements of its own output
-that are off by more than the rounding tolerance:
-
-    sum:  |err| <= p * eps(dtype) * sum_i |x_i| + tiny(dtype)
-    avg:  |err| <=     eps(dtype) * sum_i |x_i| + tiny(dtype)
-    prod: |err| <= p * eps(dtype) * prod_i |x_i| + tiny(dtype)
-    max, min and every data-movement collective: exact.
-
-eps is torch.finfo(dtype).eps = 2u (u the unit roundoff), which bounds the (p-1)u
-of any summation order plus the final rounding. Integer results are compared
-exactly, with wrap-around (modular arithmetic does not depend on the order).
+Generator(seed * 1_000_003 + r)) and checks its own output against
+plait.comm.reference (float64/int64 expected values and an error bound derived
+from the dtype's unit roundoff; integers exactly, with the dtype's wrap-around).
 """
 
 from __future__ import annotations
@@ -22,14 +13,18 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from plait.comm.algorithms import COLLECTIVES as ALL_COLLECTIVES
+from plait.comm.algorithms import REDUCING, ROOTED
+from plait.comm.reference import count_wrong as reference_count_wrong
+from plait.comm.reference import reference
+
 TORCH_ALGORITHM = "torch"
 
-COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce",
-               "gather", "scatter", "all_to_all", "barrier")
+COLLECTIVES = ALL_COLLECTIVES
 # Size = p * chunk; count printed = chunk (nccl-tests' "paramcount").
 CHUNKED_COLLECTIVES = frozenset({"reduce_scatter", "all_gather", "all_to_all", "gather", "scatter"})
-ROOTED_COLLECTIVES = frozenset({"broadcast", "reduce", "gather", "scatter"})
-REDUCING_COLLECTIVES = frozenset({"all_reduce", "reduce_scatter", "reduce"})
+ROOTED_COLLECTIVES = frozenset(ROOTED)
+REDUCING_COLLECTIVES = frozenset(REDUCING)
 
 OPS = {"sum": dist.ReduceOp.SUM, "prod": dist.ReduceOp.PRODUCT, "max": dist.ReduceOp.MAX,
        "min": dist.ReduceOp.MIN, "avg": dist.ReduceOp.AVG}
@@ -133,59 +128,19 @@ def fill_inputs(buffers: Buffers, collective: str, rank: int, world_size: int, c
         buffers.tensor.copy_(values)
 
 
-def _reduce_exact(stacked: torch.Tensor, op: str, world_size: int) -> torch.Tensor:
-    if op == "sum":
-        return stacked.sum(dim=0)
-    if op == "avg":
-        return stacked.sum(dim=0) / world_size
-    if op == "prod":
-        return stacked.prod(dim=0)
-    if op == "max":
-        return stacked.max(dim=0).values
-    if op == "min":
-        return stacked.min(dim=0).values
-    raise ValueError(f"unknown op {op!r}; valid: {', '.join(OPS)}")
-
-
-def _tolerance(stacked: torch.Tensor, op: str, dtype: torch.dtype,
-               world_size: int) -> torch.Tensor | float:
-    if not dtype.is_floating_point or op in ("max", "min"):
-        return 0.0
-    info = torch.finfo(dtype)
-    magnitude = stacked.abs().prod(dim=0) if op == "prod" else stacked.abs().sum(dim=0)
-    scale = 1 if op == "avg" else world_size
-    return scale * info.eps * magnitude + info.tiny
-
-
 def expected_output(collective: str, op: str, rank: int, world_size: int, root: int, count: int,
-                    dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, torch.Tensor | float] | None:
-    """(expected, tolerance) for this rank's output in float64/int64, or None where
-    the rank's output is unspecified (non-root ranks of reduce and gather)."""
-    wide = torch.float64 if dtype.is_floating_point else torch.int64
-    inputs = [rank_input(collective, source, count, world_size, dtype, seed).to(wide)
-              for source in range(world_size)]
-    own = slice(rank * count, (rank + 1) * count)
-    if collective in ("all_reduce", "reduce", "reduce_scatter"):
-        if collective == "reduce" and rank != root:
-            return None
-        stacked = torch.stack(inputs)
-        if collective == "reduce_scatter":
-            stacked = stacked[:, own]
-        expected = _reduce_exact(stacked, op, world_size)
-        if not dtype.is_floating_point:  # wrap around exactly as the dtype does
-            expected = expected.to(dtype).to(wide)
-        return expected, _tolerance(stacked, op, dtype, world_size)
-    if collective == "broadcast":
-        return inputs[root], 0.0
-    if collective in ("all_gather", "gather"):
-        if collective == "gather" and rank != root:
-            return None
-        return torch.cat(inputs), 0.0
-    if collective == "all_to_all":
-        return torch.cat([inputs[source][own] for source in range(world_size)]), 0.0
-    if collective == "scatter":
-        return inputs[root][own], 0.0
-    raise ValueError(f"no data to check for {collective!r}")
+                    dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(expected, allowed error) for this rank's output in float64/int64 from
+    plait.comm.reference, or None where the rank's output is unspecified (non-root
+    ranks of reduce and gather)."""
+    if (collective == "reduce" or collective == "gather") and rank != root:
+        return None
+    inputs = [rank_input(collective, source, count, world_size, dtype, seed) for source in range(world_size)]
+    expected, bounds = reference(collective, inputs, op, root)
+    result = expected[rank]
+    if not dtype.is_floating_point:  # wrap around exactly as the dtype does
+        result = result.to(dtype).to(torch.int64)
+    return result, bounds[rank]
 
 
 def count_wrong(buffers: Buffers, collective: str, op: str, rank: int, world_size: int, root: int,
@@ -202,8 +157,5 @@ def count_wrong(buffers: Buffers, collective: str, op: str, rank: int, world_siz
     oracle = expected_output(collective, op, rank, world_size, root, count, buffers.tensor.dtype, seed)
     if oracle is None or result is None:
         return 0
-    expected, tolerance = oracle
-    actual = result.detach().cpu().to(expected.dtype)
-    error = (actual - expected).abs()
-    ok = error <= tolerance
-    return int((~ok).sum().item())
+    expected, bound = oracle
+    return reference_count_wrong(result.detach().cpu(), expected, bound)

@@ -147,6 +147,7 @@ class BenchConfig:
     time_budget_s: float = 0.5
     timeout_s: float = 120.0
     seed: int = 1234
+    rounds: int = 1
 
     def __post_init__(self) -> None:
         problems = []
@@ -163,6 +164,8 @@ class BenchConfig:
             problems.append(f"iters({self.iters}) must be >= 1")
         if self.warmup < 0:
             problems.append(f"warmup({self.warmup}) must be >= 0")
+        if self.rounds < 1:
+            problems.append(f"rounds({self.rounds}) must be >= 1")
         if self.op not in OPS:
             problems.append(f"op {self.op!r} not in {', '.join(OPS)}")
         try:
@@ -330,17 +333,41 @@ def run_benchmark(config: BenchConfig, *, group=None, device: torch.device | Non
             if count > 0 and (count, size_bytes) not in plans:
                 plans.append((count, size_bytes))
     emit = emit or (lambda kind, payload: None)
+    # Size-major, all algorithms back to back at each size, and the whole sweep
+    # repeated `rounds` times: the machine's drift then hits every algorithm alike,
+    # and the reported row is the median over rounds.
+    measured: dict[tuple[str, int], list[BenchRow]] = {}
+    abandoned: set[str] = set()
+    for _ in range(config.rounds):
+        for count, size_bytes in plans:
+            for algorithm in config.algorithms:
+                if algorithm in abandoned:
+                    continue
+                row = _measure_or_error(config, algorithm, count, size_bytes, group, device)
+                measured.setdefault((algorithm, size_bytes), []).append(row)
+                if row.extra.get("abandon_algorithm"):
+                    abandoned.add(algorithm)
     rows: list[BenchRow] = []
     for algorithm in config.algorithms:
         emit("begin", algorithm)
-        for count, size_bytes in plans:
-            row = _measure_or_error(config, algorithm, count, size_bytes, group, device)
+        for _, size_bytes in plans:
+            samples = measured.get((algorithm, size_bytes))
+            if not samples:
+                continue
+            row = median_row(samples)
             rows.append(row)
             emit("row", row)
-            if row.extra.get("abandon_algorithm"):
-                break
         emit("end", algorithm)
     return rows
+
+
+def median_row(samples: list[BenchRow]) -> BenchRow:
+    """The round with the median time (an error row if any round failed)."""
+    failed = [row for row in samples if row.error]
+    if failed:
+        return failed[0]
+    ordered = sorted(samples, key=lambda row: row.time_us)
+    return ordered[(len(ordered) - 1) // 2]
 
 
 def _measure_or_error(config: BenchConfig, algorithm: str, count: int, size_bytes: int,

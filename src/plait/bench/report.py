@@ -81,7 +81,9 @@ def format_header(config: BenchConfig, *, nprocs: int, backend: str, device: str
         f"# plait bench {config.collective}: nprocs {nprocs}  backend {backend}  device {device}  "
         f"dtype {config.dtype}  op {config.reported_op}  root {config.reported_root}",
         f"# {sizes}  iters {config.iters}  warmup {config.warmup}  check "
-        f"{'on' if config.check else 'off'}",
+        f"{'on' if config.check else 'off'}  rounds {config.rounds}",
+        "# order: sizes outer, algorithms inner, whole sweep repeated per round; "
+        "each row is the median round",
         f"# {budget}",
         "# time = max over ranks of elapsed/iters of back-to-back calls after a barrier; "
         f"GB = 1e9 B; busbw = algbw x {BUSBW_FORMULAS[config.collective]} = {factor:.4g}",

@@ -96,6 +96,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--warmup", "-w", type=int, default=5,
                         help="most untimed calls per (algorithm, size); 0 also turns off "
                              "the --time-budget scaling (default 5)")
+    parser.add_argument("--rounds", type=_positive_int, default=1,
+                        help="repeat the whole sweep N times (sizes outer, algorithms inner) and report "
+                             "the median round per (algorithm, size); evens out machine drift (default 1)")
     parser.add_argument("--time-budget", type=float, default=0.5, metavar="SECONDS",
                         help="scale iters down so each timed loop lasts about this long; "
                              "0 always runs --iters (default 0.5)")
@@ -128,7 +131,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         collective=args.collective, algorithms=resolve_algorithms(args.algorithms, args.collective),
         min_nbytes=args.min_bytes, max_nbytes=args.max_bytes, factor=args.factor, iters=args.iters,
         warmup=args.warmup, op=args.op, dtype=args.dtype, root=args.root, check=args.check,
-        time_budget_s=args.time_budget, timeout_s=args.timeout, seed=args.seed)
+        time_budget_s=args.time_budget, timeout_s=args.timeout, seed=args.seed,
+        rounds=args.rounds)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -13,7 +13,7 @@ import sys
 
 from plait import __version__
 
-SUBCOMMANDS = ("bench",)
+SUBCOMMANDS = ("bench", "schedule")
 
 
 def build_parser() -> argparse.ArgumentParser:

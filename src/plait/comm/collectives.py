@@ -39,25 +39,32 @@ _TORCH_OPS = {"sum": ReduceOp.SUM, "avg": ReduceOp.SUM, "min": ReduceOp.MIN, "ma
 
 
 def default_algorithm(collective: str, nbytes: int, world_size: int) -> str:
-    """The default table (until the cost model's tuner replaces it): fewest rounds for
-    small messages, bandwidth-optimal rings for large ones. Switch points measured
-    with ``plait bench`` on gloo/loopback."""
-    small = nbytes <= 64 * 1024
+    """The default table, until the cost model's tuner replaces it.
+
+    Small messages are latency-bound, so they take the fewest rounds: on this
+    machine kind (gloo over loopback, more ranks than cores) a round costs about a
+    millisecond, and the star's two rounds, where only the root does work, beat
+    everything up to p = 4; beyond that the server's link grows with p and
+    recursive doubling's lg p rounds win. Large messages take the
+    bandwidth-optimal ring. Measured with ``plait bench`` (see the README).
+    """
+    p = world_size
+    small = nbytes <= 512 * 1024
     if collective == "all_reduce":
-        return "recursive_doubling" if small else "ring"
+        if small:
+            return "star" if p <= 4 else "recursive_doubling"
+        return "ring"
     if collective == "reduce_scatter":
-        return "direct" if small else "ring"
+        return "direct" if small and p <= 8 else "ring"
     if collective == "all_gather":
         return "bruck" if small else "ring"
-    if collective == "broadcast":
-        return "tree" if small else "ring"
-    if collective == "reduce":
+    if collective in ("broadcast", "reduce"):
         return "tree" if small else "ring"
     if collective in ("gather", "scatter"):
-        return "tree"
+        return "direct" if p <= 8 else "tree"
     if collective == "all_to_all":
-        return "direct" if world_size <= 8 else "pairwise"
-    return "bruck"  # barrier
+        return "direct" if p <= 8 else "pairwise"
+    return "bruck"  # barrier: dissemination
 
 
 def _resolve_group(group):
