@@ -186,3 +186,56 @@ def test_peer_that_dies_is_named():
 def test_without_process_group_the_error_says_how_to_start_one():
     with pytest.raises(RuntimeError, match="init_process_group"):
         comm.all_reduce(torch.ones(2))
+
+
+def segmented_and_pipelined(rank, p):
+    """Tiny segment sizes force the executor to split messages (streamed reduction)
+    and the chains/binary trees to pipeline in many segments; results must still
+    match the virtual executor bit for bit (gloo_checks compares)."""
+    from tests.comm.gloo_checks import check_collective
+
+    previous = comm.configure(segment_bytes=256, pipeline_segment_bytes=512)
+    try:
+        failures = []
+        for collective in ("all_reduce", "reduce_scatter", "broadcast", "reduce", "all_gather"):
+            failures += check_collective(rank, p, collective, "float32", [1031], ["sum", "max"])
+        return failures
+    finally:
+        comm.configure(**{k: v for k, v in previous.items() if v is not None})
+
+
+def test_segmented_messages_and_pipelines_on_real_ranks():
+    failures = [f for rank_failures in run_distributed(segmented_and_pipelined, 3) for f in rank_failures]
+    assert not failures, failures[:10]
+
+
+def single_rank(rank, p):
+    from tests.comm.gloo_checks import check_collective
+
+    return [f for c in comm.COLLECTIVES for f in check_collective(rank, p, c, "float32", [0, 5])]
+
+
+def test_world_of_one_is_a_no_op_with_torch_semantics():
+    assert run_distributed(single_rank, 1) == [[]]
+
+
+def large_exchange(rank, p, algorithm):
+    """Algorithms that send and reduce the same region in one step (recursive doubling,
+    the fold steps) must not overwrite data a send is still reading; large segmented
+    messages give a send time to be in flight."""
+    previous = comm.configure(segment_bytes=64 * 1024, check_args=False)
+    try:
+        inputs = [torch.randn(1 << 20, generator=torch.Generator().manual_seed(r), dtype=torch.float64)
+                  for r in range(p)]
+        out = inputs[rank].clone()
+        comm.all_reduce(out, algorithm=algorithm)
+        from plait.comm.virtual import simulate
+
+        return torch.equal(out, simulate("all_reduce", algorithm, inputs)[rank])
+    finally:
+        comm.configure(**{k: v for k, v in previous.items() if v is not None})
+
+
+@pytest.mark.parametrize("algorithm", ["recursive_doubling", "halving_doubling", "direct", "star"])
+def test_large_buffers_sent_and_reduced_in_one_step(algorithm):
+    assert all(run_distributed(large_exchange, 3, algorithm))

@@ -86,7 +86,13 @@ def plan_rank(schedule: Schedule, rank: int, segment_numel: int) -> list[_StepPl
                 tags[t.src] = tag + 1
                 messages.append((lo, hi, tag))
             direct = not t.reduce and not _overlaps(t.dst_offset, t.dst_offset + t.numel, send_ranges)
-            stream = t.reduce and reduce_ranges[t.dst_range] == 1
+            # streaming writes into the buffer while this step's sends may still be
+            # reading it, so only where the rank sends nothing from that region
+            stream = (
+                t.reduce
+                and reduce_ranges[t.dst_range] == 1
+                and not _overlaps(t.dst_offset, t.dst_offset + t.numel, send_ranges)
+            )
             recv_plans.append(_Recv(t, tuple(messages), None if direct else scratch, stream))
             if not direct:
                 scratch += t.numel

@@ -1,0 +1,35 @@
+"""Hierarchy specs for the hierarchical algorithm."""
+
+import pytest
+
+from plait.comm.algorithms.hierarchical import parse_hierarchy
+
+
+def test_specs():
+    assert parse_hierarchy("2x3", 6) == ((0, 1, 2), (3, 4, 5))
+    assert parse_hierarchy("2x2x2", 8) == (((0, 1), (2, 3)), ((4, 5), (6, 7)))
+    assert parse_hierarchy("3+2", 5) == ((0, 1, 2), (3, 4))
+    assert parse_hierarchy([[0, 2], [1, 3]], 4) == ((0, 2), (1, 3))
+
+
+def test_default_comes_from_the_launcher(monkeypatch):
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert parse_hierarchy(None, 8) == ((0, 1, 2, 3), (4, 5, 6, 7))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")  # does not divide 8: one flat group
+    assert parse_hierarchy(None, 8) == tuple(range(8))
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    assert parse_hierarchy(None, 5) == tuple(range(5))
+
+
+@pytest.mark.parametrize("spec,world,fragment", [
+    ("2x3", 5, "missing []"),
+    ("2x2", 5, "missing [4]"),
+    ("a+b", 4, "is not understood"),
+    ([[0, 1], [1, 2]], 3, "repeated [1]"),
+    ([[0, 1], [2, [3]]], 4, "different depths"),
+    ([[0, 1], []], 2, "empty group"),
+])
+def test_bad_specs_name_the_problem(spec, world, fragment):
+    with pytest.raises(ValueError) as info:
+        parse_hierarchy(spec, world)
+    assert fragment in str(info.value)
