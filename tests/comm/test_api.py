@@ -26,9 +26,13 @@ def async_overlap(rank, p):
     # a synchronous call queues behind the async ones
     sync = torch.full((10,), 1.0)
     comm.all_reduce(sync, algorithm="ring")
+    # a later collective reads its input only after the queued ones wrote it, as in torch
+    gathered = torch.empty(3 * p)
+    comm.all_gather_single(gathered, tensors[3][:3], algorithm="ring")
     done = [h.wait() for h in handles]
     expected = [sum(r + i for r in range(p)) for i in range(4)]
     ok = all(torch.all(t == e).item() for t, e in zip(tensors, expected)) and torch.all(sync == p).item()
+    ok = ok and torch.all(gathered == expected[3]).item()
     return ok, done, all(h.is_completed() for h in handles)
 
 
@@ -89,6 +93,12 @@ def expect_error(rank, p, case):
             comm.broadcast(x, src=p + 3, algorithm="tree")
         elif case == "uneven_all_to_all":
             comm.all_to_all_single(torch.empty(p + 1), torch.ones(p + 1), algorithm="direct")
+        elif case == "segment_mismatch":
+            previous = comm.configure(segment_bytes=4096 * (rank + 1))
+            try:
+                comm.all_reduce(x, algorithm="ring")
+            finally:
+                comm.configure(**previous)
         elif case == "bad_hierarchy":
             comm.all_reduce(x, algorithm="hierarchical", hierarchy=[[0], [1, 1]])
         else:
@@ -106,8 +116,15 @@ def peer_never_arrives(rank, p, check):
     try:
         comm.all_reduce(torch.ones(64), algorithm="ring")
     except comm.CommTimeoutError as error:
-        return str(error)
-    return "no error"
+        first = str(error)
+    else:
+        return "no error", None
+    start = time.monotonic()
+    try:  # the group is no longer trusted: the next call fails at once, naming the first failure
+        comm.all_reduce(torch.ones(64), algorithm="ring")
+    except comm.CommError as error:
+        return first, (str(error), time.monotonic() - start)
+    return first, None
 
 
 def peer_dies(rank, p):
@@ -156,6 +173,7 @@ ERRORS = {
     "bad_root": ("ValueError", ["src=6", "not a rank"]),
     "uneven_all_to_all": ("ValueError", ["equal chunks", "algorithm='torch'"]),
     "bad_hierarchy": ("ValueError", ["exactly once", "missing [2]"]),
+    "segment_mismatch": ("MismatchError", ["segment_bytes: rank 0=4096, rank 1=8192, rank 2=12288"]),
 }
 
 
@@ -170,7 +188,9 @@ def test_bad_input_gets_a_clear_error(case):
 
 @pytest.mark.parametrize("check", [False, True])
 def test_peer_that_never_arrives_times_out_naming_it(check):
-    message = run_fresh_world(peer_never_arrives, 2, check, timeout_s=60)[0]
+    message, after = run_fresh_world(peer_never_arrives, 2, check, timeout_s=60)[0]
+    next_message, elapsed_s = after
+    assert "not run: an earlier collective" in next_message and elapsed_s < 1.0, after
     assert "rank 0" in message and "all_reduce" in message and "peer 1" in message, message
     assert "timed out after 2s" in message and "step 0" in message, message
     if check:
@@ -239,3 +259,43 @@ def large_exchange(rank, p, algorithm):
 @pytest.mark.parametrize("algorithm", ["recursive_doubling", "halving_doubling", "direct", "star"])
 def test_large_buffers_sent_and_reduced_in_one_step(algorithm):
     assert all(run_distributed(large_exchange, 3, algorithm))
+
+
+def grad_and_uneven(rank, p):
+    """Parameters that require grad reduce in place (as with torch); uneven
+    all-to-all with split sizes runs torch's, with the argument check on."""
+    results = []
+    for algorithm in ("ring", "torch"):
+        weight = torch.nn.Parameter(torch.full((6,), float(rank)))
+        comm.all_reduce(weight, dist.ReduceOp.AVG, algorithm=algorithm)
+        results.append(torch.allclose(weight.detach(), torch.full((6,), (p - 1) / 2)) and weight.requires_grad)
+    splits_in = [rank + 1] * p  # rank r sends r+1 elements to everyone
+    splits_out = [s + 1 for s in range(p)]
+    out = torch.empty(sum(splits_out))
+    comm.all_to_all_single(out, torch.full((sum(splits_in),), float(rank)), splits_out, splits_in)
+    results.append(torch.equal(out, torch.cat([torch.full((s + 1,), float(s)) for s in range(p)])))
+    return results
+
+
+def test_parameters_and_uneven_all_to_all():
+    for rank_results in run_distributed(grad_and_uneven, 3):
+        assert all(rank_results), rank_results
+
+
+def async_failure_surfaces(rank, p):
+    """A failed async collective whose handle nobody waits for is re-raised by synchronize()."""
+    comm.configure(timeout_s=1.5, check_args=False)
+    if rank == 1:
+        time.sleep(2.5)
+        return "idle"
+    comm.all_reduce(torch.ones(4), async_op=True, algorithm="ring")  # handle dropped
+    try:
+        comm.synchronize()
+    except RuntimeError as error:
+        return str(error)
+    return "no error"
+
+
+def test_synchronize_reraises_forgotten_async_failures():
+    message = run_fresh_world(async_failure_surfaces, 2, timeout_s=60)[0]
+    assert "queued with async_op=True" in message and "timed out" in message, message

@@ -33,3 +33,19 @@ def test_bad_specs_name_the_problem(spec, world, fragment):
     with pytest.raises(ValueError) as info:
         parse_hierarchy(spec, world)
     assert fragment in str(info.value)
+
+
+def test_build_schedule_refuses_a_hierarchy_that_misses_ranks():
+    from plait.comm.algorithms import build_schedule
+
+    with pytest.raises(ValueError, match=r"missing \[4\]"):
+        build_schedule("all_reduce", "hierarchical", 5, 10, hierarchy=((0, 1), (2, 3)))
+    assert build_schedule("all_reduce", "hierarchical", 4, 8, hierarchy=[[0, 1], [2, 3]]).num_steps == 4
+
+
+def test_configure_restores_every_field():
+    from plait.comm import CONFIG, configure
+
+    previous = configure(hierarchy="2x2", segment_bytes=123)
+    configure(**previous)
+    assert CONFIG.hierarchy == previous["hierarchy"] and CONFIG.segment_bytes == previous["segment_bytes"]

@@ -317,7 +317,8 @@ def run_benchmark(config: BenchConfig, *, group=None, device: torch.device | Non
                   emit: Callable[[str, object], None] | None = None) -> list[BenchRow]:
     """Run every (algorithm, size) of `config` on all ranks of `group`; returns the
     rows (identical on every rank). emit(kind, payload) is called as results arrive:
-    ("begin", algorithm), ("row", BenchRow), ("end", algorithm)."""
+    ("progress", text) while measuring, then per algorithm ("begin", algorithm),
+    ("row", BenchRow) ..., ("end", algorithm)."""
     device = device or torch.device("cpu")
     world_size = dist.get_world_size(group)
     if config.root >= world_size:
@@ -338,8 +339,10 @@ def run_benchmark(config: BenchConfig, *, group=None, device: torch.device | Non
     # and the reported row is the median over rounds.
     measured: dict[tuple[str, int], list[BenchRow]] = {}
     abandoned: set[str] = set()
-    for _ in range(config.rounds):
-        for count, size_bytes in plans:
+    for round_index in range(config.rounds):
+        for plan_index, (count, size_bytes) in enumerate(plans):
+            emit("progress", f"round {round_index + 1}/{config.rounds}, size {size_bytes} B "
+                             f"({plan_index + 1}/{len(plans)})")
             for algorithm in config.algorithms:
                 if algorithm in abandoned:
                     continue

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import csv
 import json
+import sys
 import math
 from typing import IO, Iterable
 
@@ -182,7 +183,9 @@ class Printer:
         self.stream.flush()
 
     def on_event(self, kind: str, payload: object) -> None:
-        if kind == "begin":
+        if kind == "progress":  # to stderr, so stdout stays the nccl-tests table
+            print(f"# measuring: {payload}", file=sys.stderr, flush=True)
+        elif kind == "begin":
             self.write(format_block_start(payload))
         elif kind == "row":
             previous = self.rows[-1] if self.rows else None

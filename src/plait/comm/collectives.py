@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 import zlib
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -20,7 +21,7 @@ from plait.comm import layout
 from plait.comm.algorithms import DEFAULT_NAMES, REDUCING, TORCH, build_schedule, builder
 from plait.comm.algorithms.hierarchical import parse_hierarchy
 from plait.comm.engine import CONFIG, engine, record
-from plait.comm.errors import MismatchError
+from plait.comm.errors import CommError, CommTimeoutError, MismatchError
 from plait.comm.executor import Transport
 from plait.comm.ops import COMBINE, check_reducible, op_name
 
@@ -111,12 +112,18 @@ def _code(text: str) -> int:
     return zlib.crc32(text.encode()) & 0x7FFFFFFF
 
 
+_CHECK_FIELDS = ("collective", "algorithm", "elements", "dtype", "op", "root", "hierarchy",
+                 "segment_bytes", "pipeline_segment_bytes")
+
+
 def _check_agreement(collective, algorithm, transport, rank, p, numel, device, dtype, op, root, hierarchy):
-    """Exchange (collective, algorithm, numel, dtype, op, root) with every rank over a
-    Bruck all-gather; every rank raises the same MismatchError if they differ."""
-    fields = ("collective", "algorithm", "elements", "dtype", "op", "root", "hierarchy")
-    mine = [_code(collective), _code(algorithm), numel, _DTYPE_CODES.get(dtype, 99),
-            _OP_CODES[op], -1 if root is None else root, _code(repr(hierarchy))]
+    """Exchange what must agree across ranks (collective, algorithm, the tensor's
+    elements and dtype, op, root, hierarchy, and the segment sizes that shape the
+    messages) over a Bruck all-gather; every rank raises the same MismatchError if
+    they differ. ``numel`` < 0 leaves sizes out (uneven all-to-all)."""
+    mine = [_code(collective), _code(algorithm), numel, _DTYPE_CODES.get(dtype, 99), _OP_CODES[op],
+            -1 if root is None else root, _code(repr(hierarchy)), CONFIG.segment_bytes,
+            CONFIG.pipeline_segment_bytes]
     k = len(mine)
     table = torch.zeros(p * k, dtype=torch.int64, device=device)
     table[rank * k : (rank + 1) * k] = torch.tensor(mine, dtype=torch.int64)
@@ -129,27 +136,48 @@ def _check_agreement(collective, algorithm, transport, rank, p, numel, device, d
         return
     parts = []
     for i in bad:
-        if fields[i] == "elements":
-            parts.append("elements: " + ", ".join(f"rank {r}={row[i]}" for r, row in enumerate(rows)))
+        if _CHECK_FIELDS[i] in ("elements", "root", "segment_bytes", "pipeline_segment_bytes"):
+            parts.append(f"{_CHECK_FIELDS[i]}: " + ", ".join(f"rank {r}={row[i]}" for r, row in enumerate(rows)))
         else:
             groups: dict[int, list[int]] = {}
             for r, row in enumerate(rows):
                 groups.setdefault(row[i], []).append(r)
-            parts.append(f"{fields[i]} differs between ranks {list(groups.values())}")
+            parts.append(f"{_CHECK_FIELDS[i]} differs between ranks {list(groups.values())}")
     raise MismatchError(
         f"{collective}: ranks disagree ({'; '.join(parts)}); every rank must call the same collective "
-        f"with the same algorithm, op, root and tensor size/dtype (this rank {rank}: {numel} "
-        f"elements of {dtype})"
+        f"with the same algorithm, op, root, tensor size and dtype, and plait.comm.configure segment "
+        f"sizes (this rank {rank}: {numel} elements of {dtype})"
     )
 
 
+def _torch_wait(work, collective: str, rank: int) -> None:
+    """Wait for torch's own collective with plait's deadline, naming what hung."""
+    if work is None:
+        return
+    try:
+        work.wait(timedelta(seconds=CONFIG.timeout_s))
+    except RuntimeError as error:
+        reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        kwargs = dict(rank=rank, collective=collective, algorithm=TORCH, step="torch", peer="?", reason=reason)
+        if "timed out" in reason.lower() or "timeout" in reason.lower():
+            raise CommTimeoutError(timeout_s=CONFIG.timeout_s, **kwargs) from error
+        raise CommError(**kwargs) from error
+
+
+def _default_device(group):
+    """Where a collective without a tensor (barrier) puts its token: the GPU for
+    NCCL (the current device), else the CPU."""
+    return torch.device("cuda") if "nccl" in str(dist.get_backend(group)) else torch.device("cpu")
+
+
 def _launch(collective, group, async_op, algorithm, prepare, *, tensor, nbytes, op="none", root=None,
-            torch_call=None, hierarchy=None):
+            torch_call=None, hierarchy=None, check_numel=None):
     """Common path of every collective; returns None or a Handle.
 
-    ``tensor`` is the rank's data tensor (for dtype, device and the check), ``nbytes``
-    the collective's size as nccl-tests counts it (picks the default algorithm).
-    ``prepare(rank, p)`` lays out plait's buffer; ``torch_call(rank, p)`` runs torch's.
+    ``tensor`` is the rank's data tensor (its elements, dtype and device go into the
+    check), ``nbytes`` the collective's size as nccl-tests counts it (it picks the
+    default algorithm). ``prepare(rank, p)`` validates and lays out plait's buffer;
+    ``torch_call(rank, p)`` runs torch's collective and waits for it with ``_torch_wait``.
     """
     group, rank, p = _resolve_group(group)
     if group is None:
@@ -158,34 +186,35 @@ def _launch(collective, group, async_op, algorithm, prepare, *, tensor, nbytes, 
     if collective in REDUCING:
         check_reducible(dtype, op, collective)
     algorithm = _resolve_algorithm(algorithm, collective, nbytes, p)
-    prepared = prepare(rank, p) if algorithm != TORCH else None  # validates this rank's arguments
-    numel = prepared.buffer.numel() if prepared is not None else tensor.numel()
+    prepared = prepare(rank, p) if algorithm != TORCH else None  # validates this rank's arguments now
     tree = None
     if algorithm == "hierarchical":
         spec = hierarchy if hierarchy is not None else CONFIG.hierarchy
         world = group is dist.group.WORLD
         tree = parse_hierarchy(spec, p, None if world else 1)
     check = CONFIG.check_args and p > 1
+    numel = tensor.numel() if check_numel is None else check_numel
 
     def job():
-        transport = Transport(group) if p > 1 else None
+        transport = Transport(group, tensor.device) if p > 1 else None
         if check:
             _check_agreement(collective, algorithm, transport, rank, p, numel, tensor.device, dtype, op, root, tree)
         start = time.perf_counter()
         if algorithm == TORCH:
-            torch_call(rank, p)
+            torch_call(rank, p)  # waits with plait's deadline (_torch_wait)
             record(collective, TORCH, nbytes, 0, time.perf_counter() - start)
             return
+        buffer = prepared.build()  # reads the inputs now, after earlier queued collectives
         sent = messages = 0
         if p > 1:
             segments = max(1, min(64, nbytes // CONFIG.pipeline_segment_bytes))
-            schedule = build_schedule(collective, algorithm, p, numel, root, segments, tree)
-            segment_numel = CONFIG.segment_bytes // prepared.buffer.element_size() if CONFIG.segment_bytes else 0
+            schedule = build_schedule(collective, algorithm, p, prepared.numel, root, segments, tree)
+            segment_numel = CONFIG.segment_bytes // buffer.element_size() if CONFIG.segment_bytes else 0
             sent, messages = engine().executor.run(
-                schedule, prepared.buffer, rank, transport, COMBINE[op if op != "none" else "sum"],
+                schedule, buffer, rank, transport, COMBINE[op if op != "none" else "sum"],
                 timeout_s=CONFIG.timeout_s, segment_numel=segment_numel, label=collective,
             )
-        prepared.finish()
+        prepared.finish(buffer)
         record(collective, algorithm, sent, messages, time.perf_counter() - start)
 
     return engine().submit(job, f"{collective}(algorithm={algorithm})", async_op)
@@ -196,15 +225,21 @@ def _nbytes(tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
+def _world_size(group) -> int:
+    resolved, _, p = _resolve_group(group)
+    return p if resolved is not None else 1
+
+
 def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op=False, *, algorithm=None, hierarchy=None):
     """All-reduce ``tensor`` in place across the group (see plait.comm.algorithms for
     each algorithm's steps and cost). ``hierarchy`` only matters for "hierarchical"."""
     name = op_name(op)
 
     def torch_call(rank, p):
-        dist.all_reduce(tensor, _TORCH_OPS[name], group=group)
+        data = tensor.detach()
+        _torch_wait(dist.all_reduce(data, _TORCH_OPS[name], group=group, async_op=True), "all_reduce", rank)
         if name == "avg":  # gloo has no AVG
-            tensor.div_(p)
+            data.div_(p)
 
     return _launch("all_reduce", group, async_op, algorithm,
                    lambda rank, p: layout.prepare_all_reduce(tensor, rank, p, name),
@@ -216,9 +251,11 @@ def reduce_scatter_single(output, input, op=ReduceOp.SUM, group=None, async_op=F
     name = op_name(op)
 
     def torch_call(rank, p):
-        dist.reduce_scatter_tensor(output, input, _TORCH_OPS[name], group=group)
+        out = output.detach()
+        work = dist.reduce_scatter_tensor(out, input.detach(), _TORCH_OPS[name], group=group, async_op=True)
+        _torch_wait(work, "reduce_scatter", rank)
         if name == "avg":
-            output.div_(p)
+            out.div_(p)
 
     return _launch("reduce_scatter", group, async_op, algorithm,
                    lambda rank, p: layout.prepare_reduce_scatter(output, input, rank, p, name),
@@ -229,7 +266,8 @@ def all_gather_single(output, input, group=None, async_op=False, *, algorithm=No
     """Gather every rank's ``input`` into ``output`` (p * input elements), rank order."""
 
     def torch_call(rank, p):
-        dist.all_gather_into_tensor(output, input, group=group)
+        work = dist.all_gather_into_tensor(output.detach(), input.detach(), group=group, async_op=True)
+        _torch_wait(work, "all_gather", rank)
 
     return _launch("all_gather", group, async_op, algorithm,
                    lambda rank, p: layout.prepare_all_gather(output, input, rank, p),
@@ -253,10 +291,13 @@ def _rooted(collective, group, async_op, algorithm, root, root_name, prepare, to
 
 def broadcast(tensor, src=0, group=None, async_op=False, *, algorithm=None):
     """Copy ``tensor`` from rank ``src`` (a global rank, as in torch) to every rank."""
+
+    def torch_call(rank, p, root):
+        _torch_wait(dist.broadcast(tensor.detach(), src, group=group, async_op=True), "broadcast", rank)
+
     return _rooted("broadcast", group, async_op, algorithm, src, "src",
                    lambda rank, p, root: layout.prepare_broadcast(tensor, rank, p, root),
-                   lambda rank, p, root: dist.broadcast(tensor, src, group=group),
-                   tensor=tensor, nbytes=_nbytes(tensor))
+                   torch_call, tensor=tensor, nbytes=_nbytes(tensor))
 
 
 def reduce(tensor, dst=0, op=ReduceOp.SUM, group=None, async_op=False, *, algorithm=None):
@@ -264,10 +305,10 @@ def reduce(tensor, dst=0, op=ReduceOp.SUM, group=None, async_op=False, *, algori
     name = op_name(op)
 
     def torch_call(rank, p, root):
-        work = tensor if rank == root else tensor.clone()
-        dist.reduce(work, dst, _TORCH_OPS[name], group=group)
+        data = tensor.detach() if rank == root else tensor.detach().clone()
+        _torch_wait(dist.reduce(data, dst, _TORCH_OPS[name], group=group, async_op=True), "reduce", rank)
         if rank == root and name == "avg":
-            tensor.div_(p)
+            data.div_(p)
 
     return _rooted("reduce", group, async_op, algorithm, dst, "dst",
                    lambda rank, p, root: layout.prepare_reduce(tensor, rank, p, root, name),
@@ -276,47 +317,65 @@ def reduce(tensor, dst=0, op=ReduceOp.SUM, group=None, async_op=False, *, algori
 
 def gather(tensor, gather_list=None, dst=0, group=None, async_op=False, *, algorithm=None):
     """Gather every rank's ``tensor`` into ``gather_list`` on rank ``dst``."""
+
+    def torch_call(rank, p, root):
+        targets = [t.detach() for t in gather_list] if rank == root else None
+        _torch_wait(dist.gather(tensor.detach(), targets, dst, group=group, async_op=True), "gather", rank)
+
     return _rooted("gather", group, async_op, algorithm, dst, "dst",
                    lambda rank, p, root: layout.prepare_gather(tensor, gather_list, rank, p, root),
-                   lambda rank, p, root: dist.gather(tensor, gather_list if rank == root else None, dst,
-                                                     group=group),
-                   tensor=tensor, nbytes=_nbytes(tensor) * dist.get_world_size(group))
+                   torch_call, tensor=tensor, nbytes=_nbytes(tensor) * _world_size(group))
 
 
 def scatter(tensor, scatter_list=None, src=0, group=None, async_op=False, *, algorithm=None):
     """Rank ``src`` sends ``scatter_list[r]`` to rank r, which receives it in ``tensor``."""
+
+    def torch_call(rank, p, root):
+        sources = [t.detach() for t in scatter_list] if rank == root else None
+        _torch_wait(dist.scatter(tensor.detach(), sources, src, group=group, async_op=True), "scatter", rank)
+
     return _rooted("scatter", group, async_op, algorithm, src, "src",
                    lambda rank, p, root: layout.prepare_scatter(tensor, scatter_list, rank, p, root),
-                   lambda rank, p, root: dist.scatter(tensor, scatter_list if rank == root else None, src,
-                                                      group=group),
-                   tensor=tensor, nbytes=_nbytes(tensor) * dist.get_world_size(group))
+                   torch_call, tensor=tensor, nbytes=_nbytes(tensor) * _world_size(group))
 
 
 def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, group=None,
                       async_op=False, *, algorithm=None):
-    """Rank s's input chunk d goes to rank d's output chunk s (equal chunks)."""
-    if (output_split_sizes or input_split_sizes) and algorithm != TORCH:
-        raise ValueError(
-            "all_to_all_single: plait's algorithms take equal splits; drop the split sizes "
-            "or pass algorithm='torch' for uneven ones"
-        )
+    """Rank s's input chunk d goes to rank d's output chunk s (equal chunks; with
+    split sizes, torch.distributed's own all-to-all runs)."""
+    uneven = bool(output_split_sizes or input_split_sizes)
+    if uneven:
+        if algorithm not in DEFAULT_NAMES and algorithm != TORCH:
+            raise ValueError(
+                f"all_to_all_single: algorithm={algorithm!r} takes equal splits; drop the split sizes, "
+                "or leave algorithm unset (or 'torch') to use torch.distributed's for uneven ones"
+            )
+        algorithm = TORCH
 
     def torch_call(rank, p):
-        dist.all_to_all_single(output, input, output_split_sizes, input_split_sizes, group=group)
+        work = dist.all_to_all_single(output.detach(), input.detach(), output_split_sizes, input_split_sizes,
+                                      group=group, async_op=True)
+        _torch_wait(work, "all_to_all", rank)
 
     return _launch("all_to_all", group, async_op, algorithm,
                    lambda rank, p: layout.prepare_all_to_all(output, input, rank, p),
-                   tensor=input, nbytes=_nbytes(input), torch_call=torch_call)
+                   tensor=input, nbytes=_nbytes(input), torch_call=torch_call,
+                   check_numel=-1 if uneven else None)
 
 
 def barrier(group=None, async_op=False, *, algorithm=None, device=None):
     """Block until every rank of the group has reached the barrier."""
-    token = torch.zeros(1, dtype=torch.int32, device=device or "cpu")
+    resolved, _, _ = _resolve_group(group)
+    if resolved is None:
+        return None
+    token = torch.zeros(1, dtype=torch.int32, device=device or _default_device(resolved))
     return _launch("barrier", group, async_op, algorithm,
                    lambda rank, p: layout.prepare_barrier(token.device),
-                   tensor=token, nbytes=0, torch_call=lambda rank, p: dist.barrier(group=group))
+                   tensor=token, nbytes=0,
+                   torch_call=lambda rank, p: _torch_wait(dist.barrier(group=group, async_op=True), "barrier", rank))
 
 
 def synchronize() -> None:
-    """Wait for every collective this process queued with async_op=True."""
+    """Wait for every collective this process queued with async_op=True; re-raises
+    the first failure among them."""
     engine().synchronize()

@@ -17,6 +17,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from plait.comm.errors import CommError
 from plait.comm.executor import Executor
 
 
@@ -54,8 +55,13 @@ class CommConfig:
 CONFIG = CommConfig()
 
 
-def configure(*, timeout_s=None, check_args=None, segment_bytes=None, pipeline_segment_bytes=None, hierarchy=None):
-    """Change process-wide comm defaults; returns the previous values (for restoring)."""
+_KEEP = object()
+
+
+def configure(*, timeout_s=None, check_args=None, segment_bytes=None, pipeline_segment_bytes=None,
+              hierarchy=_KEEP):
+    """Change process-wide comm defaults (arguments left out stay as they are);
+    returns the previous values, so ``configure(**previous)`` restores them."""
     previous = dict(
         timeout_s=CONFIG.timeout_s,
         check_args=CONFIG.check_args,
@@ -77,7 +83,7 @@ def configure(*, timeout_s=None, check_args=None, segment_bytes=None, pipeline_s
         if pipeline_segment_bytes <= 0:
             raise ValueError(f"pipeline_segment_bytes must be > 0, got {pipeline_segment_bytes}")
         CONFIG.pipeline_segment_bytes = int(pipeline_segment_bytes)
-    if hierarchy is not None:
+    if hierarchy is not _KEEP:
         CONFIG.hierarchy = hierarchy
     return previous
 
@@ -121,6 +127,7 @@ class Handle:
         self.description = description
         self._done = threading.Event()
         self._error: BaseException | None = None
+        self._seen = False  # its error was raised to the caller
 
     def _finish(self, error: BaseException | None) -> None:
         self._error = error
@@ -136,6 +143,7 @@ class Handle:
         if not self._done.wait(timeout):
             raise TimeoutError(f"{self.description} still running after {timeout}s")
         if self._error is not None:
+            self._seen = True
             raise self._error
         return True
 
@@ -144,7 +152,14 @@ class Handle:
 
 
 class Engine:
-    """Runs jobs in submission order on one daemon thread (started on first async use)."""
+    """Runs jobs in submission order on one daemon thread (started on first async use).
+
+    After a collective fails with a CommError (a peer died or timed out), messages of
+    it may still be in flight, so the group can no longer be trusted: every later
+    collective on this process fails at once with an error naming the first failure,
+    instead of each waiting out its timeout. Argument errors (MismatchError,
+    ValueError) do not poison anything: every rank raises them before sending.
+    """
 
     def __init__(self):
         self.executor = Executor()
@@ -153,6 +168,22 @@ class Engine:
         self._run_lock = threading.Lock()  # one job at a time
         self._pending = 0
         self._thread: threading.Thread | None = None
+        self._broken: tuple[str, BaseException] | None = None
+        self._failed_handles: list[Handle] = []
+
+    def _run(self, job, description: str) -> None:
+        if self._broken is not None:
+            failed, error = self._broken
+            raise CommError(
+                rank=getattr(error, "rank", -1), collective=description, algorithm="-", step="-", peer="-",
+                reason=f"not run: an earlier collective, {failed}, failed ({error}); messages of it may "
+                       "still be in flight, so this process group cannot be used any more",
+            )
+        try:
+            job()
+        except CommError as error:
+            self._broken = (description, error)
+            raise
 
     def submit(self, job, description: str, async_op: bool):
         if not async_op:
@@ -162,7 +193,7 @@ class Engine:
                     self._run_lock.acquire()
             if inline:
                 try:
-                    job()
+                    self._run(job, description)
                 finally:
                     self._run_lock.release()
                 return None
@@ -184,17 +215,31 @@ class Engine:
             error = None
             with self._run_lock:
                 try:
-                    job()
+                    self._run(job, handle.description)
                 except BaseException as caught:  # handed to the waiter
                     error = caught
+                    self._failed_handles.append(handle)
             with self._lock:
                 self._pending -= 1
             handle._finish(error)
 
     def synchronize(self) -> None:
-        """Wait until every queued collective has run."""
+        """Wait until every queued collective has run; re-raise the first error among
+        them that was not already seen (so a forgotten handle cannot hide a failure)."""
         marker = self.submit(lambda: None, "synchronize", async_op=True)
-        marker.wait()
+        marker._seen = True
+        try:
+            marker.wait()
+        except CommError:
+            pass  # the earlier failure, reported below
+        unseen = [handle for handle in self._failed_handles if not handle._seen]
+        self._failed_handles.clear()
+        if unseen:
+            first = unseen[0]
+            first._seen = True
+            raise RuntimeError(
+                f"{first.description} (queued with async_op=True) failed: {first._error}"
+            ) from first._error
 
 
 _ENGINE: Engine | None = None

@@ -111,23 +111,31 @@ class PostError(RuntimeError):
 
 
 class Transport:
-    """Posts point-to-point messages on one process group (group-local peer ranks)."""
+    """Posts point-to-point messages on one process group (group-local peer ranks).
 
-    def __init__(self, group):
+    CPU tensors go one message at a time through the group's own ``send``/``recv``
+    (gloo; the least Python per message, and each message can be waited for on its
+    own). Tensors on an accelerator go through ``batch_isend_irecv``, which NCCL
+    runs as one group per step, so a pair that sends and receives in one step
+    cannot deadlock; that path is ``grouped``: its works complete together.
+    """
+
+    def __init__(self, group, device):
         self.group = group
-        self.backend = dist.get_backend(group)
-        self._global = {}
+        self.grouped = torch.device(device).type != "cpu"
+        self._global: dict[int, int] = {}
 
-    def _global_rank(self, peer: int) -> int:
+    def global_rank(self, peer: int) -> int:
         if peer not in self._global:
             self._global[peer] = dist.get_global_rank(self.group, peer)
         return self._global[peer]
 
     def post(self, recvs, sends):
-        """recvs/sends: lists of (tensor, peer, tag). Returns works in the same order."""
-        if self.backend == "nccl":
-            ops = [dist.P2POp(dist.irecv, t, self._global_rank(peer), self.group, tag) for t, peer, tag in recvs]
-            ops += [dist.P2POp(dist.isend, t, self._global_rank(peer), self.group, tag) for t, peer, tag in sends]
+        """recvs/sends: lists of (tensor, peer, tag). Returns the works (one per
+        message, or however many the grouped path returns)."""
+        if self.grouped:
+            ops = [dist.P2POp(dist.irecv, t, self.global_rank(peer), self.group, tag) for t, peer, tag in recvs]
+            ops += [dist.P2POp(dist.isend, t, self.global_rank(peer), self.group, tag) for t, peer, tag in sends]
             return dist.batch_isend_irecv(ops)
         works = []
         for kind, posts in (("recv", recvs), ("send", sends)):
@@ -137,6 +145,15 @@ class Transport:
                 except RuntimeError as error:
                     raise PostError(peer, error) from error
         return works
+
+    def describe(self, peer) -> str:
+        """'3', or '3 (global rank 5)' when the group is not the world."""
+        if not isinstance(peer, int) or self.group is dist.group.WORLD:
+            return str(peer)
+        try:
+            return f"{peer} (global rank {self.global_rank(peer)})"
+        except (RuntimeError, ValueError):
+            return str(peer)
 
 
 class Executor:
@@ -189,15 +206,22 @@ class Executor:
             try:
                 works = transport.post(recv_posts, send_posts)
             except PostError as error:
-                raise self._error(error.cause, schedule, rank, plan.index, error.peer, timeout_s, label) from error
-            except RuntimeError as error:  # NCCL posts a step as one group
+                raise self._fail(error.cause, schedule, rank, plan.index, transport.describe(error.peer),
+                                 timeout_s, label) from error
+            except RuntimeError as error:  # the grouped path posts a step at once
                 peers = sorted({peer for _, peer, _ in recv_posts + send_posts})
-                raise self._error(error, schedule, rank, plan.index, f"one of {peers}", timeout_s, label) from error
+                raise self._fail(error, schedule, rank, plan.index, f"one of {peers}", timeout_s, label) from error
+            if transport.grouped:  # the works complete together: wait for all, then land
+                peers = sorted({peer for _, peer, _ in recv_posts + send_posts})
+                for work in works:
+                    self._wait(work, deadline, schedule, rank, plan.index, f"one of {peers}", timeout_s, label)
             position = 0
             landed = []
             for recv in plan.recvs:
                 for lo, hi, _ in recv.messages:
-                    self._wait(works[position], deadline, schedule, rank, plan.index, recv.transfer.src, timeout_s, label)
+                    if not transport.grouped:
+                        self._wait(works[position], deadline, schedule, rank, plan.index,
+                                   transport.describe(recv.transfer.src), timeout_s, label)
                     if recv.stream:
                         start = recv.scratch_lo + lo - recv.transfer.dst_offset
                         combine(buffer[lo:hi], scratch[start : start + hi - lo])
@@ -208,21 +232,27 @@ class Executor:
                     landed.append((recv.transfer, None))
                 else:
                     landed.append((recv.transfer, scratch[recv.scratch_lo : recv.scratch_lo + recv.transfer.numel]))
-            for (_, peer, _), work in zip(send_posts, works[position:]):
-                self._wait(work, deadline, schedule, rank, plan.index, peer, timeout_s, label)
+            if not transport.grouped:
+                for (_, peer, _), work in zip(send_posts, works[position:]):
+                    self._wait(work, deadline, schedule, rank, plan.index, transport.describe(peer), timeout_s, label)
             if landed:
                 apply_receives(buffer, rank, landed, combine)
             messages += len(send_posts)
             sent_bytes += sum(hi - lo for _, lo, hi, _ in plan.sends) * element_size
         return sent_bytes, messages
 
-    @staticmethod
-    def _wait(work, deadline, schedule, rank, step, peer, timeout_s, label):
+    def _wait(self, work, deadline, schedule, rank, step, peer, timeout_s, label):
         remaining = max(deadline - time.monotonic(), 0.001)
         try:
             work.wait(timedelta(seconds=remaining))
         except RuntimeError as error:
-            raise Executor._error(error, schedule, rank, step, peer, timeout_s, label) from error
+            raise self._fail(error, schedule, rank, step, peer, timeout_s, label) from error
+
+    def _fail(self, error, schedule, rank, step, peer, timeout_s, label):
+        """The CommError to raise. Receives of the failed step may still land later,
+        so the scratch buffers are dropped rather than reused."""
+        self.release()
+        return self._error(error, schedule, rank, step, peer, timeout_s, label)
 
     @staticmethod
     def _error(error, schedule, rank, step, peer, timeout_s, label):

@@ -105,6 +105,8 @@ def count_wrong(output, expected, bound) -> int:
     if got.dtype.is_floating_point:
         error = (got - expected.to(got.dtype)).abs()
         return int((~(error <= bound)).sum())
+    if output.dtype != torch.int64:  # integers wrap around in their own dtype, whatever the order
+        expected = expected.to(output.dtype).to(torch.int64)
     return int((got != expected).sum())
 
 
@@ -112,7 +114,8 @@ def rank_inputs(collective: str, world_size: int, numel: int, dtype: torch.dtype
     """Rank-distinct inputs every rank can rebuild: for rank r a tensor seeded by
     (seed, r). ``numel`` is the per-rank input size (for reduce_scatter, scatter and
     all_to_all it must be a multiple of world_size). Values keep products and
-    integer sums far from overflow."""
+    integer sums small (int8 and uint8 may still wrap for large p; the comparison
+    wraps the expected value the same way)."""
     inputs = []
     for rank in range(world_size):
         generator = torch.Generator().manual_seed(seed * 1000003 + rank * 7919 + numel)
@@ -122,7 +125,12 @@ def rank_inputs(collective: str, world_size: int, numel: int, dtype: torch.dtype
             else:
                 values = torch.randn(numel, generator=generator, dtype=torch.float64)
         else:
-            low, high = (-2, 3) if op == "prod" else (-100, 101)
+            signed = dtype != torch.uint8
+            if op == "prod":
+                low, high = (-2, 3) if signed else (0, 3)
+            else:
+                low, high = (-10, 11) if dtype in (torch.int8, torch.uint8) else (-100, 101)
+                low = low if signed else 0
             values = torch.randint(low, high, (numel,), generator=generator, dtype=torch.int64)
         inputs.append(values.to(dtype))
     return inputs

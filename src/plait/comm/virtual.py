@@ -92,12 +92,11 @@ def simulate(
         outputs.append(out)
     tree = parse_hierarchy(hierarchy, p, 1) if algorithm == "hierarchical" else None
     rooted = collective in ("broadcast", "reduce", "gather", "scatter")
-    schedule = build_schedule(
-        collective, algorithm, p, prepared[0].buffer.numel(), root if rooted else None, segments, tree
-    )
-    run_schedule(schedule, [item.buffer for item in prepared], "sum" if op == "avg" else op)
-    for item in prepared:
-        item.finish()
+    schedule = build_schedule(collective, algorithm, p, prepared[0].numel, root if rooted else None, segments, tree)
+    buffers = [item.build() for item in prepared]
+    run_schedule(schedule, buffers, "sum" if op == "avg" else op)
+    for item, buffer in zip(prepared, buffers):
+        item.finish(buffer)
     if collective == "gather":
         return [torch.cat(out) if out is not None else None for out in outputs]
     return outputs

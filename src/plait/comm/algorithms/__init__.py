@@ -72,8 +72,30 @@ def builder(collective: str, algorithm: str):
     return builders[collective]
 
 
-@lru_cache(maxsize=512)
 def build_schedule(
+    collective: str,
+    algorithm: str,
+    world_size: int,
+    buffer_numel: int,
+    root: int | None = None,
+    segments: int = 1,
+    hierarchy=None,
+) -> Schedule:
+    """The validated schedule of ``algorithm`` for ``collective`` (cached).
+
+    ``hierarchy`` (hierarchical only) is any spec ``parse_hierarchy`` takes; it is
+    validated against ``world_size`` here, so a group that leaves out a rank is
+    refused instead of silently not reducing it.
+    """
+    if algorithm == "hierarchical":
+        hierarchy = hierarchical.parse_hierarchy(hierarchy, world_size)
+    else:
+        hierarchy = None
+    return _build_schedule(collective, algorithm, world_size, buffer_numel, root, max(1, int(segments)), hierarchy)
+
+
+@lru_cache(maxsize=512)
+def _build_schedule(
     collective: str,
     algorithm: str,
     world_size: int,
@@ -82,7 +104,6 @@ def build_schedule(
     segments: int = 1,
     hierarchy: tuple | None = None,
 ) -> Schedule:
-    """The validated schedule of ``algorithm`` for ``collective`` (cached)."""
     build = builder(collective, algorithm)
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
@@ -95,9 +116,9 @@ def build_schedule(
         raise ValueError(
             f"all_to_all buffer of {buffer_numel} elements is not [input | output] of p={world_size} equal chunks"
         )
-    options = {"segments": max(1, int(segments))}
+    options = {"segments": segments}
     if algorithm == "hierarchical":
-        options["hierarchy"] = hierarchy if hierarchy is not None else hierarchical.parse_hierarchy(None, world_size)
+        options["hierarchy"] = hierarchy
     steps = build(world_size, buffer_numel, root, options) if world_size > 1 else []
     return make_schedule(collective, algorithm, world_size, buffer_numel, steps, root)
 
