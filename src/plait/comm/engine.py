@@ -40,14 +40,16 @@ class CommConfig:
     check_args: exchange sizes/dtypes/op/root/algorithm before each collective and raise
         on a mismatch (PLAIT_COMM_CHECK, on); costs one small all-gather per call.
     segment_bytes: messages above this are split so reductions stream
-        (PLAIT_COMM_SEGMENT_BYTES, 1 MiB); every rank must use the same value.
+        (PLAIT_COMM_SEGMENT_BYTES, 4 MiB); every rank must use the same value.
+        Measured on gloo/loopback: 4 MiB beat 256 KiB-2 MiB and no splitting for
+        16-64 MB all-reduces (each message costs ~0.1-0.2 ms to post there).
     pipeline_segment_bytes: segment size of pipelined chains and binary trees (256 KiB).
     hierarchy: default hierarchy for algorithm="hierarchical" (PLAIT_HIERARCHY).
     """
 
     timeout_s: float = field(default_factory=lambda: _env_float("PLAIT_COMM_TIMEOUT_S", 300.0))
     check_args: bool = field(default_factory=lambda: os.environ.get("PLAIT_COMM_CHECK", "1") not in ("0", "false"))
-    segment_bytes: int = field(default_factory=lambda: int(_env_float("PLAIT_COMM_SEGMENT_BYTES", 1 << 20)))
+    segment_bytes: int = field(default_factory=lambda: int(_env_float("PLAIT_COMM_SEGMENT_BYTES", 4 << 20)))
     pipeline_segment_bytes: int = 256 << 10
     hierarchy: object = field(default_factory=lambda: os.environ.get("PLAIT_HIERARCHY") or None)
 

@@ -1,17 +1,19 @@
 """The torch executor: runs one rank's part of a schedule over torch.distributed
 point-to-point messages.
 
-Per step it posts every receive, then every send, waits for them with the
-collective's deadline, and lands the receives with ``ops.apply_receives`` (the
-function the virtual executor uses, so results are bit-identical). Copies that do
-not overlap anything the rank sends in the step land straight in the buffer; the
-rest go through a scratch buffer kept per dtype and device. Messages larger than
-``segment_bytes`` are split, so a large reducing receive is combined segment by
-segment while the next segments are still on the wire.
+``plan_rank`` turns a rank's part of a schedule into messages: transfers larger
+than ``segment_bytes`` are split into segments; copies that overlap nothing the rank
+sends in the step land straight in the buffer, the rest go through scratch; a
+reduction that is alone on its region and not being sent in the same step is
+combined segment by segment as it arrives. Receives land with
+``ops.apply_receives`` (the virtual executor's function), so results are
+bit-identical to the virtual executor's.
 
-On gloo it calls the process group's own ``send``/``recv`` (the least Python per
-message); on NCCL it groups each step's messages with ``batch_isend_irecv`` so a
-pair that sends and receives in one step cannot deadlock. No ``torch.cuda`` here.
+On gloo (CPU tensors) each message is posted with the process group's own
+``send``/``recv`` (the least Python per message) and the steps run as a dataflow
+(``plait.comm.dataflow``). On accelerators (NCCL) each step is posted as one
+``batch_isend_irecv`` group, so a pair that sends and receives in one step cannot
+deadlock, and the steps run one after the other. No ``torch.cuda`` here.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from plait.comm.errors import CommError, CommTimeoutError
+from plait.comm.dataflow import ScratchPool, run_streaming
 from plait.comm.ops import apply_receives
 from plait.comm.schedule import Schedule, Transfer
 
@@ -64,13 +67,17 @@ def plan_rank(schedule: Schedule, rank: int, segment_numel: int) -> list[_StepPl
     for index, (sends, recvs) in enumerate(schedule.rank_steps(rank)):
         if not sends and not recvs:
             continue
+        # tags: the step (mod 2^14) in the high bits, the message's index between this
+        # pair in this step in the low 16; sends of a step may still be in flight
+        # when the next step's are posted
+        base = (index % 16384) << 16
         tags: dict[int, int] = {}
         send_msgs = []
         for t in sends:
             for lo, hi in _split(t.src_offset, t.src_offset + t.numel, segment_numel):
                 tag = tags.get(t.dst, 0)
                 tags[t.dst] = tag + 1
-                send_msgs.append((t.dst, lo, hi, tag))
+                send_msgs.append((t.dst, lo, hi, base + tag % 65536))
         send_ranges = [t.src_range for t in sends]
         reduce_ranges: dict[tuple[int, int], int] = {}
         for t in recvs:
@@ -84,7 +91,7 @@ def plan_rank(schedule: Schedule, rank: int, segment_numel: int) -> list[_StepPl
             for lo, hi in _split(t.dst_offset, t.dst_offset + t.numel, segment_numel):
                 tag = tags.get(t.src, 0)
                 tags[t.src] = tag + 1
-                messages.append((lo, hi, tag))
+                messages.append((lo, hi, base + tag % 65536))
             direct = not t.reduce and not _overlaps(t.dst_offset, t.dst_offset + t.numel, send_ranges)
             # streaming writes into the buffer while this step's sends may still be
             # reading it, so only where the rank sends nothing from that region
@@ -99,15 +106,6 @@ def plan_rank(schedule: Schedule, rank: int, segment_numel: int) -> list[_StepPl
         plans.append(_StepPlan(index, tuple(send_msgs), tuple(recv_plans), scratch))
     schedule._per_rank[key] = plans
     return plans
-
-
-class PostError(RuntimeError):
-    """Posting a message to ``peer`` failed (its connection is gone)."""
-
-    def __init__(self, peer: int, cause: BaseException):
-        super().__init__(f"peer {peer}: {cause}")
-        self.peer = peer
-        self.cause = cause
 
 
 class Transport:
@@ -131,20 +129,11 @@ class Transport:
         return self._global[peer]
 
     def post(self, recvs, sends):
-        """recvs/sends: lists of (tensor, peer, tag). Returns the works (one per
-        message, or however many the grouped path returns)."""
-        if self.grouped:
-            ops = [dist.P2POp(dist.irecv, t, self.global_rank(peer), self.group, tag) for t, peer, tag in recvs]
-            ops += [dist.P2POp(dist.isend, t, self.global_rank(peer), self.group, tag) for t, peer, tag in sends]
-            return dist.batch_isend_irecv(ops)
-        works = []
-        for kind, posts in (("recv", recvs), ("send", sends)):
-            for t, peer, tag in posts:
-                try:
-                    works.append(getattr(self.group, kind)([t], peer, tag))
-                except RuntimeError as error:
-                    raise PostError(peer, error) from error
-        return works
+        """Grouped path: recvs/sends are lists of (tensor, peer, tag), posted as one
+        ``batch_isend_irecv``; returns its works (they complete together)."""
+        ops = [dist.P2POp(dist.irecv, t, self.global_rank(peer), self.group, tag) for t, peer, tag in recvs]
+        ops += [dist.P2POp(dist.isend, t, self.global_rank(peer), self.group, tag) for t, peer, tag in sends]
+        return dist.batch_isend_irecv(ops)
 
     def describe(self, peer) -> str:
         """'3', or '3 (global rank 5)' when the group is not the world."""
@@ -161,6 +150,7 @@ class Executor:
 
     def __init__(self):
         self._scratch: dict[tuple, torch.Tensor] = {}
+        self.pool = ScratchPool()
 
     def scratch(self, numel: int, dtype: torch.dtype, device) -> torch.Tensor:
         key = (dtype, str(device))
@@ -172,6 +162,7 @@ class Executor:
 
     def release(self) -> None:
         self._scratch.clear()
+        self.pool.clear()
 
     def run(
         self,
@@ -185,11 +176,16 @@ class Executor:
         segment_numel: int = 0,
         label: str | None = None,
     ) -> tuple[int, int]:
-        """Run ``rank``'s part of ``schedule`` on ``buffer``; returns (bytes sent, messages)."""
+        """Run ``rank``'s part of ``schedule`` on ``buffer``; returns (bytes sent, messages).
+
+        Message-by-message transports (gloo) run as a dataflow (``plait.comm.dataflow``);
+        grouped ones (NCCL) step by step."""
         plans = plan_rank(schedule, rank, segment_numel)
         deadline = time.monotonic() + timeout_s
-        element_size = buffer.element_size()
-        sent_bytes = 0
+        if not transport.grouped:
+            return run_streaming(self, plans, schedule, buffer, rank, transport, combine, deadline, timeout_s,
+                                 label, max_scratch_numel=2 * buffer.numel() + 1)
+        sent_numel = 0
         messages = 0
         for plan in plans:
             scratch = self.scratch(plan.scratch_numel, buffer.dtype, buffer.device) if plan.scratch_numel else None
@@ -203,43 +199,31 @@ class Executor:
                         target = scratch[start : start + hi - lo]
                     recv_posts.append((target, recv.transfer.src, tag))
             send_posts = [(buffer[lo:hi], peer, tag) for peer, lo, hi, tag in plan.sends]
+            peers = f"one of {sorted({peer for _, peer, _ in recv_posts + send_posts})}"
             try:
                 works = transport.post(recv_posts, send_posts)
-            except PostError as error:
-                raise self._fail(error.cause, schedule, rank, plan.index, transport.describe(error.peer),
-                                 timeout_s, label) from error
             except RuntimeError as error:  # the grouped path posts a step at once
-                peers = sorted({peer for _, peer, _ in recv_posts + send_posts})
-                raise self._fail(error, schedule, rank, plan.index, f"one of {peers}", timeout_s, label) from error
-            if transport.grouped:  # the works complete together: wait for all, then land
-                peers = sorted({peer for _, peer, _ in recv_posts + send_posts})
-                for work in works:
-                    self._wait(work, deadline, schedule, rank, plan.index, f"one of {peers}", timeout_s, label)
-            position = 0
+                raise self._fail(error, schedule, rank, plan.index, peers, timeout_s, label) from error
+            for work in works:  # they complete together: wait for all, then land
+                self._wait(work, deadline, schedule, rank, plan.index, peers, timeout_s, label)
             landed = []
             for recv in plan.recvs:
-                for lo, hi, _ in recv.messages:
-                    if not transport.grouped:
-                        self._wait(works[position], deadline, schedule, rank, plan.index,
-                                   transport.describe(recv.transfer.src), timeout_s, label)
-                    if recv.stream:
-                        start = recv.scratch_lo + lo - recv.transfer.dst_offset
-                        combine(buffer[lo:hi], scratch[start : start + hi - lo])
-                    position += 1
-                if recv.stream:
-                    continue
                 if recv.scratch_lo is None:
                     landed.append((recv.transfer, None))
                 else:
                     landed.append((recv.transfer, scratch[recv.scratch_lo : recv.scratch_lo + recv.transfer.numel]))
-            if not transport.grouped:
-                for (_, peer, _), work in zip(send_posts, works[position:]):
-                    self._wait(work, deadline, schedule, rank, plan.index, transport.describe(peer), timeout_s, label)
             if landed:
                 apply_receives(buffer, rank, landed, combine)
             messages += len(send_posts)
-            sent_bytes += sum(hi - lo for _, lo, hi, _ in plan.sends) * element_size
-        return sent_bytes, messages
+            sent_numel += sum(hi - lo for _, lo, hi, _ in plan.sends)
+        return sent_numel * buffer.element_size(), messages
+
+    def _post(self, transport, kind, tensor, peer, tag, schedule, rank, step, timeout_s, label):
+        """Post one message (message-by-message transports)."""
+        try:
+            return getattr(transport.group, kind)([tensor], peer, tag)
+        except RuntimeError as error:
+            raise self._fail(error, schedule, rank, step, transport.describe(peer), timeout_s, label) from error
 
     def _wait(self, work, deadline, schedule, rank, step, peer, timeout_s, label):
         remaining = max(deadline - time.monotonic(), 0.001)
