@@ -165,9 +165,9 @@ def test_resolve_algorithms():
     assert valid[0] == "torch"
     assert resolve_algorithms(None, "all_reduce") == tuple(valid)
     assert resolve_algorithms("torch,torch", "all_reduce") == ("torch",)
-    if len(valid) > 1:  # plait.comm is there: its default choice is accepted, not run by default
-        assert resolve_algorithms("auto,torch", "all_reduce") == ("auto", "torch")
-        assert "auto" not in valid
+    # plait's default choice per size runs by default, last
+    assert resolve_algorithms("auto,torch", "all_reduce") == ("auto", "torch")
+    assert valid[-1] == "auto" and "ring" in valid
     with pytest.raises(ValueError, match=r"unknown algorithm\(s\) 'rign' for all_reduce; valid: torch"):
         resolve_algorithms("torch,rign", "all_reduce")
 

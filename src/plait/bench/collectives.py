@@ -102,30 +102,18 @@ def buffer_plan(collective: str, nbytes: int, world_size: int, element_size: int
 
 
 def available_algorithms(collective: str) -> list[str]:
-    """"torch" followed by plait's algorithms for `collective` (just "torch" while
-    plait.comm does not exist yet)."""
+    """"torch", plait's algorithms for `collective`, then "auto" (plait's default
+    choice per size)."""
     if collective not in COLLECTIVES:
         raise ValueError(f"unknown collective {collective!r}; valid: {', '.join(COLLECTIVES)}")
-    try:
-        import plait.comm as comm
-    except ImportError:
-        return [TORCH_ALGORITHM]
-    if not hasattr(comm, "algorithms_for"):
-        return [TORCH_ALGORITHM]
-    plait_names = [name for name in comm.algorithms_for(collective) if name != TORCH_ALGORITHM]
-    return [TORCH_ALGORITHM, *plait_names]
+    import plait.comm as comm
+
+    return [TORCH_ALGORITHM, *comm.algorithms_for(collective), AUTO_ALGORITHM]
 
 
 def accepted_algorithms(collective: str) -> list[str]:
-    """available_algorithms plus "auto" (plait's default choice per size), which is
-    accepted by --algorithms but not run by default."""
-    names = available_algorithms(collective)
-    if len(names) > 1:
-        import plait.comm as comm
-
-        if hasattr(comm, "default_algorithm"):
-            names.append(AUTO_ALGORITHM)
-    return names
+    """The names --algorithms accepts (the same as those run by default)."""
+    return available_algorithms(collective)
 
 
 @dataclass(frozen=True, kw_only=True)

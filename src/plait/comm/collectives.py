@@ -52,7 +52,7 @@ def default_algorithm(collective: str, nbytes: int, world_size: int) -> str:
     p = world_size
     small = nbytes <= 512 * 1024
     if collective == "all_reduce":
-        if small:
+        if nbytes <= (1 << 20):
             return "star" if p <= 4 else "recursive_doubling"
         return "ring"
     if collective == "reduce_scatter":

@@ -70,22 +70,36 @@ def _units_for_step(plan) -> list[_Unit]:
 
 
 class ScratchPool:
-    """Reusable receive buffers, by (numel, dtype, device)."""
+    """Reusable receive buffers, by (numel, dtype, device); keeps at most
+    ``max_bytes`` between calls (the sizes of the last collectives stay warm)."""
 
-    def __init__(self):
+    def __init__(self, max_bytes: int = 256 << 20):
+        self.max_bytes = max_bytes
         self._free: dict[tuple, list[torch.Tensor]] = {}
+        self._held_bytes = 0
 
     def take(self, numel: int, like: torch.Tensor) -> torch.Tensor:
         free = self._free.get((numel, like.dtype, str(like.device)))
         if free:
-            return free.pop()
+            tensor = free.pop()
+            self._held_bytes -= tensor.numel() * tensor.element_size()
+            return tensor
         return torch.empty(numel, dtype=like.dtype, device=like.device)
 
     def give(self, tensor: torch.Tensor) -> None:
-        self._free.setdefault((tensor.numel(), tensor.dtype, str(tensor.device)), []).append(tensor)
+        nbytes = tensor.numel() * tensor.element_size()
+        while self._free and self._held_bytes + nbytes > self.max_bytes:
+            oldest = next(iter(self._free))  # evict the least recently added size
+            dropped = self._free.pop(oldest)
+            self._held_bytes -= sum(t.numel() * t.element_size() for t in dropped)
+        if nbytes <= self.max_bytes:
+            key = (tensor.numel(), tensor.dtype, str(tensor.device))
+            self._free[key] = self._free.pop(key, []) + [tensor]
+            self._held_bytes += nbytes
 
     def clear(self) -> None:
         self._free.clear()
+        self._held_bytes = 0
 
 
 def run_streaming(executor, plans, schedule, buffer, rank, transport, combine, deadline, timeout_s, label,
