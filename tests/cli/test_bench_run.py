@@ -225,3 +225,26 @@ def test_inside_torchrun_uses_the_launched_world(tmp_path):
     assert all(fields[8] == "0" for rows in blocks.values() for fields in rows)
     rows = json.loads(json_path.read_text())
     assert [row["size_bytes"] for row in rows] == SIZES * 2
+
+
+@pytest.mark.timeout(300)
+def test_rounds_repeat_the_sweep_and_report_the_median(capsys):
+    status = main(["bench", "all_reduce", "--nprocs", "2", *TINY, "--rounds", "3",
+                   "--algorithms", "torch,ring"])
+    captured = capsys.readouterr()
+    assert status == 0, captured.err
+    assert "rounds 3" in captured.out
+    blocks = parse_blocks(captured.out)
+    assert list(blocks) == ["torch", "ring"] and all(len(rows) == 3 for rows in blocks.values())
+    progress = [line for line in captured.err.splitlines() if line.startswith("# measuring: round")]
+    assert len(progress) == 3 * len(SIZES) and progress[-1].startswith("# measuring: round 3/3")
+
+
+def test_median_row_picks_the_middle_round():
+    from plait.bench.collectives import BenchRow, median_row
+
+    rows = [BenchRow(collective="all_reduce", algorithm="ring", nprocs=2, size_bytes=8, count=2,
+                     dtype="float32", op="sum", root=-1, time_us=t) for t in (5.0, 1.0, 3.0)]
+    assert median_row(rows).time_us == 3.0
+    rows[1].error = "boom"
+    assert median_row(rows).error == "boom"
