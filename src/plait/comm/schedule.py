@@ -30,6 +30,7 @@ __all__ = [
     "ScheduleError",
     "chunk_bounds",
     "chunk_sizes",
+    "wrapped_run",
     "sequential",
     "parallel",
 ]
@@ -221,6 +222,22 @@ def chunk_bounds(start: int, numel: int, parts: int) -> list[tuple[int, int]]:
         bounds.append((offset, size))
         offset += size
     return bounds
+
+
+def wrapped_run(bounds, first: int, count: int, src: int, dst: int) -> list[Transfer]:
+    """Copies of the ``count`` chunks first, first+1, ... (mod p) from ``src`` to
+    ``dst`` at their own offsets; a run that wraps past the last chunk travels as
+    two messages. ``bounds`` is ``chunk_bounds`` of the p chunks."""
+    p = len(bounds)
+    pieces = [(first, min(count, p - first))]
+    if first + count > p:
+        pieces.append((0, first + count - p))
+    transfers = []
+    for chunk_index, chunk_count in pieces:
+        offset = bounds[chunk_index][0]
+        last = bounds[chunk_index + chunk_count - 1]
+        transfers.append(Transfer(src, dst, offset, offset, last[0] + last[1] - offset, False))
+    return transfers
 
 
 # ----- composition (the builders assemble schedules from phases) ------------------------

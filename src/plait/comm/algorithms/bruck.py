@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from plait.comm.schedule import Step, Transfer, chunk_bounds
+from plait.comm.schedule import Step, Transfer, chunk_bounds, wrapped_run
 
 
 def all_gather(p, n, root, options):
@@ -19,15 +19,7 @@ def all_gather(p, n, root, options):
         count = min(have, p - have)
         transfers = []
         for r in range(p):
-            dst = (r - have) % p
-            first = r
-            pieces = [(first, min(count, p - first))]
-            if first + count > p:
-                pieces.append((0, first + count - p))
-            for chunk_index, chunk_count in pieces:
-                offset = bounds[chunk_index][0]
-                last = bounds[chunk_index + chunk_count - 1]
-                transfers.append(Transfer(r, dst, offset, offset, last[0] + last[1] - offset, False))
+            transfers += wrapped_run(bounds, r, count, r, (r - have) % p)
         steps.append(Step(tuple(transfers)))
         have += count
     return steps

@@ -9,7 +9,7 @@ broadcast is ceil(lg p) rounds of the whole buffer: T = ceil(lg p)(a + n b).
 
 from __future__ import annotations
 
-from plait.comm.schedule import Step, Transfer, chunk_bounds, parallel, sequential
+from plait.comm.schedule import Step, Transfer, chunk_bounds, parallel, sequential, wrapped_run
 
 
 def _rounds(p: int) -> int:
@@ -43,20 +43,8 @@ def binomial_broadcast_phase(p: int, root: int, start: int, numel: int) -> list[
 
 
 def _relative_range(p: int, root: int, lo: int, hi: int, chunks, src: int, dst: int):
-    """Transfers moving the chunks of relative ranks [lo, hi) from src to dst (the
-    absolute chunk range wraps around at most once, so at most two messages)."""
-    transfers = []
-    first = (lo + root) % p
-    count = hi - lo
-    pieces = [(first, min(count, p - first))]
-    if first + count > p:
-        pieces.append((0, first + count - p))
-    for chunk_index, chunk_count in pieces:
-        offset = chunks[chunk_index][0]
-        end = chunks[chunk_index + chunk_count - 1]
-        size = end[0] + end[1] - offset
-        transfers.append(Transfer(src, dst, offset, offset, size, False))
-    return transfers
+    """Transfers moving the chunks of relative ranks [lo, hi) from src to dst."""
+    return wrapped_run(chunks, (lo + root) % p, hi - lo, src, dst)
 
 
 def binomial_gather_phase(p: int, root: int, numel: int) -> list[Step]:
