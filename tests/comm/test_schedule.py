@@ -136,6 +136,15 @@ def test_hierarchical_two_level_bytes():
         assert s.max_sent_numel() == 2 * (g - 1) * n // g + 2 * (k - 1) * (n // g) // k
 
 
+def test_gamma_and_message_counts():
+    p, n = 4, 400
+    ring = build_schedule("all_reduce", "ring", p, n)
+    assert all(ring.reduced_numel(r) == (p - 1) * n // p for r in range(p))  # the gamma term
+    assert all(ring.messages(r) == 2 * (p - 1) for r in range(p))
+    tree = build_schedule("all_reduce", "tree", p, n)
+    assert tree.reduced_numel(0) == 2 * n and tree.reduced_numel(3) == 0  # root adds its two children
+
+
 def test_star_server_link_carries_2pn():
     p, n = 6, 600
     s = build_schedule("all_reduce", "star", p, n)

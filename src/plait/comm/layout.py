@@ -22,7 +22,6 @@ import torch
 @dataclass
 class Prepared:
     numel: int  # elements of the flat buffer
-    nbytes: int  # the collective's size as nccl-tests counts it
     build: Callable[[], torch.Tensor]  # -> 1-D contiguous buffer the schedule runs on
     finish: Callable[[torch.Tensor], None]
 
@@ -45,10 +44,6 @@ def _average(view: torch.Tensor, op: str, world_size: int) -> None:
         view.div_(world_size)
 
 
-def _nbytes(numel: int, tensor: torch.Tensor) -> int:
-    return numel * tensor.element_size()
-
-
 def prepare_all_reduce(tensor, rank: int, p: int, op: str) -> Prepared:
     tensor = _check_tensor(tensor, "tensor", "all_reduce")
     copied = not tensor.is_contiguous()
@@ -58,7 +53,7 @@ def prepare_all_reduce(tensor, rank: int, p: int, op: str) -> Prepared:
         if copied:
             tensor.copy_(buffer.view_as(tensor))
 
-    return Prepared(tensor.numel(), _nbytes(tensor.numel(), tensor), lambda: _flat(tensor)[0], finish)
+    return Prepared(tensor.numel(), lambda: _flat(tensor)[0], finish)
 
 
 def _check_dtypes(output, input, collective: str) -> None:
@@ -83,7 +78,7 @@ def prepare_reduce_scatter(output, input, rank: int, p: int, op: str) -> Prepare
         output.copy_(mine.view_as(output))
 
     # the input is left untouched, as in torch: the schedule runs on a copy
-    return Prepared(p * m, _nbytes(p * m, input), lambda: input.reshape(-1).clone(), finish)
+    return Prepared(p * m, lambda: input.reshape(-1).clone(), finish)
 
 
 def prepare_all_gather(output, input, rank: int, p: int) -> Prepared:
@@ -107,7 +102,7 @@ def prepare_all_gather(output, input, rank: int, p: int) -> Prepared:
         if copied:
             output.copy_(buffer.view_as(output))
 
-    return Prepared(p * m, _nbytes(p * m, input), build, finish)
+    return Prepared(p * m, build, finish)
 
 
 def prepare_broadcast(tensor, rank: int, p: int, root: int) -> Prepared:
@@ -118,7 +113,7 @@ def prepare_broadcast(tensor, rank: int, p: int, root: int) -> Prepared:
         if copied and rank != root:
             tensor.copy_(buffer.view_as(tensor))
 
-    return Prepared(tensor.numel(), _nbytes(tensor.numel(), tensor), lambda: _flat(tensor)[0], finish)
+    return Prepared(tensor.numel(), lambda: _flat(tensor)[0], finish)
 
 
 def prepare_reduce(tensor, rank: int, p: int, root: int, op: str) -> Prepared:
@@ -137,7 +132,7 @@ def prepare_reduce(tensor, rank: int, p: int, root: int, op: str) -> Prepared:
             if copied:
                 tensor.copy_(buffer.view_as(tensor))
 
-    return Prepared(tensor.numel(), _nbytes(tensor.numel(), tensor), build, finish)
+    return Prepared(tensor.numel(), build, finish)
 
 
 def _check_list(tensors, tensor, p: int, name: str, collective: str, needed: bool) -> list | None:
@@ -175,7 +170,7 @@ def prepare_gather(tensor, gather_list, rank: int, p: int, root: int) -> Prepare
             for i, item in enumerate(gather_list):
                 item.copy_(buffer[i * m : (i + 1) * m].view_as(item))
 
-    return Prepared(p * m, _nbytes(p * m, tensor), build, finish)
+    return Prepared(p * m, build, finish)
 
 
 def prepare_scatter(tensor, scatter_list, rank: int, p: int, root: int) -> Prepared:
@@ -193,7 +188,7 @@ def prepare_scatter(tensor, scatter_list, rank: int, p: int, root: int) -> Prepa
     def finish(buffer):
         tensor.copy_(buffer[rank * m : (rank + 1) * m].view_as(tensor))
 
-    return Prepared(p * m, _nbytes(p * m, tensor), build, finish)
+    return Prepared(p * m, build, finish)
 
 
 def prepare_all_to_all(output, input, rank: int, p: int) -> Prepared:
@@ -223,8 +218,8 @@ def prepare_all_to_all(output, input, rank: int, p: int) -> Prepared:
     def finish(buffer):
         output.copy_(buffer[p * m :].view_as(output))
 
-    return Prepared(2 * p * m, _nbytes(p * m, input), build, finish)
+    return Prepared(2 * p * m, build, finish)
 
 
 def prepare_barrier(device) -> Prepared:
-    return Prepared(1, 0, lambda: torch.zeros(1, dtype=torch.int32, device=device), lambda buffer: None)
+    return Prepared(1, lambda: torch.zeros(1, dtype=torch.int32, device=device), lambda buffer: None)
