@@ -107,6 +107,15 @@ class Schedule:
         """Messages ``rank`` sends."""
         return sum(1 for s in self.steps for t in s.transfers if t.src == rank)
 
+    def max_peers(self) -> int:
+        """Most distinct ranks any rank exchanges messages with (the links it uses)."""
+        peers: dict[int, set[int]] = {}
+        for step in self.steps:
+            for t in step.transfers:
+                peers.setdefault(t.src, set()).add(t.dst)
+                peers.setdefault(t.dst, set()).add(t.src)
+        return max((len(v) for v in peers.values()), default=0)
+
     def max_sent_numel(self) -> int:
         return max((self.sent_numel(r) for r in range(self.world_size)), default=0)
 
