@@ -13,7 +13,7 @@ import sys
 
 from plait import __version__
 
-SUBCOMMANDS = ("bench", "schedule")
+SUBCOMMANDS = ("bench", "schedule", "cost", "tune")
 
 
 def build_parser() -> argparse.ArgumentParser:
