@@ -24,6 +24,8 @@ from plait.comm.engine import CONFIG, engine, record
 from plait.comm.errors import CommError, CommTimeoutError, MismatchError
 from plait.comm.executor import Transport
 from plait.comm.ops import COMBINE, check_reducible, op_name
+from plait.comm.tuner import active_tuner
+from plait.cost.alpha_beta import pipeline_segments
 
 ReduceOp = dist.ReduceOp
 
@@ -40,7 +42,7 @@ _TORCH_OPS = {"sum": ReduceOp.SUM, "avg": ReduceOp.SUM, "min": ReduceOp.MIN, "ma
 
 
 def default_algorithm(collective: str, nbytes: int, world_size: int) -> str:
-    """The default table, until the cost model's tuner replaces it.
+    """The default table, used by algorithm="auto" when there is no calibrated profile.
 
     Small messages are latency-bound, so they take the fewest rounds: on this
     machine kind (gloo over loopback, more ranks than cores) a round costs about a
@@ -98,9 +100,22 @@ def _group_root(group, root: int, world_size: int, name: str) -> int:
         raise ValueError(f"{name}={root} (a global rank) is not a member of this group") from None
 
 
-def _resolve_algorithm(algorithm, collective: str, nbytes: int, world_size: int) -> str:
+def auto_algorithm(collective: str, nbytes: int, world_size: int, backend: str = "gloo") -> str:
+    """What algorithm="auto" runs: the configured override for the collective, else
+    the tuner's choice (calibrated profile), else the default table."""
+    override = CONFIG.algorithms.get(collective)
+    if override:
+        return override
+    tuner = active_tuner(backend)
+    if tuner is not None:
+        return tuner.choose(collective, nbytes, world_size)
+    return default_algorithm(collective, nbytes, world_size)
+
+
+def _resolve_algorithm(algorithm, collective: str, nbytes: int, world_size: int, group=None) -> str:
     if algorithm in DEFAULT_NAMES:
-        return default_algorithm(collective, nbytes, world_size)
+        backend = dist.get_backend(group) if group is not None and world_size > 1 else "gloo"
+        return auto_algorithm(collective, nbytes, world_size, str(backend))
     if not isinstance(algorithm, str):
         raise TypeError(f"algorithm must be a string, got {type(algorithm).__name__}")
     if algorithm != TORCH:
@@ -185,7 +200,7 @@ def _launch(collective, group, async_op, algorithm, prepare, *, tensor, nbytes, 
     dtype = tensor.dtype
     if collective in REDUCING:
         check_reducible(dtype, op, collective)
-    algorithm = _resolve_algorithm(algorithm, collective, nbytes, p)
+    algorithm = _resolve_algorithm(algorithm, collective, nbytes, p, group)
     prepared = prepare(rank, p) if algorithm != TORCH else None  # validates this rank's arguments now
     tree = None
     if algorithm == "hierarchical":
@@ -207,7 +222,7 @@ def _launch(collective, group, async_op, algorithm, prepare, *, tensor, nbytes, 
         buffer = prepared.build()  # reads the inputs now, after earlier queued collectives
         sent = messages = 0
         if p > 1:
-            segments = max(1, min(64, nbytes // CONFIG.pipeline_segment_bytes))
+            segments = pipeline_segments(nbytes, CONFIG.pipeline_segment_bytes)
             schedule = build_schedule(collective, algorithm, p, prepared.numel, root, segments, tree)
             segment_numel = CONFIG.segment_bytes // buffer.element_size() if CONFIG.segment_bytes else 0
             sent, messages = engine().executor.run(

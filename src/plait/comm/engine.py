@@ -45,6 +45,9 @@ class CommConfig:
         16-64 MB all-reduces (each message costs ~0.1-0.2 ms to post there).
     pipeline_segment_bytes: segment size of pipelined chains and binary trees (256 KiB).
     hierarchy: default hierarchy for algorithm="hierarchical" (PLAIT_HIERARCHY).
+    algorithms: per-collective algorithm that algorithm="auto" (and None) runs instead
+        of the tuner's choice, e.g. {"all_reduce": "ring"} (PLAIT_ALGORITHMS,
+        "all_reduce=ring,broadcast=tree").
     """
 
     timeout_s: float = field(default_factory=lambda: _env_float("PLAIT_COMM_TIMEOUT_S", 300.0))
@@ -52,6 +55,16 @@ class CommConfig:
     segment_bytes: int = field(default_factory=lambda: int(_env_float("PLAIT_COMM_SEGMENT_BYTES", 4 << 20)))
     pipeline_segment_bytes: int = 256 << 10
     hierarchy: object = field(default_factory=lambda: os.environ.get("PLAIT_HIERARCHY") or None)
+    algorithms: dict = field(default_factory=lambda: _env_overrides("PLAIT_ALGORITHMS"))
+
+
+def _env_overrides(name: str) -> dict:
+    from plait.comm.tuner import parse_overrides
+
+    try:
+        return parse_overrides(os.environ.get(name))
+    except (ValueError, TypeError) as error:
+        raise ValueError(f"{name}: {error}") from None
 
 
 CONFIG = CommConfig()
@@ -61,7 +74,7 @@ _KEEP = object()
 
 
 def configure(*, timeout_s=None, check_args=None, segment_bytes=None, pipeline_segment_bytes=None,
-              hierarchy=_KEEP):
+              hierarchy=_KEEP, algorithms=None):
     """Change process-wide comm defaults (arguments left out stay as they are);
     returns the previous values, so ``configure(**previous)`` restores them."""
     previous = dict(
@@ -70,6 +83,7 @@ def configure(*, timeout_s=None, check_args=None, segment_bytes=None, pipeline_s
         segment_bytes=CONFIG.segment_bytes,
         pipeline_segment_bytes=CONFIG.pipeline_segment_bytes,
         hierarchy=CONFIG.hierarchy,
+        algorithms=dict(CONFIG.algorithms),
     )
     if timeout_s is not None:
         if not timeout_s > 0:
@@ -87,6 +101,10 @@ def configure(*, timeout_s=None, check_args=None, segment_bytes=None, pipeline_s
         CONFIG.pipeline_segment_bytes = int(pipeline_segment_bytes)
     if hierarchy is not _KEEP:
         CONFIG.hierarchy = hierarchy
+    if algorithms is not None:
+        from plait.comm.tuner import parse_overrides
+
+        CONFIG.algorithms = parse_overrides(algorithms)
     return previous
 
 

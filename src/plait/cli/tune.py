@@ -1,0 +1,141 @@
+"""`plait tune --show`: the tuner's switch points, the size ranges in which
+algorithm="auto" runs each algorithm (like NCCL's tuning table).
+
+The tuner prices every algorithm with the calibrated profile (``plait calibrate``)
+or the link you give; overrides (PLAIT_ALGORITHMS) are shown where they apply.
+
+    plait tune --show --p 4
+    plait tune --show --p 8 --collective all --alpha 5us --bandwidth 12.5GB/s
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from plait.comm.algorithms import COLLECTIVES
+from plait.comm.collectives import default_algorithm
+from plait.comm.engine import CONFIG
+from plait.comm.tuner import Tuner, size_bucket
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    from plait.cli.bench import parse_collective, parse_nbytes
+    from plait.cli.cost import parse_rate, parse_time_s
+
+    parser = subparsers.add_parser("tune", help="show which algorithm algorithm='auto' picks per size",
+                                   description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--show", action="store_true", help="print the switch points (the default action)")
+    parser.add_argument("--p", "--nprocs", dest="world_size", type=int, default=4, help="world size (default 4)")
+    parser.add_argument("--collective", default="all_reduce",
+                        help="a collective or 'all' (default all_reduce)")
+    parser.add_argument("--min-bytes", type=parse_nbytes, default=1, help="smallest size (default 1 B)")
+    parser.add_argument("--max-bytes", type=parse_nbytes, default=1 << 30, help="largest size (default 1 GB)")
+    parser.add_argument("--profile", default=None, help="calibration profile (default: the saved one)")
+    parser.add_argument("--backend", default="gloo", help="whose saved profile to use (default gloo)")
+    parser.add_argument("--alpha", type=parse_time_s, default=None, help="latency per message, e.g. 5us")
+    parser.add_argument("--bandwidth", type=parse_rate, default=None, help="e.g. 12.5GB/s or 100Gb/s")
+    parser.add_argument("--reduce-bandwidth", type=parse_rate, default=None, help="e.g. 20GB/s")
+    parser.add_argument("--hierarchy", default=None, help="equal groups, e.g. 2x4, to price hierarchical")
+    parser.add_argument("--json", action="store_true", help="print the ranges as JSON")
+    parser.set_defaults(run=run, parse_collective=parse_collective)
+    return parser
+
+
+def _tuner(args) -> Tuner | None:
+    from plait.cost import LinkModel
+    from plait.cost.profile import load_profile
+
+    profile = load_profile(args.profile, backend=args.backend)
+    if args.profile is not None and profile is None:
+        raise ValueError(f"no calibration profile at {args.profile}; run plait calibrate --output {args.profile}")
+    given = (args.alpha, args.bandwidth, args.reduce_bandwidth)
+    if profile is None and all(x is None for x in given):
+        return None
+    if profile is None and (args.alpha is None or args.bandwidth is None):
+        raise ValueError("without a calibration profile give both --alpha and --bandwidth (or run plait calibrate)")
+    base = profile.link if profile is not None else None
+    link = LinkModel(
+        args.alpha if args.alpha is not None else base.alpha_s,
+        1 / args.bandwidth if args.bandwidth is not None else base.beta_s_per_byte,
+        1 / args.reduce_bandwidth if args.reduce_bandwidth is not None else (base.gamma_s_per_byte if base else 0.0),
+    )
+    source = "command line" if profile is None else (
+        f"profile {args.profile or 'saved for ' + args.backend}" + (" with command-line changes" if any(
+            x is not None for x in given) else ""))
+    return Tuner(link, call_overhead_s=profile.call_overhead_s if profile is not None else 0.0,
+                 hierarchy=args.hierarchy, source=source)
+
+
+def _table_ranges(collective: str, p: int, lo: int, hi: int) -> list[tuple[int, int, str]]:
+    ranges: list[list] = []
+    nbytes = max(1, lo)
+    while nbytes <= hi:
+        b_lo, b_hi, _ = size_bucket(nbytes)
+        choice = default_algorithm(collective, nbytes, p)
+        if ranges and ranges[-1][2] == choice:
+            ranges[-1][1] = b_hi
+        else:
+            ranges.append([b_lo, b_hi, choice])
+        nbytes = b_hi
+    if ranges:
+        ranges[-1][1] = min(ranges[-1][1], hi + 1)
+    return [tuple(r) for r in ranges]
+
+
+def _size(nbytes: int) -> str:
+    for unit, scale in (("GB", 1 << 30), ("MB", 1 << 20), ("KB", 1 << 10)):
+        if nbytes >= scale and nbytes % scale == 0:
+            return f"{nbytes // scale} {unit}"
+    return f"{nbytes} B"
+
+
+def run(args) -> int:
+    if args.world_size < 1:
+        raise ValueError(f"--p {args.world_size} must be >= 1")
+    if args.min_bytes > args.max_bytes:
+        raise ValueError(f"--min-bytes {args.min_bytes} is above --max-bytes {args.max_bytes}")
+    if args.collective == "all":
+        collectives = [c for c in COLLECTIVES if c != "barrier"]
+    else:
+        collectives = [args.parse_collective(args.collective)]
+    tuner = _tuner(args)
+    source = tuner.source if tuner is not None else "the default table (no calibration profile: run plait calibrate)"
+    out = []
+    for collective in collectives:
+        override = CONFIG.algorithms.get(collective)
+        if override:
+            ranges = [(max(1, args.min_bytes), args.max_bytes + 1, override)]
+            how = "override (PLAIT_ALGORITHMS / configure)"
+        elif tuner is not None:
+            ranges = tuner.switch_points(collective, args.world_size, args.min_bytes, args.max_bytes)
+            how = source
+        else:
+            ranges = _table_ranges(collective, args.world_size, args.min_bytes, args.max_bytes)
+            how = source
+        rows = []
+        for lo, hi, algorithm in ranges:
+            row = {"collective": collective, "min_bytes": lo, "max_bytes": hi - 1, "algorithm": algorithm}
+            if tuner is not None and not override:
+                row["predicted_s_at_min"] = tuner.predict_s(collective, algorithm, lo, args.world_size)
+                row["predicted_s_at_max"] = tuner.predict_s(collective, algorithm, hi - 1, args.world_size)
+            rows.append(row)
+        out.append((collective, how, rows))
+    if args.json:
+        print(json.dumps([row for _, _, rows in out for row in rows], indent=1))
+        return 0
+    if tuner is not None:
+        link = tuner.links[0]
+        print(f"tuner: {source}: alpha {link.alpha_s * 1e6:.1f} us, {link.bandwidth_bytes_per_s / 1e9:.3g} GB/s"
+              + (f", reduction {1e-9 / link.gamma_s_per_byte:.3g} GB/s" if link.gamma_s_per_byte else "")
+              + f", call overhead {tuner.call_overhead_s * 1e6:.0f} us")
+    for collective, how, rows in out:
+        print(f"{collective}, p={args.world_size} ({how})")
+        for row in rows:
+            span = f"{_size(row['min_bytes'])} .. {_size(row['max_bytes'] + 1)}"
+            predicted = ""
+            if "predicted_s_at_min" in row:
+                predicted = (f"  predicted {row['predicted_s_at_min'] * 1e6:.0f} us .. "
+                             f"{row['predicted_s_at_max'] * 1e6:.0f} us")
+            print(f"  {span:<22} {row['algorithm']:<20}{predicted}")
+    return 0

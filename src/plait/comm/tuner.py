@@ -1,0 +1,204 @@
+"""The tuner: ``algorithm="auto"`` runs the algorithm with the lowest predicted time.
+
+Predictions are the alpha-beta-gamma closed forms of ``plait.cost.alpha_beta`` on a
+link model: the profile ``plait calibrate`` saved for the backend, or one you give
+(``set_tuner(Tuner(link))``). A choice is made once per (collective, world size,
+power-of-two size bucket) at the bucket's geometric middle and cached, so every
+rank picks the same algorithm whatever order its calls come in. Without a profile
+the measured default table (``plait.comm.collectives.default_algorithm``) decides.
+
+Overrides beat both: ``plait.comm.configure(algorithms={"all_reduce": "ring"})`` or
+``PLAIT_ALGORITHMS="all_reduce=ring,broadcast=tree"``.
+
+Every rank must see the same profile (the same file, or copies): ranks that pick
+different algorithms are stopped by the argument check (``check_args``) with a
+MismatchError naming the algorithms.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+import warnings
+from typing import Sequence
+
+from plait.comm.algorithms import COLLECTIVES, TORCH, algorithms_for, builder
+from plait.comm.algorithms.hierarchical import parse_hierarchy
+from plait.cost import LinkModel
+from plait.cost.alpha_beta import predict_time_s, uniform_hierarchy_dims
+
+__all__ = ["Tuner", "active_tuner", "set_tuner", "tuner_from_profile", "parse_overrides", "size_bucket"]
+
+
+def size_bucket(nbytes: int) -> tuple[int, int, int]:
+    """(lo, hi, representative) of the power-of-two bucket [lo, hi) holding nbytes;
+    the representative is the bucket's geometric middle."""
+    if nbytes <= 0:
+        return 0, 1, 0
+    b = int(nbytes).bit_length()
+    lo, hi = 1 << (b - 1), 1 << b
+    return lo, hi, int(round(lo * math.sqrt(2))) if lo > 1 else 1
+
+
+def parse_overrides(spec) -> dict[str, str]:
+    """``{"all_reduce": "ring"}`` or ``"all_reduce=ring,broadcast=tree"``, checked."""
+    if spec is None or spec == "":
+        return {}
+    if isinstance(spec, str):
+        pairs = {}
+        for item in spec.split(","):
+            if not item.strip():
+                continue
+            if "=" not in item:
+                raise ValueError(f"algorithm override {item!r} must look like collective=algorithm (all_reduce=ring)")
+            collective, algorithm = (x.strip() for x in item.split("=", 1))
+            pairs[collective] = algorithm
+        spec = pairs
+    if not isinstance(spec, dict):
+        raise TypeError(f"algorithm overrides must be a dict or 'collective=algorithm,...', got {spec!r}")
+    for collective, algorithm in spec.items():
+        if collective not in COLLECTIVES:
+            raise ValueError(f"algorithm override for unknown collective {collective!r}; valid: {', '.join(COLLECTIVES)}")
+        if algorithm != TORCH:
+            builder(collective, algorithm)  # raises listing the valid algorithms
+    return dict(spec)
+
+
+class Tuner:
+    """Picks, per (collective, size bucket, world size), the algorithm the model prices lowest.
+
+    ``link`` is one LinkModel or one per hierarchy level (outermost first);
+    ``hierarchy`` (a spec ``parse_hierarchy`` takes, equal groups) makes
+    ``hierarchical`` a candidate; ``call_overhead_s`` is the fixed cost of a call,
+    the same for every algorithm, so it changes predictions, not choices.
+    """
+
+    def __init__(self, link: LinkModel | Sequence[LinkModel], *, call_overhead_s: float = 0.0,
+                 hierarchy=None, source: str = "given link", candidates: dict | None = None) -> None:
+        if isinstance(link, LinkModel):
+            self.links = [link]
+        else:
+            self.links = list(link)
+            if not self.links or not all(isinstance(x, LinkModel) for x in self.links):
+                raise TypeError(f"link must be a LinkModel or a sequence of them, got {link!r}")
+        if not (isinstance(call_overhead_s, (int, float)) and call_overhead_s >= 0):
+            raise ValueError(f"call_overhead_s={call_overhead_s!r} must be >= 0 seconds")
+        self.call_overhead_s = float(call_overhead_s)
+        self.hierarchy = hierarchy
+        self.source = source
+        self.candidates = candidates or {}
+        self._cache: dict[tuple, str] = {}
+        self._lock = threading.Lock()
+
+    def _hierarchy_for(self, world_size: int):
+        if self.hierarchy is None:
+            return None
+        tree = parse_hierarchy(self.hierarchy, world_size)
+        dims = uniform_hierarchy_dims(tree)
+        return tree if dims is not None and sum(d > 1 for d in dims) > 1 else None
+
+    def algorithms(self, collective: str, world_size: int) -> list[str]:
+        """Candidates for ``collective``: every plait algorithm with a model
+        (``hierarchical`` only with a multi-level hierarchy of equal groups)."""
+        names = self.candidates.get(collective) or algorithms_for(collective)
+        if "hierarchical" in names and self._hierarchy_for(world_size) is None:
+            names = [n for n in names if n != "hierarchical"]
+        return list(names)
+
+    def predict_s(self, collective: str, algorithm: str, nbytes: int, world_size: int) -> float:
+        """Predicted seconds of one call, fixed call overhead included."""
+        if world_size == 1:
+            return 0.0
+        hierarchy = self._hierarchy_for(world_size) if algorithm == "hierarchical" else None
+        links = self.links if algorithm == "hierarchical" else self.links[:1]
+        if algorithm == "hierarchical" and len(links) > 1:
+            levels = sum(d > 1 for d in uniform_hierarchy_dims(hierarchy))
+            links = links[-levels:] if levels <= len(links) else links[:1]
+        link = links[0] if len(links) == 1 else links
+        return self.call_overhead_s + predict_time_s(collective, algorithm, nbytes, world_size, link,
+                                                     hierarchy=hierarchy)
+
+    def predictions(self, collective: str, nbytes: int, world_size: int) -> dict[str, float]:
+        return {name: self.predict_s(collective, name, nbytes, world_size)
+                for name in self.algorithms(collective, world_size)}
+
+    def choose(self, collective: str, nbytes: int, world_size: int) -> str:
+        """The cheapest algorithm for the bucket holding ``nbytes`` (cached)."""
+        lo, _, representative = size_bucket(nbytes)
+        key = (collective, world_size, lo)
+        with self._lock:
+            choice = self._cache.get(key)
+        if choice is None:
+            predicted = self.predictions(collective, representative, world_size)
+            # ties (e.g. p = 2, where many algorithms are the same exchange) go to the first listed
+            choice = min(predicted, key=predicted.get)
+            with self._lock:
+                self._cache[key] = choice
+        return choice
+
+    def switch_points(self, collective: str, world_size: int, min_nbytes: int = 1,
+                      max_nbytes: int = 1 << 30) -> list[tuple[int, int, str]]:
+        """[(lo, hi, algorithm)]: the size ranges [lo, hi) over which each algorithm
+        is chosen, merged across buckets, like NCCL's tuning table; the last range
+        ends at max_nbytes + 1."""
+        ranges: list[list] = []
+        nbytes = max(1, min_nbytes)
+        while nbytes <= max_nbytes:
+            lo, hi, _ = size_bucket(nbytes)
+            choice = self.choose(collective, nbytes, world_size)
+            if ranges and ranges[-1][2] == choice:
+                ranges[-1][1] = hi
+            else:
+                ranges.append([lo, hi, choice])
+            nbytes = hi
+        if ranges:
+            ranges[-1][1] = min(ranges[-1][1], max_nbytes + 1)
+        return [tuple(r) for r in ranges]
+
+
+# ----- the process's tuner -------------------------------------------------------------------------
+_ACTIVE: dict[str, Tuner | None] = {}
+_EXPLICIT: list[Tuner | None] = []  # set_tuner's value, when called
+_LOCK = threading.Lock()
+
+
+def tuner_from_profile(profile, *, source: str = "calibration profile") -> Tuner:
+    """A tuner on a calibration profile's link and call overhead (hierarchical a
+    candidate when PLAIT_HIERARCHY names equal groups)."""
+    return Tuner(profile.link, call_overhead_s=profile.call_overhead_s,
+                 hierarchy=os.environ.get("PLAIT_HIERARCHY") or None, source=source)
+
+
+def set_tuner(tuner: Tuner | None, *, backend: str | None = None) -> None:
+    """Use ``tuner`` for algorithm="auto" (None: back to the saved profile / table)."""
+    with _LOCK:
+        _EXPLICIT.clear()
+        _ACTIVE.clear()
+        if tuner is not None:
+            _EXPLICIT.append(tuner)
+
+
+def active_tuner(backend: str = "gloo") -> Tuner | None:
+    """The tuner for ``backend``: set_tuner's, else one built from the calibration
+    profile saved for the backend (warning if it was measured elsewhere), else None."""
+    with _LOCK:
+        if _EXPLICIT:
+            return _EXPLICIT[0]
+        if backend in _ACTIVE:
+            return _ACTIVE[backend]
+    from plait.cost.profile import load_profile
+
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            profile = load_profile(backend=backend)
+        for warning in caught:  # say it once per process, not once per call
+            warnings.warn(warning.message, stacklevel=3)
+    except ValueError as error:
+        warnings.warn(f"plait: ignoring the calibration profile: {error}", stacklevel=3)
+        profile = None
+    tuner = None if profile is None else tuner_from_profile(profile, source=f"profile saved for {backend}")
+    with _LOCK:
+        _ACTIVE[backend] = tuner
+    return tuner
