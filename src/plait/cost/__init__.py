@@ -2,10 +2,12 @@
 
 Alpha-beta(-gamma) closed forms and schedule-derived costs (``alpha_beta``),
 calibration profiles of the real machine (``profile``, ``calibration``), cluster
-topologies (``topology``) and a flow-level simulator (``simulator``).
-This package never imports torch.distributed: it runs anywhere, fast.
+topologies (``topology``, ``presets``, ``topology_io``) and a flow-level simulator
+(``simulator``). This package never imports torch.distributed or plait.comm: it
+takes schedules as plain data and runs anywhere, fast.
 """
 
 from plait.cost.link import CostTerms, LinkModel
+from plait.cost.alpha_beta import cost_terms, predict_time_s, schedule_terms, schedule_time_s
 
-__all__ = ["CostTerms", "LinkModel"]
+__all__ = ["CostTerms", "LinkModel", "cost_terms", "predict_time_s", "schedule_terms", "schedule_time_s"]
