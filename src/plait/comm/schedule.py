@@ -22,6 +22,7 @@ another in the same step, and both executors give bit-identical results.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 __all__ = [
     "Transfer",
@@ -40,9 +41,12 @@ class ScheduleError(ValueError):
     """A schedule breaks the rules of the buffer model (a bug in its builder)."""
 
 
-@dataclass(frozen=True, slots=True)
-class Transfer:
-    """One message: ``numel`` elements from ``src``'s buffer to ``dst``'s buffer."""
+class Transfer(NamedTuple):
+    """One message: ``numel`` elements from ``src``'s buffer to ``dst``'s buffer.
+
+    A named tuple rather than a dataclass: large schedules hold millions of these
+    (a 1,024-rank ring all-reduce has 2M), and tuples are built ~4x faster.
+    """
 
     src: int
     dst: int
@@ -147,16 +151,19 @@ class Schedule:
         for index, step in enumerate(self.steps):
             landing: dict[int, list[tuple[int, int, bool]]] = {}
             for t in step.transfers:
-                where = f"{self.algorithm} {self.collective} step {index}: {t}"
-                if not (0 <= t.src < p and 0 <= t.dst < p):
-                    raise ScheduleError(f"{where}: rank outside [0, {p})")
-                if t.src == t.dst:
-                    raise ScheduleError(f"{where}: a rank sends to itself")
-                if t.numel < 0 or t.src_offset < 0 or t.dst_offset < 0:
-                    raise ScheduleError(f"{where}: negative offset or size")
-                if t.src_offset + t.numel > n or t.dst_offset + t.numel > n:
-                    raise ScheduleError(f"{where}: outside the buffer of {n} elements")
-                landing.setdefault(t.dst, []).append((t.dst_offset, t.dst_offset + t.numel, t.reduce))
+                src, dst, src_offset, dst_offset, numel, reduce = t
+                problem = None
+                if not (0 <= src < p and 0 <= dst < p):
+                    problem = f"rank outside [0, {p})"
+                elif src == dst:
+                    problem = "a rank sends to itself"
+                elif numel < 0 or src_offset < 0 or dst_offset < 0:
+                    problem = "negative offset or size"
+                elif src_offset + numel > n or dst_offset + numel > n:
+                    problem = f"outside the buffer of {n} elements"
+                if problem is not None:
+                    raise ScheduleError(f"{self.algorithm} {self.collective} step {index}: {t}: {problem}")
+                landing.setdefault(dst, []).append((dst_offset, dst_offset + numel, reduce))
             for dst, ranges in landing.items():
                 ranges.sort()
                 for (a0, a1, a_red), (b0, b1, b_red) in zip(ranges, ranges[1:]):
