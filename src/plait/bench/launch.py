@@ -1,5 +1,9 @@
 """Run a benchmark in the current torchrun world or in N spawned local processes.
 
+What runs is a BenchConfig (``run_benchmark``) or any :class:`Job`: a top-level
+function and its config (with ``timeout_s``), e.g. ``plait calibrate``'s
+measurements. Rank 0's "row" payloads are what ``spawn_and_run`` returns.
+
 Spawned workers rendezvous through a fresh file:// store in a temporary directory
 (never a fixed port), use gloo, OMP_NUM_THREADS=1 and torch.set_num_threads(1).
 Rank 0 streams events ("begin"/"row"/"end") to the parent through a queue, so the
@@ -18,6 +22,7 @@ import queue as queue_module
 import tempfile
 import time
 import traceback
+from dataclasses import dataclass
 from typing import Callable
 
 import multiprocessing as mp
@@ -25,9 +30,28 @@ import multiprocessing as mp
 import torch
 import torch.distributed as dist
 
-from plait.bench.collectives import BenchConfig, BenchRow, run_benchmark
+from plait.bench.collectives import BenchConfig, run_benchmark
 
 EventHandler = Callable[[str, object], None]
+
+
+@dataclass(frozen=True)
+class Job:
+    """What each rank runs: ``function(config, device=..., emit=...)`` (top level, so it
+    pickles); rank 0's emit is wired to the parent. ``config.timeout_s`` bounds the
+    rendezvous and the parent's patience."""
+
+    function: Callable
+    config: object
+
+    @property
+    def timeout_s(self) -> float:
+        return float(self.config.timeout_s)
+
+
+def as_job(work: "BenchConfig | Job") -> Job:
+    """A BenchConfig runs ``run_benchmark``; a Job runs itself."""
+    return work if isinstance(work, Job) else Job(run_benchmark, work)
 
 
 class WorkerError(RuntimeError):
@@ -56,36 +80,39 @@ def _device_for(backend: str) -> torch.device:
     return torch.device("cpu")
 
 
-def run_in_current_world(config: BenchConfig, backend: str, on_event: EventHandler) -> list[BenchRow]:
-    """Benchmark in the world torchrun set up (env:// rendezvous); only rank 0 gets events."""
+def run_in_current_world(config: BenchConfig | Job, backend: str, on_event: EventHandler) -> list:
+    """Benchmark (or run a Job) in the world torchrun set up (env:// rendezvous); only
+    rank 0 gets events."""
+    job = as_job(config)
     backend = choose_backend(backend, spawned=False)
     created = not dist.is_initialized()
     if created:
         dist.init_process_group(backend, init_method="env://",
-                                timeout=datetime.timedelta(seconds=config.timeout_s))
+                                timeout=datetime.timedelta(seconds=job.timeout_s))
     try:
         device = _device_for(dist.get_backend())
         emit = on_event if dist.get_rank() == 0 else None
-        return run_benchmark(config, device=device, emit=emit)
+        return job.function(job.config, device=device, emit=emit)
     finally:
         if created:
             dist.destroy_process_group()
 
 
-def _worker(rank: int, world_size: int, init_method: str, backend: str, config: BenchConfig,
+def _worker(rank: int, world_size: int, init_method: str, backend: str, config: BenchConfig | Job,
             events) -> None:
     """Spawned entry point (top level so it pickles)."""
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     try:
+        job = as_job(config)
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=config.timeout_s))
+                                timeout=datetime.timedelta(seconds=job.timeout_s))
         device = torch.device("cpu")
         if backend == "nccl":
             torch.cuda.set_device(rank)
             device = torch.device("cuda", rank)
         emit = (lambda kind, payload: events.put((kind, payload))) if rank == 0 else None
-        run_benchmark(config, device=device, emit=emit)
+        job.function(job.config, device=device, emit=emit)
         dist.barrier()
         dist.destroy_process_group()
         events.put(("exit", rank))
@@ -96,14 +123,15 @@ def _worker(rank: int, world_size: int, init_method: str, backend: str, config: 
         os._exit(1)  # skip destroy/atexit hooks that can block on dead peers
 
 
-def spawn_and_run(config: BenchConfig, nprocs: int, backend: str, on_event: EventHandler, *,
-                  target: Callable = _worker) -> list[BenchRow]:
-    """Spawn `nprocs` local workers, run the benchmark, return rank 0's rows.
+def spawn_and_run(config: BenchConfig | Job, nprocs: int, backend: str, on_event: EventHandler, *,
+                  target: Callable = _worker, label: str = "plait bench") -> list:
+    """Spawn `nprocs` local workers, run the benchmark (or Job), return rank 0's rows.
     target(rank, world_size, init_method, backend, config, events) is the worker
-    entry point (tests swap in failing ones)."""
+    entry point (tests swap in failing ones); `label` starts WorkerError messages."""
     if nprocs < 1:
         raise ValueError(f"nprocs({nprocs}) must be >= 1")
-    if config.root >= nprocs:
+    timeout_s = as_job(config).timeout_s
+    if isinstance(config, BenchConfig) and config.root >= nprocs:
         raise ValueError(f"root({config.root}) must be < nprocs({nprocs})")
     backend = choose_backend(backend, spawned=True)
     if backend == "nccl" and torch.cuda.device_count() < nprocs:
@@ -130,7 +158,7 @@ def spawn_and_run(config: BenchConfig, nprocs: int, backend: str, on_event: Even
                 os.environ["OMP_NUM_THREADS"] = saved_omp
         finished = False
         try:
-            rows = _supervise(workers, events, on_event, silence_limit_s=4 * config.timeout_s + 60)
+            rows = _supervise(workers, events, on_event, silence_limit_s=4 * timeout_s + 60, label=label)
             finished = True
             return rows
         finally:
@@ -139,8 +167,9 @@ def spawn_and_run(config: BenchConfig, nprocs: int, backend: str, on_event: Even
             events.close()
 
 
-def _supervise(workers, events, on_event: EventHandler, silence_limit_s: float) -> list[BenchRow]:
-    rows: list[BenchRow] = []
+def _supervise(workers, events, on_event: EventHandler, silence_limit_s: float,
+               label: str = "plait bench") -> list:
+    rows: list = []
     exited: set[int] = set()
     failures: list[tuple[int, str]] = []
     last_event_s = time.monotonic()
@@ -182,7 +211,7 @@ def _supervise(workers, events, on_event: EventHandler, silence_limit_s: float) 
     if failures:
         text = "\n".join(f"--- rank {rank} ---\n{message}" if rank >= 0 else message
                          for rank, message in sorted(failures))
-        raise WorkerError(f"plait bench: {len(failures)} worker(s) failed:\n{text}")
+        raise WorkerError(f"{label}: {len(failures)} worker(s) failed:\n{text}")
     return rows
 
 

@@ -1,0 +1,244 @@
+"""Calibration microbenchmarks: time plait's own executor, all ranks busy at once.
+
+Ring shift (the model). A hand-built schedule of k steps on a buffer of two halves
+A and B of n bytes each: at step s every rank sends one half to rank+1 and
+receives the other from rank-1 (A -> B at even steps, B -> A at odd ones), so step
+s+1 forwards what step s received, as a ring reduce-scatter or all-gather does.
+With ``reduce`` the receiver adds what arrives (streamed per segment, as in the
+collectives). It runs through the communication engine and executor exactly as a
+plait collective does (same segmenting, same dataflow), and
+
+    t(k, n, r) = c + k * (alpha + beta * n + r * gamma * n)
+
+is fitted to the times by ``plait.cost.calibration`` (c: per-call overhead).
+
+Ping-pong (reference). Rank 0 sends n bytes to rank 1 and gets them back with the
+process group's own send/recv, the other ranks idle; half the round trip is the
+classic one-message latency/bandwidth, reported but not the model: it misses the
+contention of all ranks sharing the cores and links.
+
+Timing, per (kind, k, n, reduce): warm-up, one probe call (max over ranks) that
+sets how many back-to-back calls fill ``time_budget_s``; then in each of ``reps``
+sweeps over all configurations {barrier; those calls}: a rep's time is
+elapsed / calls, max over ranks (as ``plait bench``); the sample is the median rep.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from plait.bench.collectives import message_sizes
+from plait.comm.engine import CONFIG, configure, engine
+from plait.comm.executor import Transport
+from plait.comm.ops import COMBINE
+from plait.comm.schedule import Schedule, Step, Transfer, make_schedule
+from plait.cost.profile import Sample
+
+ELEMENT_SIZE = 4  # float32, as plait bench's default
+
+
+@dataclass(frozen=True, kw_only=True)
+class CalibrateConfig:
+    """One `plait calibrate` run (CLI flags map 1:1 to fields)."""
+
+    min_nbytes: int = 1024
+    max_nbytes: int = 64 << 20
+    factor: int = 2
+    steps: tuple[int, ...] = (1, 2, 4)
+    reps: int = 7
+    warmup: int = 1
+    time_budget_s: float = 0.02
+    max_calls_per_rep: int = 30
+    ping_pong: bool = True
+    timeout_s: float = 120.0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "steps", tuple(sorted(set(self.steps))))
+        problems = []
+        if self.min_nbytes < ELEMENT_SIZE or self.max_nbytes < self.min_nbytes:
+            problems.append(f"need {ELEMENT_SIZE} <= min_nbytes({self.min_nbytes}) <= max_nbytes({self.max_nbytes})")
+        if self.factor < 2:
+            problems.append(f"factor({self.factor}) must be >= 2")
+        if len(self.steps) < 2 or any(not isinstance(k, int) or k < 1 for k in self.steps):
+            problems.append(f"steps={self.steps} must be >= 2 distinct ints >= 1 (to separate the call "
+                            "overhead from alpha), e.g. 1,2,4")
+        elif len(message_sizes(self.min_nbytes, self.max_nbytes, self.factor)) < 2:
+            problems.append(f"min_nbytes({self.min_nbytes})..max_nbytes({self.max_nbytes}) x{self.factor} "
+                            "gives one size; need >= 2 to separate alpha from beta")
+        if self.reps < 1 or self.warmup < 0 or self.max_calls_per_rep < 1:
+            problems.append(f"need reps({self.reps}) >= 1, warmup({self.warmup}) >= 0 and "
+                            f"max_calls_per_rep({self.max_calls_per_rep}) >= 1")
+        if self.time_budget_s < 0 or self.timeout_s <= 0:
+            problems.append(f"need time_budget_s({self.time_budget_s}) >= 0 and timeout_s({self.timeout_s}) > 0")
+        if problems:
+            raise ValueError("invalid calibrate config: " + "; ".join(problems))
+
+    @property
+    def sizes_nbytes(self) -> list[int]:
+        """Message sizes, rounded down to whole float32 elements."""
+        sizes = message_sizes(self.min_nbytes, self.max_nbytes, self.factor)
+        return sorted({n - n % ELEMENT_SIZE for n in sizes})
+
+
+def shift_schedule(world_size: int, numel: int, steps: int, reduce: bool, regions: int | None = None) -> Schedule:
+    """k steps of a ring shift on a buffer of ``regions`` (default p, at least 2)
+    regions of numel elements: at step s rank r sends region s % m to r+1 and
+    receives region (s+1) % m from r-1 (adding it in with ``reduce``). Per step each
+    rank sends and receives numel elements:
+    T = c + k (alpha + numel b + [reduce] numel g).
+
+    With m = p regions the dependencies are those of a ring of p: step s+1 forwards
+    what step s received, and overwrites a region last sent m - 2 steps before."""
+    regions = max(2, world_size if regions is None else regions)
+    if world_size < 2 or numel < 1 or steps < 1:
+        raise ValueError(f"need world_size({world_size}) >= 2, numel({numel}) >= 1, steps({steps}) >= 1")
+    plan = []
+    for step in range(steps):
+        send_offset, recv_offset = (step % regions) * numel, ((step + 1) % regions) * numel
+        plan.append(Step(tuple(Transfer(r, (r + 1) % world_size, send_offset, recv_offset, numel, reduce)
+                               for r in range(world_size))))
+    return make_schedule("calibrate", "shift", world_size, regions * numel, plan)
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":  # kernels are asynchronous on GPUs
+        torch.cuda.synchronize(device)
+
+
+def _max_over_ranks(values: list[float], device: torch.device, group) -> list[float]:
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
+    return tensor.tolist()
+
+
+def _timed(call: Callable[[], None], calls: int, device: torch.device) -> float:
+    """Seconds per call of ``calls`` back-to-back calls on this rank."""
+    _synchronize(device)
+    start_s = time.perf_counter()
+    for _ in range(calls):
+        call()
+    _synchronize(device)
+    return (time.perf_counter() - start_s) / calls
+
+
+def calls_per_rep(call: Callable[[], None], config: CalibrateConfig, device: torch.device, group=None) -> int:
+    """Warm up, then time one probe call (max over ranks, so every rank agrees):
+    as many calls as fit ``time_budget_s``, between 1 and ``max_calls_per_rep``."""
+    for _ in range(config.warmup):
+        call()
+    (probe_s,) = _max_over_ranks([_timed(call, 1, device)], device, group)
+    calls = config.max_calls_per_rep if probe_s <= 0 else int(config.time_budget_s / probe_s)
+    return max(1, min(config.max_calls_per_rep, calls))
+
+
+def _shift_call(schedule: Schedule, buffer: torch.Tensor, rank: int, group, device, timeout_s: float):
+    """One call as plait.comm's collectives make it: a transport, then the schedule
+    on the engine (inline) with the configured segment size."""
+    comm_engine = engine()
+    segment_numel = CONFIG.segment_bytes // buffer.element_size() if CONFIG.segment_bytes else 0
+
+    def job():
+        transport = Transport(group, device)
+        comm_engine.executor.run(schedule, buffer, rank, transport, COMBINE["sum"], timeout_s=timeout_s,
+                                 segment_numel=segment_numel, label="calibrate shift")
+
+    return lambda: comm_engine.submit(job, "calibrate shift", async_op=False)
+
+
+def _ping_pong_call(buffer: torch.Tensor, rank: int, group):
+    """A round trip 0 -> 1 -> 0 with the group's own send/recv; other ranks idle."""
+    if rank > 1:
+        return lambda: None
+    peer = dist.get_global_rank(group, 1 - rank)
+
+    def call():
+        if rank == 0:
+            dist.send(buffer, peer, group=group)
+            dist.recv(buffer, peer, group=group)
+        else:
+            dist.recv(buffer, peer, group=group)
+            dist.send(buffer, peer, group=group)
+
+    return call
+
+
+def _sample(kind: str, steps: int, nbytes: int, reduce: bool, rep_times_s: list[float]) -> Sample:
+    floor_s = 1e-9  # a rep can never be faster than this: keeps Sample's times > 0
+    rep_times_s = [max(t, floor_s) for t in rep_times_s]
+    return Sample(kind=kind, steps=steps, nbytes=nbytes, reduce=reduce,
+                  time_s=statistics.median(rep_times_s), rep_times_s=tuple(rep_times_s))
+
+
+def measurement_plan(config: CalibrateConfig) -> list[tuple[str, int, int, bool]]:
+    """(kind, steps, nbytes, reduce) in measuring order: size-major, copy and reduce
+    of each step count back to back, then the ping-pong."""
+    plan = []
+    for nbytes in config.sizes_nbytes:
+        plan += [("shift", steps, nbytes, reduce) for steps in config.steps for reduce in (False, True)]
+        if config.ping_pong:
+            plan.append(("ping_pong", 1, nbytes, False))
+    return plan
+
+
+def run_calibration(config: CalibrateConfig, *, group=None, device: torch.device | None = None,
+                    emit: Callable[[str, object], None] | None = None) -> list[Sample]:
+    """Measure every (size, steps, copy/reduce) ring shift and the ping-pong on all
+    ranks of ``group``; returns the samples (identical on every rank).
+
+    The whole plan is swept ``config.reps`` times and each sample is the median of
+    its reps: the machine's slow phases (seconds long on a shared, oversubscribed
+    machine) then land on different configurations in different sweeps and the
+    median drops them. emit(kind, payload): ("progress", text) per sweep, then
+    ("row", Sample) per sample."""
+    device = device or torch.device("cpu")
+    group = group if group is not None else dist.group.WORLD
+    world_size, rank = dist.get_world_size(group), dist.get_rank(group)
+    if world_size < 2:
+        raise ValueError("calibration needs >= 2 ranks (it measures messages between them): use --nprocs 2 or more")
+    configure(timeout_s=config.timeout_s)
+    emit = emit or (lambda kind, payload: None)
+    plan = measurement_plan(config)
+    calls: dict[tuple, int] = {}
+    schedules: dict[tuple, Schedule] = {}  # kept: the executor caches its plan on them
+    times_s: dict[tuple, list[float]] = {key: [] for key in plan}
+    for sweep in range(config.reps):
+        emit("progress", f"sweep {sweep + 1}/{config.reps} over {len(plan)} configurations")
+        local_s = []
+        for nbytes in config.sizes_nbytes:
+            numel = nbytes // ELEMENT_SIZE
+            # zeros: repeated sums never overflow or go denormal
+            buffer = torch.zeros(max(2, world_size) * numel, dtype=torch.float32, device=device)
+            for key in (key for key in plan if key[2] == nbytes):
+                kind, steps, _, reduce = key
+                if kind == "shift":
+                    if key not in schedules:
+                        schedules[key] = shift_schedule(world_size, numel, steps, reduce)
+                    call = _shift_call(schedules[key], buffer, rank, group, device, config.timeout_s)
+                else:
+                    call = _ping_pong_call(buffer[:numel], rank, group)
+                if key not in calls:
+                    calls[key] = calls_per_rep(call, config, device, group)
+                dist.barrier(group=group)
+                per_call_s = _timed(call, calls[key], device)
+                local_s.append(per_call_s / 2 if kind == "ping_pong" else per_call_s)  # one way
+            del buffer
+        for key, time_s in zip(plan, _max_over_ranks(local_s, device, group)):
+            times_s[key].append(time_s)
+    engine().executor.release()
+    samples = [_sample(*key, times_s[key]) for key in plan]
+    for sample in samples:
+        emit("row", sample)
+    return samples
+
+
+def describe_device(backend: str) -> str:
+    """"cpu" for gloo; "cuda (<GPU name>)" for nccl."""
+    if backend == "nccl" and torch.cuda.is_available():
+        return f"cuda ({torch.cuda.get_device_name(0)})"
+    return "cpu"

@@ -1,0 +1,183 @@
+"""`plait calibrate`: measure this machine's alpha, beta, gamma and call overhead.
+
+    plait calibrate --nprocs 4 [--min-bytes 1K --max-bytes 64M --reps 7 --output PATH --json]
+
+Spawns N local workers (or, under torchrun without --nprocs, uses that world),
+times ring shifts of 1, 2 and 4 steps through plait's executor on all ranks at
+once, copy and reduce, plus a two-rank ping-pong for reference
+(``plait.bench.calibrate``), fits
+
+    t(k, n, r) = c + k * (alpha + beta * n + r * gamma * n)
+
+weighted by 1/t (``plait.cost.calibration``), and saves the profile
+(``plait.cost.profile``) where the cost model and the tuner look for it:
+$PLAIT_CACHE_DIR, else $XDG_CACHE_HOME/plait, else
+~/.cache/plait, as profile-{backend}.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+
+from plait.bench.calibrate import CalibrateConfig, describe_device, run_calibration
+from plait.bench.launch import Job, WorkerError, choose_backend, in_torchrun, run_in_current_world, spawn_and_run
+from plait.cli.bench import parse_nbytes
+from plait.cost.calibration import CalibrationReport, make_profile
+from plait.cost.profile import Profile, save_profile
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 1")
+    return value
+
+
+def _steps(text: str) -> tuple[int, ...]:
+    try:
+        steps = tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid steps {text!r}: give comma-separated ints, e.g. 1,2,4") from None
+    if len(set(steps)) < 2 or min(steps) < 1:
+        raise argparse.ArgumentTypeError(f"invalid steps {text!r}: need >= 2 distinct ints >= 1, e.g. 1,2,4")
+    return steps
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
+        "calibrate", help="measure alpha/beta/gamma of plait's executor on this machine; save a profile",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--nprocs", "-n", type=_positive_int, default=None,
+                        help="spawn this many local processes (default: the torchrun world if "
+                             "RANK/WORLD_SIZE are set, else 4); measure with the p you will run")
+    parser.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"),
+                        help="auto: gloo for spawned workers, nccl under torchrun with CUDA")
+    parser.add_argument("--min-bytes", "-b", type=parse_nbytes, default=parse_nbytes("1K"),
+                        help="smallest message, K/M/G binary suffixes (default 1K)")
+    parser.add_argument("--max-bytes", "-e", type=parse_nbytes, default=parse_nbytes("64M"),
+                        help="largest message (default 64M)")
+    parser.add_argument("--factor", "-f", type=int, default=2, help="size multiplier (default 2)")
+    parser.add_argument("--steps", type=_steps, default=(1, 2, 4),
+                        help="ring-shift step counts, comma-separated (default 1,2,4)")
+    parser.add_argument("--reps", type=_positive_int, default=7,
+                        help="sweeps over all configurations; each sample is the median (default 7)")
+    parser.add_argument("--time-budget", type=float, default=0.02, metavar="SECONDS",
+                        help="back-to-back calls per rep fill about this long (default 0.02)")
+    parser.add_argument("--max-calls", type=_positive_int, default=30,
+                        help="most back-to-back calls per rep (default 30)")
+    parser.add_argument("--warmup", "-w", type=int, default=1,
+                        help="untimed calls per configuration before its first rep (default 1)")
+    parser.add_argument("--no-ping-pong", action="store_true", help="skip the reference ping-pong")
+    parser.add_argument("--timeout", type=float, default=120.0, metavar="SECONDS",
+                        help="per-call timeout (default 120)")
+    parser.add_argument("--output", "-o", default=None, metavar="PATH",
+                        help="where to save the profile (default: the cache path for the backend)")
+    parser.add_argument("--json", action="store_true",
+                        help="print the saved profile as JSON on stdout (the tables go to stderr)")
+    parser.set_defaults(run=run)
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> CalibrateConfig:
+    return CalibrateConfig(min_nbytes=args.min_bytes, max_nbytes=args.max_bytes, factor=args.factor,
+                           steps=args.steps, reps=args.reps, warmup=args.warmup, time_budget_s=args.time_budget,
+                           max_calls_per_rep=args.max_calls, ping_pong=not args.no_ping_pong,
+                           timeout_s=args.timeout)
+
+
+def _gbps(s_per_byte: float) -> str:
+    return "inf" if s_per_byte <= 0 else f"{1e-9 / s_per_byte:.3f}"
+
+
+def format_samples(profile: Profile) -> list[str]:
+    """One line per sample: measured median, the model's time and the error."""
+    link, overhead_s = profile.link, profile.call_overhead_s
+    lines = ["#      kind  steps        size  op       time(us)    model(us)     err   reps min..max (us)"]
+    for s in profile.samples:
+        if s.kind == "shift":
+            model_s = overhead_s + s.steps * (link.alpha_s + s.nbytes * link.beta_s_per_byte
+                                              + s.reduce * s.nbytes * link.gamma_s_per_byte)
+            model, err = f"{model_s * 1e6:12.1f}", f"{(model_s - s.time_s) / s.time_s * 100:+6.1f}%"
+        elif profile.ping_pong_link is not None:
+            model_s = profile.ping_pong_link.message_time_s(s.nbytes)
+            model, err = f"{model_s * 1e6:12.1f}", f"{(model_s - s.time_s) / s.time_s * 100:+6.1f}%"
+        else:
+            model, err = f"{'-':>12}", f"{'-':>7}"
+        spread = f"{min(s.rep_times_s) * 1e6:.0f}..{max(s.rep_times_s) * 1e6:.0f}" if s.rep_times_s else "-"
+        lines.append(f"{s.kind:>11} {s.steps:>6} {s.nbytes:>11}  {'sum' if s.reduce else 'copy':<4} "
+                     f"{s.time_s * 1e6:12.1f} {model} {err}   {spread}")
+    return lines
+
+
+def format_fit(profile: Profile, report: CalibrationReport) -> list[str]:
+    link = profile.link
+    fit = report.shift
+    lines = [f"# fit (least squares weighted by 1/t, i.e. relative error) over {fit.nsamples} shift samples:",
+             f"#   t(k, n, r) = c + k * (alpha + beta * n + r * gamma * n)",
+             f"#   alpha         {link.alpha_s * 1e6:10.2f} us  (+- {fit.std_error('alpha_s') * 1e6:.2f})",
+             f"#   beta          {_gbps(link.beta_s_per_byte):>10} GB/s   ({link.beta_s_per_byte:.4g} s/B "
+             f"+- {fit.std_error('beta_s_per_byte'):.2g})",
+             f"#   gamma         {_gbps(link.gamma_s_per_byte):>10} GB/s   ({link.gamma_s_per_byte:.4g} s/B "
+             f"+- {_plus_minus(fit.std_error('gamma_s_per_byte'))})",
+             f"#   call overhead {profile.call_overhead_s * 1e6:10.2f} us  "
+             f"(+- {_plus_minus(fit.std_error('call_overhead_s'), 1e6, '.2f')})",
+             "#   R^2 " + "  ".join(f"{name} {value:.3f}" for name, value in profile.r2.items()),
+             f"#   error vs samples: mean {fit.mean_abs_pct_error:.1f}%, max {fit.max_abs_pct_error:.1f}%"]
+    if report.ping_pong is not None and profile.ping_pong_link is not None:
+        ping = profile.ping_pong_link
+        lines.append(f"# reference ping-pong (ranks 0-1, others idle; not the model): alpha "
+                     f"{ping.alpha_s * 1e6:.2f} us, beta {_gbps(ping.beta_s_per_byte)} GB/s")
+    lines += [f"# note: {note}" for note in profile.notes]
+    return lines
+
+
+def _plus_minus(value: float, scale: float = 1.0, spec: str = ".2g") -> str:
+    return "clamped" if math.isnan(value) else format(value * scale, spec)
+
+
+def run(args: argparse.Namespace) -> int:
+    config = config_from_args(args)
+    use_world = args.nprocs is None and in_torchrun()
+    is_reporter = not use_world or int(os.environ.get("RANK", "0")) == 0
+    out = sys.stderr if args.json else sys.stdout
+    if use_world:
+        nprocs, backend = int(os.environ["WORLD_SIZE"]), choose_backend(args.backend, spawned=False)
+    else:
+        nprocs, backend = args.nprocs or 4, choose_backend(args.backend, spawned=True)
+    if nprocs < 2:
+        raise ValueError(f"calibration needs >= 2 processes, got {nprocs}: use --nprocs 2 or more")
+
+    def on_event(kind: str, payload) -> None:
+        if kind == "progress":
+            print(f"# measuring: {payload}", file=sys.stderr, flush=True)
+
+    if is_reporter:
+        print(f"# plait calibrate: nprocs {nprocs}  backend {backend}  sizes {config.sizes_nbytes[0]}.."
+              f"{config.sizes_nbytes[-1]} x{config.factor}  steps {','.join(map(str, config.steps))}  "
+              f"reps {config.reps}", file=out, flush=True)
+    start_s = time.monotonic()
+    job = Job(run_calibration, config)
+    try:
+        if use_world:
+            samples = run_in_current_world(job, backend, on_event)
+        else:
+            samples = spawn_and_run(job, nprocs, backend, on_event, label="plait calibrate")
+    except WorkerError as error:
+        print(str(error), file=sys.stderr)
+        return 1
+    if not is_reporter:
+        return 0
+    profile, report = make_profile(samples, backend=backend, device=describe_device(backend), world_size=nprocs)
+    path = save_profile(profile, args.output)
+    for line in format_samples(profile) + format_fit(profile, report):
+        print(line, file=out)
+    print(f"# measured in {time.monotonic() - start_s:.1f} s; profile saved to {path}", file=out, flush=True)
+    if args.json:
+        json.dump(profile.as_dict(), sys.stdout, indent=1)
+        print()
+    return 0
