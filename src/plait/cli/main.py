@@ -13,7 +13,7 @@ import sys
 
 from plait import __version__
 
-SUBCOMMANDS = ("bench", "schedule", "cost", "tune")
+SUBCOMMANDS = ("bench", "schedule", "cost", "tune", "calibrate", "simulate")
 
 
 def build_parser() -> argparse.ArgumentParser:
