@@ -136,6 +136,7 @@ class BenchConfig:
     timeout_s: float = 120.0
     seed: int = 1234
     rounds: int = 1
+    profile_path: str | None = None  # algorithm="auto" follows this calibration profile
 
     def __post_init__(self) -> None:
         problems = []
@@ -205,7 +206,11 @@ class BenchRow:
     def as_dict(self) -> dict:
         keys = ("collective", "algorithm", "nprocs", "size_bytes", "count", "dtype", "op", "root",
                 "time_us", "algbw_gbps", "busbw_gbps", "wrong", "iters", "error")
-        return {key: getattr(self, key) for key in keys}
+        out = {key: getattr(self, key) for key in keys}
+        # --predict adds predicted_us, error_pct and (auto rows) auto_choice
+        out.update({key: value for key, value in self.extra.items()
+                    if key in ("predicted_us", "error_pct", "auto_choice")})
+        return out
 
 
 def choose_iteration_counts(per_call_s: float, iters: int, warmup_left: int,
@@ -252,6 +257,14 @@ def _configure_plait(config: BenchConfig) -> None:
     # Time plait algorithms without the per-call cross-rank argument check:
     # torch.distributed does no such check, so this keeps the comparison fair.
     comm.configure(check_args=False, timeout_s=config.timeout_s)
+    if config.profile_path is not None:
+        from plait.comm.tuner import set_tuner, tuner_from_profile
+        from plait.cost.profile import load_profile
+
+        profile = load_profile(config.profile_path)
+        if profile is None:
+            raise ValueError(f"no calibration profile at {config.profile_path}")
+        set_tuner(tuner_from_profile(profile, source=config.profile_path))
 
 
 def measure_one(config: BenchConfig, algorithm: str, count: int, size_bytes: int, *,

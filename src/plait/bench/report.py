@@ -173,9 +173,10 @@ def summary_lines(rows: list[BenchRow], baseline: str = TORCH_ALGORITHM) -> list
 class Printer:
     """Prints header, blocks and summary as benchmark events arrive."""
 
-    def __init__(self, stream: IO[str]) -> None:
+    def __init__(self, stream: IO[str], predictor=None) -> None:
         self.stream = stream
         self.rows: list[BenchRow] = []
+        self.predictor = predictor  # plait.bench.predict.Predictor with --predict
 
     def write(self, lines: list[str]) -> None:
         for line in lines:
@@ -186,7 +187,10 @@ class Printer:
         if kind == "progress":  # to stderr, so stdout stays the nccl-tests table
             print(f"# measuring: {payload}", file=sys.stderr, flush=True)
         elif kind == "begin":
-            self.write(format_block_start(payload))
+            lines = format_block_start(payload)
+            if self.predictor is not None:
+                lines[-1] = lines[-1].replace("\n", "  pred(us)     err\n", 1)
+            self.write(lines)
         elif kind == "row":
             previous = self.rows[-1] if self.rows else None
             self.rows.append(payload)
@@ -195,7 +199,8 @@ class Printer:
                 self.write([f"# error at size {payload.size_bytes} ({payload.algorithm}): "
                             "same as above"])
             else:
-                self.write([format_row(payload)])
+                suffix = self.predictor.annotate(payload) if self.predictor is not None else ""
+                self.write([format_row(payload) + suffix])
         elif kind == "end":
             self.write(format_block_end(payload, self.rows))
 
@@ -206,7 +211,7 @@ def write_json(rows: list[BenchRow], stream: IO[str]) -> None:
 
 
 def write_csv(rows: list[BenchRow], stream: IO[str]) -> None:
-    writer = csv.DictWriter(stream, fieldnames=ROW_FIELDS)
+    writer = csv.DictWriter(stream, fieldnames=ROW_FIELDS, extrasaction="ignore")
     writer.writeheader()
     for row in rows:
         writer.writerow({key: "" if value is None else value for key, value in row.as_dict().items()})

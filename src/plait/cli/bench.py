@@ -120,6 +120,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--json", metavar="FILE", default=None,
                         help="write rows as JSON to FILE ('-': stdout, the table goes to stderr)")
     parser.add_argument("--csv", metavar="FILE", default=None, help="write rows as CSV to FILE")
+    parser.add_argument("--predict", action="store_true",
+                        help="add the cost model's predicted time and its error to each plait row, "
+                             "MAPE per algorithm and auto's regret (needs plait calibrate's profile)")
+    parser.add_argument("--profile", default=None, metavar="PATH",
+                        help="calibration profile for --predict and for auto (default: the saved one)")
     parser.add_argument("--plot", metavar="FILE.png", default=None,
                         help="plot busbw against size (log2 axis), one line per algorithm")
     parser.set_defaults(run=run)
@@ -132,7 +137,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         min_nbytes=args.min_bytes, max_nbytes=args.max_bytes, factor=args.factor, iters=args.iters,
         warmup=args.warmup, op=args.op, dtype=args.dtype, root=args.root, check=args.check,
         time_budget_s=args.time_budget, timeout_s=args.timeout, seed=args.seed,
-        rounds=args.rounds)
+        rounds=args.rounds, profile_path=args.profile)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -140,7 +145,6 @@ def run(args: argparse.Namespace) -> int:
     use_world = args.nprocs is None and in_torchrun()
     is_reporter = not use_world or int(os.environ.get("RANK", "0")) == 0
     stream = sys.stderr if args.json == "-" else sys.stdout
-    printer = report.Printer(stream)
     if use_world:
         nprocs = int(os.environ["WORLD_SIZE"])
         backend = choose_backend(args.backend, spawned=False)
@@ -149,9 +153,15 @@ def run(args: argparse.Namespace) -> int:
         backend = choose_backend(args.backend, spawned=True)
     if config.root >= nprocs:
         raise ValueError(f"--root {config.root} must be < the number of processes ({nprocs})")
+    predictor = None
+    if args.predict:
+        predictor, config = _predictor(args, config, backend, nprocs)
+    printer = report.Printer(stream, predictor)
     if is_reporter:
         printer.write(report.format_header(config, nprocs=nprocs, backend=backend,
                                            device="cuda" if backend == "nccl" else "cpu"))
+        if predictor is not None:
+            printer.write(predictor.header())
     try:
         if use_world:
             rows = run_in_current_world(config, backend, printer.on_event)
@@ -163,6 +173,10 @@ def run(args: argparse.Namespace) -> int:
     if not is_reporter:
         return 0
     printer.write(report.summary_lines(rows))
+    if predictor is not None:
+        from plait.bench import predict
+
+        printer.write(predict.summary_lines(rows))
     _write_outputs(args, rows)
     # Exit 1 if any (algorithm, size) failed or computed wrong values: the run went on
     # to the end, but a script should not mistake it for a clean one.
@@ -173,6 +187,22 @@ def run(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 1
     return 0
+
+
+def _predictor(args: argparse.Namespace, config: BenchConfig, backend: str, nprocs: int):
+    """The Predictor for --predict, and the config with the profile pinned so that
+    the workers' algorithm="auto" follows the same profile the predictions use."""
+    import dataclasses
+
+    from plait.bench.predict import Predictor
+    from plait.cost.profile import default_profile_path, load_profile
+
+    path = args.profile or str(default_profile_path(backend))
+    profile = load_profile(path)
+    if profile is None:
+        raise ValueError(f"--predict needs a calibration profile and there is none at {path}: "
+                         f"run plait calibrate --nprocs {nprocs} first, or pass --profile PATH")
+    return Predictor(profile, world_size=nprocs, source=path), dataclasses.replace(config, profile_path=path)
 
 
 def _write_outputs(args: argparse.Namespace, rows: list[BenchRow]) -> None:
