@@ -104,3 +104,19 @@ def auto_runs_the_tuners_choice(rank, p):
 def test_auto_runs_the_tuners_choice_on_real_ranks():
     for used, correct in run_distributed(auto_runs_the_tuners_choice, 3, timeout_s=60):
         assert used == {"direct": 1} and correct
+
+
+def test_shared_host_tuner_prices_schedules_with_the_shared_model():
+    from plait.comm.algorithms import build_schedule
+    from plait.cost.alpha_beta import shared_host_terms
+
+    link = LinkModel(1e-3, 1e-9, 3e-10)
+    tuner = Tuner(link, call_overhead_s=2e-4, shared_host_ranks=4)
+    for algorithm in ("star", "ring", "tree"):
+        schedule = build_schedule("all_reduce", algorithm, 4, 1 << 18, None, 4)
+        expected = 2e-4 + shared_host_terms(schedule, 4, 4).time_s(link)
+        assert tuner.predict_s("all_reduce", algorithm, 1 << 20, 4) == pytest.approx(expected, rel=1e-12)
+    # on a shared host the star's one busy rank costs no more than everyone busy in a ring
+    assert tuner.choose("all_reduce", 4096, 4) == "star"
+    with pytest.raises(ValueError, match="shared_host_ranks=0"):
+        Tuner(link, shared_host_ranks=0)

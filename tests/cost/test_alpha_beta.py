@@ -170,3 +170,22 @@ def test_one_rank_and_empty_buffers_cost_nothing():
     link = LinkModel(1e-6, 1e-9, 1e-10)
     assert predict_time_s("all_reduce", "ring", 1 << 20, 1, link) == 0.0
     assert predict_time_s("all_reduce", "ring", 0, 8, link) == 0.0
+
+
+def test_shared_host_model_prices_total_work_over_the_ranks_sharing():
+    from plait.cost.alpha_beta import shared_host_terms
+
+    link = LinkModel(1e-3, 1e-9, 3e-10)
+    p, numel = 4, 4000
+    # ring: every step has p equal messages, so it equals the one-port model
+    ring = build_schedule("all_reduce", "ring", p, numel)
+    assert shared_host_terms(ring, ITEMSIZE, p).time_s(link) == pytest.approx(
+        schedule_time_s(ring, link, ITEMSIZE), rel=1e-12)
+    # star: 2(p-1) messages of n, (p-1) n reduced, all divided by the p ranks sharing
+    star = build_schedule("all_reduce", "star", p, numel)
+    n = numel * ITEMSIZE
+    expected = (2 * (p - 1) * link.alpha_s + 2 * (p - 1) * n * link.beta_s_per_byte
+                + (p - 1) * n * link.gamma_s_per_byte) / p
+    assert shared_host_terms(star, ITEMSIZE, p).time_s(link) == pytest.approx(expected, rel=1e-12)
+    with pytest.raises(ValueError, match="ranks_sharing=0"):
+        shared_host_terms(star, ITEMSIZE, 0)

@@ -23,10 +23,10 @@ import threading
 import warnings
 from typing import Sequence
 
-from plait.comm.algorithms import COLLECTIVES, TORCH, algorithms_for, builder
+from plait.comm.algorithms import COLLECTIVES, ROOTED, TORCH, algorithms_for, build_schedule, builder
 from plait.comm.algorithms.hierarchical import parse_hierarchy
 from plait.cost import LinkModel
-from plait.cost.alpha_beta import predict_time_s, uniform_hierarchy_dims
+from plait.cost.alpha_beta import pipeline_segments, predict_time_s, shared_host_terms, uniform_hierarchy_dims
 
 __all__ = ["Tuner", "active_tuner", "set_tuner", "tuner_from_profile", "parse_overrides", "size_bucket"]
 
@@ -72,10 +72,14 @@ class Tuner:
     ``hierarchy`` (a spec ``parse_hierarchy`` takes, equal groups) makes
     ``hierarchical`` a candidate; ``call_overhead_s`` is the fixed cost of a call,
     the same for every algorithm, so it changes predictions, not choices.
+    ``shared_host_ranks`` switches from the one-port closed forms to the shared-host
+    model (``plait.cost.alpha_beta.shared_host_terms``, priced on the schedule): for
+    ranks that share one host's cores, as plait calibrate's profile on CPU measures.
     """
 
     def __init__(self, link: LinkModel | Sequence[LinkModel], *, call_overhead_s: float = 0.0,
-                 hierarchy=None, source: str = "given link", candidates: dict | None = None) -> None:
+                 hierarchy=None, source: str = "given link", candidates: dict | None = None,
+                 shared_host_ranks: int | None = None) -> None:
         if isinstance(link, LinkModel):
             self.links = [link]
         else:
@@ -85,6 +89,9 @@ class Tuner:
         if not (isinstance(call_overhead_s, (int, float)) and call_overhead_s >= 0):
             raise ValueError(f"call_overhead_s={call_overhead_s!r} must be >= 0 seconds")
         self.call_overhead_s = float(call_overhead_s)
+        if shared_host_ranks is not None and (not isinstance(shared_host_ranks, int) or shared_host_ranks < 1):
+            raise ValueError(f"shared_host_ranks={shared_host_ranks!r} must be an integer >= 1 or None")
+        self.shared_host_ranks = shared_host_ranks
         self.hierarchy = hierarchy
         self.source = source
         self.candidates = candidates or {}
@@ -111,6 +118,8 @@ class Tuner:
         if world_size == 1:
             return 0.0
         hierarchy = self._hierarchy_for(world_size) if algorithm == "hierarchical" else None
+        if self.shared_host_ranks is not None:
+            return self.call_overhead_s + self._shared_host_s(collective, algorithm, nbytes, world_size, hierarchy)
         links = self.links if algorithm == "hierarchical" else self.links[:1]
         if algorithm == "hierarchical" and len(links) > 1:
             levels = sum(d > 1 for d in uniform_hierarchy_dims(hierarchy))
@@ -118,6 +127,15 @@ class Tuner:
         link = links[0] if len(links) == 1 else links
         return self.call_overhead_s + predict_time_s(collective, algorithm, nbytes, world_size, link,
                                                      hierarchy=hierarchy)
+
+    def _shared_host_s(self, collective, algorithm, nbytes, world_size, hierarchy) -> float:
+        itemsize = 4 if nbytes % (4 * world_size) == 0 else 1  # whole elements where the size allows
+        numel = nbytes // itemsize
+        if collective == "all_to_all":
+            numel = 2 * (numel - numel % world_size)  # [input | output]
+        root = 0 if collective in ROOTED else None
+        schedule = build_schedule(collective, algorithm, world_size, numel, root, pipeline_segments(nbytes), hierarchy)
+        return shared_host_terms(schedule, itemsize, self.shared_host_ranks).time_s(self.links[0])
 
     def predictions(self, collective: str, nbytes: int, world_size: int) -> dict[str, float]:
         return {name: self.predict_s(collective, name, nbytes, world_size)
@@ -163,11 +181,21 @@ _EXPLICIT: list[Tuner | None] = []  # set_tuner's value, when called
 _LOCK = threading.Lock()
 
 
-def tuner_from_profile(profile, *, source: str = "calibration profile") -> Tuner:
+def tuner_from_profile(profile, *, source: str = "calibration profile", shared_host: bool | None = None) -> Tuner:
     """A tuner on a calibration profile's link and call overhead (hierarchical a
-    candidate when PLAIT_HIERARCHY names equal groups)."""
+    candidate when PLAIT_HIERARCHY names equal groups).
+
+    ``shared_host`` (default: the profile was measured on CPU and this run's ranks all
+    live on one host, i.e. LOCAL_WORLD_SIZE is unset or equals WORLD_SIZE) prices
+    schedules with the shared-host model over the profile's world size; otherwise
+    the one-port closed forms.
+    """
+    if shared_host is None:
+        local, world = os.environ.get("LOCAL_WORLD_SIZE"), os.environ.get("WORLD_SIZE")
+        shared_host = getattr(profile, "device", "") == "cpu" and (local is None or local == world)
     return Tuner(profile.link, call_overhead_s=profile.call_overhead_s,
-                 hierarchy=os.environ.get("PLAIT_HIERARCHY") or None, source=source)
+                 hierarchy=os.environ.get("PLAIT_HIERARCHY") or None, source=source,
+                 shared_host_ranks=profile.world_size if shared_host else None)
 
 
 def set_tuner(tuner: Tuner | None, *, backend: str | None = None) -> None:

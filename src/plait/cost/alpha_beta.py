@@ -39,6 +39,7 @@ __all__ = [
     "predict_time_s",
     "schedule_terms",
     "schedule_time_s",
+    "shared_host_terms",
     "closed_form_algorithms",
     "uniform_hierarchy_dims",
 ]
@@ -475,3 +476,29 @@ def schedule_terms(schedule, itemsize: int) -> CostTerms:
 def schedule_time_s(schedule, link: LinkModel, itemsize: int) -> float:
     """T = R alpha + B beta + G gamma of a schedule on one link model."""
     return schedule_terms(schedule, itemsize).time_s(link)
+
+
+def shared_host_terms(schedule, itemsize: int, ranks_sharing: int) -> CostTerms:
+    """The cost on one host whose ranks share its cores and memory: every message,
+    byte and reduction is work for the same CPUs, so a schedule costs its total work
+    divided by the ``ranks_sharing`` ranks a calibration ran busy at once:
+
+        T = (alpha * messages + beta * bytes sent + gamma * bytes reduced) / ranks_sharing.
+
+    alpha, beta and gamma are per-rank prices measured with ``ranks_sharing`` ranks
+    all busy (plait calibrate's ring shift), where this equals the one-port model.
+    It is the right model when ranks outnumber cores (4 gloo ranks on 2 cores): there
+    a step in which one rank receives three messages costs about what three ranks
+    receiving one each cost, which the one-port model prices three times higher.
+    """
+    if isinstance(ranks_sharing, bool) or not isinstance(ranks_sharing, int) or ranks_sharing < 1:
+        raise ValueError(f"ranks_sharing={ranks_sharing!r} must be an integer >= 1")
+    messages = sent = reduced = 0
+    for step in schedule.steps:
+        for t in step.transfers:
+            messages += 1
+            sent += t.numel
+            if t.reduce:
+                reduced += t.numel
+    return CostTerms(messages / ranks_sharing, sent * itemsize / ranks_sharing,
+                     reduced * itemsize / ranks_sharing)
