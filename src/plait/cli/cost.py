@@ -82,7 +82,7 @@ def _resolve_link(args) -> tuple[LinkModel, str]:
     base, source = DEFAULT_LINK, "default link (100 Gb/s, 5 us; run plait calibrate or pass --alpha/--bandwidth)"
     profile = _load_profile(args.profile)
     if profile is not None:
-        base, source = profile.link, f"calibrated profile {profile.source}"
+        base, source = profile.link, f"calibrated profile {args.profile or '(default path)'}"
     if args.alpha is None and args.bandwidth is None and args.reduce_bandwidth is None:
         return base, source
     alpha = base.alpha_s if args.alpha is None else args.alpha
@@ -94,15 +94,11 @@ def _resolve_link(args) -> tuple[LinkModel, str]:
 
 def _load_profile(path):
     """The calibration profile at ``path`` (or the default one); None when there is none."""
-    try:
-        from plait.cost.profile import load_profile
-    except ImportError:  # profile support not installed in this build
-        return None
+    from plait.cost.profile import load_profile
+
     profile = load_profile(path)
     if profile is None and path is not None:
         raise ValueError(f"no calibration profile at {path}; run plait calibrate --output {path}")
-    if profile is not None and not hasattr(profile, "source"):
-        object.__setattr__(profile, "source", str(path or "(default path)"))
     return profile
 
 

@@ -54,6 +54,14 @@ def _tuner(args) -> Tuner | None:
         return None
     if profile is None and (args.alpha is None or args.bandwidth is None):
         raise ValueError("without a calibration profile give both --alpha and --bandwidth (or run plait calibrate)")
+    from plait.comm.tuner import tuner_from_profile
+
+    if profile is not None and all(x is None for x in given):
+        return tuner_from_profile(profile, source=f"profile {args.profile or 'saved for ' + args.backend}",
+                                  ) if args.hierarchy is None else Tuner(
+            profile.link, call_overhead_s=profile.call_overhead_s, hierarchy=args.hierarchy,
+            source=f"profile {args.profile or 'saved for ' + args.backend}",
+            shared_host_ranks=tuner_from_profile(profile).shared_host_ranks)
     base = profile.link if profile is not None else None
     link = LinkModel(
         args.alpha if args.alpha is not None else base.alpha_s,
@@ -126,13 +134,16 @@ def run(args) -> int:
         return 0
     if tuner is not None:
         link = tuner.links[0]
+        model = (f"shared-host model over {tuner.shared_host_ranks} ranks" if tuner.shared_host_ranks
+                 else "one-port closed forms")
         print(f"tuner: {source}: alpha {link.alpha_s * 1e6:.1f} us, {link.bandwidth_bytes_per_s / 1e9:.3g} GB/s"
               + (f", reduction {1e-9 / link.gamma_s_per_byte:.3g} GB/s" if link.gamma_s_per_byte else "")
-              + f", call overhead {tuner.call_overhead_s * 1e6:.0f} us")
+              + f", call overhead {tuner.call_overhead_s * 1e6:.0f} us; {model}")
     for collective, how, rows in out:
         print(f"{collective}, p={args.world_size} ({how})")
         for row in rows:
-            span = f"{_size(row['min_bytes'])} .. {_size(row['max_bytes'] + 1)}"
+            end = row["max_bytes"] + 1
+            span = f"{_size(row['min_bytes'])} .. {_size(end if end & (end - 1) == 0 else end - 1)}"
             predicted = ""
             if "predicted_s_at_min" in row:
                 predicted = (f"  predicted {row['predicted_s_at_min'] * 1e6:.0f} us .. "
