@@ -16,7 +16,7 @@ import json
 from plait.comm.algorithms import COLLECTIVES
 from plait.comm.collectives import default_algorithm
 from plait.comm.engine import CONFIG
-from plait.comm.tuner import Tuner, size_bucket
+from plait.comm.tuner import Tuner, size_ranges
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -76,19 +76,7 @@ def _tuner(args) -> Tuner | None:
 
 
 def _table_ranges(collective: str, p: int, lo: int, hi: int) -> list[tuple[int, int, str]]:
-    ranges: list[list] = []
-    nbytes = max(1, lo)
-    while nbytes <= hi:
-        b_lo, b_hi, _ = size_bucket(nbytes)
-        choice = default_algorithm(collective, nbytes, p)
-        if ranges and ranges[-1][2] == choice:
-            ranges[-1][1] = b_hi
-        else:
-            ranges.append([b_lo, b_hi, choice])
-        nbytes = b_hi
-    if ranges:
-        ranges[-1][1] = min(ranges[-1][1], hi + 1)
-    return [tuple(r) for r in ranges]
+    return size_ranges(lambda nbytes: default_algorithm(collective, nbytes, p), lo, hi)
 
 
 def _size(nbytes: int) -> str:

@@ -28,7 +28,7 @@ from plait.comm.algorithms.hierarchical import parse_hierarchy
 from plait.cost import LinkModel
 from plait.cost.alpha_beta import pipeline_segments, predict_time_s, shared_host_terms, uniform_hierarchy_dims
 
-__all__ = ["Tuner", "active_tuner", "set_tuner", "tuner_from_profile", "parse_overrides", "size_bucket"]
+__all__ = ["Tuner", "active_tuner", "set_tuner", "tuner_from_profile", "parse_overrides", "size_bucket", "size_ranges"]
 
 
 def size_bucket(nbytes: int) -> tuple[int, int, int]:
@@ -39,6 +39,25 @@ def size_bucket(nbytes: int) -> tuple[int, int, int]:
     b = int(nbytes).bit_length()
     lo, hi = 1 << (b - 1), 1 << b
     return lo, hi, int(round(lo * math.sqrt(2))) if lo > 1 else 1
+
+
+def size_ranges(choose, min_nbytes: int, max_nbytes: int) -> list[tuple[int, int, str]]:
+    """[(lo, hi, name)]: ``choose(nbytes)`` over the power-of-two buckets from
+    min_nbytes to max_nbytes, equal neighbours merged; the last range ends at
+    max_nbytes + 1."""
+    ranges: list[list] = []
+    nbytes = max(1, min_nbytes)
+    while nbytes <= max_nbytes:
+        lo, hi, _ = size_bucket(nbytes)
+        choice = choose(nbytes)
+        if ranges and ranges[-1][2] == choice:
+            ranges[-1][1] = hi
+        else:
+            ranges.append([lo, hi, choice])
+        nbytes = hi
+    if ranges:
+        ranges[-1][1] = min(ranges[-1][1], max_nbytes + 1)
+    return [tuple(r) for r in ranges]
 
 
 def parse_overrides(spec) -> dict[str, str]:
@@ -160,19 +179,7 @@ class Tuner:
         """[(lo, hi, algorithm)]: the size ranges [lo, hi) over which each algorithm
         is chosen, merged across buckets, like NCCL's tuning table; the last range
         ends at max_nbytes + 1."""
-        ranges: list[list] = []
-        nbytes = max(1, min_nbytes)
-        while nbytes <= max_nbytes:
-            lo, hi, _ = size_bucket(nbytes)
-            choice = self.choose(collective, nbytes, world_size)
-            if ranges and ranges[-1][2] == choice:
-                ranges[-1][1] = hi
-            else:
-                ranges.append([lo, hi, choice])
-            nbytes = hi
-        if ranges:
-            ranges[-1][1] = min(ranges[-1][1], max_nbytes + 1)
-        return [tuple(r) for r in ranges]
+        return size_ranges(lambda nbytes: self.choose(collective, nbytes, world_size), min_nbytes, max_nbytes)
 
 
 # ----- the process's tuner -------------------------------------------------------------------------

@@ -3,7 +3,7 @@
 Alpha-beta(-gamma) closed forms and schedule-derived costs (``alpha_beta``),
 calibration profiles of the real machine (``profile``, ``calibration``), cluster
 topologies (``topology``, ``presets``, ``topology_io``) and a flow-level simulator
-(``simulator``). This package never imports torch.distributed or plait.comm: it
+(``simulator``). This package imports neither the torch distributed runtime nor plait.comm: it
 takes schedules as plain data and runs anywhere, fast.
 """
 
