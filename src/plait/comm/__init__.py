@@ -23,14 +23,15 @@ from plait.comm.collectives import (
     scatter,
     synchronize,
 )
-from plait.comm.engine import CONFIG, Handle, configure, reset_stats, stats
+from plait.comm.engine import CONFIG, Handle, configure, enqueue, reset_stats, stats, unchecked
 from plait.comm.errors import CommError, CommTimeoutError, MismatchError
+from plait.comm.p2p import Message, irecv, isend, recv, send
 from plait.comm.schedule import Schedule, Step, Transfer
 
 __all__ = [
     "ALGORITHMS", "COLLECTIVES", "CONFIG", "CommError", "CommTimeoutError", "Handle", "MismatchError",
     "ReduceOp", "Schedule", "Step", "Transfer", "algorithms_for", "all_gather_into_tensor",
     "all_gather_single", "all_reduce", "all_to_all_single", "barrier", "broadcast", "build_schedule",
-    "configure", "default_algorithm", "describe", "gather", "reduce", "reduce_scatter_single",
-    "reduce_scatter_tensor", "reset_stats", "scatter", "stats", "synchronize",
+    "configure", "default_algorithm", "describe", "enqueue", "gather", "irecv", "isend", "Message", "recv", "reduce", "reduce_scatter_single",
+    "reduce_scatter_tensor", "reset_stats", "scatter", "send", "stats", "synchronize", "unchecked",
 ]

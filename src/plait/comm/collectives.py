@@ -20,7 +20,7 @@ import torch.distributed as dist
 from plait.comm import layout
 from plait.comm.algorithms import DEFAULT_NAMES, REDUCING, TORCH, build_schedule, builder
 from plait.comm.algorithms.hierarchical import parse_hierarchy
-from plait.comm.engine import CONFIG, engine, record
+from plait.comm.engine import CONFIG, check_enabled, engine, record
 from plait.comm.errors import CommError, CommTimeoutError, MismatchError
 from plait.comm.executor import Transport
 from plait.comm.ops import COMBINE, check_reducible, op_name
@@ -207,7 +207,7 @@ def _launch(collective, group, async_op, algorithm, prepare, *, tensor, nbytes, 
         spec = hierarchy if hierarchy is not None else CONFIG.hierarchy
         world = group is dist.group.WORLD
         tree = parse_hierarchy(spec, p, None if world else 1)
-    check = CONFIG.check_args and p > 1
+    check = check_enabled() and p > 1
     numel = tensor.numel() if check_numel is None else check_numel
 
     def job():
@@ -218,7 +218,7 @@ def _launch(collective, group, async_op, algorithm, prepare, *, tensor, nbytes, 
         if algorithm == TORCH:
             torch_call(rank, p)  # waits with plait's deadline (_torch_wait)
             record(collective, TORCH, nbytes, 0, time.perf_counter() - start)
-            return
+            return nbytes
         buffer = prepared.build()  # reads the inputs now, after earlier queued collectives
         sent = messages = 0
         if p > 1:
@@ -231,6 +231,7 @@ def _launch(collective, group, async_op, algorithm, prepare, *, tensor, nbytes, 
             )
         prepared.finish(buffer)
         record(collective, algorithm, sent, messages, time.perf_counter() - start)
+        return sent
 
     return engine().submit(job, f"{collective}(algorithm={algorithm})", async_op)
 

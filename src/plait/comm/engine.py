@@ -145,6 +145,9 @@ class Handle:
 
     def __init__(self, description: str):
         self.description = description
+        self.started_s: float | None = None  # time.perf_counter() when the comm thread began it
+        self.finished_s: float | None = None
+        self.result = None  # what the job returned (bytes sent, for collectives)
         self._done = threading.Event()
         self._error: BaseException | None = None
         self._seen = False  # its error was raised to the caller
@@ -200,12 +203,23 @@ class Engine:
                        "still be in flight, so this process group cannot be used any more",
             )
         try:
-            job()
+            return job()
         except CommError as error:
             self._broken = (description, error)
             raise
 
     def submit(self, job, description: str, async_op: bool):
+        if threading.current_thread() is self._thread:
+            # a composite job (``enqueue``) calling collectives: it already holds the
+            # run lock and runs in queue order, so its collectives run inline
+            result = self._run(job, description)
+            if not async_op:
+                return None
+            handle = Handle(description)
+            handle.result = result
+            handle.started_s = handle.finished_s = time.perf_counter()
+            handle._finish(None)
+            return handle
         if not async_op:
             with self._lock:
                 inline = self._pending == 0
@@ -234,11 +248,13 @@ class Engine:
             job, handle = self._queue.get()
             error = None
             with self._run_lock:
+                handle.started_s = time.perf_counter()
                 try:
-                    self._run(job, handle.description)
+                    handle.result = self._run(job, handle.description)
                 except BaseException as caught:  # handed to the waiter
                     error = caught
                     self._failed_handles.append(handle)
+                handle.finished_s = time.perf_counter()
             with self._lock:
                 self._pending -= 1
             handle._finish(error)
@@ -272,6 +288,38 @@ def engine() -> Engine:
         if _ENGINE is None:
             _ENGINE = Engine()
         return _ENGINE
+
+
+def enqueue(job, description: str) -> Handle:
+    """Run ``job()`` on the comm thread after every collective queued before it, and
+    return its Handle at once (``handle.result`` is what the job returned).
+
+    For composite communication (compress, all-gather, decompress) that must stay in
+    program order with the other collectives: collectives the job calls run inline
+    on the comm thread. Every rank must enqueue the same jobs in the same order."""
+    return engine().submit(job, description, async_op=True)
+
+
+_LOCAL = threading.local()
+
+
+class unchecked:
+    """``with unchecked():`` collectives launched by this thread skip the argument
+    check (``CommConfig.check_args``): for callers that verified sizes and order once
+    up front (DataParallel's buckets) and call the same collectives every step."""
+
+    def __enter__(self):
+        self._previous = getattr(_LOCAL, "skip_check", False)
+        _LOCAL.skip_check = True
+        return self
+
+    def __exit__(self, *exc):
+        _LOCAL.skip_check = self._previous
+        return False
+
+
+def check_enabled() -> bool:
+    return CONFIG.check_args and not getattr(_LOCAL, "skip_check", False)
 
 
 def timed(collective: str, algorithm: str, run):

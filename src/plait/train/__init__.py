@@ -1,0 +1,1 @@
+"""plait.train: data, training loops and metrics."""
