@@ -82,7 +82,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "bench", help="benchmark a collective (nccl-tests format), torch vs plait algorithms",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("collective", type=parse_collective, metavar="COLLECTIVE",
-                        help=f"one of: {', '.join(COLLECTIVES)}")
+                        help=f"one of: {', '.join(COLLECTIVES)}; or 'dp' for the data-parallel training "
+                             "benchmark (plait bench dp --help)")
     parser.add_argument("--nprocs", "-n", type=_positive_int, default=None,
                         help="spawn this many local processes (default: the torchrun world "
                              "if RANK/WORLD_SIZE are set, else 4)")

@@ -13,7 +13,7 @@ import sys
 
 from plait import __version__
 
-SUBCOMMANDS = ("bench", "schedule", "cost", "tune", "calibrate", "simulate")
+SUBCOMMANDS = ("bench", "bench_dp", "schedule", "cost", "tune", "calibrate", "simulate")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -31,6 +31,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Run `plait ARGV...`; returns the exit status (argparse errors give 2)."""
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:2] == ["bench", "dp"]:  # `plait bench dp` has its own flags (plait.cli.bench_dp)
+        argv = ["bench-dp"] + argv[2:]
     try:
         args = parser.parse_args(argv)
     except SystemExit as exit_request:  # --help, --version or a usage error
@@ -39,10 +42,10 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.run(args) or 0)
     except ValueError as error:
         # User errors: say what is wrong and how to fix it, no traceback.
-        print(f"plait {args.command}: error: {error}", file=sys.stderr)
+        print(f"plait {args.command.replace('-', ' ')}: error: {error}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print(f"plait {args.command}: interrupted", file=sys.stderr)
+        print(f"plait {args.command.replace('-', ' ')}: interrupted", file=sys.stderr)
         return 130
 
 

@@ -1,0 +1,315 @@
+"""Data parallelism: bucketed all-reduce of gradients, overlapped with backward.
+
+``DataParallel(module)`` keeps one replica per rank. At wrap time the ranks compare
+a checksum of every parameter and buffer (names, shapes, dtypes and bits) and rank
+0's values are broadcast. Gradients are grouped into buckets in reverse
+registration order (``plait.parallel.buckets``); a hook on each parameter copies its
+gradient into its bucket and, once a bucket is complete (and every bucket before it
+has been launched, so all ranks launch in the same order), queues the bucket's
+all-reduce on plait's comm thread (``async_op=True``) while backward goes on. At the
+end of backward the remaining buckets are launched and waited for, and each
+parameter's ``.grad`` is the average over ranks (a view of its bucket).
+
+Cost per step: T_comm = sum over buckets of the all-reduce's alpha-beta cost (ring:
+2(p-1)a + 2(p-1)/p n b); what is exposed is what runs after backward has ended,
+at least the last bucket's all-reduce. ``stats`` reports both.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+import zlib
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from plait import comm
+from plait.compress.base import Compressor
+from plait.parallel.buckets import Bucket, build_buckets
+
+_INIT_MODES = ("check", "broadcast")
+
+
+@dataclass
+class StepStats:
+    """One synchronised backward on this rank.
+
+    bytes_sent: bytes this rank sent in the step's collectives (measured by the comm
+        layer); payload_nbytes: the gradients' bytes as they go on the wire before
+        the algorithm's fan-out (compressed size with compression).
+    comm_time_s: time the comm thread spent on the step's buckets.
+    exposed_comm_s: from the end of backward until the last bucket was done.
+    hidden_fraction: 1 - exposed / comm time (the share overlapped with backward).
+    """
+
+    step: int
+    buckets: int
+    bytes_sent: int
+    payload_nbytes: int
+    backward_s: float
+    comm_time_s: float
+    exposed_comm_s: float
+    hidden_fraction: float
+    unused_parameters: int
+
+
+def _checksum(module: nn.Module) -> tuple[int, int]:
+    """(structure, values) CRC32s over parameters then buffers, in registration order."""
+    structure, values = 0, 0
+    for kind, items in (("param", module.named_parameters()), ("buffer", module.named_buffers())):
+        for name, tensor in items:
+            structure = zlib.crc32(f"{kind}:{name}:{tuple(tensor.shape)}:{tensor.dtype}".encode(), structure)
+            data = tensor.detach().cpu().contiguous()
+            values = zlib.crc32(data.view(torch.uint8).numpy().tobytes() if data.numel() else b"", values)
+    return structure, values
+
+
+def _rank_groups(column: list[int]) -> list[list[int]]:
+    groups: dict[int, list[int]] = {}
+    for rank, value in enumerate(column):
+        groups.setdefault(value, []).append(rank)
+    return list(groups.values())
+
+
+def _flat_broadcast(tensors: list[torch.Tensor], src: int, group, algorithm: str) -> None:
+    """Broadcast tensors from global rank ``src``, one flat message per dtype."""
+    by_kind: dict[tuple, list[torch.Tensor]] = {}
+    for tensor in tensors:
+        by_kind.setdefault((tensor.dtype, tensor.device), []).append(tensor)
+    for members in by_kind.values():
+        flat = torch.cat([tensor.detach().reshape(-1) for tensor in members])
+        comm.broadcast(flat, src=src, group=group, algorithm=algorithm)
+        offset = 0
+        with torch.no_grad():
+            for tensor in members:
+                tensor.copy_(flat[offset : offset + tensor.numel()].view_as(tensor))
+                offset += tensor.numel()
+
+
+class DataParallel(nn.Module):
+    """Wraps ``module`` for data-parallel training over ``group`` (default: world).
+
+    algorithm: the all-reduce algorithm ("auto": the tuner's choice; any name from
+        ``plait.comm.ALGORITHMS`` or "torch").
+    bucket_mb: bucket cap in MiB (25, as DDP; the first bucket is capped at 1 MiB,
+        as in DDP); smaller buckets start earlier.
+    compression: a ``plait.compress.Compressor`` (or a spec like "topk:0.01+ef");
+        each bucket is then averaged by ``compressor.reduce`` on the comm thread.
+    broadcast_buffers: re-broadcast rank 0's buffers (e.g. BatchNorm statistics)
+        before every forward, as DDP does.
+    init: "check" (default) refuses parameters that differ across ranks at wrap
+        time, naming the ranks; "broadcast" overwrites them with rank 0's. Either
+        way the structure (names, shapes, dtypes) must agree.
+    """
+
+    def __init__(self, module: nn.Module, group=None, *, algorithm: str = "auto", bucket_mb: float = 25,
+                 compression=None, broadcast_buffers: bool = True, init: str = "check"):
+        super().__init__()
+        problems = []
+        if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float)) or not bucket_mb > 0 \
+                or math.isinf(bucket_mb):
+            problems.append(f"bucket_mb={bucket_mb!r} must be a finite number of MiB > 0 (DDP's default is 25)")
+        if init not in _INIT_MODES:
+            problems.append(f"init={init!r} must be one of {_INIT_MODES}")
+        if isinstance(compression, str):
+            from plait.compress import from_spec
+
+            compression = from_spec(compression)
+        if compression is not None and not isinstance(compression, Compressor):
+            problems.append(f"compression={compression!r} must be a plait.compress.Compressor, a spec string "
+                            "such as 'topk:0.01+ef', or None")
+        if problems:
+            raise ValueError("DataParallel: " + "; ".join(problems))
+        if not dist.is_initialized():
+            raise RuntimeError("DataParallel needs torch.distributed to be initialised "
+                               "(torch.distributed.init_process_group, or run under torchrun)")
+        self.module = module
+        self.group = group
+        self.algorithm = algorithm
+        self.compression = compression
+        self.broadcast_buffers = broadcast_buffers
+        self.world_size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self._src = dist.get_global_rank(group, 0) if group is not None else 0
+        self._named = [(name, param) for name, param in module.named_parameters() if param.requires_grad]
+        if compression is not None:
+            compression.validate([(name, tuple(param.shape)) for name, param in self._named])
+        self._verify_and_broadcast(init)
+        self.buckets: list[Bucket] = build_buckets(self._named, int(bucket_mb * (1 << 20)))
+        self._where = {id(param): (bucket, slot) for bucket in self.buckets for slot, param in enumerate(bucket.params)}
+        self._require_sync = True
+        self._in_backward = False
+        self._next_launch = 0
+        self._handles: list = []
+        self._backward_start_s = 0.0
+        self.step_count = 0
+        self.history: list[StepStats] = []
+        self._hooks = [param.register_post_accumulate_grad_hook(self._on_grad_ready) for _, param in self._named]
+
+    # ----- wrap time -------------------------------------------------------------------
+    def _verify_and_broadcast(self, init: str) -> None:
+        if self.world_size == 1:
+            return
+        mine = torch.tensor(_checksum(self.module), dtype=torch.int64)
+        table = torch.zeros(2 * self.world_size, dtype=torch.int64)
+        comm.all_gather_into_tensor(table, mine, group=self.group, algorithm="bruck")
+        rows = table.view(self.world_size, 2).tolist()
+        structures = _rank_groups([row[0] for row in rows])
+        if len(structures) > 1:
+            raise ValueError(
+                f"DataParallel: the model's parameters and buffers (names, shapes, dtypes) differ between ranks "
+                f"{structures}; every rank must build the same model")
+        values = _rank_groups([row[1] for row in rows])
+        if len(values) > 1 and init == "check":
+            differing = [rank for rank, row in enumerate(rows) if row[1] != rows[0][1]]
+            raise ValueError(
+                f"DataParallel: parameter values differ from rank 0's on ranks {differing} (checksum groups "
+                f"{values}); seed the model identically on every rank (torch.manual_seed before building it), "
+                "or pass init='broadcast' to overwrite them with rank 0's")
+        tensors = [param.data for param in self.module.parameters()] + list(self.module.buffers())
+        if tensors:
+            _flat_broadcast(tensors, self._src, self.group, "torch")
+
+    # ----- forward ---------------------------------------------------------------------
+    def forward(self, *args, **kwargs):
+        if self._in_backward:
+            raise RuntimeError("DataParallel: the previous backward did not finish its gradient all-reduce "
+                               "(it raised or was interrupted); rebuild the wrapper to recover")
+        if self.broadcast_buffers and self.world_size > 1 and self._require_sync:
+            buffers = list(self.module.buffers())
+            if buffers:
+                _flat_broadcast(buffers, self._src, self.group, self.algorithm)
+        return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Inside: backward only accumulates local gradients (gradient accumulation);
+        the next backward outside averages the accumulated sums."""
+        previous = self._require_sync
+        self._require_sync = False
+        try:
+            yield
+        finally:
+            self._require_sync = previous
+
+    # ----- backward hooks --------------------------------------------------------------
+    def _on_grad_ready(self, param: torch.Tensor) -> None:
+        if not self._require_sync or self.world_size == 1:
+            return
+        if not self._in_backward:
+            self._begin_backward()
+        bucket, slot = self._where[id(param)]
+        if bucket.ready[slot]:
+            return  # a second backward through the same graph before the callback ran
+        self._take_grad(bucket, slot)
+        self._launch_ready()
+
+    def _begin_backward(self) -> None:
+        self._in_backward = True
+        self._backward_start_s = time.perf_counter()
+        self._next_launch = 0
+        self._handles = []
+        self._unused = 0
+        for bucket in self.buckets:
+            bucket.reset()
+        torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+
+    def _take_grad(self, bucket: Bucket, slot: int) -> None:
+        view, param = bucket.views[slot], bucket.params[slot]
+        if param.grad is None:
+            view.zero_()
+            self._unused += 1
+        elif param.grad.data_ptr() != view.data_ptr():
+            view.copy_(param.grad)
+        bucket.ready[slot] = True
+        bucket.pending -= 1
+
+    def _launch_ready(self) -> None:
+        while self._next_launch < len(self.buckets) and self.buckets[self._next_launch].pending == 0:
+            self._handles.append(self._launch(self.buckets[self._next_launch]))
+            self._next_launch += 1
+
+    def _launch(self, bucket: Bucket):
+        first = self.step_count == 0  # check sizes/order with the peers once, then trust the layout
+        checks = contextlib.nullcontext() if first else comm.unchecked()
+        with checks:
+            if self.compression is None:
+                return comm.all_reduce(bucket.buffer, op=comm.ReduceOp.AVG, group=self.group, async_op=True,
+                                       algorithm=self.algorithm)
+            grad_bucket = bucket.as_grad_bucket(self.step_count)
+            compressor, group, algorithm = self.compression, self.group, self.algorithm
+
+            def job():
+                before = sum(entry["bytes_sent"] for entry in comm.stats().values())
+                with contextlib.nullcontext() if first else comm.unchecked():  # this runs on the comm thread
+                    payload = compressor.reduce(grad_bucket, group, algorithm=algorithm)
+                sent = sum(entry["bytes_sent"] for entry in comm.stats().values()) - before
+                return sent, payload
+
+            return comm.enqueue(job, f"DataParallel bucket {bucket.index} ({compressor.describe()})")
+
+    def _finish_backward(self) -> None:
+        """Runs once at the end of backward: launch what is left, wait, expose .grad."""
+        for bucket in self.buckets:  # parameters that got no gradient this backward
+            for slot, ready in enumerate(bucket.ready):
+                if not ready:
+                    self._take_grad(bucket, slot)
+        self._launch_ready()
+        backward_end_s = time.perf_counter()
+        try:
+            for handle in self._handles:
+                handle.wait()
+        finally:
+            self._in_backward = False
+        done_s = time.perf_counter()
+        for bucket in self.buckets:
+            for param, view in zip(bucket.params, bucket.views):
+                param.grad = view
+        self._record(backward_end_s, done_s)
+
+    def _record(self, backward_end_s: float, done_s: float) -> None:
+        comm_time_s = sum(handle.finished_s - handle.started_s for handle in self._handles)
+        bytes_sent = payload = 0
+        for handle, bucket in zip(self._handles, self.buckets):
+            if self.compression is None:
+                bytes_sent += handle.result or 0
+                payload += bucket.nbytes
+            else:
+                bytes_sent += handle.result[0]
+                payload += handle.result[1]
+        exposed = max(done_s - backward_end_s, 0.0)
+        hidden = 1.0 - exposed / comm_time_s if comm_time_s > 0 else 0.0
+        self.history.append(StepStats(
+            step=self.step_count, buckets=len(self.buckets), bytes_sent=bytes_sent, payload_nbytes=payload,
+            backward_s=backward_end_s - self._backward_start_s, comm_time_s=comm_time_s, exposed_comm_s=exposed,
+            hidden_fraction=min(max(hidden, 0.0), 1.0), unused_parameters=self._unused))
+        self.step_count += 1
+
+    @property
+    def last_stats(self) -> StepStats | None:
+        return self.history[-1] if self.history else None
+
+    def summary(self) -> dict:
+        """Totals over the synchronised steps so far (bytes, times, mean hidden fraction)."""
+        if not self.history:
+            return {"steps": 0}
+        comm_s = sum(s.comm_time_s for s in self.history)
+        exposed_s = sum(s.exposed_comm_s for s in self.history)
+        return {
+            "steps": len(self.history),
+            "buckets": len(self.buckets),
+            "bytes_sent_per_step": sum(s.bytes_sent for s in self.history) / len(self.history),
+            "payload_nbytes_per_step": sum(s.payload_nbytes for s in self.history) / len(self.history),
+            "comm_time_s": comm_s,
+            "exposed_comm_s": exposed_s,
+            "hidden_fraction": min(max(1.0 - exposed_s / comm_s, 0.0), 1.0) if comm_s > 0 else 0.0,
+        }
+
+    def remove_hooks(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
