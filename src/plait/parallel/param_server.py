@@ -1,0 +1,684 @@
+"""Parameter server (Li et al., OSDI 2014): server ranks own whole-tensor shards of the
+parameters and their optimiser state; worker ranks push gradients and pull parameters.
+
+Roles: of a group of p ranks the last ``num_servers`` (k) are servers, the first
+``W = p - k`` are workers (worker w is group rank w, so ``rank_batch(.., w, W)``
+gives its data). Trainable tensors are assigned whole, largest first, to the least
+loaded server (greedy LPT, :func:`shard_by_size`), so each server can run any torch
+optimiser, per tensor, over its own copies.
+
+Modes, with g_w^t worker w's gradient of step t and eta the optimiser's rule:
+
+- ``sync``: the server waits for all W pushes of step t, averages them in
+  worker-rank order g^t = (1/W) sum_w g_w^t, runs ``optimizer.step()`` once and
+  replies to every worker: data-parallel SGD (and Adam, ...) on the global batch.
+- ``async`` (stale synchronous parallel, Ho et al. 2013): each push is applied on
+  arrival as its own ``optimizer.step()`` with the gradient scaled by 1/W, so one
+  round of W pushes moves plain SGD as far as one synchronous step and the learning
+  rate means the same in both modes. The reply (current parameters) is withheld while
+  ``clock_w - min_v clock_v > max_staleness`` (clock: pushes applied; min over
+  workers that have not closed), so no worker starts a step more than
+  ``max_staleness`` steps ahead of the slowest. A gradient is then computed on
+  parameters missing at most ``(2s+1)(W-1)`` of the other workers' updates
+  (``update_staleness_bound``). ``order="arrival"`` serves pushes as they come;
+  ``order=<int>`` draws the next worker to serve from a seeded RNG among those the
+  server is waiting for (and then waits for that one), so the interleaving, and the
+  run, no longer depends on timing; every server draws the same sequence.
+
+Cost per step (sync): two message rounds; server s receives and sends W·n_s bytes
+(n_s its shard), T ~ 2a + 2·W·n_s·b through its link, so k servers split the star's
+2·W·n·b (DESIGN section 6) by k when the shards balance. Compression (a
+``PayloadCompressor``) shrinks the push to ``wire_nbytes(n_s)``; pulls stay dense.
+
+Protocol (point-to-point with deadlines, ``plait.comm.isend/irecv``; tags sit above
+the collectives' range): every message starts with an int64 header
+``[kind, step, a, b, mask(p)]``. Worker -> server: PUSH (a = shard numel, b = payload
+bytes) followed by the payload's tensors (one message each, in name order), CLOSE
+(done), ABORT (the worker raised). Server -> worker: REPLY (a = server version,
+b = steps ahead of the slowest) followed by the shard's flat parameters, or ABORT
+(a = reason, b = timeout in ms, mask = the culprit worker ranks). A server that loses
+a worker (dead connection, no push within ``comm.CONFIG.timeout_s``, or an ABORT)
+tells every other open worker who it was and raises; workers wait for replies up to
+twice the deadline, so that message, naming the culprit, arrives before they time
+out on their own. The server enforces its deadline itself (the gloo wait runs on a
+helper thread with a later deadline): a gloo timeout closes all of a rank's
+connections, and the others could no longer be told. ``timeout_s`` must therefore
+exceed one step's compute time; after a failure the group is not reusable.
+"""
+
+from __future__ import annotations
+
+import numbers
+import random
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from plait import comm
+
+MODES = ("sync", "async")
+# Tags above the torch executor's (< 2**30), so parameter-server traffic never matches
+# a collective's message.
+_PUSH_TAG = 0x5053_0000
+_REPLY_TAG = 0x5053_0001
+_DATA_TAG = 0x5053_0100  # + index of the payload tensor
+# Server receives from workers carry gloo deadlines this many times comm's, as a
+# fallback behind the server's own (see ParameterServer._wait).
+_GLOO_FALLBACK_FACTOR = 3
+_PUSH, _CLOSE, _REPLY, _ABORT = 1, 2, 3, 4
+_KINDS = {_PUSH: "push", _CLOSE: "close", _REPLY: "reply", _ABORT: "abort"}
+_TIMED_OUT, _DISCONNECTED, _RAISED, _PROTOCOL = 1, 2, 3, 4
+_REASONS = {
+    _TIMED_OUT: "sent nothing within {timeout_s:g}s (it died or hung)",
+    _DISCONNECTED: "lost its connection (it died)",
+    _RAISED: "aborted (it raised an exception; see its traceback)",
+    _PROTOCOL: "broke the protocol (ranks built different models or configs)",
+}
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParameterServerConfig:
+    """How the parameter server runs (see the module docstring for the modes).
+
+    num_servers: ranks acting as servers (the last ones of the group), 1..p-1.
+    mode: "sync" (data-parallel equivalent) or "async" (stale synchronous parallel).
+    max_staleness: async only: steps a worker may run ahead of the slowest (0 =
+        lock-step rounds with per-push updates).
+    order: async only: "arrival", or an int seed for a reproducible serving order.
+    """
+
+    num_servers: int = 1
+    mode: str = "sync"
+    max_staleness: int = 0
+    order: str | int = "arrival"
+
+    def __post_init__(self):
+        problems = []
+        if not _is_int(self.num_servers) or self.num_servers < 1:
+            problems.append(f"num_servers must be an int >= 1, got {self.num_servers!r}")
+        if self.mode not in MODES:
+            problems.append(f"mode must be one of {MODES}, got {self.mode!r}")
+        if not _is_int(self.max_staleness) or self.max_staleness < 0:
+            problems.append(f"max_staleness must be an int >= 0 (steps a worker may run ahead of the "
+                            f"slowest), got {self.max_staleness!r}")
+        elif self.mode == "sync" and self.max_staleness:
+            problems.append(f"max_staleness={self.max_staleness} only applies to mode='async' (sync mode has "
+                            f"no staleness); pass mode='async' or max_staleness=0")
+        if not (self.order == "arrival" or _is_int(self.order)):
+            problems.append(f"order must be 'arrival' or an int seed, got {self.order!r}")
+        elif self.mode == "sync" and self.order != "arrival":
+            problems.append(f"order={self.order!r} only applies to mode='async' (sync mode always averages in "
+                            f"worker-rank order); leave order='arrival'")
+        if problems:
+            raise ValueError("invalid parameter server config: " + "; ".join(problems))
+
+    def check_world_size(self, world_size: int) -> None:
+        """At least one worker must remain: num_servers in 1..world_size-1."""
+        if world_size < 2:
+            raise ValueError(f"a parameter server needs >= 2 ranks (servers and workers), got world_size={world_size}; "
+                             f"launch at least 2 processes")
+        if self.num_servers >= world_size:
+            raise ValueError(f"num_servers={self.num_servers} >= world_size={world_size} leaves no workers; "
+                             f"use 1..{world_size - 1}")
+
+
+def shard_by_size(nbytes: Sequence[int], num_servers: int) -> tuple[tuple[int, ...], ...]:
+    """Assign tensors (by index) whole to servers: largest first to the least loaded
+    (LPT; the busiest server holds at most 4/3 - 1/(3k) of the optimum, Graham 1969).
+    Ties go to the lower index. Returns each server's indices in ascending order.
+    Cost O(n log n + n·k)."""
+    loads_nbytes = [0] * num_servers
+    owned: list[list[int]] = [[] for _ in range(num_servers)]
+    for index in sorted(range(len(nbytes)), key=lambda i: (-nbytes[i], i)):
+        server = min(range(num_servers), key=lambda s: (loads_nbytes[s], s))
+        loads_nbytes[server] += nbytes[index]
+        owned[server].append(index)
+    return tuple(tuple(sorted(indices)) for indices in owned)
+
+
+@dataclass(frozen=True)
+class Shard:
+    """The parameters one server owns: names in registration order, their size."""
+
+    server: int  # group rank
+    names: tuple[str, ...]
+    numel: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class PushRecord:
+    """One push as a server applied it. ``version``: server updates applied before it;
+    ``update_staleness``: updates applied since the worker pulled the parameters it
+    used; ``steps_ahead``: how far ahead of the slowest the worker was when it started
+    the step."""
+
+    worker: int
+    step: int
+    version: int
+    update_staleness: int
+    steps_ahead: int
+
+
+@dataclass(frozen=True)
+class ParameterServerStats:
+    """What one rank did. Servers: ``updates`` optimiser steps, ``pushes`` applied,
+    ``push_log`` in order. Workers: ``pushes`` = steps, staleness as their servers
+    reported it. Bytes include headers; ``wait_time_s`` is time blocked on peers."""
+
+    role: str
+    rank: int
+    mode: str
+    pushes: int
+    updates: int
+    bytes_sent: int
+    bytes_received: int
+    wait_time_s: float
+    max_steps_ahead: int
+    max_update_staleness: int
+    push_log: tuple[PushRecord, ...] = ()
+
+
+def _check_compression(compression) -> None:
+    if compression is None:
+        return
+    from plait.compress.base import PayloadCompressor
+    from plait.compress.powersgd import PowerSGD
+
+    if isinstance(compression, PowerSGD):
+        raise ValueError(
+            f"compression={compression.describe()} cannot run on a parameter server: PowerSGD needs two "
+            f"all-reduce rounds over the workers' low-rank factors, which push/pull cannot express; use "
+            f"plait.parallel.DataParallel(..., compression=PowerSGD(...)) for PowerSGD, or a PayloadCompressor "
+            f"(FP16, TopK, ErrorFeedback(TopK(...)), QSGD, Sign) here")
+    if not isinstance(compression, PayloadCompressor):
+        raise TypeError(f"compression must be a plait.compress PayloadCompressor (FP16, TopK, ErrorFeedback(...), "
+                        f"...) or None, got {compression!r}")
+
+
+class ParameterServer:
+    """Push/pull training of ``module`` with ``optimizer_factory(params)`` run on the
+    servers; built collectively by every rank of ``group`` (it broadcasts the first
+    server's parameters and buffers to all).
+
+    Workers: ``loss.backward(); ps.step(); ps.zero_grad()`` per step, then
+    ``ps.close()``. Servers: ``ps.serve()`` until every worker closed. Or
+    ``ps.run(train_fn)`` on every rank. Parameters that receive no gradient push zeros.
+    Buffers (e.g. batch-norm statistics) are only synchronised at construction.
+    """
+
+    def __init__(self, module: nn.Module, optimizer_factory: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
+                 *, num_servers: int = 1, mode: str = "sync", max_staleness: int = 0, order: str | int = "arrival",
+                 compression=None, group=None):
+        self.config = ParameterServerConfig(num_servers=num_servers, mode=mode, max_staleness=max_staleness,
+                                            order=order)
+        if not callable(optimizer_factory):
+            raise TypeError(f"optimizer_factory must be callable (params -> torch.optim.Optimizer), e.g. "
+                            f"lambda params: torch.optim.SGD(params, lr=0.1); got {optimizer_factory!r}")
+        _check_compression(compression)
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("ParameterServer needs torch.distributed initialised on every rank (launch with "
+                               "torchrun and call dist.init_process_group, or use plait.testing.run_distributed)")
+        self.group = group
+        resolved = dist.group.WORLD if group is None else group
+        self.world_size = dist.get_world_size(resolved)
+        self.rank = dist.get_rank(resolved)
+        self.config.check_world_size(self.world_size)
+        named = [(name, param) for name, param in module.named_parameters() if param.requires_grad]
+        if not named:
+            raise ValueError("module has no parameters with requires_grad=True; nothing to serve")
+        dtypes = sorted({str(param.dtype) for _, param in named})
+        if len(dtypes) > 1:
+            raise ValueError(f"trainable parameters mix dtypes {dtypes}; the parameter server packs each shard "
+                             f"into one flat buffer: cast the module with module.to(dtype) first")
+        if num_servers > len(named):
+            raise ValueError(f"num_servers={num_servers} > {len(named)} trainable parameter tensors: tensors are "
+                             f"assigned whole, so each server needs one; use num_servers <= {len(named)}")
+        self.module = module
+        self.compression = compression
+        self.num_workers = self.world_size - num_servers
+        self.worker_ranks = tuple(range(self.num_workers))
+        self.server_ranks = tuple(range(self.num_workers, self.world_size))
+        self.dtype = named[0][1].dtype
+        owned = shard_by_size([p.numel() * p.element_size() for _, p in named], num_servers)
+        self._shard_params = [[named[i][1] for i in indices] for indices in owned]
+        self.shards = tuple(
+            Shard(server=server, names=tuple(named[i][0] for i in indices),
+                  numel=sum(named[i][1].numel() for i in indices),
+                  nbytes=sum(named[i][1].numel() * named[i][1].element_size() for i in indices))
+            for server, indices in zip(self.server_ranks, owned))
+        self._broadcast_state(self.server_ranks[0])
+        self._bytes_sent = self._bytes_received = 0
+        self._wait_time_s = 0.0
+        self._pushes = self._updates = 0
+        self._max_steps_ahead = self._max_update_staleness = 0
+        self._push_log: list[PushRecord] = []
+        self._step = 0
+        self._closed = False
+        self.optimizer = None
+        if self.is_server:
+            index = self.rank - self.num_workers
+            self._shard = self.shards[index]
+            self._index = index
+            self._params = [nn.Parameter(p.detach().clone()) for p in self._shard_params[index]]
+            self.optimizer = optimizer_factory(list(self._params))
+            if not isinstance(self.optimizer, torch.optim.Optimizer):
+                raise TypeError(f"optimizer_factory returned {type(self.optimizer).__name__}, not a "
+                                f"torch.optim.Optimizer")
+
+    # ---- roles and small helpers -------------------------------------------------
+
+    @property
+    def is_server(self) -> bool:
+        return self.rank >= self.num_workers
+
+    @property
+    def is_worker(self) -> bool:
+        return self.rank < self.num_workers
+
+    @property
+    def update_staleness_bound(self) -> int:
+        """Async: most updates from other workers a gradient can miss, (2s+1)(W-1)."""
+        if self.config.mode == "sync":
+            return 0
+        return (2 * self.config.max_staleness + 1) * (self.num_workers - 1)
+
+    def _require(self, role: str, call: str) -> None:
+        if (role == "worker") != self.is_worker:
+            fix = "ps.serve()" if self.is_server else "ps.step() / ps.close()"
+            raise RuntimeError(f"rank {self.rank} is a {'server' if self.is_server else 'worker'}: {call} is for "
+                               f"{role}s; call {fix} here (branch on ps.is_server)")
+
+    def _broadcast_state(self, src: int) -> None:
+        """Every rank takes the first server's parameters and buffers (one broadcast per dtype)."""
+        tensors = list(self.module.parameters()) + list(self.module.buffers())
+        resolved = dist.group.WORLD if self.group is None else self.group
+        src_global = src if resolved is dist.group.WORLD else dist.get_global_rank(resolved, src)
+        for dtype in sorted({t.dtype for t in tensors}, key=str):
+            same = [t for t in tensors if t.dtype == dtype]
+            flat = torch.cat([t.detach().reshape(-1) for t in same])
+            comm.broadcast(flat, src_global, self.group)
+            _unflatten_into(flat, same)
+
+    def _header(self, kind: int, step: int, a: int = 0, b: int = 0, culprits=()) -> torch.Tensor:
+        header = torch.zeros(4 + self.world_size, dtype=torch.int64)
+        header[:4] = torch.tensor([kind, step, a, b])
+        for rank in culprits:
+            header[4 + rank] = 1
+        return header
+
+    def _send(self, tensor: torch.Tensor, dst: int, tag: int, label: str, timeout_s=None) -> comm.Message:
+        self._bytes_sent += tensor.numel() * tensor.element_size()
+        return comm.isend(tensor, dst, self.group, tag, label=label, timeout_s=timeout_s)
+
+    def _recv(self, tensor: torch.Tensor, src, tag: int, label: str, timeout_s=None) -> comm.Message:
+        self._bytes_received += tensor.numel() * tensor.element_size()
+        return comm.irecv(tensor, src, self.group, tag, label=label, timeout_s=timeout_s)
+
+    def _wait(self, message: comm.Message, deadline_s: float | None = None) -> int:
+        """``message.wait()``; with ``deadline_s`` the wait runs on a helper thread and
+        this rank gives up after ``deadline_s`` from the post (CommTimeoutError) while
+        gloo still waits: a gloo timeout closes every connection of this rank, after
+        which a server could no longer tell the other workers what went wrong."""
+        start_s = time.monotonic()
+        try:
+            if deadline_s is None:
+                return message.wait()
+            outcome: dict[str, Any] = {}
+            done = threading.Event()
+
+            def wait_in_thread():
+                try:
+                    outcome["peer"] = message.wait()
+                except BaseException as error:  # noqa: BLE001 - handed to the waiting thread
+                    outcome["error"] = error
+                finally:
+                    done.set()
+
+            threading.Thread(target=wait_in_thread, name=f"plait-ps-wait-rank{self.rank}", daemon=True).start()
+            if not done.wait(max(deadline_s - (time.monotonic() - message.start_s), 0.0)):
+                peer = "any" if message.peer is None else message.peer
+                raise comm.CommTimeoutError(timeout_s=deadline_s, rank=self.rank, collective=message.label,
+                                            algorithm="p2p", step="-", peer=peer,
+                                            reason=f"nothing arrived within {deadline_s:g}s")
+            if "error" in outcome:
+                raise outcome["error"]
+            return outcome["peer"]
+        finally:
+            self._wait_time_s += time.monotonic() - start_s
+
+    def _recv_push(self, tensor: torch.Tensor, src, tag: int, label: str) -> comm.Message:
+        """A server's receive from a worker: gloo's own deadline is a late fallback
+        (see :meth:`_wait`); :meth:`_guarded_wait` enforces ``comm.CONFIG.timeout_s``."""
+        return self._recv(tensor, src, tag, label, _GLOO_FALLBACK_FACTOR * comm.CONFIG.timeout_s)
+
+    def _payload_buffers(self, index: int):
+        """(payload object or None, its tensors in wire order) to receive a push into."""
+        shard = self.shards[index]
+        if self.compression is None:
+            flat = torch.empty(shard.numel, dtype=self.dtype)
+            return flat, [flat]
+        payload = self.compression.empty_payload(shard.numel, self.dtype)
+        return payload, [payload.tensors[name] for name in sorted(payload.tensors)]
+
+    def stats(self) -> ParameterServerStats:
+        return ParameterServerStats(
+            role="server" if self.is_server else "worker", rank=self.rank, mode=self.config.mode,
+            pushes=self._pushes, updates=self._updates, bytes_sent=self._bytes_sent,
+            bytes_received=self._bytes_received, wait_time_s=self._wait_time_s,
+            max_steps_ahead=self._max_steps_ahead, max_update_staleness=self._max_update_staleness,
+            push_log=tuple(self._push_log))
+
+    def __enter__(self) -> ParameterServer:
+        return self
+
+    def __exit__(self, exc_type, exc, traceback) -> None:
+        if not self.is_worker or self._closed:
+            return
+        if exc_type is None:
+            self.close()
+        elif not isinstance(exc, comm.CommError):  # a comm failure: the servers already know
+            self.abort()
+
+    def run(self, train_fn: Callable[[ParameterServer], Any]) -> Any:
+        """Servers: ``serve()``; workers: ``train_fn(self)`` then ``close()``. Returns that."""
+        with self:
+            return self.serve() if self.is_server else train_fn(self)
+
+    # ---- worker side -------------------------------------------------------------
+
+    def zero_grad(self) -> None:
+        self.module.zero_grad(set_to_none=True)
+
+    def step(self) -> None:
+        """Push this worker's gradient shards, wait for every server's reply and load
+        the returned parameters into the module. One round trip per server."""
+        self._require("worker", "step()")
+        if self._closed:
+            raise RuntimeError(f"rank {self.rank}: step() after close(); build a new ParameterServer to train on")
+        step, mode = self._step, self.config.mode
+        sends = []
+        for index, shard in enumerate(self.shards):
+            tensors = self._encode(index, step)
+            nbytes = sum(t.numel() * t.element_size() for t in tensors)
+            label = f"parameter-server push of step {step} to server"
+            sends.append(self._send(self._header(_PUSH, step, shard.numel, nbytes), shard.server, _PUSH_TAG, label))
+            sends += [self._send(t, shard.server, _DATA_TAG + i, label) for i, t in enumerate(tensors)]
+        # The server may itself wait timeout_s for the slowest worker before it replies
+        # or aborts, so a worker waits twice as long: the abort naming the culprit wins.
+        reply_timeout_s = 2 * comm.CONFIG.timeout_s
+        headers = [self._header(_REPLY, 0) for _ in self.shards]
+        posted = [self._recv(h, s.server, _REPLY_TAG, f"parameter-server reply to step {step} from server",
+                             reply_timeout_s) for h, s in zip(headers, self.shards)]
+        flats, pulls = [], []
+        for header, message, shard in zip(headers, posted, self.shards):
+            self._wait(message)
+            kind, got_step, a, b = header[:4].tolist()
+            if kind == _ABORT:
+                raise self._aborted(header, shard.server, step)
+            if kind != _REPLY or got_step != step:
+                raise comm.CommError(rank=self.rank, collective="parameter-server pull", algorithm=f"ps-{mode}",
+                                     step=step, peer=shard.server,
+                                     reason=f"expected the reply to step {step}, got {_KINDS.get(kind, kind)} of "
+                                            f"step {got_step}; every worker must build the same ParameterServer")
+            self._max_steps_ahead = max(self._max_steps_ahead, b)
+            flat = torch.empty(shard.numel, dtype=self.dtype)
+            flats.append(flat)
+            pulls.append(self._recv(flat, shard.server, _DATA_TAG, f"parameter-server pull of step {step} from server",
+                                    reply_timeout_s))
+        for message in pulls + sends:
+            self._wait(message)
+        with torch.no_grad():
+            for flat, params in zip(flats, self._shard_params):
+                _unflatten_into(flat, params)
+        self._pushes += 1
+        self._step += 1
+
+    def _encode(self, index: int, step: int) -> list[torch.Tensor]:
+        params = self._shard_params[index]
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1)
+                          for p in params])
+        if self.compression is None:
+            return [flat]
+        payload = self.compression.compress(flat, rank=self.rank, step=step, key=index)
+        _, expected = self._payload_buffers(index)
+        tensors = [payload.tensors[name].contiguous() for name in sorted(payload.tensors)]
+        shapes = [(tuple(t.shape), t.dtype) for t in tensors]
+        if shapes != [(tuple(t.shape), t.dtype) for t in expected]:
+            raise ValueError(f"{self.compression.describe()} produced payload tensors {shapes} but its "
+                             f"empty_payload() gives {[(tuple(t.shape), t.dtype) for t in expected]}; the parameter "
+                             f"server needs payloads whose layout depends only on (numel, dtype)")
+        return tensors
+
+    def _aborted(self, header: torch.Tensor, server: int, step: int) -> comm.CommError:
+        _, _, reason, timeout_ms = header[:4].tolist()
+        culprits = [rank for rank in range(self.world_size) if header[4 + rank]]
+        what = _REASONS.get(reason, "failed").format(timeout_s=timeout_ms / 1000)
+        names = ", ".join(map(str, culprits))
+        return comm.CommError(rank=self.rank, collective="parameter-server pull", algorithm=f"ps-{self.config.mode}",
+                              step=step, peer=names,
+                              reason=f"server rank {server} gave up: worker rank {names} {what}")
+
+    def close(self) -> None:
+        """Tell every server this worker is done (servers return from ``serve()`` once
+        all workers closed). Idempotent."""
+        self._require("worker", "close()")
+        if self._closed:
+            return
+        self._closed = True
+        sends = [self._send(self._header(_CLOSE, self._step), s.server, _PUSH_TAG,
+                            "parameter-server close to server") for s in self.shards]
+        for message in sends:
+            self._wait(message)
+
+    def abort(self) -> None:
+        """Best effort: tell the servers this worker failed, so they stop at once and
+        name it to the other workers instead of waiting out the deadline."""
+        self._closed = True
+        for shard in self.shards:
+            try:
+                self._wait(self._send(self._header(_ABORT, self._step, _RAISED), shard.server, _PUSH_TAG,
+                                      "parameter-server abort to server", min(comm.CONFIG.timeout_s, 5.0)))
+            except comm.CommError:
+                pass
+
+    # ---- server side -------------------------------------------------------------
+
+    def serve(self) -> ParameterServerStats:
+        """Apply pushes and answer pulls until every worker has closed; return stats."""
+        self._require("server", "serve()")
+        if self.config.mode == "sync":
+            self._serve_sync()
+        else:
+            self._serve_async()
+        return self.stats()
+
+    def server_parameters(self) -> dict[str, torch.Tensor]:
+        """This server's shard as it stands (in async mode the final model lives here)."""
+        self._require("server", "server_parameters()")
+        return {name: p.detach().clone() for name, p in zip(self._shard.names, self._params)}
+
+    def _serve_sync(self) -> None:
+        """Per step: pushes in worker-rank order, one averaged optimiser step, W replies."""
+        open_workers, step = list(self.worker_ranks), 0
+        while open_workers:
+            headers = {w: self._header(0, 0) for w in open_workers}
+            posted = {w: self._recv_push(headers[w], w, _PUSH_TAG, f"parameter-server push of step {step} from worker")
+                      for w in open_workers}
+            payloads, data, steps = {}, [], {w: step for w in open_workers}
+            for worker in open_workers:
+                _, kind = self._receive_header(posted[worker], headers[worker], worker, steps, open_workers)
+                if kind == _PUSH:
+                    payloads[worker], tensors = self._payload_buffers(self._index)
+                    label = f"parameter-server push of step {step} from worker"
+                    data += [(worker, self._recv_push(t, worker, _DATA_TAG + i, label)) for i, t in enumerate(tensors)]
+                else:  # closed: no reply, no abort
+                    open_workers = [w for w in open_workers if w != worker]
+            for worker, message in data:
+                self._guarded_wait(message, worker, step, open_workers)
+            if not payloads:
+                break
+            self._apply(self._average([payloads[w] for w in open_workers]))
+            for worker in open_workers:
+                self._record(worker, step, update_staleness=0, steps_ahead=0)
+            self._reply(open_workers, {w: step for w in open_workers}, {w: 0 for w in open_workers})
+            step += 1
+
+    def _serve_async(self) -> None:
+        """Stale synchronous parallel: apply each push alone, withhold replies that
+        would put a worker more than max_staleness steps ahead of the slowest."""
+        limit = self.config.max_staleness
+        rng = None if self.config.order == "arrival" else random.Random(self.config.order)
+        clock = {w: 0 for w in self.worker_ranks}  # pushes applied per worker
+        pulled_version = {w: 0 for w in self.worker_ranks}
+        ahead = {w: 0 for w in self.worker_ranks}
+        open_workers, withheld = set(self.worker_ranks), set()
+        while open_workers:
+            expected = sorted(open_workers - withheld)
+            assert expected, "the slowest open worker is never withheld"
+            src = expected[rng.randrange(len(expected))] if rng is not None else None
+            header = self._header(0, 0)
+            message = self._recv_push(header, src, _PUSH_TAG, "parameter-server push from worker")
+            worker, kind = self._receive_header(message, header, src, clock, sorted(open_workers), expected)
+            if kind == _PUSH:
+                step = clock[worker]
+                payload, tensors = self._payload_buffers(self._index)
+                for i, t in enumerate(tensors):
+                    message = self._recv_push(t, worker, _DATA_TAG + i,
+                                              f"parameter-server push of step {step} from worker")
+                    self._guarded_wait(message, worker, step, sorted(open_workers))
+                self._apply(self._decode(payload).div_(self.num_workers))
+                self._record(worker, step, self._updates - 1 - pulled_version[worker], ahead[worker])
+                clock[worker] += 1
+                withheld.add(worker)
+            else:
+                open_workers.discard(worker)
+            if not open_workers:
+                break
+            slowest = min(clock[w] for w in open_workers)
+            released = sorted(w for w in withheld if clock[w] - slowest <= limit)
+            for w in released:
+                ahead[w] = clock[w] - slowest
+                pulled_version[w] = self._updates
+                withheld.discard(w)
+            if released:
+                self._reply(released, {w: clock[w] - 1 for w in released}, ahead)
+
+    def _receive_header(self, message, header, worker, steps, open_workers, expected=None) -> tuple[int, int]:
+        """Wait for a worker's header (``worker`` None: any of ``expected``) and check
+        it against ``steps`` (worker -> the step the server expects); (sender, kind)."""
+        step = steps[worker] if worker is not None else None
+        worker = self._guarded_wait(message, worker, step, open_workers, culprits=expected)
+        kind, got_step, numel = header[:3].tolist()
+        mode = f"ps-{self.config.mode}"
+        if kind == _ABORT:
+            self._abort_workers(open_workers, [worker], _RAISED, got_step)
+            raise comm.CommError(rank=self.rank, collective="parameter-server push", algorithm=mode,
+                                 step=got_step, peer=worker, reason=f"worker rank {worker} {_REASONS[_RAISED]}")
+        problem = None
+        if expected is not None and worker not in expected:
+            problem = f"worker {worker} sent a {_KINDS.get(kind, kind)} while its reply was withheld"
+        elif kind == _PUSH and numel != self._shard.numel:
+            problem = f"it pushed {numel} elements but this server's shard holds {self._shard.numel}"
+        elif kind == _PUSH and got_step != steps[worker]:
+            problem = f"it pushed step {got_step} while the server expected step {steps[worker]}"
+        elif kind not in (_PUSH, _CLOSE):
+            problem = f"unexpected message kind {kind}"
+        if problem:
+            self._abort_workers(open_workers, [worker], _PROTOCOL, got_step)
+            raise comm.CommError(rank=self.rank, collective="parameter-server push", algorithm=mode,
+                                 step=got_step, peer=worker, reason=problem + "; every rank must build the same "
+                                 "model and ParameterServer")
+        return worker, kind
+
+    def _guarded_wait(self, message, worker, step, open_workers, culprits=None) -> int:
+        """Wait for a worker's message; on failure tell the other workers who failed, then raise."""
+        try:
+            return self._wait(message, comm.CONFIG.timeout_s)
+        except comm.CommError as error:
+            culprits = [worker] if worker is not None else list(culprits or open_workers)
+            timed_out = isinstance(error, comm.CommTimeoutError)
+            self._abort_workers(open_workers, culprits, _TIMED_OUT if timed_out else _DISCONNECTED, step)
+            names = ", ".join(map(str, culprits))
+            kwargs = dict(rank=self.rank, collective="parameter-server push", algorithm=f"ps-{self.config.mode}",
+                          step="-" if step is None else step, peer=names,
+                          reason=f"no push from worker rank {names}" + ("" if timed_out else f": {error.reason}"))
+            if timed_out:
+                raise comm.CommTimeoutError(timeout_s=error.timeout_s, **kwargs) from error
+            raise comm.CommError(**kwargs) from error
+
+    def _abort_workers(self, open_workers, culprits, reason: int, step) -> None:
+        """Best effort ABORT (naming ``culprits``) to every other open worker, bounded by the deadline."""
+        header = self._header(_ABORT, -1 if step is None else step, reason, int(comm.CONFIG.timeout_s * 1000), culprits)
+        sends = []
+        for worker in open_workers:
+            if worker not in culprits:
+                try:
+                    sends.append(self._send(header, worker, _REPLY_TAG, "parameter-server abort to worker"))
+                except comm.CommError:
+                    pass
+        for message in sends:
+            try:
+                self._wait(message)
+            except comm.CommError:
+                pass
+
+    def _average(self, payloads: list) -> torch.Tensor:
+        """(1/n) sum of the pushes, summed in worker-rank order (deterministic)."""
+        if self.compression is not None:
+            return self.compression.aggregate(payloads).to(self.dtype)
+        total = payloads[0].clone()
+        for flat in payloads[1:]:
+            total.add_(flat)
+        return total.div_(len(payloads))
+
+    def _decode(self, payload) -> torch.Tensor:
+        if self.compression is None:
+            return payload
+        return self.compression.decompress(payload).to(self.dtype).clone()
+
+    def _apply(self, flat_grad: torch.Tensor) -> None:
+        """One optimiser step with ``flat_grad`` (numel,) as the shard's gradient."""
+        offset = 0
+        for param in self._params:
+            param.grad = flat_grad[offset : offset + param.numel()].view_as(param)
+            offset += param.numel()
+        self.optimizer.step()
+        self._updates += 1
+
+    def _record(self, worker: int, step: int, update_staleness: int, steps_ahead: int) -> None:
+        self._pushes += 1
+        self._max_update_staleness = max(self._max_update_staleness, update_staleness)
+        self._max_steps_ahead = max(self._max_steps_ahead, steps_ahead)
+        self._push_log.append(PushRecord(worker=worker, step=step, version=self._updates - 1,
+                                         update_staleness=update_staleness, steps_ahead=steps_ahead))
+
+    def _reply(self, workers, steps, steps_ahead) -> None:
+        """Send the shard's current parameters to ``workers`` (header first)."""
+        flat = torch.cat([p.detach().reshape(-1) for p in self._params])
+        sends = []
+        for worker in workers:
+            header = self._header(_REPLY, steps[worker], self._updates, steps_ahead[worker])
+            label = f"parameter-server reply to step {steps[worker]} to worker"
+            sends += [self._send(header, worker, _REPLY_TAG, label), self._send(flat, worker, _DATA_TAG, label)]
+        for message in sends:
+            self._wait(message)
+
+
+def _unflatten_into(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
+    """Copy consecutive slices of ``flat`` into ``tensors`` (no autograd)."""
+    offset = 0
+    with torch.no_grad():
+        for tensor in tensors:
+            tensor.copy_(flat[offset : offset + tensor.numel()].view_as(tensor))
+            offset += tensor.numel()
