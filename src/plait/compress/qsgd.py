@@ -48,7 +48,7 @@ class QSGD(PayloadCompressor):
         if levels is None:
             levels = most
         levels = check_int("QSGD", f"levels for bits={bits}", levels, 1, most,
-                           hint=f"; use more bits for more levels (bits=8 allows 127)")
+                           hint="; use more bits for more levels (bits=8 allows 127)")
         chunk_size = check_int("QSGD", "chunk_size", chunk_size, 1, 1 << 62,
                                hint=" (elements per norm; 512 as in the paper)")
         if isinstance(seed, bool) or not isinstance(seed, int):

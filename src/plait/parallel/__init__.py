@@ -2,13 +2,8 @@
 and hybrid parallelism follow."""
 
 from plait.parallel.data import DataParallel, StepStats
+from plait.parallel.param_server import ParameterServer
+from plait.parallel.ps_config import ParameterServerConfig, ParameterServerStats, shard_by_size
 
-__all__ = ["DataParallel", "ParameterServer", "StepStats"]
-
-
-def __getattr__(name):
-    if name == "ParameterServer":
-        from plait.parallel.param_server import ParameterServer
-
-        return ParameterServer
-    raise AttributeError(f"module 'plait.parallel' has no attribute {name!r}")
+__all__ = ["DataParallel", "ParameterServer", "ParameterServerConfig", "ParameterServerStats", "StepStats",
+           "shard_by_size"]
