@@ -11,7 +11,7 @@ Every rank runs (``run_dp_bench``):
    clock starts. Reported per mode: the median round.
 2. Compression: for each compressor spec, ``DataParallel(compression=...)`` trains
    the small model for ``compression_steps`` steps on the digits; reported: bytes
-   this rank sent per step (measured by the comm layer) and its payload, both
+   sent per step (measured by the comm layer, mean over ranks) and the payload, both
    relative to uncompressed, the mean training loss of the last 10 steps (averaged
    over ranks), and test loss / accuracy. The loss curves go to --plot.
 """
@@ -98,6 +98,14 @@ def _train_steps(model, optimizer, batches) -> list[float]:
     return losses
 
 
+def _mean_over_ranks(*values: float) -> list[float]:
+    """Bytes differ by rank (a star's root sends p-1 times what a leaf does): report
+    the mean over ranks."""
+    tensor = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(tensor)
+    return (tensor / dist.get_world_size()).tolist()
+
+
 def measure_throughput(config: DpBenchConfig, mode: str, train, rank: int, world_size: int) -> dict:
     model = _wrap(mode, build_model(config.model, seed=config.seed), config)
     optimizer = torch.optim.SGD(model.parameters(), lr=config.lr, momentum=0.9)
@@ -117,7 +125,7 @@ def measure_throughput(config: DpBenchConfig, mode: str, train, rank: int, world
         row.update(comm_ms=1e3 * summary["comm_time_s"] / config.steps,
                    exposed_ms=1e3 * summary["exposed_comm_s"] / config.steps,
                    hidden_fraction=summary["hidden_fraction"], buckets=summary["buckets"],
-                   bytes_per_step=summary["bytes_sent_per_step"])
+                   bytes_per_step=_mean_over_ranks(summary["bytes_sent_per_step"])[0])
         model.remove_hooks()
     return row
 
@@ -140,10 +148,11 @@ def measure_compression(config: DpBenchConfig, spec: str, train, test, rank: int
         accuracy = (logits.argmax(dim=1) == test.labels).double().mean().item()
     summary = model.summary()
     model.remove_hooks()
+    bytes_per_step, payload_per_step = _mean_over_ranks(summary.get("bytes_sent_per_step", 0.0),
+                                                        summary.get("payload_nbytes_per_step", 0.0))
     return {
         "compression": spec, "describe": compressor.describe() if compressor else "none",
-        "bytes_per_step": summary.get("bytes_sent_per_step", 0.0),
-        "payload_per_step": summary.get("payload_nbytes_per_step", 0.0),
+        "bytes_per_step": bytes_per_step, "payload_per_step": payload_per_step,
         "final_loss": losses[-10:].mean().item(), "test_loss": test_loss, "test_accuracy": accuracy,
         "step_ms": 1e3 * elapsed_s / config.compression_steps, "losses": losses.tolist(),
     }

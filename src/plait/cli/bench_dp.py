@@ -83,7 +83,7 @@ def _compression_line(row: dict, baseline: dict | None) -> str:
     base_payload = baseline["payload_per_step"] if baseline else 0.0
     relative = row["bytes_per_step"] / base_bytes if base_bytes else float("nan")
     payload_relative = row["payload_per_step"] / base_payload if base_payload else float("nan")
-    return (f"{row['describe']:<26} {row['bytes_per_step'] / 1024:10.1f} {relative:8.4f} {payload_relative:8.4f} "
+    return (f"{row['describe']:<32} {row['bytes_per_step'] / 1024:10.1f} {relative:8.4f} {payload_relative:8.4f} "
             f"{row['final_loss']:10.4f} {row['test_loss']:9.4f} {row['test_accuracy']:8.1%} {row['step_ms']:8.1f}")
 
 
@@ -111,15 +111,15 @@ def run(args: argparse.Namespace) -> int:
         if row["kind"] == "throughput":
             if not state["throughput_header"]:
                 write(f"{'round':>5} {'mode':<6} {'samples/s':>10} {'step ms':>9} {'comm ms':>9} {'exposed ms':>11} "
-                      f"{'hidden':>7} {'MiB/step':>9}")
+                      f"{'hidden':>7} {'MiB/step':>9}  (plait's comm; MiB sent per rank per step)")
                 state["throughput_header"] = True
             write(_throughput_line(row))
         else:
             if not state["compression_header"]:
                 write(f"\n# compression: model {config.compression_model}, {config.compression_steps} steps, "
-                      f"SGD lr {config.lr} momentum 0.9; bytes = what this rank sent per step; loss = mean of the "
-                      "last 10 steps over ranks")
-                write(f"{'compressor':<26} {'KiB/step':>10} {'vs none':>8} {'payload':>8} {'final loss':>10} "
+                      f"SGD lr {config.lr} momentum 0.9; KiB/step = bytes sent per step, mean over ranks; payload = "
+                      "compressed gradient / uncompressed; loss = mean of the last 10 steps over ranks")
+                write(f"{'compressor':<32} {'KiB/step':>10} {'vs none':>8} {'payload':>8} {'final loss':>10} "
                       f"{'test loss':>9} {'test acc':>8} {'step ms':>8}")
                 state["compression_header"] = True
             if row["compression"] == "none":
