@@ -175,6 +175,9 @@ def test_bad_arguments_name_the_value():
         DataParallel(model, init="copy")
     with pytest.raises(ValueError, match="compression=42 must be a plait.compress.Compressor"):
         DataParallel(model, compression=42)
+    # the MLP's last layer is a 10x256 matrix: its gradient has rank at most 10
+    with pytest.raises(ValueError, match=r"PowerSGD rank 16 is larger than the 10x256 gradient of 'net.4.weight'"):
+        DataParallel(model, compression="powersgd:16")
 
 
 def peer_dies_mid_step(rank, world_size):

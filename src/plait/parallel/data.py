@@ -124,6 +124,9 @@ class DataParallel(nn.Module):
                             "such as 'topk:0.01+ef', or None")
         if problems:
             raise ValueError("DataParallel: " + "; ".join(problems))
+        named = [(name, param) for name, param in module.named_parameters() if param.requires_grad]
+        if compression is not None:
+            compression.validate([(name, tuple(param.shape)) for name, param in named])
         if not dist.is_initialized():
             raise RuntimeError("DataParallel needs torch.distributed to be initialised "
                                "(torch.distributed.init_process_group, or run under torchrun)")
@@ -135,9 +138,7 @@ class DataParallel(nn.Module):
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self._src = dist.get_global_rank(group, 0) if group is not None else 0
-        self._named = [(name, param) for name, param in module.named_parameters() if param.requires_grad]
-        if compression is not None:
-            compression.validate([(name, tuple(param.shape)) for name, param in self._named])
+        self._named = named
         self._verify_and_broadcast(init)
         self.buckets: list[Bucket] = build_buckets(self._named, int(bucket_mb * (1 << 20)))
         self._where = {id(param): (bucket, slot) for bucket in self.buckets for slot, param in enumerate(bucket.params)}
