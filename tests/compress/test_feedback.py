@@ -55,3 +55,11 @@ def test_wrapping_what_already_has_error_feedback_is_refused():
         ErrorFeedback(ErrorFeedback(TopK(0.1)))
     with pytest.raises(ValueError, match="ErrorFeedback wraps a PayloadCompressor"):
         ErrorFeedback("topk")
+
+
+def test_unscaled_sign_is_refused():
+    from plait.compress import Sign
+
+    with pytest.raises(ValueError, match=r"use ErrorFeedback\(Sign\(scaled=True\)\)"):
+        ErrorFeedback(Sign())
+    ErrorFeedback(Sign(scaled=True))  # EF-signSGD

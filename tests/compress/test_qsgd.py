@@ -114,3 +114,12 @@ def test_each_chunk_has_its_own_norm():
 def test_chunk_size_must_be_positive():
     with pytest.raises(ValueError, match="chunk_size"):
         QSGD(4, chunk_size=0)
+
+
+def test_a_chunk_longer_than_the_tensor_is_one_norm():
+    # "one norm per tensor": a huge chunk_size must not allocate chunk_size elements
+    compressor = QSGD(8, chunk_size=2**40)
+    x = torch.tensor([3.0, -4.0], dtype=torch.float64)
+    payload = compressor.compress(x)
+    assert payload.tensors["norm"].shape == (1,) and float(payload.tensors["norm"]) == 5.0
+    assert compressor.decompress(payload).abs().max() <= 5.0

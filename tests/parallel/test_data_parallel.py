@@ -109,30 +109,36 @@ class Branchy(nn.Module):
         torch.manual_seed(3)
         self.body = nn.Linear(64, 10).double()
         self.extra = nn.Linear(64, 10).double()
+        self.never = nn.Linear(64, 10).double()  # used by no rank
 
     def forward(self, x, use_extra):
         out = self.body(x)
         return out + self.extra(x) if use_extra else out
 
 
-def unused_parameters(rank, world_size):
+def unused_parameters(rank, world_size, find_unused):
     train, _ = load_digits(dtype=torch.float64)
-    model = DataParallel(Branchy(), bucket_mb=0.001)
+    model = DataParallel(Branchy(), bucket_mb=0.001, find_unused_parameters=find_unused)
     inputs, labels = rank_batch(train, 0, GLOBAL_BATCH, rank, world_size)
     F.cross_entropy(model(inputs, rank % 2 == 1), labels).backward()
-    return model.module.extra.weight.grad.clone(), model.last_stats.unused_parameters
+    never = model.module.never.weight.grad
+    return (model.module.extra.weight.grad.clone(), model.last_stats.unused_parameters,
+            None if never is None else float(never.abs().max()))
 
 
-def test_unused_parameters_contribute_zero():
-    results = run_distributed(unused_parameters, 3, timeout_s=60)
+@pytest.mark.parametrize("find_unused", [False, True])
+def test_unused_parameters_contribute_zero(find_unused):
+    results = run_distributed(unused_parameters, 3, find_unused, timeout_s=60)
     # rank 1 alone used ``extra``: the average is its gradient / 3
     train, _ = load_digits(dtype=torch.float64)
     reference = Branchy()
     inputs, labels = rank_batch(train, 0, GLOBAL_BATCH, 1, 3)
     F.cross_entropy(reference(inputs, True), labels).backward()
-    for rank, (grad, unused) in enumerate(results):
-        assert unused == (2 if rank % 2 == 0 else 0)
+    for rank, (grad, unused, never) in enumerate(results):
+        assert unused == (4 if rank % 2 == 0 else 2)  # weight and bias of the unused layers
         assert torch.allclose(grad, reference.extra.weight.grad / 3, rtol=1e-12, atol=1e-15)
+        # no rank used ``never``: None with find_unused_parameters (as DDP), else averaged zeros
+        assert never is None if find_unused else never == 0.0
 
 
 def differing_parameters(rank, world_size, init):
@@ -150,6 +156,38 @@ def test_differing_parameters_are_refused_naming_the_ranks():
         assert "differ from rank 0's on ranks [1]" in message and "init='broadcast'" in message, message
     sums = run_distributed(differing_parameters, 3, "broadcast", timeout_s=60)
     assert sums[0] == sums[1] == sums[2]  # rank 0's values everywhere
+
+
+def batchnorm_model(rank, world_size, algorithm, init, perturb_buffer):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 10))
+    if perturb_buffer and rank == 2:
+        model[1].running_mean.add_(1.0)
+    try:
+        wrapped = DataParallel(model, algorithm=algorithm, init=init)
+    except ValueError as error:
+        return str(error)
+    train, _ = load_digits()
+    for step in range(2):
+        inputs, labels = rank_batch(train, step, GLOBAL_BATCH, rank, world_size)
+        F.cross_entropy(wrapped(inputs), labels).backward()
+    # each forward first re-broadcasts rank 0's buffers (then training-mode BatchNorm
+    # updates them from the local batch, as under DDP); an eval forward leaves them as sent
+    wrapped.eval()
+    with torch.no_grad():
+        wrapped(inputs)
+    return [buffer.clone() for buffer in wrapped.module.buffers()]
+
+
+@pytest.mark.slow
+def test_buffers_are_checked_and_broadcast():
+    # BatchNorm's num_batches_tracked is a 0-dim buffer; halving_doubling has no
+    # broadcast, so buffers go by the tuner's choice
+    results = run_distributed(batchnorm_model, 3, "halving_doubling", "check", False, timeout_s=60)
+    for buffers in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(buffers, results[0]))
+    messages = run_distributed(batchnorm_model, 3, "ring", "check", True, timeout_s=60)
+    assert all("buffer values differ from rank 0's on ranks [2]" in message for message in messages), messages
 
 
 def differing_structure(rank, world_size):
@@ -171,6 +209,8 @@ def test_bad_arguments_name_the_value():
     for bucket_mb in (0, -1, float("nan"), "25"):
         with pytest.raises(ValueError, match="bucket_mb=.* must be a finite number of MiB > 0"):
             DataParallel(model, bucket_mb=bucket_mb)
+    with pytest.raises(ValueError, match="algorithm='rign'.*unknown"):
+        DataParallel(model, algorithm="rign")
     with pytest.raises(ValueError, match="init='copy' must be one of"):
         DataParallel(model, init="copy")
     with pytest.raises(ValueError, match="compression=42 must be a plait.compress.Compressor"):

@@ -44,6 +44,11 @@ class ErrorFeedback(PayloadCompressor):
                 f"ErrorFeedback wraps a PayloadCompressor (TopK, RandomK, Sign, QSGD, FP16, BF16), "
                 f"got {compressor!r}"
             )
+        if getattr(compressor, "name", "") == "sign" and not getattr(compressor, "scaled", True):
+            raise ValueError(
+                "ErrorFeedback(Sign()) would carry a residual of x + e - sign(x + e), about -1 per element for "
+                "small gradients; error feedback needs the scaled sign (EF-signSGD): use "
+                "ErrorFeedback(Sign(scaled=True)) (spec 'sign+ef')")
         self.inner = compressor
         self.name = compressor.name + "+ef"
         self.residuals: dict[object, torch.Tensor] = {}

@@ -66,7 +66,8 @@ class QSGD(PayloadCompressor):
         check_floating(self.describe(), flat.dtype)
         flat = flat.detach().reshape(-1)
         x = flat.to(torch.float64)
-        n, d = x.numel(), self.chunk_size
+        n = x.numel()
+        d = max(min(self.chunk_size, n), 1)  # a chunk never needs to be longer than the tensor
         chunks = -(-n // d)
         padded = torch.zeros(chunks * d, dtype=torch.float64, device=x.device)
         padded[:n] = x
@@ -99,7 +100,8 @@ class QSGD(PayloadCompressor):
         levels = (codes & level_mask).to(torch.float64)
         signs = 1.0 - 2.0 * (codes >> (self.bits - 1)).to(torch.float64)
         norms = payload.tensors["norm"].to(torch.float64)
-        step_size = norms.repeat_interleave(self.chunk_size)[: payload.numel] / self.levels
+        d = max(min(self.chunk_size, payload.numel), 1)
+        step_size = norms.repeat_interleave(d)[: payload.numel] / self.levels
         return (signs * levels * step_size).to(payload.dtype)
 
     def describe(self) -> str:

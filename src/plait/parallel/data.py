@@ -18,6 +18,7 @@ at least the last bucket's all-reduce. ``stats`` reports both.
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 import time
 import zlib
@@ -28,6 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from plait import comm
+from plait.comm.algorithms import algorithms_for, builder
 from plait.compress.base import Compressor
 from plait.parallel.buckets import Bucket, build_buckets
 
@@ -57,15 +59,16 @@ class StepStats:
     unused_parameters: int
 
 
-def _checksum(module: nn.Module) -> tuple[int, int]:
-    """(structure, values) CRC32s over parameters then buffers, in registration order."""
-    structure, values = 0, 0
+def _checksum(module: nn.Module) -> tuple[int, int, int]:
+    """(structure, parameter values, buffer values) CRC32s, in registration order."""
+    structure, values = 0, {"param": 0, "buffer": 0}
     for kind, items in (("param", module.named_parameters()), ("buffer", module.named_buffers())):
         for name, tensor in items:
             structure = zlib.crc32(f"{kind}:{name}:{tuple(tensor.shape)}:{tensor.dtype}".encode(), structure)
-            data = tensor.detach().cpu().contiguous()
-            values = zlib.crc32(data.view(torch.uint8).numpy().tobytes() if data.numel() else b"", values)
-    return structure, values
+            data = tensor.detach().cpu().contiguous().reshape(-1)  # 0-dim tensors too (num_batches_tracked)
+            values[kind] = zlib.crc32(data.view(torch.uint8).numpy().tobytes() if data.numel() else b"",
+                                      values[kind])
+    return structure, values["param"], values["buffer"]
 
 
 def _rank_groups(column: list[int]) -> list[list[int]]:
@@ -104,10 +107,16 @@ class DataParallel(nn.Module):
     init: "check" (default) refuses parameters that differ across ranks at wrap
         time, naming the ranks; "broadcast" overwrites them with rank 0's. Either
         way the structure (names, shapes, dtypes) must agree.
+    find_unused_parameters: parameters without a gradient on a rank always count as
+        zeros in the average. With True, one more small all-reduce per step finds
+        the parameters no rank used, and their ``.grad`` stays None (as DDP's
+        find_unused_parameters), so optimisers skip them; with False they get the
+        averaged gradient (zeros if no rank used them).
     """
 
     def __init__(self, module: nn.Module, group=None, *, algorithm: str = "auto", bucket_mb: float = 25,
-                 compression=None, broadcast_buffers: bool = True, init: str = "check"):
+                 compression=None, broadcast_buffers: bool = True, init: str = "check",
+                 find_unused_parameters: bool = False):
         super().__init__()
         problems = []
         if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float)) or not bucket_mb > 0 \
@@ -115,6 +124,11 @@ class DataParallel(nn.Module):
             problems.append(f"bucket_mb={bucket_mb!r} must be a finite number of MiB > 0 (DDP's default is 25)")
         if init not in _INIT_MODES:
             problems.append(f"init={init!r} must be one of {_INIT_MODES}")
+        if algorithm not in ("auto", None, "torch"):
+            try:
+                builder("all_reduce", algorithm)
+            except (ValueError, TypeError) as error:
+                problems.append(f"algorithm={algorithm!r}: {error}")
         if isinstance(compression, str):
             from plait.compress import from_spec
 
@@ -133,7 +147,13 @@ class DataParallel(nn.Module):
         self.module = module
         self.group = group
         self.algorithm = algorithm
-        self.compression = compression
+        # buffers and compressed payloads use other collectives: the same algorithm where
+        # it implements them, else the tuner's choice
+        self._broadcast_algorithm = self._also_for(("broadcast",))
+        self._compress_algorithm = self._also_for(("all_reduce", "all_gather"))
+        # a private copy: error-feedback residuals and PowerSGD factors are this model's
+        self.compression = copy.deepcopy(compression)
+        self.find_unused_parameters = find_unused_parameters
         self.broadcast_buffers = broadcast_buffers
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
@@ -152,25 +172,32 @@ class DataParallel(nn.Module):
         self._hooks = [param.register_post_accumulate_grad_hook(self._on_grad_ready) for _, param in self._named]
 
     # ----- wrap time -------------------------------------------------------------------
+    def _also_for(self, collectives) -> str:
+        if self.algorithm in ("auto", None, "torch"):
+            return self.algorithm or "auto"
+        ok = all(self.algorithm in algorithms_for(collective) for collective in collectives)
+        return self.algorithm if ok else "auto"
+
     def _verify_and_broadcast(self, init: str) -> None:
         if self.world_size == 1:
             return
         mine = torch.tensor(_checksum(self.module), dtype=torch.int64)
-        table = torch.zeros(2 * self.world_size, dtype=torch.int64)
+        table = torch.zeros(3 * self.world_size, dtype=torch.int64)
         comm.all_gather_into_tensor(table, mine, group=self.group, algorithm="bruck")
-        rows = table.view(self.world_size, 2).tolist()
+        rows = table.view(self.world_size, 3).tolist()
         structures = _rank_groups([row[0] for row in rows])
         if len(structures) > 1:
             raise ValueError(
                 f"DataParallel: the model's parameters and buffers (names, shapes, dtypes) differ between ranks "
                 f"{structures}; every rank must build the same model")
-        values = _rank_groups([row[1] for row in rows])
-        if len(values) > 1 and init == "check":
-            differing = [rank for rank, row in enumerate(rows) if row[1] != rows[0][1]]
-            raise ValueError(
-                f"DataParallel: parameter values differ from rank 0's on ranks {differing} (checksum groups "
-                f"{values}); seed the model identically on every rank (torch.manual_seed before building it), "
-                "or pass init='broadcast' to overwrite them with rank 0's")
+        for column, what in ((1, "parameter"), (2, "buffer")):
+            values = _rank_groups([row[column] for row in rows])
+            if len(values) > 1 and init == "check":
+                differing = [rank for rank, row in enumerate(rows) if row[column] != rows[0][column]]
+                raise ValueError(
+                    f"DataParallel: {what} values differ from rank 0's on ranks {differing} (checksum groups "
+                    f"{values}); seed the model identically on every rank (torch.manual_seed before building "
+                    "it), or pass init='broadcast' to overwrite them with rank 0's")
         tensors = [param.data for param in self.module.parameters()] + list(self.module.buffers())
         if tensors:
             _flat_broadcast(tensors, self._src, self.group, "torch")
@@ -183,7 +210,7 @@ class DataParallel(nn.Module):
         if self.broadcast_buffers and self.world_size > 1 and self._require_sync:
             buffers = list(self.module.buffers())
             if buffers:
-                _flat_broadcast(buffers, self._src, self.group, self.algorithm)
+                _flat_broadcast(buffers, self._src, self.group, self._broadcast_algorithm)
         return self.module(*args, **kwargs)
 
     @contextlib.contextmanager
@@ -215,6 +242,7 @@ class DataParallel(nn.Module):
         self._next_launch = 0
         self._handles = []
         self._unused = 0
+        self._unused_slots: set[tuple[int, int]] = set()
         for bucket in self.buckets:
             bucket.reset()
         torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
@@ -224,6 +252,7 @@ class DataParallel(nn.Module):
         if param.grad is None:
             view.zero_()
             self._unused += 1
+            self._unused_slots.add((bucket.index, slot))
         elif param.grad.data_ptr() != view.data_ptr():
             view.copy_(param.grad)
         bucket.ready[slot] = True
@@ -242,7 +271,7 @@ class DataParallel(nn.Module):
                 return comm.all_reduce(bucket.buffer, op=comm.ReduceOp.AVG, group=self.group, async_op=True,
                                        algorithm=self.algorithm)
             grad_bucket = bucket.as_grad_bucket(self.step_count)
-            compressor, group, algorithm = self.compression, self.group, self.algorithm
+            compressor, group, algorithm = self.compression, self.group, self._compress_algorithm
 
             def job():
                 before = sum(entry["bytes_sent"] for entry in comm.stats().values())
@@ -261,16 +290,30 @@ class DataParallel(nn.Module):
                     self._take_grad(bucket, slot)
         self._launch_ready()
         backward_end_s = time.perf_counter()
+        errors = []
         try:
-            for handle in self._handles:
-                handle.wait()
+            for handle in self._handles:  # every one, so no job still writes a bucket after we return
+                try:
+                    handle.wait()
+                except BaseException as error:  # noqa: BLE001 - the first is raised below
+                    errors.append(error)
         finally:
             self._in_backward = False
+        if errors:
+            raise errors[0]
         done_s = time.perf_counter()
+        unused_everywhere = self._unused_everywhere() if self.find_unused_parameters else set()
         for bucket in self.buckets:
-            for param, view in zip(bucket.params, bucket.views):
-                param.grad = view
+            for slot, (param, view) in enumerate(zip(bucket.params, bucket.views)):
+                param.grad = None if (bucket.index, slot) in unused_everywhere else view
         self._record(backward_end_s, done_s)
+
+    def _unused_everywhere(self) -> set[tuple[int, int]]:
+        """(bucket, slot) of the parameters that no rank gave a gradient this step."""
+        slots = [(bucket.index, slot) for bucket in self.buckets for slot in range(len(bucket.params))]
+        used = torch.tensor([0 if key in self._unused_slots else 1 for key in slots], dtype=torch.int32)
+        comm.all_reduce(used, group=self.group, algorithm=self._compress_algorithm)
+        return {key for key, count in zip(slots, used.tolist()) if count == 0}
 
     def _record(self, backward_end_s: float, done_s: float) -> None:
         comm_time_s = sum(handle.finished_s - handle.started_s for handle in self._handles)
