@@ -9,7 +9,6 @@ handful of steps. float64 (u = 1.1e-16) lands far inside 1e-10; float32
 (u = 6e-8) inside 1e-5 for these small models (the issue's tolerances).
 """
 
-import os
 import time
 
 import pytest
@@ -21,7 +20,7 @@ from torch import nn
 from plait import comm
 from plait.models import build_model
 from plait.parallel import DataParallel
-from plait.testing import RankError, run_distributed, run_fresh_world
+from plait.testing import run_distributed, run_fresh_world
 from plait.train.data import global_batch, load_digits, rank_batch
 
 GLOBAL_BATCH = 48  # divisible by 2, 3 and 4
