@@ -17,6 +17,7 @@ scatter-add of every rank's values at its indices, divided by p:
 from __future__ import annotations
 
 import math
+from abc import abstractmethod
 
 import torch
 
@@ -52,9 +53,10 @@ class SparseCompressor(PayloadCompressor):
         k = self.kept(numel)
         return {"values": ((k,), dtype), "indices": ((k,), index_dtype(numel))}
 
+    @abstractmethod
     def select(self, flat: torch.Tensor, k: int, *, rank: int, step: int, key: int | None) -> torch.Tensor:
-        """The k indices to keep (1-D int64, distinct)."""
-        raise NotImplementedError
+        """The k indices to keep (1-D int64, distinct): TopK's largest magnitudes,
+        RandomK's seeded draw."""
 
     def compress(self, flat, *, rank=0, step=0, key=None) -> Payload:
         check_floating(self.describe(), flat.dtype)

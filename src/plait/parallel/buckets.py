@@ -84,3 +84,12 @@ def build_buckets(named_params: list[tuple[str, nn.Parameter]], bucket_nbytes: i
         bucket.reset()
         buckets.append(bucket)
     return buckets
+
+
+def unflatten_into(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
+    """Copy consecutive slices of ``flat`` into ``tensors`` (no autograd)."""
+    offset = 0
+    with torch.no_grad():
+        for tensor in tensors:
+            tensor.copy_(flat[offset : offset + tensor.numel()].view_as(tensor))
+            offset += tensor.numel()

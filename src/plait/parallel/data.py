@@ -31,7 +31,7 @@ from torch import nn
 from plait import comm
 from plait.comm.algorithms import algorithms_for, builder
 from plait.compress.base import Compressor
-from plait.parallel.buckets import Bucket, build_buckets
+from plait.parallel.buckets import Bucket, build_buckets, unflatten_into
 
 _INIT_MODES = ("check", "broadcast")
 
@@ -86,11 +86,7 @@ def _flat_broadcast(tensors: list[torch.Tensor], src: int, group, algorithm: str
     for members in by_kind.values():
         flat = torch.cat([tensor.detach().reshape(-1) for tensor in members])
         comm.broadcast(flat, src=src, group=group, algorithm=algorithm)
-        offset = 0
-        with torch.no_grad():
-            for tensor in members:
-                tensor.copy_(flat[offset : offset + tensor.numel()].view_as(tensor))
-                offset += tensor.numel()
+        unflatten_into(flat, members)
 
 
 class DataParallel(nn.Module):
@@ -264,23 +260,24 @@ class DataParallel(nn.Module):
             self._next_launch += 1
 
     def _launch(self, bucket: Bucket):
-        first = self.step_count == 0  # check sizes/order with the peers once, then trust the layout
-        checks = contextlib.nullcontext() if first else comm.unchecked()
-        with checks:
-            if self.compression is None:
+        # the comm layer checks sizes and order with the peers on the first step only;
+        # after that the bucket layout is trusted (the check costs an all-gather per call)
+        first = self.step_count == 0
+        if self.compression is None:
+            with contextlib.nullcontext() if first else comm.unchecked():
                 return comm.all_reduce(bucket.buffer, op=comm.ReduceOp.AVG, group=self.group, async_op=True,
                                        algorithm=self.algorithm)
-            grad_bucket = bucket.as_grad_bucket(self.step_count)
-            compressor, group, algorithm = self.compression, self.group, self._compress_algorithm
+        grad_bucket = bucket.as_grad_bucket(self.step_count)
+        compressor, group, algorithm = self.compression, self.group, self._compress_algorithm
 
-            def job():
-                before = sum(entry["bytes_sent"] for entry in comm.stats().values())
-                with contextlib.nullcontext() if first else comm.unchecked():  # this runs on the comm thread
-                    payload = compressor.reduce(grad_bucket, group, algorithm=algorithm)
-                sent = sum(entry["bytes_sent"] for entry in comm.stats().values()) - before
-                return sent, payload
+        def job():  # on the comm thread, after every collective queued before it
+            before = sum(entry["bytes_sent"] for entry in comm.stats().values())
+            with contextlib.nullcontext() if first else comm.unchecked():
+                payload = compressor.reduce(grad_bucket, group, algorithm=algorithm)
+            sent = sum(entry["bytes_sent"] for entry in comm.stats().values()) - before
+            return sent, payload
 
-            return comm.enqueue(job, f"DataParallel bucket {bucket.index} ({compressor.describe()})")
+        return comm.enqueue(job, f"DataParallel bucket {bucket.index} ({compressor.describe()})")
 
     def _finish_backward(self) -> None:
         """Runs once at the end of backward: launch what is left, wait, expose .grad."""

@@ -9,6 +9,25 @@ from dataclasses import dataclass
 
 MODES = ("sync", "async")
 
+# ----- the wire format -----------------------------------------------------------------
+# Tags above the torch executor's (< 2**30), so parameter-server traffic never matches
+# a collective's message.
+_PUSH_TAG = 0x5053_0000
+_REPLY_TAG = 0x5053_0001
+_DATA_TAG = 0x5053_0100  # + index of the payload tensor
+# Server receives from workers carry gloo deadlines this many times comm's, as a
+# fallback behind the server's own (see ParameterServer._wait).
+_GLOO_FALLBACK_FACTOR = 3
+_PUSH, _CLOSE, _REPLY, _ABORT = 1, 2, 3, 4
+_KINDS = {_PUSH: "push", _CLOSE: "close", _REPLY: "reply", _ABORT: "abort"}
+_TIMED_OUT, _DISCONNECTED, _RAISED, _PROTOCOL = 1, 2, 3, 4
+_REASONS = {
+    _TIMED_OUT: "sent nothing within {timeout_s:g}s (it died or hung)",
+    _DISCONNECTED: "lost its connection (it died)",
+    _RAISED: "aborted (it raised an exception; see its traceback)",
+    _PROTOCOL: "broke the protocol (ranks built different models or configs)",
+}
+
 
 def _is_int(value) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
