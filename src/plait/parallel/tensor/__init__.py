@@ -1,0 +1,56 @@
+"""plait.parallel.tensor: Megatron-LM tensor parallelism (intra-operator) on plait.comm.
+
+- ``group``: ``TensorParallel`` (group, algorithm, sequence_parallel) and
+  ``new_tensor_parallel(tp)``.
+- ``mappings``: the conjugate autograd mappings (f, g, scatter/gather, sequence
+  reduce-scatter/all-gather).
+- ``layers``: column/row-parallel linear, vocab-parallel embedding, parallel
+  attention and MLP.
+- ``cross_entropy``: the vocab-parallel loss that never gathers the logits.
+- ``sharding``: which slice each parameter holds; unsharded state dicts in and out.
+- ``dropout``: masks that are each rank's slice of the unsharded model's.
+"""
+
+from plait.parallel.tensor.cross_entropy import gather_logits, vocab_parallel_cross_entropy
+from plait.parallel.tensor.dropout import ConsistentDropout
+from plait.parallel.tensor.group import UNSHARDED, TensorParallel, new_tensor_parallel
+from plait.parallel.tensor.layers import (
+    ColumnParallelLinear,
+    ParallelAttention,
+    ParallelMLP,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    check_tp_divides,
+    parallel_input,
+    parallel_logits,
+    parallel_output,
+    valid_tp_sizes,
+)
+from plait.parallel.tensor.mappings import (
+    copy_to_region,
+    gather_from_region,
+    gather_from_sequence,
+    reduce_from_region,
+    reduce_scatter_to_sequence,
+    scatter_to_region,
+    scatter_to_sequence,
+    sum_grads_in_backward,
+)
+from plait.parallel.tensor.sharding import (
+    ShardSpec,
+    gather_grads,
+    gather_state_dict,
+    init_from_full,
+    shard_spec,
+    shard_state_dict,
+)
+
+__all__ = [
+    "UNSHARDED", "ColumnParallelLinear", "ConsistentDropout", "ParallelAttention", "ParallelMLP",
+    "RowParallelLinear", "ShardSpec", "TensorParallel", "VocabParallelEmbedding", "check_tp_divides",
+    "copy_to_region", "gather_from_region", "gather_from_sequence", "gather_grads", "gather_logits",
+    "gather_state_dict", "init_from_full", "new_tensor_parallel", "parallel_input", "parallel_logits",
+    "parallel_output", "reduce_from_region", "reduce_scatter_to_sequence", "scatter_to_region",
+    "scatter_to_sequence", "shard_spec", "shard_state_dict", "sum_grads_in_backward", "valid_tp_sizes",
+    "vocab_parallel_cross_entropy",
+]

@@ -1,0 +1,227 @@
+"""The conjugate mappings of Megatron-LM tensor parallelism, as autograd functions.
+
+Each is a pair (forward collective, backward collective) whose two halves are
+adjoint, so gradients of a sharded model equal the unsharded model's:
+
+  copy_to_region          f: forward identity,            backward all-reduce
+  reduce_from_region      g: forward all-reduce,          backward identity
+  scatter_to_region          forward split last dim,      backward all-gather last dim
+  gather_from_region         forward all-gather last dim, backward split last dim
+  scatter_to_sequence        forward split dim 0,         backward all-gather dim 0
+  gather_from_sequence       forward all-gather dim 0,    backward reduce-scatter dim 0
+  reduce_scatter_to_sequence forward reduce-scatter dim 0, backward all-gather dim 0
+
+Hidden states are laid out (sequence, batch, hidden), so the sequence-parallel
+mappings work on dim 0 and their buffers are contiguous slabs. With n elements
+per rank and p ranks, a ring all-reduce sends 2(p-1)/p n per rank, a ring
+all-gather or reduce-scatter (p-1)/p of the full tensor: the sequence-parallel
+pair costs what one all-reduce does. A group of one runs no collective.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from plait import comm
+from plait.parallel.tensor.group import TensorParallel
+
+
+def _fresh(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor we may overwrite (collectives work in place)."""
+    out = tensor.contiguous()
+    return out.clone() if out is tensor else out
+
+
+def all_reduce(tensor: torch.Tensor, tp: TensorParallel, op: str = "sum") -> torch.Tensor:
+    """All-reduce a copy of ``tensor`` over the tensor-parallel group."""
+    out = _fresh(tensor)
+    if tp.size > 1:
+        reduce_op = {"sum": comm.ReduceOp.SUM, "max": comm.ReduceOp.MAX}[op]
+        with tp.comm_scope():
+            comm.all_reduce(out, reduce_op, group=tp.group, algorithm=tp.algorithm)
+    return out
+
+
+def _all_gather_dim0(tensor: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    """(n, ...) on each rank -> (p*n, ...) in rank order."""
+    local = tensor.contiguous()
+    out = torch.empty((tp.size * local.shape[0], *local.shape[1:]), dtype=local.dtype, device=local.device)
+    with tp.comm_scope():
+        comm.all_gather_single(out, local, group=tp.group, algorithm=tp.algorithm)
+    return out
+
+
+def _reduce_scatter_dim0(tensor: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    """(p*n, ...) on each rank -> the sum over ranks of rows [r*n, (r+1)*n)."""
+    full = tensor.contiguous()
+    rows = full.shape[0]
+    if rows % tp.size:
+        raise ValueError(f"sequence length {rows} is not divisible by tp={tp.size}: with sequence parallelism "
+                         f"use a sequence length that is a multiple of {tp.size}")
+    out = torch.empty((rows // tp.size, *full.shape[1:]), dtype=full.dtype, device=full.device)
+    with tp.comm_scope():
+        comm.reduce_scatter_single(out, full, group=tp.group, algorithm=tp.algorithm)
+    return out
+
+
+def _split(tensor: torch.Tensor, tp: TensorParallel, dim: int) -> torch.Tensor:
+    size = tensor.shape[dim]
+    if size % tp.size:
+        what = "sequence length" if dim == 0 else f"size of dim {dim}"
+        raise ValueError(f"{what} {size} is not divisible by tp={tp.size}; use a multiple of {tp.size}")
+    return tensor.chunk(tp.size, dim=dim)[tp.rank].contiguous()
+
+
+def _gather_last(tensor: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    """(..., n) on each rank -> (..., p*n) in rank order."""
+    gathered = _all_gather_dim0(tensor.unsqueeze(0), tp)  # (p, ..., n)
+    return torch.cat(gathered.unbind(0), dim=-1)
+
+
+class _CopyToRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, tp):
+        ctx.tp = tp
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_reduce(grad, ctx.tp), None
+
+
+class _ReduceFromRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, tp):
+        return all_reduce(x, tp)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _ScatterToRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, tp):
+        ctx.tp = tp
+        return _split(x, tp, -1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_last(grad, ctx.tp), None
+
+
+class _GatherFromRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, tp):
+        ctx.tp = tp
+        return _gather_last(x, tp)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _split(grad, ctx.tp, -1), None
+
+
+class _ScatterToSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, tp):
+        ctx.tp = tp
+        return _split(x, tp, 0)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather_dim0(grad, ctx.tp), None
+
+
+class _GatherFromSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, tp):
+        ctx.tp = tp
+        return _all_gather_dim0(x, tp)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter_dim0(grad, ctx.tp), None
+
+
+class _ReduceScatterToSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, tp):
+        ctx.tp = tp
+        return _reduce_scatter_dim0(x, tp)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather_dim0(grad, ctx.tp), None
+
+
+class _SumGradsInBackward(torch.autograd.Function):
+    """Identity on parameters whose gradient each rank computes only in part (those
+    used on a sequence shard); backward sums their gradients over the group in one
+    coalesced all-reduce. Returning the summed increment (rather than all-reducing
+    .grad afterwards) keeps gradient accumulation exact."""
+
+    @staticmethod
+    def forward(ctx, tp, *params):
+        ctx.tp = tp
+        ctx.shapes = [param.shape for param in params]
+        ctx.dtype, ctx.device = params[0].dtype, params[0].device
+        return tuple(param.view_as(param) for param in params)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        filled = [torch.zeros(shape, dtype=ctx.dtype, device=ctx.device) if grad is None else grad
+                  for grad, shape in zip(grads, ctx.shapes)]
+        flat = all_reduce(torch.cat([grad.reshape(-1) for grad in filled]), ctx.tp)
+        pieces = flat.split([shape.numel() for shape in ctx.shapes])
+        return (None, *[piece.view(shape) for piece, shape in zip(pieces, ctx.shapes)])
+
+
+def _apply(function, x, tp: TensorParallel):
+    return x if tp.size == 1 else function.apply(x, tp)
+
+
+def copy_to_region(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    """Megatron's f: the input of a column-parallel region (backward all-reduces)."""
+    return _apply(_CopyToRegion, x, tp)
+
+
+def reduce_from_region(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    """Megatron's g: the output of a row-parallel region (forward all-reduces)."""
+    return _apply(_ReduceFromRegion, x, tp)
+
+
+def scatter_to_region(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    """Keep this rank's 1/p slice of the last dim (backward all-gathers it)."""
+    return _apply(_ScatterToRegion, x, tp)
+
+
+def gather_from_region(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    """Concatenate every rank's last-dim slice (backward keeps this rank's slice)."""
+    return _apply(_GatherFromRegion, x, tp)
+
+
+def scatter_to_sequence(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    """(s, ...) -> this rank's (s/p, ...) (backward all-gathers)."""
+    return _apply(_ScatterToSequence, x, tp)
+
+
+def gather_from_sequence(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    """(s/p, ...) -> (s, ...) by all-gather (backward reduce-scatters): the input of a
+    column-parallel layer under sequence parallelism."""
+    return _apply(_GatherFromSequence, x, tp)
+
+
+def reduce_scatter_to_sequence(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    """(s, ...) partial sums -> this rank's (s/p, ...) of the total (backward
+    all-gathers): the output of a row-parallel layer under sequence parallelism."""
+    return _apply(_ReduceScatterToSequence, x, tp)
+
+
+def sum_grads_in_backward(tp: TensorParallel, *params: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Views of ``params`` whose gradients are summed over the group in backward
+    (one all-reduce for all of them): for replicated parameters used in a
+    sequence-parallel region. Without sequence parallelism the parameters come back
+    unchanged (their gradients are already identical on every rank)."""
+    if tp.size == 1 or not tp.sequence_parallel:
+        return params
+    return _SumGradsInBackward.apply(tp, *params)
