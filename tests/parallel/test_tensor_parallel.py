@@ -72,8 +72,12 @@ def train_tp(rank, world_size, tp_size, dtype, sequence_parallel, tied, dropout,
     try:
         config = _config(dtype, vocab, tied, dropout)
         reference, sharded = GPT(config, seed=5), GPT(config, tp, seed=5)
-        init_equal = all(torch.equal(gathered, reference.state_dict()[name])
-                         for name, gathered in gather_state_dict(sharded, tp).items())
+        loaded = GPT(config, tp, seed=99)
+        shard_state_dict(loaded, reference.state_dict(), tp)  # an unsharded checkpoint into a sharded model
+        init_equal = all(torch.equal(gathered, reference.state_dict()[name]) and torch.equal(mine, theirs)
+                         for (name, gathered), mine, theirs in zip(gather_state_dict(sharded, tp).items(),
+                                                                   sharded.state_dict().values(),
+                                                                   loaded.state_dict().values()))
         optimizers = [_optimizer(model, dtype) for model in (reference, sharded)]
         errors = {"logits": 0.0, "loss": 0.0, "grads": 0.0}
         for step in range(steps):
@@ -136,3 +140,135 @@ def test_float64_parity_variants(tp_size, sequence_parallel, tied, dropout, algo
 def test_float32_parity_ten_steps(tp_size, sequence_parallel):
     results = run_distributed(train_tp, 4, tp_size, torch.float32, sequence_parallel, True, 0.0, 67, "auto", 10)
     _check(results, torch.float32)
+
+
+# ----- communication counts (plait.comm.stats) -------------------------------------------
+def _calls_and_bytes():
+    return {name: (entry["calls"], entry["bytes_sent"]) for name, entry in comm.stats().items()}
+
+
+def count_layer_collectives(rank, world_size, sequence_parallel, layers):
+    """Collectives of one transformer layer (forward, backward) and of the whole model's
+    loss (forward, backward), with the ring so the bytes have a closed form."""
+    tp = new_tensor_parallel(world_size, algorithm="ring", sequence_parallel=sequence_parallel)
+    try:
+        config = _config(torch.float64, layers=layers)
+        model = GPT(config, tp, seed=1)
+        rows = SEQUENCE // world_size if sequence_parallel else SEQUENCE
+        x = torch.randn(rows, BATCH, config.hidden, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+        x.requires_grad_(True)
+        comm.reset_stats()
+        out = model.blocks[0](x, SEQUENCE)
+        layer_forward = _calls_and_bytes()
+        comm.reset_stats()
+        out.square().sum().backward()
+        layer_backward = _calls_and_bytes()
+        tokens, targets = _batch(0, config.vocab)
+        comm.reset_stats()
+        loss = model.loss(tokens, targets)
+        model_forward = _calls_and_bytes()
+        comm.reset_stats()
+        loss.backward()
+        model_backward = _calls_and_bytes()
+        return layer_forward, layer_backward, model_forward, model_backward
+    finally:
+        _destroy(tp)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_two_all_reduces_forward_and_backward_per_layer(world_size):
+    p, n = world_size, SEQUENCE * BATCH * 32  # b·s·h float64 elements per all-reduce
+    ring_bytes = 2 * (p - 1) * (n // p) * 8  # ring all-reduce: 2(p-1) chunks of n/p sent per rank
+    for layers in (1, 3):
+        for layer_forward, layer_backward, model_forward, model_backward in run_distributed(
+                count_layer_collectives, world_size, False, layers):
+            assert layer_forward == {"all_reduce": (2, 2 * ring_bytes)}
+            assert layer_backward == {"all_reduce": (2, 2 * ring_bytes)}
+            # the model adds: the embedding's all-reduce and the cross-entropy's two
+            # (max, then [sum of exp, target logit]) forward; the head's f backward
+            assert model_forward["all_reduce"][0] == 2 * layers + 3
+            assert model_backward["all_reduce"][0] == 2 * layers + 1
+            assert set(model_forward) == set(model_backward) == {"all_reduce"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_sequence_parallel_counts(world_size):
+    p, n = world_size, SEQUENCE * BATCH * 32
+    gather_bytes = (p - 1) * (n // p) * 8  # ring all-gather / reduce-scatter: (p-1) chunks of n/p
+    small = 6 * 32  # two LayerNorms (weight, bias) and the two output biases, summed once per layer
+    assert small % p == 0
+    small_bytes = 2 * (p - 1) * (small // p) * 8
+    for layers in (1, 3):
+        for layer_forward, layer_backward, model_forward, model_backward in run_distributed(
+                count_layer_collectives, world_size, True, layers):
+            assert layer_forward == {"all_gather": (2, 2 * gather_bytes), "reduce_scatter": (2, 2 * gather_bytes)}
+            assert layer_backward["all_gather"] == (2, 2 * gather_bytes)
+            assert layer_backward["reduce_scatter"] == (2, 2 * gather_bytes)
+            assert layer_backward["all_reduce"][0] == 1
+            assert layer_backward["all_reduce"][1] == small_bytes
+            # model: the embedding's reduce-scatter and the head's all-gather forward, plus
+            # the cross-entropy's two all-reduces; backward mirrors them and sums the
+            # position embedding's and final LayerNorm's gradients in one more all-reduce
+            assert model_forward == {"all_gather": (2 * layers + 1, model_forward["all_gather"][1]),
+                                     "reduce_scatter": (2 * layers + 1, model_forward["reduce_scatter"][1]),
+                                     "all_reduce": (2, model_forward["all_reduce"][1])}
+            assert model_backward["all_gather"][0] == 2 * layers + 1
+            assert model_backward["reduce_scatter"][0] == 2 * layers + 1
+            assert model_backward["all_reduce"][0] == layers + 1
+
+
+# ----- bad input -----------------------------------------------------------------------------
+def _error_of(call):
+    try:
+        call()
+    except (ValueError, TypeError) as error:
+        return f"{type(error).__name__}: {error}"
+    return None
+
+
+def build_with_bad_input(rank, world_size):
+    """Each bad construction, as the message every rank sees."""
+    messages = {
+        "tp larger than world": _error_of(lambda: new_tensor_parallel(world_size + 4)),
+        "tp not dividing world": _error_of(lambda: new_tensor_parallel(3)),
+    }
+    tp = new_tensor_parallel(world_size)
+    try:
+        layers = 3 if rank == 1 else 2  # rank 1 was configured differently
+        messages["mismatched config"] = _error_of(lambda: GPT(_config(torch.float64, layers=layers), tp))
+        messages["mismatched seed"] = _error_of(lambda: GPT(_config(torch.float64), tp, seed=rank % 2))
+        messages["heads"] = _error_of(lambda: GPT(GPTConfig(hidden=24, heads=6, ffn_hidden=48, seq_len=8), tp))
+        model = GPT(_config(torch.float64), tp)
+        tokens, targets = _batch(0, 67)
+        messages["token out of range"] = _error_of(lambda: model(tokens + 67))
+        targets = targets.clone()
+        targets[0, 0] = 67
+        messages["target out of range"] = _error_of(lambda: model.loss(tokens, targets))
+        messages["too long"] = _error_of(lambda: model(torch.zeros(1, SEQUENCE + 1, dtype=torch.long)))
+        sp = new_tensor_parallel(world_size, sequence_parallel=True)
+        try:
+            sp_model = GPT(_config(torch.float64), sp)
+            messages["sequence not divisible"] = _error_of(lambda: sp_model(torch.zeros(1, 3, dtype=torch.long)))
+        finally:
+            _destroy(sp)
+        return messages
+    finally:
+        _destroy(tp)
+
+
+@pytest.mark.slow
+def test_bad_input_is_named_on_every_rank():
+    results = run_distributed(build_with_bad_input, 4)
+    for messages in results:
+        assert "tp=8 is larger than the world size 4" in messages["tp larger than world"]
+        assert "tp=3 does not divide the world size 4; valid tp values: [1, 2, 4]" in messages["tp not dividing world"]
+        assert "tensor-parallel ranks [1] built the GPT with a different GPTConfig" in messages["mismatched config"]
+        assert "ranks [1, 3] built the GPT with a different seed" in messages["mismatched seed"]
+        assert "tp=4 does not divide heads=6" in messages["heads"]
+        assert "valid tp values: 1, 2, 3, 6" in messages["heads"]
+        assert "token ids must lie in [0, 67)" in messages["token out of range"]
+        assert "targets must lie in [0, 67)" in messages["target out of range"]
+        assert "sequence length 9 must be in [1, seq_len=8]" in messages["too long"]
+        assert "sequence length 3 must be a multiple of 4" in messages["sequence not divisible"]

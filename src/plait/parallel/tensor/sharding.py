@@ -54,18 +54,18 @@ def full_shape(param: torch.Tensor) -> tuple[int, ...]:
     return tuple(shape)
 
 
-def shard_tensor(full: torch.Tensor, spec: ShardSpec | None, tp: TensorParallel) -> torch.Tensor:
-    """This rank's slice of the unsharded ``full`` (zero rows where it is padded)."""
-    if spec is None or tp.size == 1:
+def shard_tensor(full: torch.Tensor, spec: ShardSpec | None, rank: int, size: int) -> torch.Tensor:
+    """Rank ``rank`` of ``size``'s slice of the unsharded ``full`` (zero rows where it is padded)."""
+    if spec is None or size == 1:
         return full
     if full.shape[spec.dim] != spec.full_size:
         raise ValueError(f"expected size {spec.full_size} along dim {spec.dim}, got shape {tuple(full.shape)}")
-    pad = spec.padded_size(tp.size) - spec.full_size
+    pad = spec.padded_size(size) - spec.full_size
     if pad:
         shape = list(full.shape)
         shape[spec.dim] = pad
         full = torch.cat([full, full.new_zeros(shape)], dim=spec.dim)
-    return full.chunk(tp.size, dim=spec.dim)[tp.rank]
+    return full.chunk(size, dim=spec.dim)[rank]
 
 
 def _sharded_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -88,7 +88,7 @@ def shard_state_dict(model: nn.Module, full_state: dict[str, torch.Tensor], tp: 
             given = tuple(full_state[name].shape)
             if given != want:
                 raise ValueError(f"{name}: the unsharded tensor has shape {given}, the model expects {want}")
-            tensor.copy_(shard_tensor(full_state[name], shard_spec(tensor), tp))
+            tensor.copy_(shard_tensor(full_state[name], shard_spec(tensor), tp.rank, tp.size))
 
 
 def gather_tensor(tensor: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
@@ -140,4 +140,4 @@ def init_from_full(model: nn.Module, tp: TensorParallel, seed: int,
         for name, param in model.named_parameters():
             generator = torch.Generator().manual_seed(seed_for(seed, name))
             full = draw(name, full_shape(param), generator)
-            param.copy_(shard_tensor(full, shard_spec(param), tp))
+            param.copy_(shard_tensor(full, shard_spec(param), tp.rank, tp.size))
