@@ -80,3 +80,14 @@ def test_tp_divisibility_errors_name_the_numbers():
     with pytest.raises(ValueError, match=r"^tp=5 does not divide heads=12 and ffn_hidden=48; valid tp values: "
                                          r"1, 2, 3, 4, 6, 12$"):
         check_tp_divides(5, heads=12, ffn_hidden=48)
+
+
+def test_half_precision_logits_are_reduced_in_float32():
+    logits = torch.randn(4, 10, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16).requires_grad_(True)
+    targets = torch.arange(4)
+    loss = vocab_parallel_cross_entropy(logits, targets)
+    assert loss.dtype == torch.float32
+    want = F.cross_entropy(logits.detach().float(), targets, reduction="none")
+    assert (loss - want).abs().max() < 1e-6  # the same float32 computation up to summation order
+    loss.sum().backward()
+    assert logits.grad.dtype == torch.bfloat16

@@ -55,7 +55,8 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, tp
                                  vocab_size: int | None = None) -> torch.Tensor:
     """Per-token loss (shape of ``targets``) from logits split by vocabulary
     (``(..., V'/p)``, rank r holding columns [r·V'/p, (r+1)·V'/p)); ``vocab_size`` is the
-    true V when the vocabulary was padded. Take ``.mean()`` for the usual loss."""
+    true V when the vocabulary was padded. Take ``.mean()`` for the usual loss.
+    Half-precision logits are reduced in float32 (the loss comes back float32)."""
     local_vocab = logits.shape[-1]
     padded = local_vocab * tp.size
     vocab_size = padded if vocab_size is None else int(vocab_size)
@@ -68,6 +69,8 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, tp
     if targets.numel() and (int(targets.min()) < 0 or int(targets.max()) >= vocab_size):
         raise ValueError(f"targets must lie in [0, {vocab_size}), got min {int(targets.min())} "
                          f"and max {int(targets.max())}")
+    if logits.dtype in (torch.float16, torch.bfloat16):
+        logits = logits.float()  # exp and the sums in float32, as mixed-precision training does
     return _VocabParallelCrossEntropy.apply(logits, targets, tp, vocab_size)
 
 
