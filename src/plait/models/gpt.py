@@ -211,7 +211,8 @@ def _check_same_config(config: GPTConfig, tp: TensorParallel, seed: int) -> None
     """All ranks of the group must build the same model: one all-gather of a checksum."""
     if tp.size == 1:
         return
-    mine = torch.tensor([config.checksum(), int(tp.sequence_parallel), seed & 0x7FFFFFFF], dtype=torch.int64)
+    mine = torch.tensor([config.checksum(), int(tp.sequence_parallel), seed & 0x7FFFFFFFFFFFFFFF],
+                        dtype=torch.int64)
     everyone = torch.empty(tp.size * 3, dtype=torch.int64)
     comm.all_gather_single(everyone, mine, group=tp.group)
     rows = everyone.view(tp.size, 3)

@@ -1,5 +1,5 @@
-"""plait.parallel: data parallelism (DataParallel, ParameterServer); tensor, pipeline
-and hybrid parallelism follow."""
+"""plait.parallel: data parallelism (DataParallel, ParameterServer) and Megatron
+tensor parallelism (``plait.parallel.tensor``); pipeline and hybrid parallelism follow."""
 
 from plait.parallel.data import DataParallel, StepStats
 from plait.parallel.param_server import ParameterServer

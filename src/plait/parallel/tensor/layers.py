@@ -116,9 +116,9 @@ class RowParallelLinear(nn.Module):
         self.tp, self.in_features, self.out_features = tp, in_features, out_features
         self.input_is_parallel, self.skip_bias_add = input_is_parallel, skip_bias_add
         self.weight = mark_sharded(_parameter((out_features, in_features // tp.size), dtype), 1, in_features)
+        # replicated; under sequence parallelism it is added on a sequence shard, so its
+        # gradient is summed over the group (here, or by the caller when skip_bias_add)
         self.bias = _parameter((out_features,), dtype) if bias else None
-        if self.bias is not None and tp.sequence_parallel:
-            self.bias.sequence_parallel = True  # used on a sequence shard: its gradient is partial
         if seed is not None:
             init_from_full(self, tp, seed, default_draw)
 

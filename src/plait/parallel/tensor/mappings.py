@@ -12,10 +12,12 @@ adjoint, so gradients of a sharded model equal the unsharded model's:
   reduce_scatter_to_sequence forward reduce-scatter dim 0, backward all-gather dim 0
 
 Hidden states are laid out (sequence, batch, hidden), so the sequence-parallel
-mappings work on dim 0 and their buffers are contiguous slabs. With n elements
-per rank and p ranks, a ring all-reduce sends 2(p-1)/p n per rank, a ring
-all-gather or reduce-scatter (p-1)/p of the full tensor: the sequence-parallel
-pair costs what one all-reduce does. A group of one runs no collective.
+mappings work on dim 0 and their buffers are contiguous slabs. For a tensor of n
+elements and p ranks, a ring all-reduce sends 2(p-1)/p n per rank and a ring
+all-gather or reduce-scatter (p-1)/p n, so with the ring the sequence-parallel
+pair costs what the one all-reduce did (other algorithms differ: a star
+all-gather plus reduce-scatter sends more than a star all-reduce).
+A group of one runs no collective.
 """
 
 from __future__ import annotations
