@@ -9,7 +9,6 @@ torch.distributed's own collective (within the bound, twice: both may round).
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 import plait.comm as comm
 from plait.comm.algorithms import REDUCING, ROOTED

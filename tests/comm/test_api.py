@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 import plait.comm as comm
 from plait.comm.algorithms import build_schedule
-from plait.testing import RankError, run_distributed, run_fresh_world
+from plait.testing import run_distributed, run_fresh_world
 
 pytestmark = pytest.mark.slow
 

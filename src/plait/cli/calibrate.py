@@ -118,7 +118,7 @@ def format_fit(profile: Profile, report: CalibrationReport) -> list[str]:
     link = profile.link
     fit = report.shift
     lines = [f"# fit (least squares weighted by 1/t, i.e. relative error) over {fit.nsamples} shift samples:",
-             f"#   t(k, n, r) = c + k * (alpha + beta * n + r * gamma * n)",
+             "#   t(k, n, r) = c + k * (alpha + beta * n + r * gamma * n)",
              f"#   alpha         {link.alpha_s * 1e6:10.2f} us  (+- {fit.std_error('alpha_s') * 1e6:.2f})",
              f"#   beta          {_gbps(link.beta_s_per_byte):>10} GB/s   ({link.beta_s_per_byte:.4g} s/B "
              f"+- {fit.std_error('beta_s_per_byte'):.2g})",
