@@ -23,6 +23,10 @@ import torch.distributed as dist
 from plait import comm
 from plait.models import GPT, GPTConfig
 from plait.parallel.tensor import (
+    UNSHARDED,
+    ParallelAttention,
+    ParallelMLP,
+    TensorParallel,
     gather_grads,
     gather_logits,
     gather_state_dict,
@@ -36,14 +40,14 @@ BATCH, SEQUENCE = 3, 8  # the sequence divides by 2 and 4 (sequence parallelism)
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5}
 
 
-def _config(dtype, vocab=67, tied=True, dropout=0.0, layers=2):
-    return GPTConfig(layers=layers, hidden=32, heads=4, seq_len=SEQUENCE, vocab=vocab, dropout=dropout,
+def _config(dtype, vocab=67, tied=True, dropout=0.0, layers=2, heads=4, hidden=32, seq_len=SEQUENCE):
+    return GPTConfig(layers=layers, hidden=hidden, heads=heads, seq_len=seq_len, vocab=vocab, dropout=dropout,
                      tied_head=tied, dtype={torch.float64: "float64", torch.float32: "float32"}[dtype])
 
 
-def _batch(step, vocab):
+def _batch(step, vocab, batch=BATCH, sequence=SEQUENCE):
     generator = torch.Generator().manual_seed(1000 + step)
-    tokens = torch.randint(0, vocab, (BATCH, SEQUENCE + 1), generator=generator)
+    tokens = torch.randint(0, vocab, (batch, sequence + 1), generator=generator)
     return tokens[:, :-1], tokens[:, 1:]  # next-token prediction
 
 
@@ -60,17 +64,25 @@ def _max_error(got, want):
     return max((g - w).abs().max().item() for g, w in zip(got, want))
 
 
+def _max_relative_error(got, want):
+    """Per tensor, the error relative to the tensor's largest entry: catches an error
+    confined to a tensor whose entries are all small (LayerNorm gradients ~1e-3)."""
+    return max(((g - w).abs().max() / w.abs().max().clamp_min(1e-30)).item() for g, w in zip(got, want))
+
+
 def _destroy(tp):
     if tp.group is not None:
         dist.destroy_process_group(tp.group)
 
 
-def train_tp(rank, world_size, tp_size, dtype, sequence_parallel, tied, dropout, vocab, algorithm, steps):
-    """Train the unsharded GPT and a tp-way sharded one side by side; return the
-    largest differences seen (init, logits, loss, grads, parameters)."""
+def train_tp(rank, world_size, tp_size, dtype, sequence_parallel, tied, dropout, vocab, algorithm, steps,
+             heads=4, hidden=32, batch=BATCH, sequence=SEQUENCE, accumulate=1):
+    """Train the unsharded GPT and a tp-way sharded one side by side (``accumulate``
+    backward passes per step, sequences of ``sequence`` <= seq_len tokens); return the
+    largest differences seen (init, logits, loss, grads absolute and relative, parameters)."""
     tp = new_tensor_parallel(tp_size, algorithm=algorithm, sequence_parallel=sequence_parallel)
     try:
-        config = _config(dtype, vocab, tied, dropout)
+        config = _config(dtype, vocab, tied, dropout, heads=heads, hidden=hidden)
         reference, sharded = GPT(config, seed=5), GPT(config, tp, seed=5)
         loaded = GPT(config, tp, seed=99)
         shard_state_dict(loaded, reference.state_dict(), tp)  # an unsharded checkpoint into a sharded model
@@ -79,24 +91,25 @@ def train_tp(rank, world_size, tp_size, dtype, sequence_parallel, tied, dropout,
                                                                    sharded.state_dict().values(),
                                                                    loaded.state_dict().values()))
         optimizers = [_optimizer(model, dtype) for model in (reference, sharded)]
-        errors = {"logits": 0.0, "loss": 0.0, "grads": 0.0}
+        errors = {"logits": 0.0, "loss": 0.0, "grads": 0.0, "grads relative": 0.0}
         for step in range(steps):
-            tokens, targets = _batch(step, vocab)
             for optimizer in optimizers:
                 optimizer.zero_grad()
-            want_logits = reference(tokens)
-            want_loss = torch.nn.functional.cross_entropy(want_logits.reshape(-1, vocab), targets.reshape(-1))
-            want_loss.backward()
-            logits = sharded(tokens)
-            loss = vocab_parallel_cross_entropy(logits, targets, tp, vocab).mean()
-            loss.backward()
-            errors["logits"] = max(errors["logits"], _max_error([gather_logits(logits.detach(), tp, vocab)],
-                                                                [want_logits]))
-            errors["loss"] = max(errors["loss"], abs(loss.item() - want_loss.item()))
+            for micro in range(accumulate):
+                tokens, targets = _batch(step * accumulate + micro, vocab, batch, sequence)
+                want_logits = reference(tokens)
+                want_loss = torch.nn.functional.cross_entropy(want_logits.reshape(-1, vocab), targets.reshape(-1))
+                want_loss.backward()
+                logits = sharded(tokens)
+                loss = vocab_parallel_cross_entropy(logits, targets, tp, vocab).mean()
+                loss.backward()
+                errors["logits"] = max(errors["logits"], _max_error([gather_logits(logits.detach(), tp, vocab)],
+                                                                    [want_logits]))
+                errors["loss"] = max(errors["loss"], abs(loss.item() - want_loss.item()))
             grads = gather_grads(sharded, tp)
-            errors["grads"] = max(errors["grads"], _max_error(
-                [grads[name] for name, _ in reference.named_parameters()],
-                [param.grad for _, param in reference.named_parameters()]))
+            pairs = [(grads[name], param.grad) for name, param in reference.named_parameters()]
+            errors["grads"] = max(errors["grads"], _max_error(*zip(*pairs)))
+            errors["grads relative"] = max(errors["grads relative"], _max_relative_error(*zip(*pairs)))
             for optimizer in optimizers:
                 optimizer.step()
         final = gather_state_dict(sharded, tp)
@@ -107,11 +120,17 @@ def train_tp(rank, world_size, tp_size, dtype, sequence_parallel, tied, dropout,
         _destroy(tp)
 
 
+# Relative bound per gradient tensor: the same few-hundred-ulp argument, relative to
+# the tensor's own largest entry (1e-12 float64, 1e-4 float32).
+RELATIVE = {torch.float64: 1e-12, torch.float32: 1e-4}
+
+
 def _check(results, dtype):
     for init_equal, errors, _ in results:
         assert init_equal
         for what, error in errors.items():
-            assert error < TOLERANCE[dtype], (what, error)
+            bound = RELATIVE[dtype] if what == "grads relative" else TOLERANCE[dtype]
+            assert error < bound, (what, error)
 
 
 @pytest.mark.slow
@@ -132,6 +151,17 @@ def test_float64_parity_ten_steps(tp_size):
 def test_float64_parity_variants(tp_size, sequence_parallel, tied, dropout, algorithm):
     results = run_distributed(train_tp, 4, tp_size, torch.float64, sequence_parallel, tied, dropout, 67, algorithm,
                               10)
+    _check(results, torch.float64)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_world_of_three_accumulation_short_sequences(sequence_parallel):
+    """tp = 3 (6 heads, hidden 48, FFN 192, vocab 67 padded to 69), a batch of one,
+    sequences of 6 < seq_len 8 and two backward passes per step: accumulation must
+    stay exact with the sequence-parallel gradient sums."""
+    results = run_distributed(train_tp, 3, 3, torch.float64, sequence_parallel, False, 0.1, 67, "auto", 4,
+                              heads=6, hidden=48, batch=1, sequence=6, accumulate=2)
     _check(results, torch.float64)
 
 
@@ -233,7 +263,12 @@ def build_with_bad_input(rank, world_size):
     messages = {
         "tp larger than world": _error_of(lambda: new_tensor_parallel(world_size + 4)),
         "tp not dividing world": _error_of(lambda: new_tensor_parallel(3)),
+        "tp differs": _error_of(lambda: new_tensor_parallel(1 if rank == 1 else world_size)),
+        "tp type": _error_of(lambda: new_tensor_parallel("2")),
     }
+    algorithm = "ring" if rank == 2 else "auto"
+    messages["algorithm differs"] = _error_of(lambda: GPT(_config(torch.float64),
+                                                          TensorParallel(group=dist.group.WORLD, algorithm=algorithm)))
     tp = new_tensor_parallel(world_size)
     try:
         layers = 3 if rank == 1 else 2  # rank 1 was configured differently
@@ -264,11 +299,55 @@ def test_bad_input_is_named_on_every_rank():
     for messages in results:
         assert "tp=8 is larger than the world size 4" in messages["tp larger than world"]
         assert "tp=3 does not divide the world size 4; valid tp values: [1, 2, 4]" in messages["tp not dividing world"]
-        assert "tensor-parallel ranks [1] built the GPT with a different GPTConfig" in messages["mismatched config"]
-        assert "ranks [1, 3] built the GPT with a different seed" in messages["mismatched seed"]
+        assert ("new_tensor_parallel: every rank must ask for the same tensor parallelism: ranks [1] have a "
+                "different tp from rank 0's") in messages["tp differs"]
+        assert "TypeError: tp must be an int, got str '2'" == messages["tp type"]
+        assert ("every rank of a tensor-parallel group must build the same GPT: ranks [2] have a different "
+                "algorithm from rank 0's") in messages["algorithm differs"]
+        assert ("every rank of a tensor-parallel group must build the same GPT: ranks [1] have a different "
+                "GPTConfig from rank 0's") in messages["mismatched config"]
+        assert "ranks [1, 3] have a different seed from rank 0's" in messages["mismatched seed"]
         assert "tp=4 does not divide heads=6" in messages["heads"]
         assert "valid tp values: 1, 2, 3, 6" in messages["heads"]
         assert "token ids must lie in [0, 67)" in messages["token out of range"]
         assert "targets must lie in [0, 67)" in messages["target out of range"]
         assert "sequence length 9 must be in [1, seq_len=8]" in messages["too long"]
         assert "sequence length 3 must be a multiple of 4" in messages["sequence not divisible"]
+
+
+# ----- the layers on their own --------------------------------------------------------------
+def standalone_layer_grads(rank, world_size, kind, sequence_parallel):
+    """A ParallelMLP or ParallelAttention used alone (its forward adds the bias) against
+    the unsharded layer with the same seed: output and every gathered gradient."""
+    tp = new_tensor_parallel(world_size, sequence_parallel=sequence_parallel)
+    try:
+        build = {"mlp": lambda group: ParallelMLP(24, 48, group, dtype=torch.float64, seed=3),
+                 "attention": lambda group: ParallelAttention(24, 6, group, dtype=torch.float64, seed=3)}[kind]
+        reference, sharded = build(UNSHARDED), build(tp)
+        with torch.no_grad():  # a nonzero bias, so its gradient path matters
+            for layer in (reference, sharded):
+                for name, param in layer.named_parameters():
+                    if name in ("fc2.bias", "proj.bias"):
+                        param.copy_(torch.linspace(-1, 1, param.numel(), dtype=torch.float64))
+        full = torch.randn(SEQUENCE, 2, 24, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+        upstream = torch.randn(SEQUENCE, 2, 24, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+        want = reference(full)
+        (want * upstream).sum().backward()
+        mine = full.chunk(world_size)[rank] if sequence_parallel else full
+        out = sharded(mine)
+        (out * (upstream.chunk(world_size)[rank] if sequence_parallel else upstream)).sum().backward()
+        expected = want.chunk(world_size)[rank] if sequence_parallel else want
+        grads = gather_grads(sharded, tp)
+        return (out - expected).abs().max().item(), _max_error(
+            [grads[name] for name, _ in reference.named_parameters()],
+            [param.grad for _, param in reference.named_parameters()])
+    finally:
+        _destroy(tp)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["mlp", "attention"])
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_standalone_layers_sum_their_bias_gradients(kind, sequence_parallel):
+    for output_error, grad_error in run_distributed(standalone_layer_grads, 2, kind, sequence_parallel):
+        assert output_error < 1e-10 and grad_error < 1e-10

@@ -16,6 +16,7 @@ from plait.comm.collectives import (
     barrier,
     broadcast,
     default_algorithm,
+    default_device,
     gather,
     reduce,
     reduce_scatter_single,
@@ -32,6 +33,6 @@ __all__ = [
     "ALGORITHMS", "COLLECTIVES", "CONFIG", "CommError", "CommTimeoutError", "Handle", "MismatchError",
     "ReduceOp", "Schedule", "Step", "Transfer", "algorithms_for", "all_gather_into_tensor",
     "all_gather_single", "all_reduce", "all_to_all_single", "barrier", "broadcast", "build_schedule",
-    "configure", "default_algorithm", "describe", "enqueue", "gather", "irecv", "isend", "Message", "recv", "reduce", "reduce_scatter_single",
+    "configure", "default_algorithm", "default_device", "describe", "enqueue", "gather", "irecv", "isend", "Message", "recv", "reduce", "reduce_scatter_single",
     "reduce_scatter_tensor", "reset_stats", "scatter", "send", "stats", "synchronize", "unchecked",
 ]

@@ -179,9 +179,11 @@ def _torch_wait(work, collective: str, rank: int) -> None:
         raise CommError(**kwargs) from error
 
 
-def _default_device(group):
-    """Where a collective without a tensor (barrier) puts its token: the GPU for
-    NCCL (the current device), else the CPU."""
+def default_device(group=None):
+    """Where a collective's own small tensors go (a barrier's token, an agreement
+    check): the current GPU for NCCL, else the CPU."""
+    if group is None:
+        group = dist.group.WORLD
     return torch.device("cuda") if "nccl" in str(dist.get_backend(group)) else torch.device("cpu")
 
 
@@ -384,7 +386,7 @@ def barrier(group=None, async_op=False, *, algorithm=None, device=None):
     resolved, _, _ = _resolve_group(group)
     if resolved is None:
         return None
-    token = torch.zeros(1, dtype=torch.int32, device=device or _default_device(resolved))
+    token = torch.zeros(1, dtype=torch.int32, device=device or default_device(resolved))
     return _launch("barrier", group, async_op, algorithm,
                    lambda rank, p: layout.prepare_barrier(token.device),
                    tensor=token, nbytes=0,

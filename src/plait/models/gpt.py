@@ -22,7 +22,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from plait import comm
 from plait.parallel.tensor import (
     UNSHARDED,
     ConsistentDropout,
@@ -37,6 +36,7 @@ from plait.parallel.tensor import (
     sum_grads_in_backward,
     vocab_parallel_cross_entropy,
 )
+from plait.parallel.tensor.group import check_agreement
 from plait.parallel.tensor.sharding import mark_sharded, seed_for
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -133,9 +133,9 @@ class TransformerBlock(nn.Module):
         ln1_w, ln1_b, ln2_w, ln2_b, attn_b, mlp_b = sum_grads_in_backward(
             self.tp, self.ln1.weight, self.ln1.bias, self.ln2.weight, self.ln2.bias,
             self.attention.proj.bias, self.mlp.fc2.bias)
-        attended, _ = self.attention(F.layer_norm(x, x.shape[-1:], ln1_w, ln1_b, LAYER_NORM_EPS))
+        attended, _ = self.attention.forward_unbiased(F.layer_norm(x, x.shape[-1:], ln1_w, ln1_b, LAYER_NORM_EPS))
         x = x + self._dropout(self.attention_out_dropout, attended + attn_b, sequence)
-        transformed, _ = self.mlp(F.layer_norm(x, x.shape[-1:], ln2_w, ln2_b, LAYER_NORM_EPS))
+        transformed, _ = self.mlp.forward_unbiased(F.layer_norm(x, x.shape[-1:], ln2_w, ln2_b, LAYER_NORM_EPS))
         return x + self._dropout(self.mlp_out_dropout, transformed + mlp_b, sequence)
 
 
@@ -208,17 +208,10 @@ class GPT(nn.Module):
 
 
 def _check_same_config(config: GPTConfig, tp: TensorParallel, seed: int) -> None:
-    """All ranks of the group must build the same model: one all-gather of a checksum."""
+    """All ranks of the group must build the same model with the same settings: one
+    all-gather of their checksums (on the group's device)."""
     if tp.size == 1:
         return
-    mine = torch.tensor([config.checksum(), int(tp.sequence_parallel), seed & 0x7FFFFFFFFFFFFFFF],
-                        dtype=torch.int64)
-    everyone = torch.empty(tp.size * 3, dtype=torch.int64)
-    comm.all_gather_single(everyone, mine, group=tp.group)
-    rows = everyone.view(tp.size, 3)
-    for column, what in ((0, "GPTConfig"), (1, "sequence_parallel"), (2, "seed")):
-        differ = [rank for rank in range(tp.size) if rows[rank, column] != rows[0, column]]
-        if differ:
-            raise ValueError(f"tensor-parallel ranks {differ} built the GPT with a different {what} from rank 0's "
-                             f"(this rank {tp.rank}: {config}, sequence_parallel={tp.sequence_parallel}, seed={seed}): "
-                             "every rank of a tensor-parallel group must build the same model")
+    fields = {"GPTConfig": config.checksum(), "seed": seed & 0x7FFFFFFFFFFFFFFF, **tp.agreement_fields()}
+    check_agreement(fields, tp.group, "every rank of a tensor-parallel group must build the same GPT",
+                    f"this rank {tp.rank}: {config}, seed={seed}, {tp.describe()}, check_args={tp.check_args}")

@@ -9,6 +9,11 @@ and a tensor-parallel run matches the unsharded run bit for bit with dropout on.
 The price is drawing the full mask on every rank (b·heads·s² for attention).
 Megatron-LM instead draws independent masks in sharded regions: cheaper, but not
 comparable with a single device.
+
+The stream position (``calls``) advances with every training forward and is not
+in the state dict: recomputing a forward (activation checkpointing) would draw a
+different mask, and a resumed run continues with fresh streams. Both want the
+(seed, calls) of each mask kept with its activation; nothing in plait recomputes yet.
 """
 
 from __future__ import annotations

@@ -9,10 +9,13 @@ communication at all, the unsharded model.
 from __future__ import annotations
 
 import contextlib
+import zlib
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 
+from plait import comm
 from plait.comm import unchecked
 
 
@@ -51,6 +54,11 @@ class TensorParallel:
         """The context the mappings run their collectives in."""
         return contextlib.nullcontext() if self.check_args else unchecked()
 
+    def agreement_fields(self) -> dict[str, int]:
+        """What every rank of the group must agree on, as ints (see check_agreement)."""
+        return {"tp": self.size, "sequence_parallel": int(self.sequence_parallel),
+                "algorithm": name_code(self.algorithm), "check_args": int(self.check_args)}
+
     def describe(self) -> str:
         sp = ", sequence parallel" if self.sequence_parallel else ""
         return f"tp={self.size} (rank {self.rank}, algorithm={self.algorithm}{sp})"
@@ -59,16 +67,48 @@ class TensorParallel:
 UNSHARDED = TensorParallel()
 
 
+def name_code(text: str) -> int:
+    return zlib.crc32(str(text).encode()) & 0x7FFFFFFF
+
+
+def check_agreement(fields: dict[str, int], group, subject: str, detail: str = "") -> None:
+    """All-gather ``fields`` (ints) over ``group`` (None: the world) with plait.comm,
+    which has deadlines, and raise on every rank naming the ranks whose values
+    differ from rank 0's: mismatched settings fail here, named, instead of hanging or
+    corrupting a later collective."""
+    names = list(fields)
+    mine = torch.tensor([int(fields[name]) for name in names], dtype=torch.int64,
+                        device=comm.default_device(group))
+    size = dist.get_world_size(group) if group is not None else dist.get_world_size()
+    everyone = torch.empty(size * len(names), dtype=torch.int64, device=mine.device)
+    comm.all_gather_single(everyone, mine, group=group)
+    rows = everyone.view(size, len(names)).cpu()
+    differ = {name: [rank for rank in range(size) if rows[rank, column] != rows[0, column]]
+              for column, name in enumerate(names)}
+    problems = [f"ranks {ranks} have a different {name} from rank 0's" for name, ranks in differ.items() if ranks]
+    if problems:
+        raise ValueError(f"{subject}: " + "; ".join(problems) + (f" ({detail})" if detail else ""))
+
+
 def new_tensor_parallel(tp: int, *, algorithm: str = "auto", sequence_parallel: bool = False,
                         check_args: bool = True) -> TensorParallel:
     """Split the world into world_size/tp groups of ``tp`` consecutive ranks (ranks
-    0..tp-1, tp..2tp-1, ...) and return this rank's. Every rank must call it (it
-    creates every group, as torch.distributed.new_group requires)."""
+    0..tp-1, tp..2tp-1, ...) and return this rank's. Every rank must call it with the
+    same arguments (it creates every group, as torch.distributed.new_group requires);
+    one all-gather checks that first and names the ranks that differ."""
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError("new_tensor_parallel needs torch.distributed initialised first (torchrun / plait.testing)")
     world_size = dist.get_world_size()
-    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
-        raise ValueError(f"tp must be a positive int, got {tp!r}")
+    if isinstance(tp, bool) or not isinstance(tp, int):
+        raise TypeError(f"tp must be an int, got {type(tp).__name__} {tp!r}")
+    # agree first, so one rank's bad value is named on every rank rather than left to time out
+    wanted = TensorParallel(algorithm=algorithm, sequence_parallel=sequence_parallel, check_args=check_args)
+    fields = {**wanted.agreement_fields(), "tp": tp}
+    check_agreement(fields, None, "new_tensor_parallel: every rank must ask for the same tensor parallelism",
+                    f"this rank {dist.get_rank()}: tp={tp}, algorithm={algorithm!r}, "
+                    f"sequence_parallel={sequence_parallel}, check_args={check_args}")
+    if tp < 1:
+        raise ValueError(f"tp must be >= 1, got {tp}")
     if tp > world_size:
         raise ValueError(f"tp={tp} is larger than the world size {world_size}: use tp <= {world_size} "
                          "or launch more processes")

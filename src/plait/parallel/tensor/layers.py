@@ -78,8 +78,10 @@ def parallel_output(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
 class ColumnParallelLinear(nn.Module):
     """Y = X A + b with A (in, out) split by columns: rank r holds out/p output
     features (weight (out/p, in) as torch stores it, bias (out/p)). No communication
-    forward; backward all-reduces dX (f). ``gather_output`` all-gathers Y to full
-    width; otherwise Y stays split for a following row-parallel layer."""
+    forward; backward all-reduces dX (f). Under sequence parallelism X arrives as
+    this rank's (s/p, b, in): forward all-gathers it, backward reduce-scatters dX.
+    ``gather_output`` all-gathers Y to full width; otherwise Y stays split for a
+    following row-parallel layer."""
 
     def __init__(self, in_features: int, out_features: int, tp: TensorParallel = UNSHARDED, *, bias: bool = True,
                  gather_output: bool = False, dtype: torch.dtype = torch.float32, seed: int | None = 0):
@@ -106,7 +108,10 @@ class RowParallelLinear(nn.Module):
     (weight (out, in/p)) and takes X already split along its last dim
     (``input_is_parallel``, as a column-parallel layer leaves it). Forward sums the
     partial products (g: all-reduce, or reduce-scatter under sequence parallelism),
-    then adds the replicated bias; ``skip_bias_add`` returns (Y, b) for a fused add."""
+    then adds the replicated bias. ``skip_bias_add`` returns (Y, b) for a fused add:
+    the caller adds b and, under sequence parallelism (where b is added on a sequence
+    shard, so each rank computes part of its gradient), passes it through
+    ``sum_grads_in_backward`` first."""
 
     def __init__(self, in_features: int, out_features: int, tp: TensorParallel = UNSHARDED, *, bias: bool = True,
                  input_is_parallel: bool = True, skip_bias_add: bool = False, dtype: torch.dtype = torch.float32,
@@ -186,7 +191,9 @@ class ParallelAttention(nn.Module):
     column-parallel QKV projection (rank r computes heads [r·n/p, (r+1)·n/p)), local
     attention, and a row-parallel output projection. The fused QKV weight is laid out
     head by head ((heads, 3, head_dim) rows), so a contiguous split hands each rank
-    the q, k and v of its own heads."""
+    the q, k and v of its own heads. ``forward`` returns the full output;
+    ``forward_unbiased`` returns (output without the projection bias, bias) for a
+    caller that fuses the bias add and sums its gradient (sum_grads_in_backward)."""
 
     def __init__(self, hidden: int, heads: int, tp: TensorParallel = UNSHARDED, *, dropout: float = 0.0,
                  dtype: torch.dtype = torch.float32, seed: int | None = 0):
@@ -202,7 +209,11 @@ class ParallelAttention(nn.Module):
         if seed is not None:
             init_from_full(self, tp, seed, default_draw)
 
-    def forward(self, x: torch.Tensor):  # x: (s, b, h) or (s/p, b, h) -> ((s or s/p, b, h), bias)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (s, b, h) or (s/p, b, h) -> same shape
+        out, bias = self.forward_unbiased(x)
+        return out + sum_grads_in_backward(self.tp, bias)[0]
+
+    def forward_unbiased(self, x: torch.Tensor):  # -> ((s or s/p, b, h), bias (h))
         qkv = self.qkv(x)  # (s, b, 3h/p)
         s, b = qkv.shape[:2]
         q, k, v = qkv.view(s, b, self.local_heads, 3, self.head_dim).permute(3, 1, 2, 0, 4)  # 3 x (b, n/p, s, d)
@@ -216,7 +227,8 @@ class ParallelAttention(nn.Module):
 
 class ParallelMLP(nn.Module):
     """h -> ffn (column-parallel) -> GeLU -> h (row-parallel): no communication
-    between the two matmuls, one sum at the end."""
+    between the two matmuls, one sum at the end. ``forward_unbiased`` as in
+    ParallelAttention."""
 
     def __init__(self, hidden: int, ffn_hidden: int, tp: TensorParallel = UNSHARDED, *,
                  dtype: torch.dtype = torch.float32, seed: int | None = 0):
@@ -224,8 +236,13 @@ class ParallelMLP(nn.Module):
         check_tp_divides(tp.size, ffn_hidden=ffn_hidden)
         self.fc1 = ColumnParallelLinear(hidden, ffn_hidden, tp, dtype=dtype, seed=None)
         self.fc2 = RowParallelLinear(ffn_hidden, hidden, tp, skip_bias_add=True, dtype=dtype, seed=None)
+        self.tp = tp
         if seed is not None:
             init_from_full(self, tp, seed, default_draw)
 
-    def forward(self, x: torch.Tensor):  # (s, b, h) -> ((s, b, h), bias)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (s, b, h) or (s/p, b, h) -> same shape
+        out, bias = self.forward_unbiased(x)
+        return out + sum_grads_in_backward(self.tp, bias)[0]
+
+    def forward_unbiased(self, x: torch.Tensor):  # -> ((s or s/p, b, h), bias (h))
         return self.fc2(F.gelu(self.fc1(x)))

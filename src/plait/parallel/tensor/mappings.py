@@ -34,8 +34,8 @@ def _fresh(tensor: torch.Tensor) -> torch.Tensor:
     return out.clone() if out is tensor else out
 
 
-def all_reduce(tensor: torch.Tensor, tp: TensorParallel, op: str = "sum") -> torch.Tensor:
-    """All-reduce a copy of ``tensor`` over the tensor-parallel group."""
+def all_reduced_copy(tensor: torch.Tensor, tp: TensorParallel, op: str = "sum") -> torch.Tensor:
+    """A copy of ``tensor`` all-reduced over the tensor-parallel group (the input is left as it was)."""
     out = _fresh(tensor)
     if tp.size > 1:
         reduce_op = {"sum": comm.ReduceOp.SUM, "max": comm.ReduceOp.MAX}[op]
@@ -88,13 +88,13 @@ class _CopyToRegion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return all_reduce(grad, ctx.tp), None
+        return all_reduced_copy(grad, ctx.tp), None
 
 
 class _ReduceFromRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, tp):
-        return all_reduce(x, tp)
+        return all_reduced_copy(x, tp)
 
     @staticmethod
     def backward(ctx, grad):
@@ -173,7 +173,7 @@ class _SumGradsInBackward(torch.autograd.Function):
     def backward(ctx, *grads):
         filled = [torch.zeros(shape, dtype=ctx.dtype, device=ctx.device) if grad is None else grad
                   for grad, shape in zip(grads, ctx.shapes)]
-        flat = all_reduce(torch.cat([grad.reshape(-1) for grad in filled]), ctx.tp)
+        flat = all_reduced_copy(torch.cat([grad.reshape(-1) for grad in filled]), ctx.tp)
         pieces = flat.split([shape.numel() for shape in ctx.shapes])
         return (None, *[piece.view(shape) for piece, shape in zip(pieces, ctx.shapes)])
 
