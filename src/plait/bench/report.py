@@ -210,6 +210,16 @@ def write_json(rows: list[BenchRow], stream: IO[str]) -> None:
     stream.write("\n")
 
 
+def write_json_document(document: dict, path: str) -> None:
+    """``document`` as indented JSON to ``path``, or to standard output for "-"."""
+    text = json.dumps(document, indent=1, default=str)
+    if path == "-":
+        print(text)
+        return
+    with open(path, "w") as handle:
+        handle.write(text + "\n")
+
+
 def write_csv(rows: list[BenchRow], stream: IO[str]) -> None:
     writer = csv.DictWriter(stream, fieldnames=ROW_FIELDS, extrasaction="ignore")
     writer.writeheader()

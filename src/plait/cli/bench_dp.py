@@ -13,11 +13,11 @@ bytes per step relative to uncompressed and the final loss (plait.bench.dp).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 from plait.bench.dp import DpBenchConfig, median_by_mode, run_dp_bench, summary_numbers
 from plait.bench.launch import Job, WorkerError, choose_backend, in_torchrun, run_in_current_world, spawn_and_run
+from plait.bench.report import write_json_document
 from plait.models.mlp import MODELS
 
 ALL_COMPRESSIONS = ("none", "fp16", "topk:0.01+ef", "randomk:0.01+ef", "sign+ef", "qsgd:4", "powersgd:2")
@@ -155,12 +155,7 @@ def run(args: argparse.Namespace) -> int:
         _plot([row for row in rows if row.get("kind") == "compression"], args.plot, config)
         write(f"# loss curves written to {args.plot}")
     if args.json:
-        text = json.dumps({"config": config.__dict__, "rows": rows, "summary": numbers}, indent=1, default=str)
-        if args.json == "-":
-            print(text)
-        else:
-            with open(args.json, "w") as handle:
-                handle.write(text + "\n")
+        write_json_document({"config": config.__dict__, "rows": rows, "summary": numbers}, args.json)
     return 0
 
 

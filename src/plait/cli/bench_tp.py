@@ -15,13 +15,13 @@ the schedule of the algorithm that ran (plait.bench.tp).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
 import torch
 
 from plait.bench.launch import Job, WorkerError, in_torchrun, spawn_and_run
+from plait.bench.report import write_json_document
 from plait.bench.tp import COUNTED, PHASES, TpBenchConfig, run_tp_bench
 
 _SHORT = {"all_reduce": "AR", "all_gather": "AG", "reduce_scatter": "RS"}
@@ -164,10 +164,5 @@ def run(args: argparse.Namespace) -> int:
             print(str(error), file=sys.stderr)
             return 1
     if args.json:
-        text = json.dumps({"config": config.__dict__, "rows": rows}, indent=1, default=str)
-        if args.json == "-":
-            print(text)
-        else:
-            with open(args.json, "w") as handle:
-                handle.write(text + "\n")
+        write_json_document({"config": config.__dict__, "rows": rows}, args.json)
     return 0

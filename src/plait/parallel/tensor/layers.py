@@ -186,7 +186,17 @@ def parallel_logits(x: torch.Tensor, weight: torch.Tensor, tp: TensorParallel, b
     return F.linear(parallel_input(x, tp), weight, bias)
 
 
-class ParallelAttention(nn.Module):
+class _BiasedOutput(nn.Module):
+    """A block ending in a row-parallel projection whose bias ``forward`` adds (its
+    gradient summed over the group under sequence parallelism) and
+    ``forward_unbiased`` leaves to the caller: (output without bias, bias)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (s, b, h) or (s/p, b, h) -> same shape
+        out, bias = self.forward_unbiased(x)
+        return out + sum_grads_in_backward(self.tp, bias)[0]
+
+
+class ParallelAttention(_BiasedOutput):
     """Causal multi-head self-attention with heads split over the group: a
     column-parallel QKV projection (rank r computes heads [r·n/p, (r+1)·n/p)), local
     attention, and a row-parallel output projection. The fused QKV weight is laid out
@@ -209,10 +219,6 @@ class ParallelAttention(nn.Module):
         if seed is not None:
             init_from_full(self, tp, seed, default_draw)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (s, b, h) or (s/p, b, h) -> same shape
-        out, bias = self.forward_unbiased(x)
-        return out + sum_grads_in_backward(self.tp, bias)[0]
-
     def forward_unbiased(self, x: torch.Tensor):  # -> ((s or s/p, b, h), bias (h))
         qkv = self.qkv(x)  # (s, b, 3h/p)
         s, b = qkv.shape[:2]
@@ -225,7 +231,7 @@ class ParallelAttention(nn.Module):
         return self.proj(context)
 
 
-class ParallelMLP(nn.Module):
+class ParallelMLP(_BiasedOutput):
     """h -> ffn (column-parallel) -> GeLU -> h (row-parallel): no communication
     between the two matmuls, one sum at the end. ``forward_unbiased`` as in
     ParallelAttention."""
@@ -239,10 +245,6 @@ class ParallelMLP(nn.Module):
         self.tp = tp
         if seed is not None:
             init_from_full(self, tp, seed, default_draw)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (s, b, h) or (s/p, b, h) -> same shape
-        out, bias = self.forward_unbiased(x)
-        return out + sum_grads_in_backward(self.tp, bias)[0]
 
     def forward_unbiased(self, x: torch.Tensor):  # -> ((s or s/p, b, h), bias (h))
         return self.fc2(F.gelu(self.fc1(x)))

@@ -80,80 +80,31 @@ def _gather_last(tensor: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
     return torch.cat(gathered.unbind(0), dim=-1)
 
 
-class _CopyToRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, tp):
+def _mapping(name: str, forward, backward):
+    """An autograd function: ``forward(x, tp)`` one way, ``backward(grad, tp)`` the other."""
+
+    def forward_fn(ctx, x, tp):
         ctx.tp = tp
-        return x.view_as(x)
+        return forward(x, tp)
 
-    @staticmethod
-    def backward(ctx, grad):
-        return all_reduced_copy(grad, ctx.tp), None
+    def backward_fn(ctx, grad):
+        return backward(grad, ctx.tp), None
 
-
-class _ReduceFromRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, tp):
-        return all_reduced_copy(x, tp)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
+    return type(name, (torch.autograd.Function,),
+                {"forward": staticmethod(forward_fn), "backward": staticmethod(backward_fn)})
 
 
-class _ScatterToRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, tp):
-        ctx.tp = tp
-        return _split(x, tp, -1)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _gather_last(grad, ctx.tp), None
+def _identity(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    return x.view_as(x)  # a new tensor object, as an autograd function's output must be
 
 
-class _GatherFromRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, tp):
-        ctx.tp = tp
-        return _gather_last(x, tp)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _split(grad, ctx.tp, -1), None
-
-
-class _ScatterToSequence(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, tp):
-        ctx.tp = tp
-        return _split(x, tp, 0)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_gather_dim0(grad, ctx.tp), None
-
-
-class _GatherFromSequence(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, tp):
-        ctx.tp = tp
-        return _all_gather_dim0(x, tp)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _reduce_scatter_dim0(grad, ctx.tp), None
-
-
-class _ReduceScatterToSequence(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, tp):
-        ctx.tp = tp
-        return _reduce_scatter_dim0(x, tp)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_gather_dim0(grad, ctx.tp), None
+_CopyToRegion = _mapping("_CopyToRegion", _identity, all_reduced_copy)
+_ReduceFromRegion = _mapping("_ReduceFromRegion", all_reduced_copy, _identity)
+_ScatterToRegion = _mapping("_ScatterToRegion", lambda x, tp: _split(x, tp, -1), _gather_last)
+_GatherFromRegion = _mapping("_GatherFromRegion", _gather_last, lambda grad, tp: _split(grad, tp, -1))
+_ScatterToSequence = _mapping("_ScatterToSequence", lambda x, tp: _split(x, tp, 0), _all_gather_dim0)
+_GatherFromSequence = _mapping("_GatherFromSequence", _all_gather_dim0, _reduce_scatter_dim0)
+_ReduceScatterToSequence = _mapping("_ReduceScatterToSequence", _reduce_scatter_dim0, _all_gather_dim0)
 
 
 class _SumGradsInBackward(torch.autograd.Function):
