@@ -1,0 +1,32 @@
+"""plait.parallel.pipeline: pipeline parallelism with schedules as data.
+
+- ``schedules``: GPipe, 1F1B, interleaved 1F1B and Chimera as per-rank action lists.
+- ``replay``: the unit-cost replay (timeline, bubble, in-flight activations), the
+  validator and the list scheduler.
+- ``partition``: splitting a sequential model into stages.
+- ``engine``: ``PipelineEngine``, which runs a schedule over real processes.
+"""
+
+from plait.parallel.pipeline.replay import (
+    Interval,
+    ScheduleError,
+    Timeline,
+    peak_in_flight,
+    replay,
+    validate,
+)
+from plait.parallel.pipeline.schedules import (
+    SCHEDULES,
+    Action,
+    PipelineSchedule,
+    build,
+    chimera,
+    gpipe,
+    interleaved_1f1b,
+    one_f_one_b,
+)
+
+__all__ = [
+    "SCHEDULES", "Action", "Interval", "PipelineSchedule", "ScheduleError", "Timeline", "build", "chimera", "gpipe",
+    "interleaved_1f1b", "one_f_one_b", "peak_in_flight", "replay", "validate",
+]

@@ -1,0 +1,298 @@
+"""Run a pipeline schedule over real processes.
+
+``PipelineEngine(schedule, stage_modules, loss_fn, group=...)`` holds this rank's
+model chunks (``stage_modules[s]`` for every stage s the schedule places here) and
+``train_step(inputs, targets, optimizer)`` executes the rank's action list:
+
+- the global batch is split into m equal micro-batches along dim 0; the ranks
+  holding a first stage read ``inputs``, those holding a last stage ``targets``;
+- a forward keeps its input (detached, requiring grad) and output; activations and
+  gradients cross stage boundaries as point-to-point messages (``plait.comm.isend``
+  / ``recv`` with deadlines): a header (status, dtype, shape) then the payload, so
+  shapes need no configuration, and a changed shape is caught;
+- each micro-batch's loss is ``loss_fn(output, target) / m``, so the summed
+  gradients are those of the mean loss over the whole batch, as one big batch gives;
+- Chimera's ALL_REDUCE sums the two replicas' gradients (an exchange with the rank
+  holding the other replica); STEP waits for every send, then runs the optimiser.
+
+Sends never block and receives block, as the replay assumes. The engine records a
+timeline of its computations (``plait.parallel.pipeline.replay.Timeline``) and the
+activation memory it holds: bytes saved for backward by autograd plus stage
+inputs, per micro-batch from its forward to its backward.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from plait import comm
+from plait.comm.errors import CommError
+from plait.parallel.pipeline.replay import Interval, Timeline
+from plait.parallel.pipeline.schedules import (
+    ALL_REDUCE,
+    BACKWARD,
+    FORWARD,
+    RECV_ACT,
+    RECV_GRAD,
+    SEND_ACT,
+    SEND_GRAD,
+    STEP,
+    PipelineSchedule,
+)
+
+_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32]
+_HEADER = 10  # status, dtype code, ndim, up to 7 dims
+_OK, _ABORT = 1, -1
+_KIND_CODE = {SEND_ACT: 0, RECV_ACT: 0, SEND_GRAD: 1, RECV_GRAD: 1}
+
+
+class PipelineError(RuntimeError):
+    """A pipeline step failed on this rank: names the stage, the action and the peer."""
+
+
+@dataclass
+class StepRecord:
+    """What one train_step did on this rank."""
+
+    loss: float = 0.0
+    intervals: list[Interval] = field(default_factory=list)
+    peak_activation_bytes: int = 0
+    step_time_s: float = 0.0
+
+
+class PipelineEngine:
+    """Executes ``schedule``'s actions for this rank (see the module docstring)."""
+
+    def __init__(self, schedule: PipelineSchedule, stage_modules: dict[int, nn.Module], loss_fn, *,
+                 group=None, timeout_s: float | None = None):
+        self.schedule, self.loss_fn, self.group = schedule, loss_fn, group
+        self.rank = dist.get_rank(group) if group is not None else dist.get_rank()
+        size = dist.get_world_size(group) if group is not None else dist.get_world_size()
+        if size != schedule.ranks:
+            raise ValueError(f"schedule {schedule.name} is for {schedule.ranks} pipeline ranks, the group has {size}")
+        mine = sorted(s for _, s in schedule.stages_of(self.rank))
+        if sorted(stage_modules) != mine:
+            raise ValueError(f"rank {self.rank} holds stages {mine} in {schedule.name}, "
+                             f"got modules for {sorted(stage_modules)}")
+        self.stages = {s: stage_modules[s] for s in mine}
+        self.timeout_s = timeout_s
+        self.last = schedule.stages - 1
+        self.history: list[StepRecord] = []
+
+    def parameters(self):
+        for module in self.stages.values():
+            yield from module.parameters()
+
+    # ----- messages ------------------------------------------------------------------------
+    def _tag(self, kind: str, microbatch: int, stage: int) -> int:
+        return 2 * ((_KIND_CODE[kind] * self.schedule.microbatches + microbatch) * self.schedule.stages + stage)
+
+    def _send(self, tensor, action, pending):
+        header = torch.zeros(_HEADER, dtype=torch.int64)
+        if tensor is None:
+            header[0] = _ABORT
+        else:
+            tensor = tensor.detach().contiguous()
+            header[:3] = torch.tensor([_OK, _DTYPES.index(tensor.dtype), tensor.dim()])
+            header[3:3 + tensor.dim()] = torch.tensor(tensor.shape)
+        tag = self._tag(action.kind, action.microbatch, action.stage)
+        label = f"pipeline {action.kind} micro-batch {action.microbatch} stage {action.stage}"
+        pending.append((comm.isend(header, action.peer, self.group, tag, label=label, timeout_s=self.timeout_s),
+                        header))
+        if tensor is not None:
+            pending.append((comm.isend(tensor, action.peer, self.group, tag + 1, label=label,
+                                       timeout_s=self.timeout_s), tensor))
+
+    def _receive(self, action, consumer: int) -> torch.Tensor:
+        what = "activation" if action.kind == RECV_ACT else "gradient"
+        waited = (f"rank {self.rank} (stage {consumer}) waited for the {what} of micro-batch {action.microbatch} "
+                  f"from rank {action.peer} (stage {action.stage})")
+        tag = self._tag(action.kind, action.microbatch, action.stage)
+        header = torch.empty(_HEADER, dtype=torch.int64)
+        try:
+            comm.recv(header, action.peer, self.group, tag, label=f"pipeline {what}", timeout_s=self.timeout_s)
+            if header[0] == _ABORT:
+                raise PipelineError(f"{waited}: that rank failed (see its error) and aborted the step")
+            shape = tuple(int(d) for d in header[3:3 + int(header[2])])
+            tensor = torch.empty(shape, dtype=_DTYPES[int(header[1])])
+            comm.recv(tensor, action.peer, self.group, tag + 1, label=f"pipeline {what}", timeout_s=self.timeout_s)
+        except CommError as error:
+            raise PipelineError(f"{waited}: {error}") from error
+        return tensor
+
+    # ----- one step ------------------------------------------------------------------------
+    def train_step(self, inputs: torch.Tensor | None, targets: torch.Tensor | None, optimizer=None) -> float:
+        """One optimiser step on the global batch: returns the mean loss over the
+        micro-batches (the same on every rank of the pipeline)."""
+        m = self.schedule.microbatches
+        record = StepRecord()
+        start = time.perf_counter()
+        for module in self.stages.values():
+            module.zero_grad(set_to_none=True)
+        micro_inputs = self._split(inputs, "inputs") if any(self._is_first(s) for s in self.stages) else None
+        micro_targets = self._split(targets, "targets") if self.last in self.stages else None
+        state = _StepState()
+        pending: list = []
+        actions = self.schedule.actions[self.rank]
+        try:
+            for state.position, action in enumerate(actions):
+                self._run(action, state, micro_inputs, micro_targets, pending, record)
+        except Exception:
+            # unblock every peer still waiting on us: each later send becomes an abort
+            # header (not waited for: the peer may be gone too)
+            for later in actions[state.position:]:
+                if later.kind in (SEND_ACT, SEND_GRAD):
+                    try:
+                        self._send(None, later, [])
+                    except CommError:
+                        pass
+            raise
+        for message, _ in pending:
+            message.wait()
+        if optimizer is not None:
+            optimizer.step()
+        loss = torch.tensor([state.loss_sum], dtype=torch.float64)
+        comm.all_reduce(loss, group=self.group)
+        record.loss = float(loss) / m
+        record.peak_activation_bytes = state.peak_bytes
+        record.step_time_s = time.perf_counter() - start
+        self.history.append(record)
+        return record.loss
+
+    def _is_first(self, stage: int) -> bool:
+        return stage == 0
+
+    def _split(self, batch, what: str):
+        m = self.schedule.microbatches
+        if batch is None:
+            raise ValueError(f"rank {self.rank} holds a {'first' if what == 'inputs' else 'last'} stage: "
+                             f"pass the global batch's {what}")
+        if batch.shape[0] % m:
+            raise ValueError(f"the batch of {batch.shape[0]} does not split into {m} equal micro-batches: "
+                             f"use a batch size that is a multiple of {m}")
+        return batch.chunk(m)
+
+    def _run(self, action, state, micro_inputs, micro_targets, pending, record):
+        mb, s = action.microbatch, action.stage
+        if action.kind == RECV_ACT:
+            state.inputs[(mb, s + 1)] = self._receive(action, s + 1).requires_grad_(True)
+        elif action.kind == RECV_GRAD:
+            state.output_grads[(mb, s - 1)] = self._receive(action, s - 1)
+        elif action.kind == SEND_ACT:
+            self._send(self._checked(state, s, mb, state.outputs[(mb, s)]), action, pending)
+        elif action.kind == SEND_GRAD:
+            self._send(state.inputs.pop((mb, s)).grad, action, pending)
+        elif action.kind == FORWARD:
+            t0 = time.perf_counter()
+            self._forward(mb, s, state, micro_inputs, micro_targets)
+            record.intervals.append(Interval(self.rank, action.text(), FORWARD, mb, t0, time.perf_counter()))
+        elif action.kind == BACKWARD:
+            t0 = time.perf_counter()
+            self._backward(mb, s, state)
+            record.intervals.append(Interval(self.rank, action.text(), BACKWARD, mb, t0, time.perf_counter()))
+        elif action.kind == ALL_REDUCE:
+            self._sum_replicas()
+        else:
+            assert action.kind == STEP
+
+    def _checked(self, state, stage, microbatch, tensor):
+        first = state.shapes.setdefault(stage, (microbatch, tuple(tensor.shape)))
+        if first[1] != tuple(tensor.shape):
+            raise ValueError(f"stage {stage} output shape changed between micro-batches: {first[1]} for micro-batch "
+                             f"{first[0]}, {tuple(tensor.shape)} for micro-batch {microbatch}; every micro-batch "
+                             "must give the same shape")
+        return tensor
+
+    def _forward(self, mb, s, state, micro_inputs, micro_targets):
+        if s == 0:
+            x = micro_inputs[mb]
+        elif (mb, s) in state.inputs:
+            x = state.inputs[(mb, s)]
+        else:  # the previous stage ran here: hand over a detached copy, as a message would
+            x = state.outputs[(mb, s - 1)].detach().requires_grad_(True)
+            state.inputs[(mb, s)] = x
+        saved = [0]
+
+        def pack(tensor):
+            saved[0] += tensor.numel() * tensor.element_size()
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            out = self.stages[s](x)
+            if s == self.last:
+                loss = self.loss_fn(out, micro_targets[mb])
+                state.loss_sum += float(loss.detach())
+                out = loss / self.schedule.microbatches
+        state.outputs[(mb, s)] = out
+        state.alive[(mb, s)] = saved[0] + (x.numel() * x.element_size() if s > 0 else 0)
+        state.peak_bytes = max(state.peak_bytes, sum(state.alive.values()))
+
+    def _backward(self, mb, s, state):
+        out = state.outputs.pop((mb, s))
+        if s == self.last:
+            out.backward()
+        else:
+            torch.autograd.backward(out, state.output_grads.pop((mb, s)))
+        state.alive.pop((mb, s), None)
+        if s > 0 and self.schedule.rank_of(mb, s - 1) == self.rank:
+            state.output_grads[(mb, s - 1)] = state.inputs.pop((mb, s)).grad
+
+    def _sum_replicas(self):
+        """Chimera: stage s lives on rank s (down) and rank p-1-s (up). Exchange every
+        gradient with the partner rank and add: both replicas end with the sum."""
+        partner = self.schedule.ranks - 1 - self.rank
+        flat = torch.cat([param.grad.reshape(-1) if param.grad is not None else torch.zeros(param.numel(),
+                          dtype=param.dtype) for s in sorted(self.stages) for param in self.stages[s].parameters()])
+        theirs = torch.empty_like(flat)
+        try:
+            sent = comm.isend(flat, partner, self.group, tag=1 << 30, label="chimera replica gradients",
+                              timeout_s=self.timeout_s)
+            comm.recv(theirs, partner, self.group, tag=1 << 30, label="chimera replica gradients",
+                      timeout_s=self.timeout_s)
+            sent.wait()
+        except CommError as error:
+            raise PipelineError(f"rank {self.rank}: exchanging replica gradients with rank {partner}: {error}") from error
+        # partner's chunks are the same stages in the same sorted order
+        total = flat + theirs
+        offset = 0
+        for s in sorted(self.stages):
+            for param in self.stages[s].parameters():
+                piece = total[offset:offset + param.numel()].view_as(param)
+                param.grad = piece.clone()
+                offset += param.numel()
+
+    def timeline(self, step: int = -1) -> Timeline:
+        """This rank's intervals of one recorded step (seconds from its first)."""
+        return _relative(self.schedule.ranks, self.history[step].intervals)
+
+
+@dataclass
+class _StepState:
+    inputs: dict = field(default_factory=dict)  # (mb, stage) -> stage input (requires grad)
+    outputs: dict = field(default_factory=dict)  # (mb, stage) -> stage output (or scaled loss)
+    output_grads: dict = field(default_factory=dict)  # (mb, stage) -> gradient of the stage output
+    alive: dict = field(default_factory=dict)  # (mb, stage) -> activation bytes held
+    shapes: dict = field(default_factory=dict)
+    loss_sum: float = 0.0
+    peak_bytes: int = 0
+    position: int = 0
+
+
+def gather_timeline(engine: PipelineEngine, step: int = -1) -> Timeline:
+    """Every rank's intervals of one step, on every rank (times from each process's
+    perf_counter, comparable between processes of one host)."""
+    everyone: list = [None] * engine.schedule.ranks
+    dist.all_gather_object(everyone, engine.history[step].intervals, group=engine.group)
+    return _relative(engine.schedule.ranks, [interval for rank_intervals in everyone for interval in rank_intervals])
+
+
+def _relative(ranks: int, intervals) -> Timeline:
+    origin = min((interval.start_s for interval in intervals), default=0.0)
+    shifted = tuple(Interval(i.rank, i.label, i.kind, i.microbatch, i.start_s - origin, i.end_s - origin)
+                    for i in intervals)
+    return Timeline(ranks=ranks, intervals=shifted, source="measured")

@@ -1,0 +1,225 @@
+"""Replay a pipeline schedule with unit costs: the timeline, bubble and memory facts
+its data implies, the validator, and the list scheduler Chimera is built with.
+
+Costs: a forward of one stage costs ``forward`` (1), a backward ``backward`` (2),
+divided by the chunks per rank for interleaved schedules (a chunk is 1/v of a
+stage's layers); sends cost nothing and never block; a receive waits for its send.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from plait.parallel.pipeline.schedules import (
+    ALL_REDUCE,
+    BACKWARD,
+    COMPUTE,
+    FORWARD,
+    RECV_ACT,
+    RECV_GRAD,
+    SEND_ACT,
+    SEND_GRAD,
+    STEP,
+    Action,
+    PipelineSchedule,
+)
+
+_MATCH = {RECV_ACT: SEND_ACT, RECV_GRAD: SEND_GRAD}
+
+
+class ScheduleError(ValueError):
+    """A schedule that is inconsistent or deadlocks."""
+
+
+@dataclass(frozen=True)
+class Interval:
+    """Rank ``rank`` ran ``label`` (an Action's compact text) from start_s to end_s."""
+
+    rank: int
+    label: str
+    kind: str
+    microbatch: int
+    start_s: float
+    end_s: float
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """What each rank did when: from the unit-cost replay or from a real run."""
+
+    ranks: int
+    intervals: tuple[Interval, ...]
+    source: str = "unit costs"
+
+    @property
+    def makespan_s(self) -> float:
+        starts = [i.start_s for i in self.intervals]
+        return max(i.end_s for i in self.intervals) - min(starts) if starts else 0.0
+
+    def busy_s(self, rank: int) -> float:
+        return sum(i.end_s - i.start_s for i in self.intervals if i.rank == rank and i.kind in COMPUTE)
+
+    def bubble_fraction(self, rank: int | None = None) -> float:
+        """Idle share of the step: 1 - busy/makespan (one rank, or the mean over ranks)."""
+        span = self.makespan_s
+        if span == 0:
+            return 0.0
+        ranks = range(self.ranks) if rank is None else [rank]
+        return sum(1.0 - self.busy_s(r) / span for r in ranks) / len(ranks)
+
+
+def _chunks(schedule: PipelineSchedule, rank: int) -> int:
+    return len(schedule.stages_of(rank))
+
+
+def replay(schedule: PipelineSchedule, forward: float = 1.0, backward: float = 2.0) -> Timeline:
+    """Run the action lists with unit costs; raise ScheduleError on a deadlock."""
+    validate_structure(schedule)
+    p = schedule.ranks
+    position = [0] * p
+    clock = [0.0] * p
+    posted: dict[tuple, float] = {}  # (kind, microbatch, stage, from, to) -> time the send was posted
+    intervals: list[Interval] = []
+    scale = [1.0 / _chunks(schedule, r) if schedule.pipelines and len(schedule.pipelines) == 1 else 1.0
+             for r in range(p)]
+    remaining = sum(len(actions) for actions in schedule.actions)
+    while remaining:
+        progressed = False
+        for rank in range(p):
+            actions = schedule.actions[rank]
+            while position[rank] < len(actions):
+                action = actions[position[rank]]
+                if action.kind in _MATCH:
+                    key = (_MATCH[action.kind], action.microbatch, action.stage, action.peer, rank)
+                    if key not in posted:
+                        break  # blocked on the receive
+                    clock[rank] = max(clock[rank], posted[key])
+                elif action.kind in (SEND_ACT, SEND_GRAD):
+                    posted[(action.kind, action.microbatch, action.stage, rank, action.peer)] = clock[rank]
+                elif action.kind in COMPUTE:
+                    cost = (forward if action.kind == FORWARD else backward) * scale[rank]
+                    intervals.append(Interval(rank, action.text(), action.kind, action.microbatch,
+                                              clock[rank], clock[rank] + cost))
+                    clock[rank] += cost
+                position[rank] += 1
+                remaining -= 1
+                progressed = True
+        if remaining and not progressed:
+            stuck = [f"rank {r} waits at {schedule.actions[r][position[r]].text()}"
+                     for r in range(p) if position[r] < len(schedule.actions[r])]
+            raise ScheduleError(f"{schedule.name}: deadlock: " + "; ".join(stuck))
+    # collectives at the end (all-reduce, step) synchronise: they start when every rank is there
+    return Timeline(ranks=p, intervals=tuple(intervals))
+
+
+def peak_in_flight(schedule: PipelineSchedule) -> list[int]:
+    """Per rank, the most micro-batch activations alive at once (forwards done whose
+    backward has not run), counted per chunk: interleaved ranks hold up to v per micro-batch."""
+    peaks = []
+    for rank in range(schedule.ranks):
+        alive = peak = 0
+        for action in schedule.compute_order(rank):
+            alive += 1 if action.kind == FORWARD else -1
+            peak = max(peak, alive)
+        peaks.append(peak)
+    return peaks
+
+
+def validate_structure(schedule: PipelineSchedule) -> None:
+    """Each (micro-batch, stage) forward and backward exactly once, on the rank the
+    placement says, forward first; every send matched by one receive; one STEP last."""
+    p, m, stages = schedule.ranks, schedule.microbatches, schedule.stages
+    if len(schedule.actions) != p:
+        raise ScheduleError(f"{schedule.name}: {len(schedule.actions)} action lists for {p} ranks")
+    seen: dict[tuple, int] = {}
+    sends, receives = set(), set()
+    for rank, actions in enumerate(schedule.actions):
+        done_forward = set()
+        for action in actions:
+            key = (action.kind, action.microbatch, action.stage)
+            if action.kind in COMPUTE:
+                if not (0 <= action.microbatch < m and 0 <= action.stage < stages):
+                    raise ScheduleError(f"{schedule.name}: rank {rank} runs {action.text()} on stage {action.stage}: "
+                                        f"out of range (m={m}, stages={stages})")
+                owner = schedule.rank_of(action.microbatch, action.stage)
+                if owner != rank:
+                    raise ScheduleError(f"{schedule.name}: {action.text()} of stage {action.stage} runs on rank "
+                                        f"{rank}, but the stage lives on rank {owner}")
+                if key in seen:
+                    raise ScheduleError(f"{schedule.name}: {action.text()} of stage {action.stage} runs twice")
+                seen[key] = rank
+                if action.kind == FORWARD:
+                    done_forward.add((action.microbatch, action.stage))
+                elif (action.microbatch, action.stage) not in done_forward:
+                    raise ScheduleError(f"{schedule.name}: rank {rank} runs {action.text()} of stage {action.stage} "
+                                        "before its forward")
+            elif action.kind in (SEND_ACT, SEND_GRAD):
+                sends.add((action.kind, action.microbatch, action.stage, rank, action.peer))
+            elif action.kind in _MATCH:
+                receives.add((_MATCH[action.kind], action.microbatch, action.stage, action.peer, rank))
+        if not actions or actions[-1].kind != STEP:
+            raise ScheduleError(f"{schedule.name}: rank {rank} does not end with the optimiser STEP")
+    missing = [(kind, mb, s) for kind in COMPUTE for mb in range(m) for s in range(stages) if (kind, mb, s) not in seen]
+    if missing:
+        kind, mb, s = missing[0]
+        raise ScheduleError(f"{schedule.name}: {len(missing)} computations never run, e.g. {kind}{mb} of stage {s}")
+    if sends != receives:
+        lonely = sorted(sends ^ receives)[0]
+        raise ScheduleError(f"{schedule.name}: unmatched point-to-point message {lonely[0]} of micro-batch {lonely[1]} "
+                            f"stage {lonely[2]} from rank {lonely[3]} to rank {lonely[4]}")
+    if any(action.kind == ALL_REDUCE for actions in schedule.actions for action in actions) and len(
+            schedule.pipelines) < 2:
+        raise ScheduleError(f"{schedule.name}: an ALL_REDUCE without replicated stages")
+
+
+def validate(schedule: PipelineSchedule) -> Timeline:
+    """The structural checks, then a replay that must not deadlock; returns the timeline."""
+    return replay(schedule)
+
+
+def list_schedule(ranks: int, microbatches: int, stages: int, pipelines, microbatch_pipeline, *,
+                  prefer_forward: bool = False, forward: float = 1.0,
+                  backward: float = 2.0) -> tuple[float, list[list[Action]]]:
+    """Greedy list scheduling with unit costs: repeatedly, the computation that can
+    start earliest runs (lowest rank on a tie); among a rank's computations ready at
+    that time, a backward goes first (or a forward, with ``prefer_forward``), then the
+    oldest micro-batch. Returns (makespan, each rank's compute order)."""
+    rank_of = [[pipelines[microbatch_pipeline[mb]][s] for s in range(stages)] for mb in range(microbatches)]
+    done: dict[tuple, float] = {}  # (kind, mb, stage) -> finish time
+    free = [0.0] * ranks
+    orders: list[list[Action]] = [[] for _ in range(ranks)]
+    last = stages - 1
+    total = 2 * microbatches * stages
+    while len(done) < total:
+        best = None  # (start time, priority, rank, action)
+        for rank in range(ranks):
+            candidates = []
+            for mb in range(microbatches):
+                for s in range(stages):
+                    if rank_of[mb][s] != rank:
+                        continue
+                    if (FORWARD, mb, s) not in done:
+                        if s > 0 and (FORWARD, mb, s - 1) not in done:
+                            continue
+                        ready = done.get((FORWARD, mb, s - 1), 0.0) if s > 0 else 0.0
+                        candidates.append((max(free[rank], ready), 0 if prefer_forward else 1, mb,
+                                           Action(FORWARD, mb, s)))
+                    elif (BACKWARD, mb, s) not in done:
+                        need = (BACKWARD, mb, s + 1) if s < last else (FORWARD, mb, s)
+                        if need not in done:
+                            continue
+                        candidates.append((max(free[rank], done[need]), 1 if prefer_forward else 0, mb,
+                                           Action(BACKWARD, mb, s)))
+            if candidates:
+                start = min(c[0] for c in candidates)
+                # among what can start at the earliest time: backward first, then oldest micro-batch
+                choice = min((c for c in candidates if c[0] == start), key=lambda c: (c[1], c[2]))
+                if best is None or (choice[0], rank) < (best[0], best[2]):
+                    best = (choice[0], choice[1], rank, choice[3])
+        assert best is not None, "a forward or backward is always ready until all are done"
+        start, _, rank, action = best
+        cost = forward if action.kind == FORWARD else backward
+        done[(action.kind, action.microbatch, action.stage)] = start + cost
+        free[rank] = start + cost
+        orders[rank].append(action)
+    return max(done.values()), orders

@@ -1,0 +1,241 @@
+"""Pipeline schedules as data: for every rank, the ordered list of actions.
+
+A schedule is built in two steps. A generator (``gpipe``, ``one_f_one_b``,
+``interleaved_1f1b``, ``chimera``) gives each rank its compute order, forwards
+``F`` and backwards ``B`` of micro-batch m on model chunk (stage) s; then
+``_with_communication`` inserts the point-to-point traffic that order implies:
+``RECV_ACT`` right before a forward whose input lives on another rank, ``SEND_ACT``
+right after a forward whose output is needed elsewhere, and ``RECV_GRAD`` /
+``SEND_GRAD`` likewise for backwards. Chimera ends with ``ALL_REDUCE`` (its two
+weight replicas); every schedule ends with ``STEP`` (the optimiser, after the flush).
+
+Semantics, shared by the unit-cost replay (``plait.parallel.pipeline.replay``)
+and the real engine: sends never block (they are queued), a receive blocks until
+the matching send has been posted, compute runs in list order.
+
+Placement: a *pipeline* maps stage -> rank. GPipe and 1F1B have S = p stages,
+stage s on rank s; interleaved 1F1B has S = v·p chunks, chunk s on rank s mod p;
+Chimera has two pipelines over the same S = p stages, "down" (stage s on rank s)
+and "up" (stage s on rank p-1-s), micro-batches split evenly between them, so each
+rank holds two stages (replicas of stage s and p-1-s).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+FORWARD, BACKWARD = "F", "B"
+SEND_ACT, RECV_ACT, SEND_GRAD, RECV_GRAD = "SEND_ACT", "RECV_ACT", "SEND_GRAD", "RECV_GRAD"
+ALL_REDUCE, STEP = "ALL_REDUCE", "STEP"
+COMPUTE = (FORWARD, BACKWARD)
+_SHORT = {SEND_ACT: "sa", RECV_ACT: "ra", SEND_GRAD: "sg", RECV_GRAD: "rg"}
+
+
+@dataclass(frozen=True)
+class Action:
+    """One thing a rank does: ``kind`` on micro-batch ``microbatch`` at stage
+    ``stage``; ``peer`` is the other rank of a send or receive. A message is named by
+    the stage that produced it: SEND_ACT/RECV_ACT carry the stage whose forward made
+    the activation, SEND_GRAD/RECV_GRAD the stage whose backward made the gradient."""
+
+    kind: str
+    microbatch: int = -1
+    stage: int = -1
+    peer: int = -1
+
+    def text(self, chunk: int | None = None) -> str:
+        """Compact form: F3, B3 (F3.1: chunk 1 of a rank holding several), sa3>2 /
+        ra3<0 (send/receive activation of micro-batch 3 to/from rank 2/0), AR, STEP."""
+        suffix = "" if chunk is None else f".{chunk}"
+        if self.kind in COMPUTE:
+            return f"{self.kind}{self.microbatch}{suffix}"
+        if self.kind in _SHORT:
+            arrow = ">" if self.kind.startswith("SEND") else "<"
+            return f"{_SHORT[self.kind]}{self.microbatch}{suffix}{arrow}{self.peer}"
+        return "AR" if self.kind == ALL_REDUCE else self.kind
+
+
+@dataclass(frozen=True)
+class PipelineSchedule:
+    """Per-rank action lists plus the placement they assume (see module docstring)."""
+
+    name: str
+    ranks: int
+    microbatches: int
+    stages: int  # model chunks S
+    pipelines: tuple[tuple[int, ...], ...]  # pipeline k: stage -> rank
+    microbatch_pipeline: tuple[int, ...]  # micro-batch -> pipeline k
+    actions: tuple[tuple[Action, ...], ...] = field(repr=False)
+
+    def rank_of(self, microbatch: int, stage: int) -> int:
+        return self.pipelines[self.microbatch_pipeline[microbatch]][stage]
+
+    def stages_of(self, rank: int) -> list[tuple[int, int]]:
+        """(pipeline, stage) pairs this rank holds, in chunk order."""
+        return [(k, s) for k, pipeline in enumerate(self.pipelines) for s, r in enumerate(pipeline) if r == rank]
+
+    def chunk_of(self, rank: int, microbatch: int, stage: int) -> int:
+        return self.stages_of(rank).index((self.microbatch_pipeline[microbatch], stage))
+
+    def text(self) -> list[str]:
+        """One line per rank: its actions in compact form (compute only with chunks)."""
+        lines = []
+        for rank, actions in enumerate(self.actions):
+            many = len(self.stages_of(rank)) > 1
+            words = [a.text(self.chunk_of(rank, a.microbatch, a.stage) if many and a.kind in COMPUTE else None)
+                     for a in actions]
+            lines.append(f"rank {rank}: " + " ".join(words))
+        return lines
+
+    def compute_order(self, rank: int) -> list[Action]:
+        return [action for action in self.actions[rank] if action.kind in COMPUTE]
+
+
+# ----- generators: per-rank compute orders -----------------------------------------------
+def _check_sizes(name: str, ranks: int, microbatches: int) -> None:
+    for what, value in (("ranks (pipeline stages p)", ranks), ("microbatches (m)", microbatches)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}: {what} must be an int >= 1, got {value!r}")
+
+
+def _single(name, ranks, microbatches, stages, orders, pipelines=None, microbatch_pipeline=None,
+            all_reduce=False) -> PipelineSchedule:
+    pipelines = pipelines or (tuple(s % ranks for s in range(stages)),)
+    microbatch_pipeline = microbatch_pipeline or (0,) * microbatches
+    bare = PipelineSchedule(name=name, ranks=ranks, microbatches=microbatches, stages=stages,
+                            pipelines=tuple(pipelines), microbatch_pipeline=tuple(microbatch_pipeline),
+                            actions=tuple(tuple(order) for order in orders))
+    return _with_communication(bare, all_reduce)
+
+
+def gpipe(ranks: int, microbatches: int) -> PipelineSchedule:
+    """GPipe: every forward, then every backward (flush). Bubble (p-1)/(m+p-1) of the
+    step; all m micro-batches' activations are alive at once on every stage."""
+    _check_sizes("gpipe", ranks, microbatches)
+    orders = [[Action(FORWARD, m, r) for m in range(microbatches)] + [Action(BACKWARD, m, r)
+              for m in range(microbatches)] for r in range(ranks)]
+    return _single("gpipe", ranks, microbatches, ranks, orders)
+
+
+def one_f_one_b(ranks: int, microbatches: int) -> PipelineSchedule:
+    """1F1B (PipeDream-Flush): stage r runs min(p-r-1, m) warm-up forwards, then
+    alternates one forward and one backward, then drains. Same bubble as GPipe,
+    (p-1)/(m+p-1), but at most p - r micro-batches in flight on stage r."""
+    _check_sizes("1f1b", ranks, microbatches)
+    orders = []
+    for r in range(ranks):
+        warmup = min(ranks - r - 1, microbatches)
+        order = [Action(FORWARD, m, r) for m in range(warmup)]
+        for i in range(microbatches - warmup):
+            order += [Action(FORWARD, warmup + i, r), Action(BACKWARD, i, r)]
+        order += [Action(BACKWARD, m, r) for m in range(microbatches - warmup, microbatches)]
+        orders.append(order)
+    return _single("1f1b", ranks, microbatches, ranks, orders)
+
+
+def interleaved_1f1b(ranks: int, microbatches: int, virtual: int) -> PipelineSchedule:
+    """Megatron-LM's interleaved 1F1B: each rank holds v chunks (chunk c of rank r is
+    stage c·p + r) and walks micro-batches in groups of p through its chunks. The
+    bubble time shrinks v-fold, to (p-1)/v of a full (forward + backward) stage
+    time, for ~(1 + (p-1)/(p·v)) times the in-flight activations. Needs m a multiple of p."""
+    _check_sizes("interleaved_1f1b", ranks, microbatches)
+    if isinstance(virtual, bool) or not isinstance(virtual, int) or virtual < 1:
+        raise ValueError(f"interleaved_1f1b: virtual stages per rank (v) must be an int >= 1, got {virtual!r}")
+    if microbatches % ranks:
+        raise ValueError(f"interleaved_1f1b needs microbatches (m={microbatches}) to be a multiple of the pipeline "
+                         f"ranks (p={ranks}): use m = {ranks * max(1, round(microbatches / ranks))}")
+    p, v, m = ranks, virtual, microbatches
+    units = m * v
+
+    def unit(k: int, forward: bool) -> tuple[int, int]:  # k-th unit -> (micro-batch, chunk)
+        chunk = (k // p) % v
+        return (k // (p * v)) * p + k % p, chunk if forward else v - 1 - chunk
+
+    orders = []
+    for r in range(p):
+        # Megatron: with m == p there is no steady phase; every forward goes first
+        warmup = units if m == p else min(units, (p - r - 1) * 2 + (v - 1) * p)
+        order = []
+        for k in range(warmup):
+            mb, chunk = unit(k, True)
+            order.append(Action(FORWARD, mb, chunk * p + r))
+        for i in range(units - warmup):
+            mb, chunk = unit(warmup + i, True)
+            order.append(Action(FORWARD, mb, chunk * p + r))
+            mb, chunk = unit(i, False)
+            order.append(Action(BACKWARD, mb, chunk * p + r))
+        for k in range(units - warmup, units):
+            mb, chunk = unit(k, False)
+            order.append(Action(BACKWARD, mb, chunk * p + r))
+        orders.append(order)
+    return _single("interleaved_1f1b", p, m, p * v, orders)
+
+
+def chimera(ranks: int, microbatches: int) -> PipelineSchedule:
+    """Chimera (Li & Hoefler 2021): two pipelines in opposite directions over the same
+    p stages ("down": stage s on rank s; "up": stage s on rank p-1-s), half the
+    micro-batches each, so each rank holds two stage replicas, whose gradients are
+    all-reduced after the flush. Micro-batches alternate between the pipelines.
+    Compute order: list scheduling on the unit-cost replay (a free rank runs what can
+    start earliest; ties go to backward-first, or to forward-first, whichever of the
+    two gives the shorter step, backward-first on a tie for its smaller memory).
+    Its bubble meets the paper's (p-2)/(2m+p-2) at m >= 2p in most cases and is a
+    unit or a few longer at m = p (see the tests and README). Needs p even and m even."""
+    _check_sizes("chimera", ranks, microbatches)
+    if ranks % 2:
+        raise ValueError(f"chimera needs an even number of pipeline ranks (p={ranks}): its two opposite pipelines "
+                         "pair stage s with stage p-1-s")
+    if microbatches % 2:
+        raise ValueError(f"chimera needs an even number of microbatches (m={microbatches}): half go down, half up; "
+                         f"use m = {microbatches + 1}")
+    p, m = ranks, microbatches
+    pipelines = (tuple(range(p)), tuple(reversed(range(p))))
+    microbatch_pipeline = tuple(mb % 2 for mb in range(m))
+    from plait.parallel.pipeline.replay import list_schedule  # the greedy builder replays unit costs
+    candidates = [list_schedule(p, m, p, pipelines, microbatch_pipeline, prefer_forward=prefer)
+                  for prefer in (False, True)]
+    _, orders = min(candidates, key=lambda candidate: candidate[0])  # min keeps the first on a tie
+    return _single("chimera", p, m, p, orders, pipelines, microbatch_pipeline, all_reduce=True)
+
+
+SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved_1f1b": interleaved_1f1b, "chimera": chimera}
+
+
+def build(name: str, ranks: int, microbatches: int, virtual: int = 1) -> PipelineSchedule:
+    """The named schedule (``virtual`` only for interleaved_1f1b)."""
+    if name not in SCHEDULES:
+        raise ValueError(f"unknown pipeline schedule {name!r}; choose one of {sorted(SCHEDULES)}")
+    if name == "interleaved_1f1b":
+        return interleaved_1f1b(ranks, microbatches, virtual)
+    if virtual != 1:
+        raise ValueError(f"virtual={virtual} applies to interleaved_1f1b only, not {name}")
+    return SCHEDULES[name](ranks, microbatches)
+
+
+# ----- communication implied by the compute order ----------------------------------------
+def _with_communication(schedule: PipelineSchedule, all_reduce: bool) -> PipelineSchedule:
+    last = schedule.stages - 1
+    actions = []
+    for rank, order in enumerate(schedule.actions):
+        out = []
+        for action in order:
+            mb, s = action.microbatch, action.stage
+            if action.kind == FORWARD:
+                if s > 0 and (peer := schedule.rank_of(mb, s - 1)) != rank:
+                    out.append(Action(RECV_ACT, mb, s - 1, peer))
+                out.append(action)
+                if s < last and (peer := schedule.rank_of(mb, s + 1)) != rank:
+                    out.append(Action(SEND_ACT, mb, s, peer))
+            else:
+                if s < last and (peer := schedule.rank_of(mb, s + 1)) != rank:
+                    out.append(Action(RECV_GRAD, mb, s + 1, peer))
+                out.append(action)
+                if s > 0 and (peer := schedule.rank_of(mb, s - 1)) != rank:
+                    out.append(Action(SEND_GRAD, mb, s, peer))
+        if all_reduce:
+            out.append(Action(ALL_REDUCE))
+        out.append(Action(STEP))
+        actions.append(tuple(out))
+    return PipelineSchedule(name=schedule.name, ranks=schedule.ranks, microbatches=schedule.microbatches,
+                            stages=schedule.stages, pipelines=schedule.pipelines,
+                            microbatch_pipeline=schedule.microbatch_pipeline, actions=tuple(actions))

@@ -1,0 +1,85 @@
+"""PipelineEngine on real gloo processes against one process training the whole
+model on the whole batch (DESIGN.md section 4: numerical parity).
+
+Why 1e-10 (float64): the pipeline computes each micro-batch's loss / m and sums the
+m gradient contributions, where one process averages over the whole batch at
+once: the same per-sample terms, added in a different order, so they differ by a
+few ulps (u = 1.1e-16) of the gradient, compounded over a few SGD steps.
+"""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from plait.parallel.pipeline import build
+from plait.parallel.pipeline.engine import PipelineEngine, PipelineError, gather_timeline
+from plait.testing import run_distributed, run_fresh_world
+
+FEATURES, CLASSES, LAYERS = 12, 5, 8  # 8 Linear+Tanh pairs: 16 layers, enough for 4 ranks x 2 chunks
+
+
+def _model():
+    torch.manual_seed(0)
+    layers = []
+    for index in range(LAYERS):
+        layers += [nn.Linear(FEATURES if index == 0 else 16, 16 if index < LAYERS - 1 else CLASSES), nn.Tanh()]
+    return nn.Sequential(*layers[:-1]).double()  # 15 layers, ending with the classifier
+
+
+def _batch(step, size):
+    generator = torch.Generator().manual_seed(100 + step)
+    return (torch.randn(size, FEATURES, dtype=torch.float64, generator=generator),
+            torch.randint(0, CLASSES, (size,), generator=generator))
+
+
+def _chunks(model, stages):
+    """Consecutive layers, as even as possible (earlier chunks one longer)."""
+    layers = list(model)
+    bounds = [round(index * len(layers) / stages) for index in range(stages + 1)]
+    return [nn.Sequential(*layers[bounds[c]:bounds[c + 1]]) for c in range(stages)]
+
+
+def train_pipelined(rank, world_size, name, microbatches, virtual, steps, batch):
+    schedule = build(name, world_size, microbatches, virtual)
+    reference = _model()
+    chunks = _chunks(copy.deepcopy(reference), schedule.stages)
+    engine = PipelineEngine(schedule, {s: chunks[s] for _, s in schedule.stages_of(rank)}, F.cross_entropy,
+                            timeout_s=60)
+    optimizer = torch.optim.SGD(engine.parameters(), lr=0.1, momentum=0.9)
+    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    loss_error = 0.0
+    for step in range(steps):
+        inputs, targets = _batch(step, batch)
+        loss = engine.train_step(inputs, targets, optimizer)
+        reference_optimizer.zero_grad()
+        want = F.cross_entropy(reference(inputs), targets)
+        want.backward()
+        reference_optimizer.step()
+        loss_error = max(loss_error, abs(loss - want.item()))
+    full_chunks = _chunks(reference, schedule.stages)
+    param_error = max((mine - theirs).abs().max().item()
+                      for _, s in schedule.stages_of(rank)
+                      for mine, theirs in zip(engine.stages[s].parameters(), full_chunks[s].parameters()))
+    timeline = gather_timeline(engine)
+    return loss_error, param_error, len(timeline.intervals), engine.history[-1].peak_activation_bytes
+
+
+CASES = [("gpipe", 2, 4, 1), ("gpipe", 3, 3, 1), ("gpipe", 4, 8, 1),
+         ("1f1b", 2, 4, 1), ("1f1b", 3, 5, 1), ("1f1b", 4, 8, 1),
+         ("interleaved_1f1b", 2, 4, 2), ("interleaved_1f1b", 3, 6, 2), ("interleaved_1f1b", 4, 8, 2),
+         ("chimera", 2, 4, 1), ("chimera", 4, 8, 1)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,world_size,microbatches,virtual", CASES)
+def test_pipeline_matches_one_process(name, world_size, microbatches, virtual):
+    batch = 4 * microbatches
+    for loss_error, param_error, intervals, peak in run_distributed(
+            train_pipelined, world_size, name, microbatches, virtual, 3, batch):
+        assert loss_error < 1e-10 and param_error < 1e-10, (loss_error, param_error)
+        stages = world_size * virtual
+        assert intervals == 2 * microbatches * stages  # every F and B of every stage, once
+        assert peak > 0
