@@ -83,3 +83,81 @@ def test_pipeline_matches_one_process(name, world_size, microbatches, virtual):
         stages = world_size * virtual
         assert intervals == 2 * microbatches * stages  # every F and B of every stage, once
         assert peak > 0
+
+
+# ----- failures -------------------------------------------------------------------------
+def _error_text(call):
+    try:
+        call()
+    except (ValueError, PipelineError) as error:
+        return f"{type(error).__name__}: {error}"
+    return None
+
+
+class Shrinking(nn.Module):
+    """Returns one column fewer on every call: the output shape changes between micro-batches."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+        self.linear = nn.Linear(FEATURES, 16).double()
+
+    def forward(self, x):
+        self.calls += 1
+        return self.linear(x)[:, : 16 - self.calls + 1]
+
+
+def shape_change(rank, world_size):
+    schedule = build("gpipe", 2, 2)
+    module = Shrinking() if rank == 0 else nn.Sequential(nn.Linear(16, CLASSES)).double()
+    engine = PipelineEngine(schedule, {rank: module}, F.cross_entropy, timeout_s=20)
+    inputs, targets = _batch(0, 4)
+    return _error_text(lambda: engine.train_step(inputs, targets))
+
+
+def test_shape_change_between_microbatches_is_named_and_aborts_the_peer():
+    first, second = run_fresh_world(shape_change, 2, timeout_s=60)
+    assert first == ("ValueError: stage 0 output shape changed between micro-batches: (2, 16) for micro-batch 0, "
+                     "(2, 15) for micro-batch 1; every micro-batch must give the same shape")
+    assert second == ("PipelineError: rank 1 (stage 1) waited for the activation of micro-batch 1 from rank 0 "
+                      "(stage 0): that rank failed (see its error) and aborted the step")
+
+
+def dying_rank(rank, world_size):
+    import torch.distributed as dist
+
+    schedule = build("1f1b", 2, 4)
+    chunks = _chunks(_model(), 2)
+    engine = PipelineEngine(schedule, {rank: chunks[rank]}, F.cross_entropy, timeout_s=3)
+    if rank == 1:
+        dist.destroy_process_group()  # this stage is gone before the step
+        return None
+    inputs, targets = _batch(0, 8)
+    return _error_text(lambda: engine.train_step(inputs, targets))
+
+
+def test_a_dead_stage_is_named_by_its_neighbour():
+    message, _ = run_fresh_world(dying_rank, 2, timeout_s=60)
+    assert message.startswith("PipelineError: rank 0 (stage 0) waited for the gradient of micro-batch 0 from rank 1 "
+                              "(stage 1): "), message
+
+
+def wrong_setup(rank, world_size):
+    schedule = build("1f1b", 2, 4)
+    chunks = _chunks(_model(), 2)
+    messages = {"modules": _error_text(lambda: PipelineEngine(schedule, {0: chunks[0], 1: chunks[1]},
+                                                              F.cross_entropy))}
+    engine = PipelineEngine(schedule, {rank: chunks[rank]}, F.cross_entropy, timeout_s=20)
+    inputs, targets = _batch(0, 6)
+    messages["batch"] = _error_text(lambda: engine.train_step(inputs, targets))
+    messages["world"] = _error_text(lambda: PipelineEngine(build("1f1b", 3, 3), {rank: chunks[rank]},
+                                                           F.cross_entropy))
+    return messages
+
+
+def test_setup_errors_are_named():
+    for rank, messages in enumerate(run_distributed(wrong_setup, 2)):
+        assert messages["modules"] == f"ValueError: rank {rank} holds stages [{rank}] in 1f1b, got modules for [0, 1]"
+        assert messages["batch"] == ("ValueError: the batch of 6 does not split into 4 equal micro-batches: "
+                                     "use a batch size that is a multiple of 4")
+        assert messages["world"] == "ValueError: schedule 1f1b is for 3 pipeline ranks, the group has 2"

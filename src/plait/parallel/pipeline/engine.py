@@ -144,13 +144,19 @@ class PipelineEngine:
                 self._run(action, state, micro_inputs, micro_targets, pending, record)
         except Exception:
             # unblock every peer still waiting on us: each later send becomes an abort
-            # header (not waited for: the peer may be gone too)
+            # header; then let what was posted be delivered (errors ignored: the peer
+            # may be gone too, which is what a deadline is for)
             for later in actions[state.position:]:
                 if later.kind in (SEND_ACT, SEND_GRAD):
                     try:
-                        self._send(None, later, [])
+                        self._send(None, later, pending)
                     except CommError:
                         pass
+            for message, _ in pending:
+                try:
+                    message.wait()
+                except CommError:
+                    pass
             raise
         for message, _ in pending:
             message.wait()

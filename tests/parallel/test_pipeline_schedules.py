@@ -1,0 +1,134 @@
+"""Pipeline schedules as data: validity for p = 1..8, m = 1..16, v = 1..4, and the
+bubble / in-flight facts of the unit-cost replay against the formulas
+(DESIGN.md section 6). Unit costs: forward 1, backward 2 per stage."""
+
+import pytest
+
+from plait.parallel.pipeline import (
+    Action,
+    PipelineSchedule,
+    ScheduleError,
+    build,
+    peak_in_flight,
+    replay,
+    validate,
+)
+from plait.parallel.pipeline.schedules import FORWARD, STEP
+
+
+def _valid_cases():
+    for p in range(1, 9):
+        for m in range(1, 17):
+            yield "gpipe", p, m, 1
+            yield "1f1b", p, m, 1
+            if m % p == 0:
+                for v in range(1, 5):
+                    yield "interleaved_1f1b", p, m, v
+            if p % 2 == 0 and m % 2 == 0:
+                yield "chimera", p, m, 1
+
+
+def test_every_schedule_validates_and_replays_without_deadlock():
+    count = 0
+    for name, p, m, v in _valid_cases():
+        timeline = validate(build(name, p, m, v))
+        assert len(timeline.intervals) == 2 * m * p * v  # every forward and backward once
+        count += 1
+    assert count == 456  # 2 x 128 GPipe/1F1B, 4 x 42 interleaved, 32 Chimera
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+def test_gpipe_and_1f1b_bubble_is_the_formula(name):
+    for p in range(1, 9):
+        for m in range(1, 17):
+            timeline = replay(build(name, p, m))
+            assert timeline.makespan_s == 3 * (m + p - 1)  # (m + p - 1) slots of forward + backward
+            for rank in range(p):  # every rank idles (p-1)/(m+p-1) of the step
+                assert timeline.bubble_fraction(rank) == pytest.approx((p - 1) / (m + p - 1), abs=1e-12)
+
+
+def test_interleaving_divides_the_bubble_by_v():
+    """Interleaved chunks cost 1/v of a stage; the idle time per rank is (p-1)/v
+    forward+backward stage times: GPipe's divided by v."""
+    for p in range(2, 9):
+        for v in range(1, 5):
+            for m in range(p, 17, p):
+                timeline = replay(build("interleaved_1f1b", p, m, v))
+                idle = timeline.makespan_s - timeline.busy_s(0)
+                assert idle == pytest.approx(3 * (p - 1) / v, abs=1e-9), (p, m, v)
+                fraction = ((p - 1) / v) / (m + (p - 1) / v)
+                assert timeline.bubble_fraction() == pytest.approx(fraction, abs=1e-9)
+
+
+def test_peak_in_flight():
+    for p in range(1, 9):
+        for m in range(1, 17):
+            assert peak_in_flight(build("gpipe", p, m)) == [m] * p  # GPipe holds every micro-batch
+            peaks = peak_in_flight(build("1f1b", p, m))
+            assert peaks == [min(p - rank, m) for rank in range(p)]  # 1F1B: at most p (on rank 0)
+
+
+def test_chimera_bubble_against_the_paper():
+    """Li & Hoefler's (p-2)/(2m+p-2). plait's list-scheduled Chimera meets it exactly
+    in the cases listed and is within 3 unit slots at m = p (the paper's hand-built
+    schedule fits one unit more there); always well under 1F1B's bubble."""
+    exact = [(2, 2), (2, 8), (4, 8), (4, 12), (4, 16), (6, 8), (6, 12), (6, 16), (8, 16)]
+    for p, m in exact:
+        timeline = replay(build("chimera", p, m))
+        assert timeline.bubble_fraction() == pytest.approx((p - 2) / (2 * m + p - 2), abs=1e-12), (p, m)
+    for p in (4, 6, 8):
+        timeline = replay(build("chimera", p, p))
+        paper_makespan = 3 * p * (2 * p + p - 2) / (2 * p)
+        assert paper_makespan < timeline.makespan_s <= paper_makespan + 3
+        assert timeline.bubble_fraction() < (p - 1) / (2 * p - 1)  # 1F1B's at the same m
+
+
+def test_text_form():
+    assert build("1f1b", 2, 3).text() == [
+        "rank 0: F0 sa0>1 F1 sa1>1 rg0<1 B0 F2 sa2>1 rg1<1 B1 rg2<1 B2 STEP",
+        "rank 1: ra0<0 F0 B0 sg0>0 ra1<0 F1 B1 sg1>0 ra2<0 F2 B2 sg2>0 STEP",
+    ]
+    assert build("interleaved_1f1b", 2, 2, 2).text()[1].startswith("rank 1: ra0<0 F0.0 sa0>0")
+    assert build("chimera", 2, 2).text()[0].endswith("AR STEP")
+
+
+def test_bad_sizes_are_named():
+    with pytest.raises(ValueError, match=r"interleaved_1f1b needs microbatches \(m=6\) to be a multiple of the "
+                                         r"pipeline ranks \(p=4\): use m = 8"):
+        build("interleaved_1f1b", 4, 6, 2)
+    with pytest.raises(ValueError, match=r"chimera needs an even number of microbatches \(m=5\)"):
+        build("chimera", 4, 5)
+    with pytest.raises(ValueError, match=r"chimera needs an even number of pipeline ranks \(p=3\)"):
+        build("chimera", 3, 4)
+    with pytest.raises(ValueError, match=r"unknown pipeline schedule 'zb'; choose one of"):
+        build("zb", 2, 2)
+    with pytest.raises(ValueError, match=r"virtual=2 applies to interleaved_1f1b only, not 1f1b"):
+        build("1f1b", 2, 2, 2)
+    with pytest.raises(ValueError, match=r"gpipe: microbatches \(m\) must be an int >= 1, got 0"):
+        build("gpipe", 2, 0)
+
+
+def _with(schedule, rank, actions):
+    lists = list(schedule.actions)
+    lists[rank] = tuple(actions)
+    return PipelineSchedule(name="edited", ranks=schedule.ranks, microbatches=schedule.microbatches,
+                            stages=schedule.stages, pipelines=schedule.pipelines,
+                            microbatch_pipeline=schedule.microbatch_pipeline, actions=tuple(lists))
+
+
+def test_validator_catches_broken_schedules():
+    good = build("1f1b", 2, 2)
+    rank1 = list(good.actions[1])
+    swapped = rank1[:]
+    swapped[1], swapped[2] = swapped[2], swapped[1]  # B0 before F0 on rank 1
+    with pytest.raises(ScheduleError, match=r"rank 1 runs B0 of stage 1 before its forward"):
+        validate(_with(good, 1, swapped))
+    with pytest.raises(ScheduleError, match=r"unmatched point-to-point message"):
+        validate(_with(good, 1, [a for a in rank1 if a.kind != "RECV_ACT" or a.microbatch != 1]))
+    with pytest.raises(ScheduleError, match=r"runs twice"):
+        validate(_with(good, 1, rank1[:-1] + [Action(FORWARD, 0, 1), Action(STEP)]))
+    # rank 0 waits for micro-batch 0's gradient before sending its activation: deadlock
+    order0 = list(good.actions[0])
+    wait_first = [a for a in order0 if a.kind == "RECV_GRAD" and a.microbatch == 0]
+    with pytest.raises(ScheduleError, match=r"deadlock: rank 0 waits at rg0<1; rank 1 waits at ra0<0"):
+        replay(_with(good, 0, wait_first + [a for a in order0 if a not in wait_first]))
