@@ -161,3 +161,48 @@ def test_setup_errors_are_named():
         assert messages["batch"] == ("ValueError: the batch of 6 does not split into 4 equal micro-batches: "
                                      "use a batch size that is a multiple of 4")
         assert messages["world"] == "ValueError: schedule 1f1b is for 3 pipeline ranks, the group has 2"
+
+
+# ----- the GPT, pipelined ------------------------------------------------------------------
+def train_gpt_pipelined(rank, world_size, name, microbatches):
+    from plait.models import GPT, GPTConfig
+    from plait.parallel.pipeline.partition import build_stage, sequential_layers, split_layers
+
+    config = GPTConfig(layers=3, hidden=32, heads=4, seq_len=8, vocab=29, tied_head=False, dtype="float64")
+    reference, pipelined = GPT(config, seed=2), GPT(config, seed=2)
+    layers = sequential_layers(pipelined)  # embedding, 3 blocks, head
+    schedule = build(name, world_size, microbatches)
+    chunks = split_layers(layers, schedule.stages)
+    modules = {s: build_stage(layers, chunks[s]) for _, s in schedule.stages_of(rank)}
+
+    def loss_fn(logits, targets):  # logits (b, s, V)
+        return F.cross_entropy(logits.reshape(-1, config.vocab), targets.reshape(-1))
+
+    engine = PipelineEngine(schedule, modules, loss_fn, timeout_s=60)
+    optimizer = torch.optim.SGD(engine.parameters(), lr=0.1)
+    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    loss_error = 0.0
+    for step in range(3):
+        generator = torch.Generator().manual_seed(step)
+        tokens = torch.randint(0, config.vocab, (2 * microbatches, 9), generator=generator)
+        loss = engine.train_step(tokens[:, :-1], tokens[:, 1:], optimizer)
+        reference_optimizer.zero_grad()
+        want = reference.loss(tokens[:, :-1], tokens[:, 1:])
+        want.backward()
+        reference_optimizer.step()
+        loss_error = max(loss_error, abs(loss - want.item()))
+    mine = {name for module in modules.values() for name, _ in module.named_parameters()}
+    reference_state, pipelined_state = reference.state_dict(), pipelined.state_dict()
+    param_error = max((pipelined_state[name] - reference_state[name]).abs().max().item()
+                      for name in reference_state if any(
+                          param is pipelined_state[name] or param.data_ptr() == pipelined_state[name].data_ptr()
+                          for module in modules.values() for param in module.parameters()))
+    return loss_error, param_error, len(mine)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+def test_gpt_pipelined_matches_one_process(name):
+    for loss_error, param_error, held in run_distributed(train_gpt_pipelined, 2, name, 4):
+        assert held > 0
+        assert loss_error < 1e-10 and param_error < 1e-10, (loss_error, param_error)

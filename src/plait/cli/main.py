@@ -13,7 +13,7 @@ import sys
 
 from plait import __version__
 
-SUBCOMMANDS = ("bench", "bench_dp", "bench_tp", "schedule", "cost", "tune", "calibrate", "simulate")
+SUBCOMMANDS = ("bench", "bench_dp", "bench_tp", "bench_pp", "schedule", "cost", "tune", "calibrate", "simulate")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -34,8 +34,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:2] == ["bench", "dp"]:  # `plait bench dp` has its own flags (plait.cli.bench_dp)
         argv = ["bench-dp"] + argv[2:]
-    elif argv[:2] == ["bench", "tp"]:  # `plait bench tp` too (plait.cli.bench_tp)
-        argv = ["bench-tp"] + argv[2:]
+    elif argv[:2] in (["bench", "tp"], ["bench", "pp"]):  # so do `bench tp` and `bench pp`
+        argv = [f"bench-{argv[1]}"] + argv[2:]
     try:
         args = parser.parse_args(argv)
     except SystemExit as exit_request:  # --help, --version or a usage error

@@ -62,6 +62,7 @@ class StepRecord:
     loss: float = 0.0
     intervals: list[Interval] = field(default_factory=list)
     peak_activation_bytes: int = 0
+    stage_activation_bytes: dict = field(default_factory=dict)  # stage -> bytes one micro-batch holds there
     step_time_s: float = 0.0
 
 
@@ -166,6 +167,7 @@ class PipelineEngine:
         comm.all_reduce(loss, group=self.group)
         record.loss = float(loss) / m
         record.peak_activation_bytes = state.peak_bytes
+        record.stage_activation_bytes = dict(state.stage_bytes)
         record.step_time_s = time.perf_counter() - start
         self.history.append(record)
         return record.loss
@@ -236,6 +238,7 @@ class PipelineEngine:
                 out = loss / self.schedule.microbatches
         state.outputs[(mb, s)] = out
         state.alive[(mb, s)] = saved[0] + (x.numel() * x.element_size() if s > 0 else 0)
+        state.stage_bytes.setdefault(s, state.alive[(mb, s)])
         state.peak_bytes = max(state.peak_bytes, sum(state.alive.values()))
 
     def _backward(self, mb, s, state):
@@ -284,6 +287,7 @@ class _StepState:
     output_grads: dict = field(default_factory=dict)  # (mb, stage) -> gradient of the stage output
     alive: dict = field(default_factory=dict)  # (mb, stage) -> activation bytes held
     shapes: dict = field(default_factory=dict)
+    stage_bytes: dict = field(default_factory=dict)
     loss_sum: float = 0.0
     peak_bytes: int = 0
     position: int = 0

@@ -1,0 +1,170 @@
+"""`plait bench pp`: pipeline schedules on real processes, their measured bubble and
+activation memory against the theory.
+
+For each pipeline size p (a fresh world of p processes) and each schedule, every
+rank trains an MLP of ``layers`` Linear+Tanh layers of ``width`` units, split into
+p·v chunks with equal parameters, with ``PipelineEngine`` for ``warmup`` + ``steps``
+SGD steps on batches of ``batch`` rows in m micro-batches. Reported per schedule:
+
+- step time (median) and samples/s;
+- bubble: measured = mean over ranks of 1 - busy/makespan on the gathered timeline
+  of the median step (busy = time inside forward and backward computations; the
+  rest is waiting and messaging), against the unit-cost replay of the same
+  schedule (forward 1, backward 2) and the closed form: (p-1)/(m+p-1) for GPipe and
+  1F1B, ((p-1)/v)/(m+(p-1)/v) interleaved, (p-2)/(2m+p-2) Chimera;
+- activation memory: the peak bytes each rank held (saved for backward plus stage
+  inputs, per micro-batch from forward to backward) against the schedule's
+  prediction: walk the rank's compute order adding each forward's measured
+  per-micro-batch bytes and removing them at its backward; and the in-flight
+  count formula (GPipe m, 1F1B p - r on rank r).
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from plait.parallel.pipeline import build, peak_in_flight, replay
+from plait.parallel.pipeline.engine import PipelineEngine, gather_timeline
+from plait.parallel.pipeline.partition import build_stage, split_layers
+from plait.parallel.pipeline.schedules import FORWARD
+
+SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved_1f1b", "chimera")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PpBenchConfig:
+    """Flags of `plait bench pp` (one field per flag)."""
+
+    stages: tuple[int, ...] = (2, 4)
+    schedules: tuple[str, ...] = SCHEDULE_NAMES
+    microbatches: int = 8
+    virtual: int = 2
+    layers: int = 16
+    width: int = 512
+    batch: int = 256
+    steps: int = 3
+    warmup: int = 1
+    timeout_s: float = 300.0
+
+    def __post_init__(self):
+        problems = []
+        for name in ("microbatches", "virtual", "layers", "width", "batch", "steps"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                problems.append(f"{name}={value!r} must be an int >= 1")
+        if not isinstance(self.warmup, int) or self.warmup < 0:
+            problems.append(f"warmup={self.warmup!r} must be an int >= 0")
+        unknown = [name for name in self.schedules if name not in SCHEDULE_NAMES]
+        if unknown or not self.schedules:
+            problems.append(f"schedules {list(self.schedules)}: choose from {list(SCHEDULE_NAMES)}")
+        if not self.stages or any(isinstance(p, bool) or not isinstance(p, int) or p < 1 for p in self.stages):
+            problems.append(f"stages={self.stages!r} must be ints >= 1, e.g. --stages 2,4")
+        if not problems:
+            for p in self.stages:
+                for name in self.schedules:
+                    try:
+                        build(name, p, self.microbatches, self.virtual if name == "interleaved_1f1b" else 1)
+                    except ValueError as error:
+                        problems.append(f"--stages {p}: {error}")
+                if self.layers < p * self.virtual:
+                    problems.append(f"layers={self.layers} cannot fill {p} stages x {self.virtual} virtual chunks: "
+                                    f"use --layers >= {p * self.virtual}")
+            if self.batch % self.microbatches:
+                problems.append(f"batch={self.batch} does not split into {self.microbatches} micro-batches: "
+                                f"use a multiple of {self.microbatches}")
+        if problems:
+            raise ValueError("; ".join(problems))
+
+
+def formula_bubble(name: str, p: int, m: int, v: int) -> float:
+    if name == "interleaved_1f1b":
+        return ((p - 1) / v) / (m + (p - 1) / v)
+    if name == "chimera":
+        return (p - 2) / (2 * m + p - 2)
+    return (p - 1) / (m + p - 1)
+
+
+def formula_in_flight(name: str, p: int, m: int, rank: int) -> int | None:
+    return {"gpipe": m, "1f1b": min(p - rank, m)}.get(name)
+
+
+def predicted_peak_bytes(schedule, rank: int, stage_bytes: dict) -> int:
+    """Walk the rank's compute order: + a forward's bytes, - at its backward."""
+    alive = peak = 0
+    for action in schedule.compute_order(rank):
+        alive += stage_bytes[action.stage] * (1 if action.kind == FORWARD else -1)
+        peak = max(peak, alive)
+    return peak
+
+
+def _mlp(config: PpBenchConfig) -> list[nn.Module]:
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for _ in range(config.layers):
+        layers += [nn.Sequential(nn.Linear(config.width, config.width), nn.Tanh())]
+    return layers
+
+
+def _one_schedule(config: PpBenchConfig, name: str, rank: int, p: int) -> dict:
+    v = config.virtual if name == "interleaved_1f1b" else 1
+    schedule = build(name, p, config.microbatches, v)
+    layers = _mlp(config)
+    chunks = split_layers(layers, p, virtual=v)
+    modules = {s: build_stage(layers, chunks[s]) for _, s in schedule.stages_of(rank)}
+    engine = PipelineEngine(schedule, modules, lambda out, target: F.mse_loss(out, target),
+                            timeout_s=config.timeout_s)
+    optimizer = torch.optim.SGD(engine.parameters(), lr=1e-3)
+    generator = torch.Generator().manual_seed(1)
+    inputs = torch.randn(config.batch, config.width, generator=generator)
+    targets = torch.randn(config.batch, config.width, generator=generator)
+    times = []
+    for step in range(config.warmup + config.steps):
+        dist.barrier()
+        engine.train_step(inputs, targets, optimizer)
+        times.append(engine.history[-1].step_time_s)
+    every_rank: list = [None] * p
+    dist.all_gather_object(every_rank, times)  # the same median step on every rank
+    slowest = [max(rank_times[step] for rank_times in every_rank) for step in range(config.warmup, len(times))]
+    median_step = config.warmup + slowest.index(sorted(slowest)[len(slowest) // 2])
+    timeline = gather_timeline(engine, median_step)
+    record = engine.history[median_step]
+    mine = {"peak_bytes": record.peak_activation_bytes,
+            "predicted_bytes": predicted_peak_bytes(schedule, rank, record.stage_activation_bytes),
+            "step_s": record.step_time_s}
+    everyone: list = [None] * p
+    dist.all_gather_object(everyone, mine)
+    unit = replay(schedule)
+    return {
+        "schedule": name, "p": p, "m": config.microbatches, "v": v,
+        "step_ms": 1e3 * statistics.mean(row["step_s"] for row in everyone),
+        "samples_per_s": config.batch / statistics.mean(row["step_s"] for row in everyone),
+        "bubble_measured": timeline.bubble_fraction(),
+        "bubble_per_rank": [timeline.bubble_fraction(r) for r in range(p)],
+        "bubble_unit_replay": unit.bubble_fraction(),
+        "bubble_formula": formula_bubble(name, p, config.microbatches, v),
+        "peak_bytes": [row["peak_bytes"] for row in everyone],
+        "predicted_bytes": [row["predicted_bytes"] for row in everyone],
+        "in_flight": peak_in_flight(schedule),
+        "in_flight_formula": [formula_in_flight(name, p, config.microbatches, r) for r in range(p)],
+        "timeline": [(i.rank, i.label, i.kind, i.microbatch, i.start_s, i.end_s) for i in timeline.intervals],
+    }
+
+
+def run_pp_bench(config: PpBenchConfig, *, device=None, emit=None) -> list[dict]:
+    """Every schedule at p = world size; rank 0 emits ("row", dict) per schedule."""
+    del device  # CPU / gloo here
+    torch.set_num_threads(1)
+    rank, p = dist.get_rank(), dist.get_world_size()
+    rows = []
+    for name in config.schedules:
+        row = _one_schedule(config, name, rank, p)
+        rows.append(row)
+        if rank == 0 and emit:
+            emit("row", row)
+    return rows

@@ -1,0 +1,79 @@
+"""`plait bench pp`: run GPipe, 1F1B, interleaved 1F1B and Chimera for real and
+compare their bubble and activation memory with the theory (plait.bench.pp)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from plait.bench.launch import Job, WorkerError, in_torchrun, spawn_and_run
+from plait.bench.pp import SCHEDULE_NAMES, PpBenchConfig, run_pp_bench
+from plait.bench.report import write_json_document
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list of ints, got {text!r}") from None
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser("bench-pp", help=argparse.SUPPRESS, description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+    defaults = PpBenchConfig()
+    parser.add_argument("--stages", type=_ints, default=defaults.stages, help="pipeline sizes p (default 2,4)")
+    parser.add_argument("--schedules", type=lambda text: tuple(text.split(",")), default=defaults.schedules,
+                        help=f"comma list of {','.join(SCHEDULE_NAMES)} (default all)")
+    for name in ("microbatches", "virtual", "layers", "width", "batch", "steps", "warmup"):
+        parser.add_argument(f"--{name}", type=int, default=getattr(defaults, name))
+    parser.add_argument("--timeline-out", default=None, metavar="DIR",
+                        help="write each run's measured timeline as JSON (plait schedule --timeline draws it)")
+    parser.add_argument("--json", default=None, metavar="PATH", help="write every row as JSON ('-': stdout)")
+    parser.set_defaults(run=run)
+    return parser
+
+
+def _kib(values) -> str:
+    return "/".join(f"{value / 1024:.0f}" for value in values)
+
+
+def run(args) -> int:
+    if in_torchrun():
+        raise ValueError("plait bench pp starts its own worlds: run it without torchrun")
+    config = PpBenchConfig(stages=args.stages, schedules=args.schedules, microbatches=args.microbatches,
+                           virtual=args.virtual, layers=args.layers, width=args.width, batch=args.batch,
+                           steps=args.steps, warmup=args.warmup)
+    print(f"# plait bench pp: MLP {config.layers} x Linear({config.width},{config.width})+Tanh, batch "
+          f"{config.batch} in m={config.microbatches} micro-batches, float32, SGD; v={config.virtual} for "
+          f"interleaved; {config.steps} timed steps after {config.warmup} warm-up, the median step's timeline")
+    print(f"# each p: a fresh world of p gloo processes on this machine ({os.cpu_count()} CPU cores), 1 thread each")
+    print("# bubble: measured (mean over ranks of 1 - compute/step) | unit-cost replay | formula;  "
+          "activation KiB per rank: measured peak | predicted from the schedule and per-micro-batch bytes")
+    print(f"{'p':>2} {'schedule':<17}{'step ms':>9}{'samples/s':>10}{'bubble':>8}{'replay':>8}{'formula':>8}"
+          f"  {'peak KiB / rank':<24}{'predicted':<24}in-flight (formula)")
+    rows: list[dict] = []
+
+    def on_event(kind, row):
+        if kind != "row":
+            return
+        formula = "/".join("-" if value is None else str(value) for value in row["in_flight_formula"])
+        print(f"{row['p']:>2} {row['schedule']:<17}{row['step_ms']:>9.1f}{row['samples_per_s']:>10.0f}"
+              f"{row['bubble_measured']:>8.3f}{row['bubble_unit_replay']:>8.3f}{row['bubble_formula']:>8.3f}"
+              f"  {_kib(row['peak_bytes']):<24}{_kib(row['predicted_bytes']):<24}"
+              f"{'/'.join(map(str, row['in_flight']))} ({formula})", flush=True)
+        if args.timeline_out:
+            os.makedirs(args.timeline_out, exist_ok=True)
+            path = os.path.join(args.timeline_out, f"{row['schedule']}-p{row['p']}.json")
+            write_json_document({"ranks": row["p"], "source": "measured", "intervals": row["timeline"]}, path)
+
+    for p in config.stages:
+        try:
+            rows += spawn_and_run(Job(run_pp_bench, config), p, "gloo", on_event, label=f"plait bench pp (p={p})")
+        except WorkerError as error:
+            print(str(error), file=sys.stderr)
+            return 1
+    if args.json:
+        write_json_document({"config": config.__dict__, "rows": rows}, args.json)
+    return 0
