@@ -22,7 +22,7 @@ def _valid_cases():
             yield "gpipe", p, m, 1
             yield "1f1b", p, m, 1
             if m % p == 0:
-                for v in range(1, 5):
+                for v in range(2, 5):
                     yield "interleaved_1f1b", p, m, v
             if p % 2 == 0 and m % 2 == 0:
                 yield "chimera", p, m, 1
@@ -34,7 +34,7 @@ def test_every_schedule_validates_and_replays_without_deadlock():
         timeline = validate(build(name, p, m, v))
         assert len(timeline.intervals) == 2 * m * p * v  # every forward and backward once
         count += 1
-    assert count == 456  # 2 x 128 GPipe/1F1B, 4 x 42 interleaved, 32 Chimera
+    assert count == 414  # 2 x 128 GPipe/1F1B, 3 x 42 interleaved (v = 2..4), 32 Chimera
 
 
 @pytest.mark.parametrize("name", ["gpipe", "1f1b"])
@@ -51,7 +51,7 @@ def test_interleaving_divides_the_bubble_by_v():
     """Interleaved chunks cost 1/v of a stage; the idle time per rank is (p-1)/v
     forward+backward stage times: GPipe's divided by v."""
     for p in range(2, 9):
-        for v in range(1, 5):
+        for v in range(2, 5):
             for m in range(p, 17, p):
                 timeline = replay(build("interleaved_1f1b", p, m, v))
                 idle = timeline.makespan_s - timeline.busy_s(0)
@@ -98,12 +98,14 @@ def test_bad_sizes_are_named():
         build("interleaved_1f1b", 4, 6, 2)
     with pytest.raises(ValueError, match=r"chimera needs an even number of microbatches \(m=5\)"):
         build("chimera", 4, 5)
-    with pytest.raises(ValueError, match=r"chimera needs an even number of pipeline ranks \(p=3\)"):
+    with pytest.raises(ValueError, match=r"chimera needs an even number of pipeline ranks \(p=3\).*use p = 4 or 2"):
         build("chimera", 3, 4)
     with pytest.raises(ValueError, match=r"unknown pipeline schedule 'zb'; choose one of"):
         build("zb", 2, 2)
     with pytest.raises(ValueError, match=r"virtual=2 applies to interleaved_1f1b only, not 1f1b"):
         build("1f1b", 2, 2, 2)
+    with pytest.raises(ValueError, match=r"v\) must be an int >= 2, got 1 \(with one chunk per rank, use 1f1b\)"):
+        build("interleaved_1f1b", 2, 2, 1)
     with pytest.raises(ValueError, match=r"gpipe: microbatches \(m\) must be an int >= 1, got 0"):
         build("gpipe", 2, 0)
 

@@ -69,7 +69,7 @@ class PpBenchConfig:
             for p in self.stages:
                 for name in self.schedules:
                     try:
-                        build(name, p, self.microbatches, self.virtual if name == "interleaved_1f1b" else 1)
+                        build(name, p, self.microbatches, self.virtual if name == "interleaved_1f1b" else None)
                     except ValueError as error:
                         problems.append(f"--stages {p}: {error}")
                 if self.layers < p * self.virtual:
@@ -113,7 +113,7 @@ def _mlp(config: PpBenchConfig) -> list[nn.Module]:
 
 def _one_schedule(config: PpBenchConfig, name: str, rank: int, p: int) -> dict:
     v = config.virtual if name == "interleaved_1f1b" else 1
-    schedule = build(name, p, config.microbatches, v)
+    schedule = build(name, p, config.microbatches, v if name == "interleaved_1f1b" else None)
     layers = _mlp(config)
     chunks = split_layers(layers, p, virtual=v)
     modules = {s: build_stage(layers, chunks[s]) for _, s in schedule.stages_of(rank)}

@@ -10,6 +10,7 @@ import sys
 from plait.bench.launch import Job, WorkerError, in_torchrun, spawn_and_run
 from plait.bench.pp import SCHEDULE_NAMES, PpBenchConfig, run_pp_bench
 from plait.bench.report import write_json_document
+from plait.parallel.pipeline import Interval, Timeline, timeline_to_json
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -66,7 +67,10 @@ def run(args) -> int:
         if args.timeline_out:
             os.makedirs(args.timeline_out, exist_ok=True)
             path = os.path.join(args.timeline_out, f"{row['schedule']}-p{row['p']}.json")
-            write_json_document({"ranks": row["p"], "source": "measured", "intervals": row["timeline"]}, path)
+            timeline = Timeline(ranks=row["p"], source="measured",
+                                intervals=tuple(Interval(*fields) for fields in row["timeline"]))
+            meta = {"schedule": row["schedule"], "microbatches": row["m"], "virtual": row["v"]}
+            write_json_document(timeline_to_json(timeline, meta), path)
 
     for p in config.stages:
         try:

@@ -5,7 +5,11 @@
   validator and the list scheduler.
 - ``partition``: splitting a sequential model into stages.
 - ``engine``: ``PipelineEngine``, which runs a schedule over real processes.
+- ``draw``: ASCII and PNG Gantt charts, timeline JSON, the closed forms.
 """
+
+from plait.parallel.pipeline.draw import ascii_gantt, plot_gantt, theory, timeline_from_json, timeline_to_json
+from plait.parallel.pipeline.engine import PipelineEngine, PipelineError, gather_timeline
 
 from plait.parallel.pipeline.replay import (
     Interval,
@@ -27,6 +31,8 @@ from plait.parallel.pipeline.schedules import (
 )
 
 __all__ = [
+    "PipelineEngine", "PipelineError", "ascii_gantt", "gather_timeline", "plot_gantt", "theory",
+    "timeline_from_json", "timeline_to_json",
     "SCHEDULES", "Action", "Interval", "PipelineSchedule", "ScheduleError", "Timeline", "build", "chimera", "gpipe",
     "interleaved_1f1b", "one_f_one_b", "peak_in_flight", "replay", "validate",
 ]

@@ -139,8 +139,9 @@ def interleaved_1f1b(ranks: int, microbatches: int, virtual: int) -> PipelineSch
     bubble time shrinks v-fold, to (p-1)/v of a full (forward + backward) stage
     time, for ~(1 + (p-1)/(p·v)) times the in-flight activations. Needs m a multiple of p."""
     _check_sizes("interleaved_1f1b", ranks, microbatches)
-    if isinstance(virtual, bool) or not isinstance(virtual, int) or virtual < 1:
-        raise ValueError(f"interleaved_1f1b: virtual stages per rank (v) must be an int >= 1, got {virtual!r}")
+    if isinstance(virtual, bool) or not isinstance(virtual, int) or virtual < 2:
+        raise ValueError(f"interleaved_1f1b: virtual stages per rank (v) must be an int >= 2, got {virtual!r} "
+                         "(with one chunk per rank, use 1f1b)")
     if microbatches % ranks:
         raise ValueError(f"interleaved_1f1b needs microbatches (m={microbatches}) to be a multiple of the pipeline "
                          f"ranks (p={ranks}): use m = {ranks * max(1, round(microbatches / ranks))}")
@@ -184,7 +185,7 @@ def chimera(ranks: int, microbatches: int) -> PipelineSchedule:
     _check_sizes("chimera", ranks, microbatches)
     if ranks % 2:
         raise ValueError(f"chimera needs an even number of pipeline ranks (p={ranks}): its two opposite pipelines "
-                         "pair stage s with stage p-1-s")
+                         f"pair stage s with stage p-1-s; use p = {ranks + 1}" + (f" or {ranks - 1}" if ranks > 1 else ""))
     if microbatches % 2:
         raise ValueError(f"chimera needs an even number of microbatches (m={microbatches}): half go down, half up; "
                          f"use m = {microbatches + 1}")
@@ -201,13 +202,13 @@ def chimera(ranks: int, microbatches: int) -> PipelineSchedule:
 SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved_1f1b": interleaved_1f1b, "chimera": chimera}
 
 
-def build(name: str, ranks: int, microbatches: int, virtual: int = 1) -> PipelineSchedule:
-    """The named schedule (``virtual`` only for interleaved_1f1b)."""
+def build(name: str, ranks: int, microbatches: int, virtual: int | None = None) -> PipelineSchedule:
+    """The named schedule (``virtual``, v >= 2, only for interleaved_1f1b; default 2)."""
     if name not in SCHEDULES:
         raise ValueError(f"unknown pipeline schedule {name!r}; choose one of {sorted(SCHEDULES)}")
     if name == "interleaved_1f1b":
-        return interleaved_1f1b(ranks, microbatches, virtual)
-    if virtual != 1:
+        return interleaved_1f1b(ranks, microbatches, 2 if virtual is None else virtual)
+    if virtual not in (None, 1):
         raise ValueError(f"virtual={virtual} applies to interleaved_1f1b only, not {name}")
     return SCHEDULES[name](ranks, microbatches)
 
