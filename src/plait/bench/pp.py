@@ -47,7 +47,7 @@ class PpBenchConfig:
     virtual: int = 2
     layers: int = 16
     width: int = 512
-    batch: int = 256
+    batch: int = 1024
     steps: int = 3
     warmup: int = 1
     timeout_s: float = 300.0
