@@ -42,9 +42,26 @@ def _chunks(model, stages):
     return [nn.Sequential(*layers[bounds[c]:bounds[c + 1]]) for c in range(stages)]
 
 
-def train_pipelined(rank, world_size, name, microbatches, virtual, steps, batch):
+class Heaviside(nn.Module):
+    """x -> 1[x > 0]: no gradient flows through it."""
+
+    def forward(self, x):
+        return (x > 0).to(x.dtype)
+
+
+def train_pipelined(rank, world_size, name, microbatches, virtual, steps, batch, variant=None):
+    """``variant``: "frozen" freezes the first chunk's layers (its output needs no
+    gradient); "heaviside" puts a gradient-blocking layer at the start of the last
+    chunk (the gradient sent upstream is zero)."""
     schedule = build(name, world_size, microbatches, virtual)
     reference = _model()
+    if variant == "frozen":
+        for param in _chunks(reference, schedule.stages)[0].parameters():
+            param.requires_grad_(False)
+    if variant == "heaviside":
+        layers = list(reference)
+        start = round((schedule.stages - 1) * len(layers) / schedule.stages)
+        reference = nn.Sequential(*layers[:start], Heaviside(), *layers[start:])
     chunks = _chunks(copy.deepcopy(reference), schedule.stages)
     engine = PipelineEngine(schedule, {s: chunks[s] for _, s in schedule.stages_of(rank)}, F.cross_entropy,
                             timeout_s=60)
@@ -60,6 +77,8 @@ def train_pipelined(rank, world_size, name, microbatches, virtual, steps, batch)
         reference_optimizer.step()
         loss_error = max(loss_error, abs(loss - want.item()))
     full_chunks = _chunks(reference, schedule.stages)
+    if variant == "frozen":
+        assert all(param.grad is None for param in engine.stages.get(0, nn.Sequential()).parameters())
     param_error = max((mine - theirs).abs().max().item()
                       for _, s in schedule.stages_of(rank)
                       for mine, theirs in zip(engine.stages[s].parameters(), full_chunks[s].parameters()))
@@ -71,6 +90,13 @@ CASES = [("gpipe", 2, 4, None), ("gpipe", 3, 3, None), ("gpipe", 4, 8, None),
          ("1f1b", 2, 4, None), ("1f1b", 3, 5, None), ("1f1b", 4, 8, None),
          ("interleaved_1f1b", 2, 4, 2), ("interleaved_1f1b", 3, 6, 2), ("interleaved_1f1b", 4, 8, 2),
          ("chimera", 2, 4, None), ("chimera", 4, 8, None)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", ["frozen", "heaviside"])
+def test_frozen_and_gradient_blocking_stages(variant):
+    for loss_error, param_error, _, _ in run_distributed(train_pipelined, 2, "1f1b", 4, None, 2, 16, variant):
+        assert loss_error < 1e-10 and param_error < 1e-10, (loss_error, param_error)
 
 
 @pytest.mark.slow
@@ -138,8 +164,12 @@ def dying_rank(rank, world_size):
 
 def test_a_dead_stage_is_named_by_its_neighbour():
     message, _ = run_fresh_world(dying_rank, 2, timeout_s=60)
-    assert message.startswith("PipelineError: rank 0 (stage 0) waited for the gradient of micro-batch 0 from rank 1 "
-                              "(stage 1): "), message
+    # depending on when the closed connection is noticed: at the first send, or at the
+    # first receive; either way the stage, the action and the lost peer are named
+    assert (message.startswith("PipelineError: rank 0 (stage 0) waited for the gradient of micro-batch 0 from rank 1 "
+                               "(stage 1): ")
+            or message.startswith("PipelineError: rank 0 (stage 0) could not send the activation of micro-batch 0 to "
+                                  "rank 1: ")), message
 
 
 def wrong_setup(rank, world_size):
@@ -206,3 +236,44 @@ def test_gpt_pipelined_matches_one_process(name):
     for loss_error, param_error, held in run_distributed(train_gpt_pipelined, 2, name, 4):
         assert held > 0
         assert loss_error < 1e-10 and param_error < 1e-10, (loss_error, param_error)
+
+
+def shared_parameters(rank, world_size):
+    shared = nn.Linear(4, 4).double()
+    engine = PipelineEngine(build("interleaved_1f1b", 1, 2, 2), {0: nn.Sequential(shared), 1: nn.Sequential(shared)},
+                            F.mse_loss)
+    return len(list(engine.parameters()))
+
+
+def test_a_parameter_shared_by_two_chunks_is_listed_once():
+    assert run_distributed(shared_parameters, 1) == [2]  # weight and bias, not four tensors
+
+
+class Stalling(nn.Module):
+    """Stage 1 hangs in its first forward for longer than its neighbour's deadline."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        import time
+        time.sleep(6)
+        return self.inner(x)
+
+
+def hung_stage(rank, world_size):
+    schedule = build("1f1b", 2, 4)
+    chunks = _chunks(_model(), 2)
+    module = chunks[0] if rank == 0 else Stalling(chunks[1])
+    engine = PipelineEngine(schedule, {rank: module}, F.cross_entropy, timeout_s=2)
+    inputs, targets = _batch(0, 8)
+    return _error_text(lambda: engine.train_step(inputs, targets))
+
+
+def test_a_hung_stage_times_out_naming_the_stage_and_the_action():
+    first, second = run_fresh_world(hung_stage, 2, timeout_s=90)
+    assert first.startswith("PipelineError: rank 0 (stage 0) waited for the gradient of micro-batch 0 from rank 1 "
+                            "(stage 1): "), first
+    assert "timed out" in first or "Timeout" in first, first
+    assert second is not None and second.startswith("PipelineError: rank 1 (stage 1)"), second

@@ -123,10 +123,24 @@ def test_validator_catches_broken_schedules():
     rank1 = list(good.actions[1])
     swapped = rank1[:]
     swapped[1], swapped[2] = swapped[2], swapped[1]  # B0 before F0 on rank 1
-    with pytest.raises(ScheduleError, match=r"rank 1 runs B0 of stage 1 before its forward"):
+    with pytest.raises(ScheduleError, match=r"rank 1 runs B0 \(stage 1\) before its forward"):
         validate(_with(good, 1, swapped))
-    with pytest.raises(ScheduleError, match=r"unmatched point-to-point message"):
-        validate(_with(good, 1, [a for a in rank1 if a.kind != "RECV_ACT" or a.microbatch != 1]))
+    with pytest.raises(ScheduleError, match=r"unmatched point-to-point message SEND_ACT of micro-batch 1 stage 0 "
+                                            r"from rank 0 to rank 1 \(sent 0 times, received 1\)"):
+        validate(_with(good, 0, [a for a in good.actions[0] if a.kind != "SEND_ACT" or a.microbatch != 1]))
+    # a send before the computation that makes it; a forward before its input arrives
+    rank0 = list(good.actions[0])
+    with pytest.raises(ScheduleError, match=r"rank 0 runs sa0>1 \(stage 0\) before the F0 that makes it"):
+        validate(_with(good, 0, [rank0[1], rank0[0]] + rank0[2:]))
+    with pytest.raises(ScheduleError, match=r"rank 1 runs F0 \(stage 1\) before its input arrives"):
+        validate(_with(good, 1, [rank1[1], rank1[0]] + rank1[2:]))
+    local = build("interleaved_1f1b", 1, 2, 2)  # one rank, two chunks: F0.1 needs F0.0 first
+    order = list(local.actions[0])
+    with pytest.raises(ScheduleError, match=r"before the forward of stage 0"):
+        validate(_with(local, 0, [order[1], order[0]] + order[2:]))
+    duplicated = rank0[:2] + [rank0[1]] + rank0[2:]  # sa0>1 twice
+    with pytest.raises(ScheduleError, match=r"sent 2 times, received 1"):
+        validate(_with(good, 0, duplicated))
     with pytest.raises(ScheduleError, match=r"runs twice"):
         validate(_with(good, 1, rank1[:-1] + [Action(FORWARD, 0, 1), Action(STEP)]))
     # rank 0 waits for micro-batch 0's gradient before sending its activation: deadlock

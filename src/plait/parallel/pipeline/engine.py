@@ -24,6 +24,7 @@ inputs, per micro-batch from its forward to its backward.
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
@@ -49,6 +50,9 @@ _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.in
 _HEADER = 10  # status, dtype code, ndim, up to 7 dims
 _OK, _ABORT = 1, -1
 _KIND_CODE = {SEND_ACT: 0, RECV_ACT: 0, SEND_GRAD: 1, RECV_GRAD: 1}
+_STEP_TAGS = 1024  # the step number (mod 1024) is part of every tag: a failed step's stray message is never read later
+_REPLICA_TAG = 1 << 30  # Chimera's gradient exchange; message tags stay below it
+_ABORT_GRACE_S = 2.0  # after a failure, how long posted sends get to be delivered before we raise
 
 
 class PipelineError(RuntimeError):
@@ -80,47 +84,71 @@ class PipelineEngine:
         if sorted(stage_modules) != mine:
             raise ValueError(f"rank {self.rank} holds stages {mine} in {schedule.name}, "
                              f"got modules for {sorted(stage_modules)}")
+        if 4 * _STEP_TAGS * schedule.microbatches * schedule.stages >= _REPLICA_TAG:
+            raise ValueError(f"m={schedule.microbatches} x {schedule.stages} stages is too many messages to tag: "
+                             f"keep m x stages below {_REPLICA_TAG // (4 * _STEP_TAGS)}")
         self.stages = {s: stage_modules[s] for s in mine}
         self.timeout_s = timeout_s
         self.last = schedule.stages - 1
-        self.history: list[StepRecord] = []
+        self.history: deque[StepRecord] = deque(maxlen=100)
+        self.steps = 0
+        first = next((param for module in self.stages.values() for param in module.parameters()), None)
+        self.device = first.device if first is not None else comm.default_device(group)
+        self._parameter_storages = {param.untyped_storage().data_ptr() for param in self.parameters()}
 
     def parameters(self):
+        """Every parameter of this rank's stages once (a parameter shared by two
+        chunks must not be stepped twice)."""
+        seen = set()
         for module in self.stages.values():
-            yield from module.parameters()
+            for param in module.parameters():
+                if id(param) not in seen:
+                    seen.add(id(param))
+                    yield param
 
     # ----- messages ------------------------------------------------------------------------
     def _tag(self, kind: str, microbatch: int, stage: int) -> int:
-        return 2 * ((_KIND_CODE[kind] * self.schedule.microbatches + microbatch) * self.schedule.stages + stage)
+        m, stages = self.schedule.microbatches, self.schedule.stages
+        message = (_KIND_CODE[kind] * m + microbatch) * stages + stage  # < 2·m·S
+        return 2 * ((self.steps % _STEP_TAGS) * 2 * m * stages + message)  # header tag; the payload is tag + 1
 
     def _send(self, tensor, action, pending):
-        header = torch.zeros(_HEADER, dtype=torch.int64)
+        header = torch.zeros(_HEADER, dtype=torch.int64, device=self.device)
         if tensor is None:
             header[0] = _ABORT
         else:
             tensor = tensor.detach().contiguous()
+            if tensor.dtype not in _DTYPES or tensor.dim() > _HEADER - 3:
+                raise TypeError(f"stage {action.stage} produced a {tensor.dtype} tensor of {tensor.dim()} dims for "
+                                f"micro-batch {action.microbatch}: pipeline messages carry {_DTYPES} "
+                                f"of at most {_HEADER - 3} dims")
             header[:3] = torch.tensor([_OK, _DTYPES.index(tensor.dtype), tensor.dim()])
             header[3:3 + tensor.dim()] = torch.tensor(tensor.shape)
         tag = self._tag(action.kind, action.microbatch, action.stage)
         label = f"pipeline {action.kind} micro-batch {action.microbatch} stage {action.stage}"
-        pending.append((comm.isend(header, action.peer, self.group, tag, label=label, timeout_s=self.timeout_s),
-                        header))
-        if tensor is not None:
-            pending.append((comm.isend(tensor, action.peer, self.group, tag + 1, label=label,
-                                       timeout_s=self.timeout_s), tensor))
+        try:
+            pending.append((comm.isend(header, action.peer, self.group, tag, label=label,
+                                       timeout_s=self.timeout_s), header))
+            if tensor is not None:
+                pending.append((comm.isend(tensor, action.peer, self.group, tag + 1, label=label,
+                                           timeout_s=self.timeout_s), tensor))
+        except CommError as error:
+            what = "activation" if action.kind == SEND_ACT else "gradient"
+            raise PipelineError(f"rank {self.rank} (stage {action.stage}) could not send the {what} of micro-batch "
+                                f"{action.microbatch} to rank {action.peer}: {error}") from error
 
     def _receive(self, action, consumer: int) -> torch.Tensor:
         what = "activation" if action.kind == RECV_ACT else "gradient"
         waited = (f"rank {self.rank} (stage {consumer}) waited for the {what} of micro-batch {action.microbatch} "
                   f"from rank {action.peer} (stage {action.stage})")
         tag = self._tag(action.kind, action.microbatch, action.stage)
-        header = torch.empty(_HEADER, dtype=torch.int64)
+        header = torch.empty(_HEADER, dtype=torch.int64, device=self.device)
         try:
             comm.recv(header, action.peer, self.group, tag, label=f"pipeline {what}", timeout_s=self.timeout_s)
             if header[0] == _ABORT:
                 raise PipelineError(f"{waited}: that rank failed (see its error) and aborted the step")
             shape = tuple(int(d) for d in header[3:3 + int(header[2])])
-            tensor = torch.empty(shape, dtype=_DTYPES[int(header[1])])
+            tensor = torch.empty(shape, dtype=_DTYPES[int(header[1])], device=self.device)
             comm.recv(tensor, action.peer, self.group, tag + 1, label=f"pipeline {what}", timeout_s=self.timeout_s)
         except CommError as error:
             raise PipelineError(f"{waited}: {error}") from error
@@ -135,32 +163,21 @@ class PipelineEngine:
         start = time.perf_counter()
         for module in self.stages.values():
             module.zero_grad(set_to_none=True)
-        micro_inputs = self._split(inputs, "inputs") if any(self._is_first(s) for s in self.stages) else None
-        micro_targets = self._split(targets, "targets") if self.last in self.stages else None
         state = _StepState()
         pending: list = []
         actions = self.schedule.actions[self.rank]
+        # checked before any message, so ranks given the same bad batch all raise alike
+        micro_inputs = self._split(inputs, "inputs") if 0 in self.stages else None
+        micro_targets = self._split(targets, "targets") if self.last in self.stages else None
         try:
             for state.position, action in enumerate(actions):
                 self._run(action, state, micro_inputs, micro_targets, pending, record)
         except Exception:
-            # unblock every peer still waiting on us: each later send becomes an abort
-            # header; then let what was posted be delivered (errors ignored: the peer
-            # may be gone too, which is what a deadline is for)
-            for later in actions[state.position:]:
-                if later.kind in (SEND_ACT, SEND_GRAD):
-                    try:
-                        self._send(None, later, pending)
-                    except CommError:
-                        pass
-            for message, _ in pending:
-                try:
-                    message.wait()
-                except CommError:
-                    pass
+            self._abort(actions[state.position:], pending)
             raise
         for message, _ in pending:
             message.wait()
+        self.steps += 1
         if optimizer is not None:
             optimizer.step()
         loss = torch.tensor([state.loss_sum], dtype=torch.float64)
@@ -172,8 +189,25 @@ class PipelineEngine:
         self.history.append(record)
         return record.loss
 
-    def _is_first(self, stage: int) -> bool:
-        return stage == 0
+    def _abort(self, remaining, pending) -> None:
+        """Unblock every peer still waiting on us: each later send becomes an abort
+        header. Posted sends get a short grace to be delivered (a peer that already
+        failed never receives them); then we raise. The step's tags are retired (the
+        step counter moves on), but a gloo pair whose send timed out stays closed:
+        rebuild the process group after a PipelineError before training on."""
+        for later in remaining:
+            if later.kind in (SEND_ACT, SEND_GRAD):
+                try:
+                    self._send(None, later, pending)
+                except PipelineError:
+                    pass
+        for message, _ in pending:
+            message.timeout_s = min(message.timeout_s, time.monotonic() - message.start_s + _ABORT_GRACE_S)
+            try:
+                message.wait()
+            except CommError:
+                pass
+        self.steps += 1
 
     def _split(self, batch, what: str):
         m = self.schedule.microbatches
@@ -188,13 +222,13 @@ class PipelineEngine:
     def _run(self, action, state, micro_inputs, micro_targets, pending, record):
         mb, s = action.microbatch, action.stage
         if action.kind == RECV_ACT:
-            state.inputs[(mb, s + 1)] = self._receive(action, s + 1).requires_grad_(True)
+            state.inputs[(mb, s + 1)] = _as_leaf(self._receive(action, s + 1))
         elif action.kind == RECV_GRAD:
             state.output_grads[(mb, s - 1)] = self._receive(action, s - 1)
         elif action.kind == SEND_ACT:
             self._send(self._checked(state, s, mb, state.outputs[(mb, s)]), action, pending)
         elif action.kind == SEND_GRAD:
-            self._send(state.inputs.pop((mb, s)).grad, action, pending)
+            self._send(_input_grad(state.inputs.pop((mb, s))), action, pending)
         elif action.kind == FORWARD:
             t0 = time.perf_counter()
             self._forward(mb, s, state, micro_inputs, micro_targets)
@@ -222,12 +256,15 @@ class PipelineEngine:
         elif (mb, s) in state.inputs:
             x = state.inputs[(mb, s)]
         else:  # the previous stage ran here: hand over a detached copy, as a message would
-            x = state.outputs[(mb, s - 1)].detach().requires_grad_(True)
+            x = _as_leaf(state.outputs[(mb, s - 1)].detach())
             state.inputs[(mb, s)] = x
-        saved = [0]
+        saved, counted = [0], set(self._parameter_storages)  # activations only: each storage once, no weights
 
         def pack(tensor):
-            saved[0] += tensor.numel() * tensor.element_size()
+            storage = tensor.untyped_storage()
+            if storage.data_ptr() not in counted:
+                counted.add(storage.data_ptr())
+                saved[0] += storage.nbytes()
             return tensor
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
@@ -237,31 +274,37 @@ class PipelineEngine:
                 state.loss_sum += float(loss.detach())
                 out = loss / self.schedule.microbatches
         state.outputs[(mb, s)] = out
-        state.alive[(mb, s)] = saved[0] + (x.numel() * x.element_size() if s > 0 else 0)
+        held_input = s > 0 and x.untyped_storage().data_ptr() not in counted  # the stage input we keep
+        state.alive[(mb, s)] = saved[0] + (x.untyped_storage().nbytes() if held_input else 0)
         state.stage_bytes.setdefault(s, state.alive[(mb, s)])
         state.peak_bytes = max(state.peak_bytes, sum(state.alive.values()))
 
     def _backward(self, mb, s, state):
         out = state.outputs.pop((mb, s))
-        if s == self.last:
-            out.backward()
-        else:
-            torch.autograd.backward(out, state.output_grads.pop((mb, s)))
+        grad = None if s == self.last else state.output_grads.pop((mb, s))
+        if out.requires_grad:  # a frozen stage (e.g. a fixed embedding) has nothing to do
+            torch.autograd.backward(out, grad)
         state.alive.pop((mb, s), None)
         if s > 0 and self.schedule.rank_of(mb, s - 1) == self.rank:
-            state.output_grads[(mb, s - 1)] = state.inputs.pop((mb, s)).grad
+            state.output_grads[(mb, s - 1)] = _input_grad(state.inputs.pop((mb, s)))
 
     def _sum_replicas(self):
         """Chimera: stage s lives on rank s (down) and rank p-1-s (up). Exchange every
         gradient with the partner rank and add: both replicas end with the sum."""
         partner = self.schedule.ranks - 1 - self.rank
-        flat = torch.cat([param.grad.reshape(-1) if param.grad is not None else torch.zeros(param.numel(),
-                          dtype=param.dtype) for s in sorted(self.stages) for param in self.stages[s].parameters()])
+        params = [param for s in sorted(self.stages) for param in self.stages[s].parameters() if param.requires_grad]
+        if not params:
+            return
+        if len({param.dtype for param in params}) > 1:
+            raise TypeError("chimera's replica exchange needs one parameter dtype per rank, got "
+                            f"{sorted({str(param.dtype) for param in params})}")
+        flat = torch.cat([param.grad.reshape(-1) if param.grad is not None else
+                          torch.zeros(param.numel(), dtype=param.dtype, device=param.device) for param in params])
         theirs = torch.empty_like(flat)
         try:
-            sent = comm.isend(flat, partner, self.group, tag=1 << 30, label="chimera replica gradients",
+            sent = comm.isend(flat, partner, self.group, tag=_REPLICA_TAG, label="chimera replica gradients",
                               timeout_s=self.timeout_s)
-            comm.recv(theirs, partner, self.group, tag=1 << 30, label="chimera replica gradients",
+            comm.recv(theirs, partner, self.group, tag=_REPLICA_TAG, label="chimera replica gradients",
                       timeout_s=self.timeout_s)
             sent.wait()
         except CommError as error:
@@ -269,11 +312,9 @@ class PipelineEngine:
         # partner's chunks are the same stages in the same sorted order
         total = flat + theirs
         offset = 0
-        for s in sorted(self.stages):
-            for param in self.stages[s].parameters():
-                piece = total[offset:offset + param.numel()].view_as(param)
-                param.grad = piece.clone()
-                offset += param.numel()
+        for param in params:
+            param.grad = total[offset:offset + param.numel()].view_as(param).clone()
+            offset += param.numel()
 
     def timeline(self, step: int = -1) -> Timeline:
         """This rank's intervals of one recorded step (seconds from its first)."""
@@ -291,6 +332,18 @@ class _StepState:
     loss_sum: float = 0.0
     peak_bytes: int = 0
     position: int = 0
+
+
+def _as_leaf(tensor: torch.Tensor) -> torch.Tensor:
+    """A stage input: a leaf that collects its gradient (integer inputs, e.g. token
+    ids, carry none)."""
+    return tensor.requires_grad_(True) if tensor.is_floating_point() else tensor
+
+
+def _input_grad(stage_input: torch.Tensor) -> torch.Tensor:
+    """The gradient a stage hands upstream: zeros where its input did not influence
+    the loss (None would read as an abort)."""
+    return stage_input.grad if stage_input.grad is not None else torch.zeros_like(stage_input)
 
 
 def gather_timeline(engine: PipelineEngine, step: int = -1) -> Timeline:

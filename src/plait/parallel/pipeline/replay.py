@@ -8,6 +8,7 @@ stage's layers); sends cost nothing and never block; a receive waits for its sen
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 from plait.parallel.pipeline.schedules import (
@@ -127,36 +128,56 @@ def peak_in_flight(schedule: PipelineSchedule) -> list[int]:
 
 def validate_structure(schedule: PipelineSchedule) -> None:
     """Each (micro-batch, stage) forward and backward exactly once, on the rank the
-    placement says, forward first; every send matched by one receive; one STEP last."""
+    placement says; on each rank every computation after what it consumes (a
+    forward after its input's receive or the local forward before it, a backward
+    after its forward and its output gradient's receive or local backward) and
+    every send after the computation it sends; every send matched by exactly one
+    receive; one STEP last."""
     p, m, stages = schedule.ranks, schedule.microbatches, schedule.stages
+    last = stages - 1
     if len(schedule.actions) != p:
         raise ScheduleError(f"{schedule.name}: {len(schedule.actions)} action lists for {p} ranks")
-    seen: dict[tuple, int] = {}
-    sends, receives = set(), set()
+    seen: set[tuple] = set()
+    sends: Counter = Counter()
+    receives: Counter = Counter()
     for rank, actions in enumerate(schedule.actions):
-        done_forward = set()
+        done: set[tuple] = set()  # what this rank has done so far: (kind, mb, stage[, peer])
+
+        def need(condition: bool, action: Action, what: str) -> None:
+            if not condition:
+                raise ScheduleError(f"{schedule.name}: rank {rank} runs {action.text()} (stage {action.stage}) "
+                                    f"before {what}")
+
         for action in actions:
-            key = (action.kind, action.microbatch, action.stage)
+            mb, s = action.microbatch, action.stage
             if action.kind in COMPUTE:
-                if not (0 <= action.microbatch < m and 0 <= action.stage < stages):
-                    raise ScheduleError(f"{schedule.name}: rank {rank} runs {action.text()} on stage {action.stage}: "
+                if not (0 <= mb < m and 0 <= s < stages):
+                    raise ScheduleError(f"{schedule.name}: rank {rank} runs {action.text()} on stage {s}: "
                                         f"out of range (m={m}, stages={stages})")
-                owner = schedule.rank_of(action.microbatch, action.stage)
+                owner = schedule.rank_of(mb, s)
                 if owner != rank:
-                    raise ScheduleError(f"{schedule.name}: {action.text()} of stage {action.stage} runs on rank "
+                    raise ScheduleError(f"{schedule.name}: {action.text()} of stage {s} runs on rank "
                                         f"{rank}, but the stage lives on rank {owner}")
-                if key in seen:
-                    raise ScheduleError(f"{schedule.name}: {action.text()} of stage {action.stage} runs twice")
-                seen[key] = rank
-                if action.kind == FORWARD:
-                    done_forward.add((action.microbatch, action.stage))
-                elif (action.microbatch, action.stage) not in done_forward:
-                    raise ScheduleError(f"{schedule.name}: rank {rank} runs {action.text()} of stage {action.stage} "
-                                        "before its forward")
+                if (action.kind, mb, s) in seen:
+                    raise ScheduleError(f"{schedule.name}: {action.text()} of stage {s} runs twice")
+                seen.add((action.kind, mb, s))
+                if action.kind == FORWARD and s > 0:
+                    local = schedule.rank_of(mb, s - 1) == rank
+                    need((FORWARD, mb, s - 1) in done if local else (RECV_ACT, mb, s - 1) in done, action,
+                         "its input arrives" if not local else f"the forward of stage {s - 1}")
+                if action.kind == BACKWARD:
+                    need((FORWARD, mb, s) in done, action, "its forward")
+                    if s < last:
+                        local = schedule.rank_of(mb, s + 1) == rank
+                        need((BACKWARD, mb, s + 1) in done if local else (RECV_GRAD, mb, s + 1) in done, action,
+                             "its output gradient arrives" if not local else f"the backward of stage {s + 1}")
             elif action.kind in (SEND_ACT, SEND_GRAD):
-                sends.add((action.kind, action.microbatch, action.stage, rank, action.peer))
+                made_by = FORWARD if action.kind == SEND_ACT else BACKWARD
+                need((made_by, mb, s) in done, action, f"the {made_by}{mb} that makes it")
+                sends[(action.kind, mb, s, rank, action.peer)] += 1
             elif action.kind in _MATCH:
-                receives.add((_MATCH[action.kind], action.microbatch, action.stage, action.peer, rank))
+                receives[(_MATCH[action.kind], mb, s, action.peer, rank)] += 1
+            done.add((action.kind, mb, s))
         if not actions or actions[-1].kind != STEP:
             raise ScheduleError(f"{schedule.name}: rank {rank} does not end with the optimiser STEP")
     missing = [(kind, mb, s) for kind in COMPUTE for mb in range(m) for s in range(stages) if (kind, mb, s) not in seen]
@@ -164,9 +185,10 @@ def validate_structure(schedule: PipelineSchedule) -> None:
         kind, mb, s = missing[0]
         raise ScheduleError(f"{schedule.name}: {len(missing)} computations never run, e.g. {kind}{mb} of stage {s}")
     if sends != receives:
-        lonely = sorted(sends ^ receives)[0]
+        lonely = sorted((sends - receives) + (receives - sends))[0]
         raise ScheduleError(f"{schedule.name}: unmatched point-to-point message {lonely[0]} of micro-batch {lonely[1]} "
-                            f"stage {lonely[2]} from rank {lonely[3]} to rank {lonely[4]}")
+                            f"stage {lonely[2]} from rank {lonely[3]} to rank {lonely[4]} (sent "
+                            f"{sends[lonely]} times, received {receives[lonely]})")
     if any(action.kind == ALL_REDUCE for actions in schedule.actions for action in actions) and len(
             schedule.pipelines) < 2:
         raise ScheduleError(f"{schedule.name}: an ALL_REDUCE without replicated stages")
