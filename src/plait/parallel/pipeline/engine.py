@@ -17,8 +17,9 @@ model chunks (``stage_modules[s]`` for every stage s the schedule places here) a
 
 Sends never block and receives block, as the replay assumes. The engine records a
 timeline of its computations (``plait.parallel.pipeline.replay.Timeline``) and the
-activation memory it holds: bytes saved for backward by autograd plus stage
-inputs, per micro-batch from its forward to its backward.
+activation memory it holds: bytes of the tensors autograd saves for backward
+(each once, parameters excluded) plus the stage input, per micro-batch from its
+forward to its backward.
 """
 
 from __future__ import annotations
@@ -258,13 +259,13 @@ class PipelineEngine:
         else:  # the previous stage ran here: hand over a detached copy, as a message would
             x = _as_leaf(state.outputs[(mb, s - 1)].detach())
             state.inputs[(mb, s)] = x
-        saved, counted = [0], set(self._parameter_storages)  # activations only: each storage once, no weights
+        saved, counted = [0], set()  # activations only: each tensor (view) once, never a parameter
 
         def pack(tensor):
-            storage = tensor.untyped_storage()
-            if storage.data_ptr() not in counted:
-                counted.add(storage.data_ptr())
-                saved[0] += storage.nbytes()
+            key = (tensor.data_ptr(), tensor.numel() * tensor.element_size())
+            if key not in counted and tensor.untyped_storage().data_ptr() not in self._parameter_storages:
+                counted.add(key)
+                saved[0] += key[1]
             return tensor
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
@@ -274,8 +275,9 @@ class PipelineEngine:
                 state.loss_sum += float(loss.detach())
                 out = loss / self.schedule.microbatches
         state.outputs[(mb, s)] = out
-        held_input = s > 0 and x.untyped_storage().data_ptr() not in counted  # the stage input we keep
-        state.alive[(mb, s)] = saved[0] + (x.untyped_storage().nbytes() if held_input else 0)
+        input_key = (x.data_ptr(), x.numel() * x.element_size())
+        held_input = s > 0 and input_key not in counted  # the stage input we keep, unless autograd saved it
+        state.alive[(mb, s)] = saved[0] + (input_key[1] if held_input else 0)
         state.stage_bytes.setdefault(s, state.alive[(mb, s)])
         state.peak_bytes = max(state.peak_bytes, sum(state.alive.values()))
 
