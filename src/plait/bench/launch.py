@@ -19,6 +19,7 @@ from __future__ import annotations
 import datetime
 import os
 import queue as queue_module
+import sys
 import tempfile
 import time
 import traceback
@@ -165,6 +166,19 @@ def spawn_and_run(config: BenchConfig | Job, nprocs: int, backend: str, on_event
             # After a failure the survivors are blocked on the failed rank: stop them now.
             _stop(workers, grace_s=5.0 if finished else 0.0)
             events.close()
+
+
+def run_in_fresh_worlds(function: Callable, config, sizes, on_event: EventHandler, name: str) -> list | None:
+    """``function`` (a Job function) in a fresh gloo world of each size in turn;
+    rank 0's rows of all of them, or None after printing a worker's failure."""
+    rows: list = []
+    for size in sizes:
+        try:
+            rows += spawn_and_run(Job(function, config), size, "gloo", on_event, label=f"{name} ({size} ranks)")
+        except WorkerError as error:
+            print(str(error), file=sys.stderr)
+            return None
+    return rows
 
 
 def _supervise(workers, events, on_event: EventHandler, silence_limit_s: float,

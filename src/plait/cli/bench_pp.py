@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 
-from plait.bench.launch import Job, WorkerError, in_torchrun, spawn_and_run
+from plait.bench.launch import in_torchrun, run_in_fresh_worlds
 from plait.bench.pp import SCHEDULE_NAMES, PpBenchConfig, run_pp_bench
 from plait.bench.report import write_json_document
 from plait.parallel.pipeline import Interval, Timeline, timeline_to_json
@@ -72,12 +71,10 @@ def run(args) -> int:
             meta = {"schedule": row["schedule"], "microbatches": row["m"], "virtual": row["v"]}
             write_json_document(timeline_to_json(timeline, meta), path)
 
-    for p in config.stages:
-        try:
-            rows += spawn_and_run(Job(run_pp_bench, config), p, "gloo", on_event, label=f"plait bench pp (p={p})")
-        except WorkerError as error:
-            print(str(error), file=sys.stderr)
-            return 1
+    found = run_in_fresh_worlds(run_pp_bench, config, config.stages, on_event, "plait bench pp")
+    if found is None:
+        return 1
+    rows += found
     if args.json:
         write_json_document({"config": config.__dict__, "rows": rows}, args.json)
     return 0

@@ -20,7 +20,7 @@ import sys
 
 import torch
 
-from plait.bench.launch import Job, WorkerError, in_torchrun, spawn_and_run
+from plait.bench.launch import in_torchrun, run_in_fresh_worlds
 from plait.bench.report import write_json_document
 from plait.bench.tp import COUNTED, PHASES, TpBenchConfig, run_tp_bench
 
@@ -156,13 +156,11 @@ def run(args: argparse.Namespace) -> int:
         write(_row_line(row, baseline))
         write(_detail_line(row))
 
-    for tp_size in sorted(config.tp):  # tp = 1 first: the baseline of the speed-ups
-        try:
-            rows += spawn_and_run(Job(run_tp_bench, config), tp_size, "gloo", on_event,
-                                  label=f"plait bench tp (tp={tp_size})")
-        except WorkerError as error:
-            print(str(error), file=sys.stderr)
-            return 1
+    # tp = 1 first: the baseline of the speed-ups
+    found = run_in_fresh_worlds(run_tp_bench, config, sorted(config.tp), on_event, "plait bench tp")
+    if found is None:
+        return 1
+    rows += found
     if args.json:
         write_json_document({"config": config.__dict__, "rows": rows}, args.json)
     return 0
