@@ -22,7 +22,7 @@ def test_bench_pp_rows(tmp_path):
                        "--timeline-out", str(tmp_path / "timelines")])
     assert status == 0, out.getvalue()
     rows = {row["schedule"]: row for row in json.loads((tmp_path / "pp.json").read_text())["rows"]}
-    assert sorted(rows) == ["1f1b", "chimera", "gpipe", "interleaved_1f1b"]
+    assert sorted(rows) == ["1f1b", "chimera", "gpipe", "interleaved_1f1b", "zero_bubble"]
     for name, row in rows.items():
         assert row["bubble_unit_replay"] == pytest.approx(row["bubble_formula"], abs=1e-12)  # p = 2, m = 4
         assert row["peak_bytes"] == row["predicted_bytes"]  # activations freed where the schedule says

@@ -26,15 +26,17 @@ def _valid_cases():
                     yield "interleaved_1f1b", p, m, v
             if p % 2 == 0 and m % 2 == 0:
                 yield "chimera", p, m, 1
+            yield "zero_bubble", p, m, 1
 
 
 def test_every_schedule_validates_and_replays_without_deadlock():
     count = 0
     for name, p, m, v in _valid_cases():
-        timeline = validate(build(name, p, m, v))
-        assert len(timeline.intervals) == 2 * m * p * v  # every forward and backward once
+        timeline = validate(build(name, p, m, v if name == "interleaved_1f1b" else None))
+        per = 3 if name == "zero_bubble" else 2  # F, B (and W where the backward is split)
+        assert len(timeline.intervals) == per * m * p * v  # every computation once
         count += 1
-    assert count == 414  # 2 x 128 GPipe/1F1B, 3 x 42 interleaved (v = 2..4), 32 Chimera
+    assert count == 542  # 3 x 128 GPipe/1F1B/zero-bubble, 3 x 42 interleaved (v = 2..4), 32 Chimera
 
 
 @pytest.mark.parametrize("name", ["gpipe", "1f1b"])
@@ -81,6 +83,26 @@ def test_chimera_bubble_against_the_paper():
         paper_makespan = 3 * p * (2 * p + p - 2) / (2 * p)
         assert paper_makespan < timeline.makespan_s <= paper_makespan + 3
         assert timeline.bubble_fraction() < (p - 1) / (2 * p - 1)  # 1F1B's at the same m
+
+
+def test_zero_bubble_bubble_and_memory():
+    """Split backward, F = B = W = 1: idle (p-1) units per rank, a bubble of
+    (p-1)/(3m+p-1) once m >= p (1F1B's is (p-1)/(m+p-1)); in flight from forward to
+    W at most 2p-r-1 on rank r."""
+    for p in range(1, 9):
+        for m in range(p, 17):
+            schedule = build("zero_bubble", p, m)
+            timeline = replay(schedule)
+            assert timeline.makespan_s == 3 * m + p - 1, (p, m)
+            assert timeline.bubble_fraction() == pytest.approx((p - 1) / (3 * m + p - 1), abs=1e-12)
+            assert all(peak <= min(2 * p - r - 1, m) for r, peak in enumerate(peak_in_flight(schedule)))
+    assert build("zero_bubble", 2, 2).text() == [
+        "rank 0: F0 sa0>1 F1 sa1>1 rg0<1 B0 W0 rg1<1 B1 W1 STEP",
+        "rank 1: ra0<0 F0 B0 sg0>0 ra1<0 F1 B1 sg1>0 W0 W1 STEP",  # rank 1's W fill the time rank 0 needs
+    ]
+    with pytest.raises(ScheduleError, match=r"a weight-gradient pass, in a schedule whose backward is not split"):
+        good = build("1f1b", 2, 2)
+        validate(_with(good, 1, list(good.actions[1][:-1]) + [Action("W", 0, 1), Action(STEP)]))
 
 
 def test_text_form():

@@ -11,7 +11,8 @@ SGD steps on batches of ``batch`` rows in m micro-batches. Reported per schedule
   of the median step (busy = time inside forward and backward computations; the
   rest is waiting and messaging), against the unit-cost replay of the same
   schedule (forward 1, backward 2) and the closed form: (p-1)/(m+p-1) for GPipe and
-  1F1B, ((p-1)/v)/(m+(p-1)/v) interleaved, (p-2)/(2m+p-2) Chimera;
+  1F1B, ((p-1)/v)/(m+(p-1)/v) interleaved, (p-2)/(2m+p-2) Chimera, (p-1)/(3m+p-1)
+  zero bubble (its unit replay splits the backward into B and W of 1 each);
 - activation memory: the peak bytes each rank held (saved for backward plus stage
   inputs, per micro-batch from forward to backward) against the schedule's
   prediction: walk the rank's compute order adding each forward's measured
@@ -32,9 +33,9 @@ from torch import nn
 from plait.parallel.pipeline import build, peak_in_flight, replay
 from plait.parallel.pipeline.engine import PipelineEngine, gather_timeline
 from plait.parallel.pipeline.partition import build_stage, split_layers
-from plait.parallel.pipeline.schedules import FORWARD
+from plait.parallel.pipeline.schedules import BACKWARD, FORWARD, WEIGHT
 
-SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved_1f1b", "chimera")
+SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved_1f1b", "chimera", "zero_bubble")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -87,18 +88,23 @@ def formula_bubble(name: str, p: int, m: int, v: int) -> float:
         return ((p - 1) / v) / (m + (p - 1) / v)
     if name == "chimera":
         return (p - 2) / (2 * m + p - 2)
+    if name == "zero_bubble":
+        return (p - 1) / (3 * m + p - 1)
     return (p - 1) / (m + p - 1)
 
 
 def formula_in_flight(name: str, p: int, m: int, rank: int) -> int | None:
-    return {"gpipe": m, "1f1b": min(p - rank, m)}.get(name)
+    return {"gpipe": m, "1f1b": min(p - rank, m), "zero_bubble": min(2 * p - rank - 1, m)}.get(name)
 
 
 def predicted_peak_bytes(schedule, rank: int, stage_bytes: dict) -> int:
-    """Walk the rank's compute order: + a forward's bytes, - at its backward."""
+    """Walk the rank's compute order: + a forward's bytes, - at its backward (at W
+    when the backward is split)."""
+    freed_by = WEIGHT if schedule.split_backward else BACKWARD
     alive = peak = 0
     for action in schedule.compute_order(rank):
-        alive += stage_bytes[action.stage] * (1 if action.kind == FORWARD else -1)
+        if action.kind in (FORWARD, freed_by):
+            alive += stage_bytes[action.stage] * (1 if action.kind == FORWARD else -1)
         peak = max(peak, alive)
     return peak
 

@@ -1,6 +1,6 @@
 """plait.parallel.pipeline: pipeline parallelism with schedules as data.
 
-- ``schedules``: GPipe, 1F1B, interleaved 1F1B and Chimera as per-rank action lists.
+- ``schedules``: GPipe, 1F1B, interleaved 1F1B, Chimera and zero bubble as per-rank action lists.
 - ``replay``: the unit-cost replay (timeline, bubble, in-flight activations), the
   validator and the list scheduler.
 - ``partition``: splitting a sequential model into stages.
@@ -28,11 +28,12 @@ from plait.parallel.pipeline.schedules import (
     gpipe,
     interleaved_1f1b,
     one_f_one_b,
+    zero_bubble,
 )
 
 __all__ = [
     "PipelineEngine", "PipelineError", "ascii_gantt", "gather_timeline", "plot_gantt", "theory",
     "timeline_from_json", "timeline_to_json",
     "SCHEDULES", "Action", "Interval", "PipelineSchedule", "ScheduleError", "Timeline", "build", "chimera", "gpipe",
-    "interleaved_1f1b", "one_f_one_b", "peak_in_flight", "replay", "validate",
+    "interleaved_1f1b", "one_f_one_b", "peak_in_flight", "replay", "validate", "zero_bubble",
 ]

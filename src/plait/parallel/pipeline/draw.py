@@ -27,7 +27,7 @@ import re
 from pathlib import Path
 
 from plait.parallel.pipeline.replay import Interval, Timeline
-from plait.parallel.pipeline.schedules import BACKWARD, FORWARD, SCHEDULES, PipelineSchedule
+from plait.parallel.pipeline.schedules import BACKWARD, FORWARD, SCHEDULES, WEIGHT, PipelineSchedule
 
 UNIT_COSTS = "unit costs"  # Timeline.source of the replay; anything else is a real run in seconds
 JSON_FORMAT = "plait.pipeline.timeline"
@@ -87,6 +87,11 @@ def _cell(kind: str, microbatch: int, span: int, digits: int) -> str:
     """Text of one run of ``span`` columns, each digits+1 wide: forward ' 3' per column,
     backward bracketed over the run, '[33]' for two columns."""
     number = str(microbatch)
+    if kind == WEIGHT:  # the weight-gradient half of a split backward: braces
+        length = span * (digits + 1)
+        if length < len(number) + 2:
+            return ("{" + number).rjust(length)[:length]
+        return "{" + number.rjust(digits).center(length - 2) + "}"
     if kind != BACKWARD:
         return (" " + number.rjust(digits)) * span
     length = span * (digits + 1)
@@ -135,8 +140,10 @@ def ascii_legend(timeline: Timeline, width: int | None = None) -> str:
     amount = column_s * factor
     if unit == "time units" and amount == 1:
         unit = "time unit"
+    split = any(interval.kind == WEIGHT for interval in timeline.intervals)
+    weight = f", '{_cell(WEIGHT, 3, 1, digits).strip()}' its weight-gradient pass (braced)" if split else ""
     return (f"one column = {amount:.4g} {unit}; '{forward}' forward of micro-batch 3, "
-            f"'{backward}' its backward (bracketed over its columns), '.' idle (bubble)")
+            f"'{backward}' its backward (bracketed over its columns){weight}, '.' idle (bubble)")
 
 
 # ----- PNG ---------------------------------------------------------------------------------
@@ -152,7 +159,7 @@ def _shade(hex_colour: str, chunk: int, chunks: int) -> tuple[float, float, floa
     return tuple(c + (1 - c) * mix for c in rgb)
 
 
-_COLOURS = {FORWARD: "#3f7fd0", BACKWARD: "#e0772e"}
+_COLOURS = {FORWARD: "#3f7fd0", BACKWARD: "#e0772e", WEIGHT: "#4a9c5d"}
 
 
 def plot_gantt(timeline: Timeline, path, title: str, chunk_names: list[str] | None = None) -> Path:
@@ -199,7 +206,8 @@ def plot_gantt(timeline: Timeline, path, title: str, chunk_names: list[str] | No
         ax.spines[side].set_visible(False)
     names = chunk_names or [f"chunk {c}" for c in range(chunks)]
     handles = [Patch(color=_shade(_COLOURS[kind], c, chunks), label=f"{word}" + (f" ({names[c]})" if chunks > 1
-                     else "")) for kind, word in ((FORWARD, "forward"), (BACKWARD, "backward")) for c in range(chunks)]
+                     else "")) for kind, word in ((FORWARD, "forward"), (BACKWARD, "backward"), (WEIGHT, "weight grad"))
+               if kind != WEIGHT or any(i.kind == WEIGHT for i in timeline.intervals) for c in range(chunks)]
     handles.append(Patch(facecolor="#f3f3f3", hatch="///", edgecolor="#c8c8c8", label="idle (bubble)"))
     fig.legend(handles=handles, loc="lower center", bbox_to_anchor=(0.5, 0.02), ncol=len(handles), fontsize=8,
                frameon=False)
@@ -237,8 +245,8 @@ def timeline_from_json(document: dict) -> Timeline:
                              f"end_s: {error}") from None
         if not 0 <= interval.rank < ranks:
             raise ValueError(f"timeline interval {n}: rank {interval.rank} is outside 0..{ranks - 1}")
-        if interval.kind not in (FORWARD, BACKWARD):
-            raise ValueError(f"timeline interval {n}: kind {interval.kind!r} must be 'F' or 'B'")
+        if interval.kind not in (FORWARD, BACKWARD, WEIGHT):
+            raise ValueError(f"timeline interval {n}: kind {interval.kind!r} must be 'F', 'B' or 'W'")
         if not interval.end_s >= interval.start_s:
             raise ValueError(f"timeline interval {n}: end_s {interval.end_s} < start_s {interval.start_s}")
         intervals.append(interval)
@@ -267,10 +275,11 @@ def with_chunk_labels(timeline: Timeline, schedule: PipelineSchedule) -> Timelin
 def timeline_peak_in_flight(timeline: Timeline) -> list[int]:
     """Per rank, the most forwards done whose backward has not started, in time order."""
     peaks = []
+    freed_by = WEIGHT if any(i.kind == WEIGHT for i in timeline.intervals) else BACKWARD
     for rank in range(timeline.ranks):
         alive = peak = 0
         for interval in sorted((i for i in timeline.intervals if i.rank == rank), key=lambda i: i.start_s):
-            alive += 1 if interval.kind == FORWARD else -1
+            alive += 1 if interval.kind == FORWARD else -1 if interval.kind == freed_by else 0
             peak = max(peak, alive)
         peaks.append(peak)
     return peaks
@@ -300,6 +309,9 @@ def theory(name: str, p: int, m: int, v: int = 1) -> dict:
             peaks, peak_formula = [min(2 * (p - r - 1) + (v - 1) * p + 1, m * v) for r in range(p)], \
                 "min(2(p-r-1)+(v-1)p+1, m*v)"
         unit = "chunks of 1/v stage"
+    elif name == "zero_bubble":
+        bubble, bubble_formula = (p - 1) / (3 * m + p - 1), "(p-1)/(3m+p-1) (F = B = W; m >= p)"
+        peaks, peak_formula = [min(2 * p - r - 1, m) for r in range(p)], "min(2p-r-1, m) (forward to W)"
     else:  # chimera
         bubble, bubble_formula = (p - 2) / (2 * m + p - 2), "(p-2)/(2m+p-2)"
         if m <= p:

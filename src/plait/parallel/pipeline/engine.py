@@ -44,6 +44,7 @@ from plait.parallel.pipeline.schedules import (
     SEND_ACT,
     SEND_GRAD,
     STEP,
+    WEIGHT,
     PipelineSchedule,
 )
 
@@ -238,6 +239,10 @@ class PipelineEngine:
             t0 = time.perf_counter()
             self._backward(mb, s, state)
             record.intervals.append(Interval(self.rank, action.text(), BACKWARD, mb, t0, time.perf_counter()))
+        elif action.kind == WEIGHT:
+            t0 = time.perf_counter()
+            self._weight(mb, s, state)
+            record.intervals.append(Interval(self.rank, action.text(), WEIGHT, mb, t0, time.perf_counter()))
         elif action.kind == ALL_REDUCE:
             self._sum_replicas()
         else:
@@ -282,13 +287,28 @@ class PipelineEngine:
         state.peak_bytes = max(state.peak_bytes, sum(state.alive.values()))
 
     def _backward(self, mb, s, state):
-        out = state.outputs.pop((mb, s))
         grad = None if s == self.last else state.output_grads.pop((mb, s))
-        if out.requires_grad:  # a frozen stage (e.g. a fixed embedding) has nothing to do
-            torch.autograd.backward(out, grad)
-        state.alive.pop((mb, s), None)
+        if self.schedule.split_backward:
+            # B: the input gradient only, keeping the graph for W (stage 0 has none to make)
+            out, stage_input = state.outputs[(mb, s)], state.inputs.get((mb, s))
+            state.weight_grads[(mb, s)] = grad
+            if out.requires_grad and stage_input is not None and stage_input.requires_grad:
+                torch.autograd.backward(out, grad, inputs=[stage_input], retain_graph=True)
+        else:
+            out = state.outputs.pop((mb, s))
+            if out.requires_grad:  # a frozen stage (e.g. a fixed embedding) has nothing to do
+                torch.autograd.backward(out, grad)
+            state.alive.pop((mb, s), None)
         if s > 0 and self.schedule.rank_of(mb, s - 1) == self.rank:
             state.output_grads[(mb, s - 1)] = _input_grad(state.inputs.pop((mb, s)))
+
+    def _weight(self, mb, s, state):
+        """W of a split backward: the stage's weight gradients, then its activations go."""
+        out, grad = state.outputs.pop((mb, s)), state.weight_grads.pop((mb, s))
+        params = [param for param in self.stages[s].parameters() if param.requires_grad]
+        if out.requires_grad and params:
+            torch.autograd.backward(out, grad, inputs=params)
+        state.alive.pop((mb, s), None)
 
     def _sum_replicas(self):
         """Chimera: stage s lives on rank s (down) and rank p-1-s (up). Exchange every
@@ -331,6 +351,7 @@ class _StepState:
     alive: dict = field(default_factory=dict)  # (mb, stage) -> activation bytes held
     shapes: dict = field(default_factory=dict)
     stage_bytes: dict = field(default_factory=dict)
+    weight_grads: dict = field(default_factory=dict)  # (mb, stage) -> output gradient kept for W
     loss_sum: float = 0.0
     peak_bytes: int = 0
     position: int = 0

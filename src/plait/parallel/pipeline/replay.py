@@ -16,6 +16,7 @@ from plait.parallel.pipeline.schedules import (
     BACKWARD,
     COMPUTE,
     FORWARD,
+    WEIGHT,
     RECV_ACT,
     RECV_GRAD,
     SEND_ACT,
@@ -98,7 +99,7 @@ def replay(schedule: PipelineSchedule, forward: float = 1.0, backward: float = 2
                 elif action.kind in (SEND_ACT, SEND_GRAD):
                     posted[(action.kind, action.microbatch, action.stage, rank, action.peer)] = clock[rank]
                 elif action.kind in COMPUTE:
-                    cost = (forward if action.kind == FORWARD else backward) * scale[rank]
+                    cost = _cost(action.kind, forward, backward, schedule.split_backward) * scale[rank]
                     intervals.append(Interval(rank, action.text(), action.kind, action.microbatch,
                                               clock[rank], clock[rank] + cost))
                     clock[rank] += cost
@@ -119,8 +120,9 @@ def peak_in_flight(schedule: PipelineSchedule) -> list[int]:
     peaks = []
     for rank in range(schedule.ranks):
         alive = peak = 0
+        freed_by = WEIGHT if schedule.split_backward else BACKWARD  # a split backward frees at W
         for action in schedule.compute_order(rank):
-            alive += 1 if action.kind == FORWARD else -1
+            alive += 1 if action.kind == FORWARD else -1 if action.kind == freed_by else 0
             peak = max(peak, alive)
         peaks.append(peak)
     return peaks
@@ -165,6 +167,11 @@ def validate_structure(schedule: PipelineSchedule) -> None:
                     local = schedule.rank_of(mb, s - 1) == rank
                     need((FORWARD, mb, s - 1) in done if local else (RECV_ACT, mb, s - 1) in done, action,
                          "its input arrives" if not local else f"the forward of stage {s - 1}")
+                if action.kind == WEIGHT:
+                    if not schedule.split_backward:
+                        raise ScheduleError(f"{schedule.name}: rank {rank} runs {action.text()}, a weight-gradient "
+                                            "pass, in a schedule whose backward is not split")
+                    need((BACKWARD, mb, s) in done, action, "its input-gradient backward B")
                 if action.kind == BACKWARD:
                     need((FORWARD, mb, s) in done, action, "its forward")
                     if s < last:
@@ -180,7 +187,8 @@ def validate_structure(schedule: PipelineSchedule) -> None:
             done.add((action.kind, mb, s))
         if not actions or actions[-1].kind != STEP:
             raise ScheduleError(f"{schedule.name}: rank {rank} does not end with the optimiser STEP")
-    missing = [(kind, mb, s) for kind in COMPUTE for mb in range(m) for s in range(stages) if (kind, mb, s) not in seen]
+    kinds = COMPUTE if schedule.split_backward else (FORWARD, BACKWARD)
+    missing = [(kind, mb, s) for kind in kinds for mb in range(m) for s in range(stages) if (kind, mb, s) not in seen]
     if missing:
         kind, mb, s = missing[0]
         raise ScheduleError(f"{schedule.name}: {len(missing)} computations never run, e.g. {kind}{mb} of stage {s}")
@@ -199,19 +207,30 @@ def validate(schedule: PipelineSchedule) -> Timeline:
     return replay(schedule)
 
 
+def _cost(kind: str, forward: float, backward: float, split: bool) -> float:
+    """Unit cost of a computation: a split backward's B and W each take half of it."""
+    if kind == FORWARD:
+        return forward
+    return backward / 2 if split else backward
+
+
 def list_schedule(ranks: int, microbatches: int, stages: int, pipelines, microbatch_pipeline, *,
-                  prefer_forward: bool = False, forward: float = 1.0,
-                  backward: float = 2.0) -> tuple[float, list[list[Action]]]:
+                  prefer_forward: bool = False, split_backward: bool = False, in_flight_limits=None,
+                  forward: float = 1.0, backward: float = 2.0) -> tuple[float, list[list[Action]]]:
     """Greedy list scheduling with unit costs: repeatedly, the computation that can
     start earliest runs (lowest rank on a tie); among a rank's computations ready at
     that time, a backward goes first (or a forward, with ``prefer_forward``), then the
-    oldest micro-batch. Returns (makespan, each rank's compute order)."""
+    oldest micro-batch. With ``split_backward`` each backward is B then W (half the
+    cost each); W has the lowest priority (it fills idle time) and a forward waits
+    while the rank has ``in_flight_limits[rank]`` micro-batches whose W has not run.
+    Returns (makespan, each rank's compute order)."""
     rank_of = [[pipelines[microbatch_pipeline[mb]][s] for s in range(stages)] for mb in range(microbatches)]
     done: dict[tuple, float] = {}  # (kind, mb, stage) -> finish time
     free = [0.0] * ranks
+    in_flight = [0] * ranks
     orders: list[list[Action]] = [[] for _ in range(ranks)]
     last = stages - 1
-    total = 2 * microbatches * stages
+    total = (3 if split_backward else 2) * microbatches * stages
     while len(done) < total:
         best = None  # (start time, priority, rank, action)
         for rank in range(ranks):
@@ -223,6 +242,8 @@ def list_schedule(ranks: int, microbatches: int, stages: int, pipelines, microba
                     if (FORWARD, mb, s) not in done:
                         if s > 0 and (FORWARD, mb, s - 1) not in done:
                             continue
+                        if in_flight_limits is not None and in_flight[rank] >= in_flight_limits[rank]:
+                            continue
                         ready = done.get((FORWARD, mb, s - 1), 0.0) if s > 0 else 0.0
                         candidates.append((max(free[rank], ready), 0 if prefer_forward else 1, mb,
                                            Action(FORWARD, mb, s)))
@@ -232,16 +253,23 @@ def list_schedule(ranks: int, microbatches: int, stages: int, pipelines, microba
                             continue
                         candidates.append((max(free[rank], done[need]), 1 if prefer_forward else 0, mb,
                                            Action(BACKWARD, mb, s)))
+                    elif split_backward and (WEIGHT, mb, s) not in done:
+                        candidates.append((max(free[rank], done[(BACKWARD, mb, s)]), 2, mb, Action(WEIGHT, mb, s)))
             if candidates:
                 start = min(c[0] for c in candidates)
-                # among what can start at the earliest time: backward first, then oldest micro-batch
+                # among what can start at the earliest time: by priority, then oldest micro-batch
                 choice = min((c for c in candidates if c[0] == start), key=lambda c: (c[1], c[2]))
                 if best is None or (choice[0], rank) < (best[0], best[2]):
                     best = (choice[0], choice[1], rank, choice[3])
-        assert best is not None, "a forward or backward is always ready until all are done"
+        if best is None:
+            raise ScheduleError("list scheduling is stuck: an in-flight limit below 1 leaves nothing runnable")
         start, _, rank, action = best
-        cost = forward if action.kind == FORWARD else backward
-        done[(action.kind, action.microbatch, action.stage)] = start + cost
-        free[rank] = start + cost
+        end = start + _cost(action.kind, forward, backward, split_backward)
+        done[(action.kind, action.microbatch, action.stage)] = end
+        free[rank] = end
+        if action.kind == FORWARD:
+            in_flight[rank] += 1
+        elif action.kind == (WEIGHT if split_backward else BACKWARD):
+            in_flight[rank] -= 1
         orders[rank].append(action)
     return max(done.values()), orders
