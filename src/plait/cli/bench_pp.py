@@ -53,7 +53,6 @@ def run(args) -> int:
           "activation KiB per rank: measured peak | predicted from the schedule and per-micro-batch bytes")
     print(f"{'p':>2} {'schedule':<17}{'step ms':>9}{'samples/s':>10}{'bubble':>8}{'replay':>8}{'formula':>8}"
           f"  {'peak KiB / rank':<24}{'predicted':<24}in-flight (formula)")
-    rows: list[dict] = []
 
     def on_event(kind, row):
         if kind != "row":
@@ -71,10 +70,9 @@ def run(args) -> int:
             meta = {"schedule": row["schedule"], "microbatches": row["m"], "virtual": row["v"]}
             write_json_document(timeline_to_json(timeline, meta), path)
 
-    found = run_in_fresh_worlds(run_pp_bench, config, config.stages, on_event, "plait bench pp")
-    if found is None:
+    rows = run_in_fresh_worlds(run_pp_bench, config, config.stages, on_event, "plait bench pp")
+    if rows is None:
         return 1
-    rows += found
     if args.json:
         write_json_document({"config": config.__dict__, "rows": rows}, args.json)
     return 0

@@ -143,7 +143,6 @@ def run(args: argparse.Namespace) -> int:
     for line in _header_lines(config):
         write(line)
     write(_COLUMNS)
-    rows: list[dict] = []
     state = {"baseline": None}
 
     def on_event(kind: str, row) -> None:
@@ -157,10 +156,9 @@ def run(args: argparse.Namespace) -> int:
         write(_detail_line(row))
 
     # tp = 1 first: the baseline of the speed-ups
-    found = run_in_fresh_worlds(run_tp_bench, config, sorted(config.tp), on_event, "plait bench tp")
-    if found is None:
+    rows = run_in_fresh_worlds(run_tp_bench, config, sorted(config.tp), on_event, "plait bench tp")
+    if rows is None:
         return 1
-    rows += found
     if args.json:
         write_json_document({"config": config.__dict__, "rows": rows}, args.json)
     return 0
