@@ -269,14 +269,6 @@ def test_sequential_layers_of_a_sequential_and_refused_models():
     with pytest.raises(ValueError, match=r"tied_head=True .* build GPTConfig\(tied_head=False\) for pipeline"):
         sequential_layers(GPT(GPTConfig(**{**SMALL, "tied_head": True})))
 
-    class TwoRanks:
-        size = 2
-
-    gpt = GPT(GPTConfig(**SMALL))
-    gpt.tp = TwoRanks()
-    with pytest.raises(ValueError, match=r"tensor parallelism \(tp=2\) are not supported yet"):
-        sequential_layers(gpt)
-
 
 @pytest.mark.parametrize("mode", ["eval", "train", "train-dropout"])
 def test_gpt_layers_reproduce_its_logits_exactly(mode):

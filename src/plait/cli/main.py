@@ -13,7 +13,8 @@ import sys
 
 from plait import __version__
 
-SUBCOMMANDS = ("bench", "bench_dp", "bench_tp", "bench_pp", "schedule", "cost", "tune", "calibrate", "simulate")
+SUBCOMMANDS = ("train", "bench", "bench_dp", "bench_tp", "bench_pp", "schedule", "cost", "tune", "calibrate",
+               "simulate", "checkpoint")
 
 
 def build_parser() -> argparse.ArgumentParser:

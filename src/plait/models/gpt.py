@@ -178,6 +178,19 @@ class GPT(nn.Module):
         return self.embedding.weight if self.head is None else self.head
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:  # (b, s) -> (b, s, V'/p)
+        # under sequence parallelism one all-reduce sums the three replicated gradients
+        position, ln_w, ln_b = sum_grads_in_backward(self.tp, self.position, self.ln_f.weight, self.ln_f.bias)
+        x = self._embed(tokens, position)
+        for block in self.blocks:
+            x = block(x, tokens.shape[1])
+        return self._logits(x, ln_w, ln_b)
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:  # (b, s) -> (s, b, h), or this rank's (s/p, b, h)
+        """The first part of forward: Drop(E[tokensᵀ] + P[:s]) (what a first pipeline
+        stage runs before its blocks)."""
+        return self._embed(tokens, *sum_grads_in_backward(self.tp, self.position))
+
+    def _embed(self, tokens: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
         if tokens.dim() != 2:
             raise ValueError(f"tokens must be (batch, sequence), got shape {tuple(tokens.shape)}")
         sequence = tokens.shape[1]
@@ -187,16 +200,20 @@ class GPT(nn.Module):
         if tp.sequence_parallel and sequence % tp.size:
             raise ValueError(f"sequence parallelism splits the sequence over tp={tp.size} ranks: sequence length "
                              f"{sequence} must be a multiple of {tp.size}")
-        position, ln_w, ln_b = sum_grads_in_backward(tp, self.position, self.ln_f.weight, self.ln_f.bias)
         x = self.embedding(tokens.t())  # (s, b, h), or this rank's (s/p, b, h)
         rows = x.shape[0]
         first = tp.rank * rows if tp.sequence_parallel else 0
         x = x + position[first:first + rows].unsqueeze(1)
-        x = self.embedding_dropout(x, (sequence, *x.shape[1:]), 0, tp.rank if tp.sequence_parallel else 0)
-        for block in self.blocks:
-            x = block(x, sequence)
+        return self.embedding_dropout(x, (sequence, *x.shape[1:]), 0, tp.rank if tp.sequence_parallel else 0)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:  # (s, b, h) -> (b, s, V'/p)
+        """The last part of forward: LN_f then the vocab-parallel head (what a last
+        pipeline stage runs after its blocks)."""
+        return self._logits(x, *sum_grads_in_backward(self.tp, self.ln_f.weight, self.ln_f.bias))
+
+    def _logits(self, x: torch.Tensor, ln_w: torch.Tensor, ln_b: torch.Tensor) -> torch.Tensor:
         x = F.layer_norm(x, x.shape[-1:], ln_w, ln_b, LAYER_NORM_EPS)
-        return parallel_logits(x, self.output_weight, tp).transpose(0, 1)  # (b, s, V'/p)
+        return parallel_logits(x, self.output_weight, self.tp).transpose(0, 1)
 
     def loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean next-token cross-entropy over the batch (never gathers the logits)."""

@@ -26,7 +26,6 @@ import time
 from collections import OrderedDict
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from plait.parallel.tensor import (
@@ -369,9 +368,11 @@ def build_stage(layers, indices) -> nn.Sequential:
 
 def sequential_layers(model: nn.Module) -> list[nn.Module]:
     """The layers of ``model`` as a list run one after another: an nn.Sequential's
-    children, or for a plait GPT, tokens (b, s) -> [GPTEmbeddingLayer] -> (s, b, h)
-    -> [GPTBlockLayer] x l -> [GPTHeadLayer] -> logits (b, s, V). The layers share
-    the model's parameters (an optimiser on the model trains them)."""
+    children, or for a plait GPT (at any tensor-parallel degree), tokens (b, s) ->
+    [GPTEmbeddingLayer] -> (s, b, h) -> [GPTBlockLayer] x l -> [GPTHeadLayer] ->
+    logits (b, s, V'/tp). The layers share the model's parameters (an optimiser on
+    the model trains them); under sequence parallelism the activations between
+    layers are this rank's (s/tp, b, h) sequence shard."""
     from plait.models.gpt import GPT  # here: plait.models imports plait.parallel
 
     if isinstance(model, nn.Sequential):
@@ -381,9 +382,6 @@ def sequential_layers(model: nn.Module) -> list[nn.Module]:
             raise ValueError("a GPT with tied_head=True shares one weight between its embedding and its head, "
                              "which pipeline stages would hold twice: build GPTConfig(tied_head=False) for "
                              "pipeline parallelism")
-        if model.tp.size > 1:
-            raise ValueError(f"pipeline stages from a GPT built with tensor parallelism (tp={model.tp.size}) are "
-                             f"not supported yet: build it with tp=1")
         layers = [GPTEmbeddingLayer(model), *(GPTBlockLayer(block) for block in model.blocks), GPTHeadLayer(model)]
         for layer in layers:
             layer.training = model.training  # the wrappers only; the shared modules keep their own modes
@@ -393,22 +391,16 @@ def sequential_layers(model: nn.Module) -> list[nn.Module]:
 
 
 class GPTEmbeddingLayer(nn.Module):
-    """tokens (b, s) -> x (s, b, h) = Drop(E[tokensᵀ] + P[:s]): GPT.forward's first part."""
+    """tokens (b, s) -> x (s, b, h) = Drop(E[tokensᵀ] + P[:s]): ``GPT.embed``."""
 
     def __init__(self, model: nn.Module):
         super().__init__()
+        # registered: the parameters this layer trains; the model itself is kept unregistered
         self.embedding, self.position, self.embedding_dropout = model.embedding, model.position, model.embedding_dropout
-        self.seq_len = model.config.seq_len
+        self._model = (model,)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:  # (b, s) -> (s, b, h)
-        if tokens.dim() != 2:
-            raise ValueError(f"tokens must be (batch, sequence), got shape {tuple(tokens.shape)}")
-        sequence = tokens.shape[1]
-        if not 0 < sequence <= self.seq_len:
-            raise ValueError(f"sequence length {sequence} must be in [1, seq_len={self.seq_len}]")
-        x = self.embedding(tokens.t())  # (s, b, h)
-        x = x + self.position[:x.shape[0]].unsqueeze(1)
-        return self.embedding_dropout(x, (sequence, *x.shape[1:]), 0, 0)
+        return self._model[0].embed(tokens)
 
     def flops(self, tokens: torch.Tensor, output: torch.Tensor) -> int:
         """The position add, b·s·h (the lookup is free)."""
@@ -423,19 +415,21 @@ class GPTBlockLayer(nn.Module):
         self.block = block
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.block(x, x.shape[0])
+        tp = self.block.tp
+        return self.block(x, x.shape[0] * (tp.size if tp.sequence_parallel else 1))
 
 
 class GPTHeadLayer(nn.Module):
-    """x (s, b, h) -> logits (b, s, V) = (LN_f(x) Wᵀ)ᵀ with the GPT's untied head W."""
+    """x (s, b, h) -> logits (b, s, V'/tp) = (LN_f(x) Wᵀ)ᵀ with the GPT's untied,
+    vocab-parallel head W: ``GPT.logits``."""
 
     def __init__(self, model: nn.Module):
         super().__init__()
         self.ln_f, self.head = model.ln_f, model.head
+        self._model = (model,)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (s, b, h) -> (b, s, V)
-        x = F.layer_norm(x, x.shape[-1:], self.ln_f.weight, self.ln_f.bias, self.ln_f.eps)
-        return F.linear(x, self.head).transpose(0, 1)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (s, b, h) -> (b, s, V'/tp)
+        return self._model[0].logits(x)
 
     def flops(self, x: torch.Tensor, output: torch.Tensor) -> int:
         """LayerNorm 5·b·s·h plus the head matmul 2·b·s·h·V."""

@@ -1,0 +1,275 @@
+"""Hybrid (3D) parallelism: one model trained by dp × tp × pp processes.
+
+Every rank builds the model at its tensor-parallel degree (``GPT(config, tp,
+seed)`` holds exactly the tp slices of the unsharded model), cuts it into the
+pipeline schedule's model chunks (``split_layers``; chunk c on pipeline rank
+c mod pp, Chimera's second replica on the mirrored rank) and keeps the chunks its
+pipeline rank runs. A training step is then:
+
+1. the pipeline engine runs the schedule over this rank's pp group on its dp
+   rank's share of the global batch, split into m micro-batches (tensor-parallel
+   collectives run inside each chunk's forward and backward on the tp group);
+2. gradients are averaged over the dp group (flat buckets, plait.comm's
+   all-reduce with the configured algorithm, or a plait.compress compressor);
+3. the global gradient norm is clipped (sums of squares over tp and pp: sharded
+   parameters counted on every tp rank, replicated ones on tp rank 0 only);
+4. the optimiser steps.
+
+The gradient is that of the mean loss over the global batch, as one process
+computing the whole batch gets (the engine divides each micro-batch's loss by m,
+the dp all-reduce divides by dp). Parameters keep their name in the unsharded
+model (``names``) wherever they live, which is what checkpoints are keyed by.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from plait import comm
+from plait.parallel.mesh import DeviceMesh
+from plait.parallel.pipeline import PipelineEngine
+from plait.parallel.pipeline import build as build_schedule
+from plait.parallel.pipeline.partition import split_layers
+from plait.parallel.pipeline.partition import build_stage
+
+BUCKET_BYTES = 25 << 20  # DDP's default bucket cap
+_EVAL_TAG = 1 << 29
+
+
+@dataclass
+class HybridModel:
+    """This rank's part of the model and what runs it."""
+
+    mesh: DeviceMesh
+    engine: PipelineEngine
+    chunks: list[list[int]]  # layer indices of every model chunk, in pipeline order
+    names: dict[str, nn.Parameter]  # unsharded-model name -> parameter, every one this rank holds
+    saved_names: list[str]  # the ones this rank writes to a checkpoint (Chimera's second replica is not)
+    tp_rank: int
+    tp_size: int
+    algorithm: str = "auto"
+    compressor: object = None
+    dropouts: dict[str, nn.Module] = field(default_factory=dict)  # name -> ConsistentDropout in held chunks
+
+    def parameters(self):
+        return self.engine.parameters()
+
+    def named_specs(self) -> dict[str, list[int] | None]:
+        specs = {}
+        for name, param in self.names.items():
+            spec = getattr(param, "tp_shard", None)
+            specs[name] = None if spec is None else [spec.dim, spec.full_size]
+        return specs
+
+
+def build_hybrid(model: nn.Module, layers: list[nn.Module], mesh: DeviceMesh, loss_fn, *, schedule: str,
+                 microbatches: int, virtual: int = 1, algorithm: str = "auto", compression=None,
+                 timeout_s: float | None = None, tp_rank: int = 0, tp_size: int = 1) -> HybridModel:
+    """Cut ``model`` (already built at this rank's tp degree; ``layers`` its
+    sequential layers sharing its parameters) into the schedule's chunks and keep
+    this pipeline rank's. Parameters of chunks this rank does not run are dropped."""
+    pp = mesh.size("pp")
+    pipeline = build_schedule(schedule, pp, microbatches, virtual if schedule == "interleaved_1f1b" else None)
+    chunks = split_layers(layers, pp, virtual=virtual if schedule == "interleaved_1f1b" else 1)
+    pp_rank = mesh.coords["pp"]
+    held = pipeline.stages_of(pp_rank)
+    modules = {stage: build_stage(layers, chunks[stage]) for _, stage in held}
+    name_of = {id(param): name for name, param in model.named_parameters()}
+    names, saved = {}, []
+    for replica, stage in held:
+        for param in modules[stage].parameters():
+            name = name_of[id(param)]
+            names[name] = param
+            if replica == 0 and name not in saved:
+                saved.append(name)
+    from plait.parallel.tensor.dropout import ConsistentDropout
+
+    module_ids = {id(sub) for stage in modules.values() for sub in stage.modules()}
+    dropouts = {name: module for name, module in model.named_modules()
+                if isinstance(module, ConsistentDropout) and id(module) in module_ids}
+    if isinstance(compression, str):
+        from plait.compress import from_spec
+
+        compression = None if compression in ("", "none") else from_spec(compression)
+    if compression is not None:
+        compression.validate([(name, tuple(param.shape)) for name, param in names.items()])
+    engine = PipelineEngine(pipeline, modules, loss_fn, group=mesh.group["pp"], timeout_s=timeout_s)
+    return HybridModel(mesh=mesh, engine=engine, chunks=chunks, names=names, saved_names=saved, tp_rank=tp_rank,
+                       tp_size=tp_size, algorithm=algorithm, compressor=compression, dropouts=dropouts)
+
+
+@dataclass
+class StepTimes:
+    """Where one step's time went on this rank (seconds)."""
+
+    wall_s: float = 0.0
+    compute_s: float = 0.0  # forward/backward minus the collectives inside them
+    comm_s: float = 0.0  # collectives (tp inside compute, dp gradient averaging, norms)
+    bubble_s: float = 0.0  # pipeline waits: idle, and activations/gradients in flight
+    other_s: float = 0.0  # optimiser, data, bookkeeping
+
+
+def _collective_time_s() -> float:
+    return sum(entry["time_s"] for entry in comm.stats().values())
+
+
+def train_step(hybrid: HybridModel, inputs, targets, optimizer, *, step: int, grad_clip: float = 0.0,
+               lr: float | None = None) -> tuple[float, float, StepTimes]:
+    """One optimiser step on this dp rank's share of the global batch; returns
+    (mean loss over the global batch, gradient norm before clipping, times)."""
+    start_s = time.perf_counter()
+    collectives_before_s = _collective_time_s()
+    loss = hybrid.engine.train_step(inputs, targets, optimizer=None)
+    engine_s = time.perf_counter() - start_s
+    record = hybrid.engine.history[-1]
+    busy_s = sum(interval.end_s - interval.start_s for interval in record.intervals)
+    inside_s = _collective_time_s() - collectives_before_s
+    sync_start_s = time.perf_counter()
+    average_gradients(hybrid, step)
+    norm = clip_grad_norm(hybrid, grad_clip)
+    loss = _mean_over(hybrid.mesh, "dp", loss)
+    sync_s = time.perf_counter() - sync_start_s
+    if lr is not None:
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+    optimizer.step()
+    wall_s = time.perf_counter() - start_s
+    times = StepTimes(wall_s=wall_s, compute_s=max(busy_s - inside_s, 0.0), comm_s=inside_s + sync_s,
+                      bubble_s=max(engine_s - busy_s, 0.0))
+    times.other_s = max(wall_s - times.compute_s - times.comm_s - times.bubble_s, 0.0)
+    return loss, norm, times
+
+
+def _mean_over(mesh: DeviceMesh, axis: str, value: float) -> float:
+    if mesh.size(axis) == 1:
+        return value
+    total = torch.tensor([value], dtype=torch.float64, device=comm.default_device(mesh.group[axis]))
+    comm.all_reduce(total, group=mesh.group[axis])
+    return float(total) / mesh.size(axis)
+
+
+def average_gradients(hybrid: HybridModel, step: int) -> None:
+    """Average every gradient over the dp group in flat buckets of <= 25 MiB (one
+    all-reduce each: 2(dp-1)/dp · n bytes per rank with a ring), or through the
+    compressor, which reports its own bytes."""
+    dp = hybrid.mesh.size("dp")
+    if dp == 1:
+        return
+    group = hybrid.mesh.group["dp"]
+    params = [(name, param) for name, param in hybrid.names.items() if param.requires_grad]
+    for index, bucket in enumerate(_buckets(params)):
+        grads = [param.grad if param.grad is not None else torch.zeros_like(param) for _, param in bucket]
+        flat = torch.cat([grad.reshape(-1) for grad in grads])
+        if hybrid.compressor is not None:
+            from plait.compress import GradBucket
+
+            views, offset = [], 0
+            for name, param in bucket:
+                views.append((name, flat[offset:offset + param.numel()].view_as(param)))
+                offset += param.numel()
+            hybrid.compressor.reduce(GradBucket(index, flat, views, step), group, algorithm=hybrid.algorithm)
+        else:
+            comm.all_reduce(flat, group=group, algorithm=hybrid.algorithm)
+            flat /= dp
+        offset = 0
+        for _, param in bucket:
+            param.grad = flat[offset:offset + param.numel()].view_as(param).clone()
+            offset += param.numel()
+
+
+def _buckets(params):
+    bucket, size, dtype = [], 0, None
+    for name, param in params:
+        nbytes = param.numel() * param.element_size()
+        if bucket and (size + nbytes > BUCKET_BYTES or param.dtype != dtype):
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, param))
+        size, dtype = size + nbytes, param.dtype
+    if bucket:
+        yield bucket
+
+
+def clip_grad_norm(hybrid: HybridModel, max_norm: float) -> float:
+    """The global L2 norm of the whole model's gradient; scales every gradient by
+    max_norm / norm when it is larger (max_norm 0: measure only). Each parameter
+    counts once: Chimera's second replica is skipped, tp-replicated parameters
+    count on tp rank 0, and the squares are summed over the tp and pp groups."""
+    total = torch.zeros(1, dtype=torch.float64)
+    for name in hybrid.saved_names:
+        param = hybrid.names[name]
+        if param.grad is None:
+            continue
+        sharded = getattr(param, "tp_shard", None) is not None and hybrid.tp_size > 1
+        if sharded or hybrid.tp_rank == 0:
+            total += param.grad.detach().double().pow(2).sum().cpu()
+    for axis in ("tp", "pp"):
+        if hybrid.mesh.size(axis) > 1:
+            device = comm.default_device(hybrid.mesh.group[axis])
+            moved = total.to(device)
+            comm.all_reduce(moved, group=hybrid.mesh.group[axis])
+            total = moved.cpu()
+    norm = float(total.sqrt())
+    if max_norm and norm > max_norm:
+        scale = max_norm / (norm + 1e-6)
+        for param in hybrid.parameters():
+            if param.grad is not None:
+                param.grad.mul_(scale)
+    return norm
+
+
+@torch.no_grad()
+def evaluate(hybrid: HybridModel, inputs, targets) -> float:
+    """Forward only, chunk after chunk along the first pipeline (no schedule, no
+    micro-batches): the mean loss over the global batch on every rank."""
+    engine, mesh = hybrid.engine, hybrid.mesh
+    schedule = engine.schedule
+    pipeline = schedule.pipelines[0]
+    pp_rank, group = mesh.coords["pp"], mesh.group["pp"]
+    device = engine.device
+    x, loss = inputs, torch.zeros(1, dtype=torch.float64, device=device)
+    was_training = {stage: module.training for stage, module in engine.stages.items()}
+    for module in engine.stages.values():
+        module.eval()
+    try:
+        for stage, holder in enumerate(pipeline):
+            if holder != pp_rank:
+                continue
+            if stage > 0 and pipeline[stage - 1] != pp_rank:
+                x = _receive_activation(group, pipeline[stage - 1], stage, device, engine.timeout_s)
+            x = engine.stages[stage](x)
+            if stage == len(pipeline) - 1:
+                loss += float(engine.loss_fn(x, targets))
+            elif pipeline[stage + 1] != pp_rank:
+                _send_activation(x, group, pipeline[stage + 1], stage + 1, engine.timeout_s)
+    finally:
+        for stage, module in engine.stages.items():
+            module.train(was_training[stage])
+    if mesh.size("pp") > 1:
+        comm.all_reduce(loss, group=group)
+    return _mean_over(mesh, "dp", float(loss))
+
+
+_DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
+
+
+def _send_activation(x, group, peer, stage, timeout_s):
+    """A header (dtype code, ndim, dims) then the payload, to the next chunk's rank."""
+    x = x.contiguous()
+    header = torch.tensor([_DTYPES.index(x.dtype), x.dim(), *x.shape] + [0] * (6 - x.dim()), dtype=torch.int64,
+                          device=x.device)
+    comm.send(header, peer, group, _EVAL_TAG + 2 * stage, label="evaluation activation header", timeout_s=timeout_s)
+    comm.send(x, peer, group, _EVAL_TAG + 2 * stage + 1, label="evaluation activation", timeout_s=timeout_s)
+
+
+def _receive_activation(group, peer, stage, device, timeout_s):
+    header = torch.empty(8, dtype=torch.int64, device=device)
+    comm.recv(header, peer, group, _EVAL_TAG + 2 * stage, label="evaluation activation header", timeout_s=timeout_s)
+    dims = [int(d) for d in header[2:2 + int(header[1])]]
+    x = torch.empty(dims, dtype=_DTYPES[int(header[0])], device=device)
+    comm.recv(x, peer, group, _EVAL_TAG + 2 * stage + 1, label="evaluation activation", timeout_s=timeout_s)
+    return x

@@ -1,0 +1,519 @@
+"""Sharded training checkpoints: one file per (tp, pp) coordinate, a manifest as the
+commit point, and resharding to another tensor-parallel degree on load.
+
+Layout: ``RUN/checkpoints/step_00000100/{tp0-pp0.pt, ..., manifest.json}``. The
+dp-rank-0 process of every (tp, pp) coordinate writes its shard (``write_shard``),
+then global rank 0 writes ``manifest.json`` listing every file's size and sha256
+(``write_manifest``). Every file is written to a temporary name, fsynced and renamed,
+so a directory without a readable manifest is a partial checkpoint (a crash during
+the save) and is skipped by ``latest_complete``.
+
+A shard payload (``torch.save``; loads with ``weights_only=True``)::
+
+    {"format": 1, "tp_rank", "tp_size", "pp_rank", "pp_size": int,
+     "model": {name: this rank's slice}, "specs": {name: [dim, full_size] | None},
+     "optimizer": {name: {key: tensor}}, "extra": {...}}
+
+Names are those of the unsharded ``GPT``. A sharded tensor's slice on rank r of p is
+rows [r*c, (r+1)*c) along ``dim`` of the full tensor zero-padded to p*c rows,
+c = ceil(full_size / p) (``plait.parallel.tensor.sharding.shard_tensor``): loading
+concatenates the p slices in rank order and drops the padding, so a checkpoint saved
+at one tp loads at any other (``load_full`` then ``reshard``). Cost: a save writes
+each parameter and its optimizer state once per (tp, pp) shard, about
+3 x 4 bytes x parameters for fp32 AdamW; ``load_full`` holds every shard in memory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from plait.parallel.tensor.sharding import ShardSpec, shard_tensor
+
+FORMAT = 1
+MANIFEST_NAME = "manifest.json"
+EXPORT_FORMATS = ("safetensors", "torch")
+_STEP_DIR = re.compile(r"^step_(\d{8,})$")
+_SUFFIX_FORMATS = {".safetensors": "safetensors", ".pt": "torch", ".pth": "torch", ".bin": "torch"}
+
+
+def checkpoint_dir(run_dir: str | os.PathLike, step: int) -> Path:
+    """RUN/checkpoints/step_{step:08d}."""
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"step={step!r} must be an int >= 0")
+    return Path(run_dir) / "checkpoints" / f"step_{step:08d}"
+
+
+def shard_name(tp_rank: int, pp_rank: int) -> str:
+    """The file of tensor-parallel rank ``tp_rank`` of pipeline stage ``pp_rank``."""
+    return f"tp{tp_rank}-pp{pp_rank}.pt"
+
+
+# ----------------------------------------------------------------------------- writing
+
+def _fsync_dir(directory: Path) -> None:
+    """Make a rename in ``directory`` durable (the entry lives in the directory)."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _atomic_write(path: Path, write: Callable[[str], None]) -> None:
+    """``write(temp_name)`` writes a temporary file next to ``path``; fsync it, rename
+    it over ``path``, fsync the directory: readers see the old file or the whole new one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, temp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        write(temp_name)
+        with open(temp_name, "rb+") as file:
+            os.fsync(file.fileno())
+        os.replace(temp_name, path)
+    except BaseException:
+        Path(temp_name).unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
+
+
+def _sha256(path: Path) -> str:
+    with open(path, "rb") as file:
+        return hashlib.file_digest(file, "sha256").hexdigest()
+
+
+def _file_entry(path: Path) -> dict:
+    return {"name": path.name, "nbytes": path.stat().st_size, "sha256": _sha256(path)}
+
+
+def _check_loadable(value, where: str) -> None:
+    """Raise unless ``value`` is built from what ``torch.load(weights_only=True)`` reads."""
+    if isinstance(value, (torch.Tensor, int, float, bool, str, type(None))):
+        return
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, (str, int)):
+                raise TypeError(f"{where}: key {key!r} is a {type(key).__name__}; use str or int keys")
+            _check_loadable(item, f"{where}[{key!r}]")
+        return
+    if isinstance(value, (list, tuple)):
+        for index, item in enumerate(value):
+            _check_loadable(item, f"{where}[{index}]")
+        return
+    raise TypeError(f"{where} is a {type(value).__module__}.{type(value).__qualname__}, which "
+                    "torch.load(weights_only=True) cannot read back; store it as a tensor, int, float, str, "
+                    "or a list/dict of those")
+
+
+def _compact(value):
+    """Views cloned to their own storage: torch.save writes a tensor's whole storage."""
+    if isinstance(value, torch.Tensor):
+        value = value.detach()
+        if value.untyped_storage().nbytes() != value.numel() * value.element_size() or not value.is_contiguous():
+            value = value.clone(memory_format=torch.contiguous_format)
+        return value.cpu()
+    if isinstance(value, dict):
+        return {key: _compact(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_compact(item) for item in value)
+    return value
+
+
+def _spec_entry(spec, name: str) -> list[int] | None:
+    """None, ShardSpec, (dim, full_size) or [dim, full_size] -> [dim, full_size] | None."""
+    if spec is None:
+        return None
+    if isinstance(spec, ShardSpec):
+        return [spec.dim, spec.full_size]
+    if isinstance(spec, (list, tuple)) and len(spec) == 2 and all(type(x) is int for x in spec):
+        return [spec[0], spec[1]]
+    raise ValueError(f"specs[{name!r}] = {spec!r}: use None (replicated) or [dim, full_size]")
+
+
+def _check_header(payload: dict, where: str) -> None:
+    """The shard payload's format, coordinates and key sets (``where`` names the file)."""
+    if not isinstance(payload, dict):
+        raise ValueError(f"{where}: a shard payload is a dict, got {type(payload).__name__}")
+    missing = [key for key in ("format", "tp_rank", "tp_size", "pp_rank", "pp_size", "model", "specs")
+               if key not in payload]
+    if missing:
+        raise ValueError(f"{where}: shard payload lacks {missing}")
+    if payload["format"] != FORMAT:
+        raise ValueError(f"{where}: shard format {payload['format']!r} != {FORMAT}; this plait reads format "
+                         f"{FORMAT} only")
+    for axis in ("tp", "pp"):
+        rank, size = payload[f"{axis}_rank"], payload[f"{axis}_size"]
+        if not (type(rank) is int and type(size) is int and 0 <= rank < size):
+            raise ValueError(f"{where}: {axis}_rank={rank!r}, {axis}_size={size!r}: need 0 <= rank < size")
+    if set(payload["model"]) != set(payload["specs"]):
+        raise ValueError(f"{where}: model and specs name different tensors: "
+                         f"{sorted(set(payload['model']) ^ set(payload['specs']))}")
+    extra = sorted(set(payload.get("optimizer", {})) - set(payload["model"]))
+    if extra:
+        raise ValueError(f"{where}: optimizer state for tensors not in model: {extra}")
+
+
+def write_shard(directory: str | os.PathLike, name: str, payload: dict) -> dict:
+    """Write one (tp, pp) shard atomically; returns {"name", "nbytes", "sha256"} for
+    ``write_manifest``. Specs may be ShardSpec or (dim, full_size); views are cloned
+    so the file holds only their elements. Cost: one write plus one read to hash."""
+    directory = Path(directory)
+    if not name or name != Path(name).name or name == MANIFEST_NAME:
+        raise ValueError(f"shard name {name!r} must be a plain file name other than {MANIFEST_NAME}, "
+                         "e.g. shard_name(tp_rank, pp_rank)")
+    _check_header(payload, name)
+    if re.fullmatch(r"tp\d+-pp\d+\.pt", name) and name != shard_name(payload["tp_rank"], payload["pp_rank"]):
+        raise ValueError(f"shard name {name!r} does not match tp_rank {payload['tp_rank']}, pp_rank "
+                         f"{payload['pp_rank']}: use shard_name(tp_rank, pp_rank)")
+    payload = dict(payload)
+    payload["specs"] = {key: _spec_entry(spec, key) for key, spec in payload["specs"].items()}
+    payload.setdefault("optimizer", {})
+    payload.setdefault("extra", {})
+    tp_size = payload["tp_size"]
+    for key, tensor in payload["model"].items():
+        spec = payload["specs"][key]
+        if spec is not None and (spec[0] >= tensor.dim() or tensor.shape[spec[0]] != -(-spec[1] // tp_size)):
+            raise ValueError(f"{name}: {key} has shape {tuple(tensor.shape)} but spec {spec} at tp_size "
+                             f"{tp_size} means {-(-spec[1] // tp_size)} along dim {spec[0]}")
+    _check_loadable(payload, "payload")
+    payload = _compact(payload)
+    path = directory / name
+    _atomic_write(path, lambda temp: torch.save(payload, temp))
+    return _file_entry(path)
+
+
+def write_manifest(directory: str | os.PathLike, manifest: dict, files: list[dict]) -> Path:
+    """Commit the checkpoint: manifest.json (``manifest`` plus "format" and "files"
+    {name: {nbytes, sha256}}) written atomically after every shard. ``files`` are
+    write_shard's results; with ``manifest["mesh"]`` they must be its tp x pp grid."""
+    directory = Path(directory)
+    entries = {}
+    for entry in files:
+        if entry["name"] in entries:
+            raise ValueError(f"{entry['name']} is listed twice in files")
+        entries[entry["name"]] = {"nbytes": int(entry["nbytes"]), "sha256": str(entry["sha256"])}
+    mesh = manifest.get("mesh")
+    if mesh is not None:
+        expected = {shard_name(tp, pp) for tp in range(mesh["tp"]) for pp in range(mesh["pp"])}
+        if set(entries) != expected:
+            raise ValueError(f"files do not match mesh tp={mesh['tp']} pp={mesh['pp']}: missing "
+                             f"{sorted(expected - set(entries))}, unexpected {sorted(set(entries) - expected)}")
+    for name, entry in entries.items():
+        path = directory / name
+        if not path.is_file() or path.stat().st_size != entry["nbytes"]:
+            raise ValueError(f"{path} is missing or not {entry['nbytes']} bytes: write every shard (and wait for "
+                             "all writers) before the manifest")
+    document = {**manifest, "format": FORMAT, "files": entries}
+    text = json.dumps(document, indent=2) + "\n"  # a TypeError here names the value that is not JSON
+    path = directory / MANIFEST_NAME
+    _atomic_write(path, lambda temp: Path(temp).write_text(text))
+    return path
+
+
+# ----------------------------------------------------------------------------- finding
+
+def read_manifest(directory: str | os.PathLike) -> dict:
+    """The parsed manifest.json of a checkpoint directory (ValueError if absent or bad)."""
+    path = Path(directory) / MANIFEST_NAME
+    try:
+        manifest = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ValueError(f"{path.parent} has no {MANIFEST_NAME}: it is a partial checkpoint (the save did not "
+                         "finish) or not a checkpoint directory; use an older step_* directory") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"{path} is unreadable ({error}); use an older step_* directory") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or not isinstance(manifest.get("files"),
+                                                                                             dict):
+        raise ValueError(f"{path}: not a format-{FORMAT} plait manifest (need \"format\": {FORMAT} and \"files\")")
+    return manifest
+
+
+def verify(directory: str | os.PathLike, *, check_sha256: bool = True) -> list[str]:
+    """Why ``directory`` is not a complete checkpoint; [] if it is. Reads every file
+    to hash it (``check_sha256=False``: sizes only, no reads)."""
+    directory = Path(directory)
+    if not (directory / MANIFEST_NAME).exists():
+        return [f"no {MANIFEST_NAME} (partial: the save did not finish)"]
+    try:
+        manifest = read_manifest(directory)
+    except ValueError:
+        return [f"{MANIFEST_NAME} unreadable"]
+    problems = []
+    for name, entry in manifest["files"].items():
+        path = directory / name
+        if not path.is_file():
+            problems.append(f"{name} missing")
+        elif (nbytes := path.stat().st_size) != entry.get("nbytes"):
+            problems.append(f"{name} is {nbytes} bytes, manifest says {entry.get('nbytes')} (truncated or "
+                            "overwritten)")
+        elif check_sha256 and _sha256(path) != entry.get("sha256"):
+            problems.append(f"{name} sha256 mismatch (corrupt)")
+    return problems
+
+
+def list_checkpoints(run_dir: str | os.PathLike) -> list[Path]:
+    """Every RUN/checkpoints/step_* directory, oldest (lowest step) first."""
+    root = Path(run_dir) / "checkpoints"
+    if not root.is_dir():
+        return []
+    found = [(int(match.group(1)), path) for path in root.iterdir()
+             if path.is_dir() and (match := _STEP_DIR.match(path.name))]
+    return [path for _, path in sorted(found)]
+
+
+def _summary(problems: list[str]) -> str:
+    shown = "; ".join(problems[:3])
+    return shown + (f"; and {len(problems) - 3} more" if len(problems) > 3 else "")
+
+
+def latest_complete(run_dir: str | os.PathLike, log: Callable[[str], None] | None = print) -> Path | None:
+    """The newest checkpoint that verifies (None if none does); logs one line per newer
+    one skipped: "step_00000200: tp0-pp1.pt sha256 mismatch (corrupt): using step_00000100"."""
+    skipped = []
+    chosen = None
+    for path in reversed(list_checkpoints(run_dir)):
+        problems = verify(path)
+        if not problems:
+            chosen = path
+            break
+        skipped.append((path, problems))
+    using = f"using {chosen.name}" if chosen is not None else "no complete checkpoint left"
+    for path, problems in skipped:
+        if log is not None:
+            log(f"{path.name}: {_summary(problems)}: {using}")
+    return chosen
+
+
+def resolve(path: str | os.PathLike, log: Callable[[str], None] | None = print) -> tuple[Path, bool]:
+    """(checkpoint directory, verified): ``path`` itself if it is a checkpoint
+    directory (not yet verified), or a run directory's latest complete checkpoint
+    (verified by ``latest_complete``, which logs what it skipped)."""
+    path = Path(path)
+    if not path.exists():
+        raise ValueError(f"{path} does not exist: pass a run directory (with checkpoints/) or a checkpoint "
+                         "directory (checkpoints/step_*)")
+    if (path / MANIFEST_NAME).exists() or _STEP_DIR.match(path.name):
+        return path, False
+    if (path / "checkpoints").is_dir():
+        chosen = latest_complete(path, log=log)
+        if chosen is None:
+            raise ValueError(f"{path} has no complete checkpoint (none of {len(list_checkpoints(path))} step_* "
+                             "directories under checkpoints/ verifies)")
+        return chosen, True
+    raise ValueError(f"{path} is neither a checkpoint directory (no {MANIFEST_NAME}) nor a run directory (no "
+                     "checkpoints/)")
+
+
+# ----------------------------------------------------------------------------- loading
+
+def _agree(values: list, what: str) -> object:
+    """values[0] after checking every tp rank's copy equals it."""
+    first = values[0]
+    for tp_rank, value in enumerate(values[1:], start=1):
+        if isinstance(first, torch.Tensor):
+            same = (isinstance(value, torch.Tensor) and value.shape == first.shape and value.dtype == first.dtype
+                    and torch.equal(value, first))
+        else:
+            same = value == first
+        if not same:
+            raise ValueError(f"{what} differs between tp rank 0 and tp rank {tp_rank} though it is replicated; the "
+                             "checkpoint is inconsistent (pass check_replicas=False to take tp rank 0's copy)")
+    return first
+
+
+def _concat(pieces: list[torch.Tensor], spec: list[int], what: str) -> torch.Tensor:
+    """The unsharded tensor: the tp slices concatenated along dim, padding dropped."""
+    dim, full_size = spec
+    size = -(-full_size // len(pieces))
+    for tp_rank, piece in enumerate(pieces):
+        if piece.dim() <= dim or piece.shape[dim] != size or piece.shape != pieces[0].shape:
+            raise ValueError(f"{what} on tp rank {tp_rank} has shape {tuple(piece.shape)}; spec {spec} at tp_size "
+                             f"{len(pieces)} needs {size} along dim {dim}, the same on every rank")
+    full = torch.cat(pieces, dim=dim)
+    return full.narrow(dim, 0, full_size).clone() if full.shape[dim] != full_size else full
+
+
+def _load_grid(directory: Path, manifest: dict) -> dict[tuple[int, int], dict]:
+    """{(tp_rank, pp_rank): payload}, checked to be the complete tp x pp grid."""
+    grid, sizes = {}, set()
+    for name in manifest["files"]:
+        try:
+            payload = torch.load(directory / name, map_location="cpu", weights_only=True)
+        except Exception as error:  # torch raises several types for a damaged zip
+            raise ValueError(f"{directory / name} cannot be loaded ({type(error).__name__}: {error}); run "
+                             "`plait checkpoint info` on the directory") from None
+        _check_header(payload, str(directory / name))
+        coordinate = (payload["tp_rank"], payload["pp_rank"])
+        if name != shard_name(*coordinate) or coordinate in grid:
+            raise ValueError(f"{directory / name} holds tp_rank {coordinate[0]}, pp_rank {coordinate[1]}, which "
+                             "does not match its name or repeats another file's")
+        grid[coordinate] = payload
+        sizes.add((payload["tp_size"], payload["pp_size"]))
+    mesh = manifest.get("mesh", {})
+    if len(sizes) != 1 or (mesh and {(mesh["tp"], mesh["pp"])} != sizes):
+        raise ValueError(f"{directory}: shards disagree on (tp_size, pp_size): {sorted(sizes)}, manifest mesh "
+                         f"{mesh}")
+    tp_size, pp_size = sizes.pop()
+    missing = [shard_name(tp, pp) for pp in range(pp_size) for tp in range(tp_size) if (tp, pp) not in grid]
+    if missing:
+        raise ValueError(f"{directory} is incomplete for tp_size {tp_size}, pp_size {pp_size}: missing {missing}")
+    return grid
+
+
+def load_full(directory: str | os.PathLike, *, check_files: bool = True,
+              check_replicas: bool = True) -> tuple[dict, dict, dict, dict]:
+    """(manifest, model {name: unsharded tensor}, optimizer {name: {key: value}},
+    specs {name: [dim, full_size] | None}) from every shard of a checkpoint.
+    Sharded tensors (and optimizer state shaped like their shard) are concatenated
+    in tp-rank order and trimmed to full_size; replicated ones and other state (e.g.
+    0-dim step) come from tp rank 0, checked equal on the others. ``check_files``
+    verifies sizes and sha256 first (skip it right after ``latest_complete``)."""
+    directory = Path(directory)
+    problems = verify(directory) if check_files else []
+    if problems:
+        raise ValueError(f"{directory} is not a complete checkpoint: {_summary(problems)}; resume from an older "
+                         "one (latest_complete picks it)")
+    manifest = read_manifest(directory)
+    grid = _load_grid(directory, manifest)
+    tp_size = 1 + max(tp for tp, _ in grid)
+    pp_size = 1 + max(pp for _, pp in grid)
+    model, optimizer, specs, stage_of = {}, {}, {}, {}
+    for pp in range(pp_size):
+        shards = [grid[(tp, pp)] for tp in range(tp_size)]
+        for tp, shard in enumerate(shards):
+            if set(shard["model"]) != set(shards[0]["model"]) or shard["specs"] != shards[0]["specs"]:
+                raise ValueError(f"{shard_name(tp, pp)} and {shard_name(0, pp)} hold different tensors or specs")
+        for name, spec in shards[0]["specs"].items():
+            if name in stage_of:
+                raise ValueError(f"{name} is in pipeline stages {stage_of[name]} and {pp}; each parameter belongs "
+                                 "to one stage")
+            stage_of[name] = pp
+            what = f"{name} (pp {pp})"
+            pieces = [shard["model"][name] for shard in shards]
+            specs[name] = spec
+            if spec is None:
+                model[name] = _agree(pieces, what) if check_replicas else pieces[0]
+            else:
+                model[name] = _concat(pieces, spec, what)
+            states = [shard.get("optimizer", {}).get(name) for shard in shards]
+            if all(state is None for state in states):
+                continue
+            if any(state is None or set(state) != set(states[0]) for state in states):
+                raise ValueError(f"optimizer state of {what} has different keys on different tp ranks")
+            optimizer[name] = {}
+            for key in states[0]:
+                values = [state[key] for state in states]
+                shaped = all(isinstance(value, torch.Tensor) and value.shape == piece.shape
+                             for value, piece in zip(values, pieces))
+                if spec is not None and shaped:
+                    optimizer[name][key] = _concat(values, spec, f"{what} optimizer {key!r}")
+                else:
+                    optimizer[name][key] = _agree(values, f"{what} optimizer {key!r}") if check_replicas \
+                        else values[0]
+    return manifest, model, optimizer, specs
+
+
+def reshard(full_model: dict, full_optimizer: dict, specs: dict, tp_rank: int, tp_size: int,
+            names) -> tuple[dict, dict]:
+    """(model shard, optimizer shard) of tp rank ``tp_rank`` of ``tp_size`` for the
+    parameters ``names`` (this rank's stages): each sharded tensor, and optimizer
+    state of its full shape, sliced by shard_tensor (zero rows for vocab padding)."""
+    if not (type(tp_rank) is int and type(tp_size) is int and 0 <= tp_rank < tp_size):
+        raise ValueError(f"tp_rank={tp_rank!r}, tp_size={tp_size!r}: need 0 <= tp_rank < tp_size")
+    names = list(names)
+    missing = [name for name in names if name not in full_model or name not in specs]
+    if missing:
+        raise ValueError(f"the checkpoint has no parameter {missing}; it was saved for a different model (compare "
+                         "with check_compatible) or start a new run")
+    model_shard, optimizer_shard = {}, {}
+    for name in names:
+        full = full_model[name]
+        spec = None if specs[name] is None else ShardSpec(*specs[name])
+        model_shard[name] = shard_tensor(full, spec, tp_rank, tp_size).clone()
+        if name in full_optimizer:
+            optimizer_shard[name] = {
+                key: shard_tensor(value, spec, tp_rank, tp_size).clone()
+                if isinstance(value, torch.Tensor) and value.shape == full.shape
+                else (value.clone() if isinstance(value, torch.Tensor) else value)
+                for key, value in full_optimizer[name].items()}
+    return model_shard, optimizer_shard
+
+
+def check_compatible(manifest: dict, model: dict, what: str = "checkpoint") -> None:
+    """Raise ValueError naming every field where the checkpoint's model (GPTConfig
+    dict, saved value first) differs from ``model``."""
+    saved = manifest.get("model", {})
+    differing = [f"{key} {saved.get(key, '<absent>')} != {model.get(key, '<absent>')}"
+                 for key in list(saved) + [key for key in model if key not in saved]
+                 if saved.get(key, "<absent>") != model.get(key, "<absent>")]
+    if differing:
+        step = manifest.get("step")
+        label = f"step_{step:08d}" if isinstance(step, int) else "(unknown step)"
+        raise ValueError(f"{what} {label} was saved for a different model: {', '.join(differing)}; train with the "
+                         "same model settings or start a new --out directory")
+
+
+def prune(run_dir: str | os.PathLike, keep: int, *, check_sha256: bool = False) -> list[Path]:
+    """Delete all but the newest ``keep`` complete checkpoints, and partial ones older
+    than the newest complete; returns the deleted directories. Complete means the
+    manifest is readable and every file has its size (``check_sha256``: also hashed)."""
+    if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+        raise ValueError(f"keep={keep!r} must be an int >= 1 (the newest complete checkpoint is never deleted)")
+    paths = list_checkpoints(run_dir)
+    complete = [path for path in paths if not verify(path, check_sha256=check_sha256)]
+    if not complete:
+        return []
+    kept = set(complete[-keep:])
+    newest = paths.index(complete[-1])
+    doomed = [path for path in paths[:newest] if path not in kept]
+    for path in doomed:
+        # The manifest first: a half-deleted directory then reads as partial, not corrupt.
+        (path / MANIFEST_NAME).unlink(missing_ok=True)
+        shutil.rmtree(path)
+    return doomed
+
+
+# ----------------------------------------------------------------------------- export
+
+def export_format(out_path: str | os.PathLike, fmt: str | None = None) -> str:
+    """"safetensors" or "torch": ``fmt`` if given, else from the file suffix."""
+    if fmt is not None:
+        if fmt not in EXPORT_FORMATS:
+            raise ValueError(f"format {fmt!r} is not one of {list(EXPORT_FORMATS)}")
+        return fmt
+    suffix = Path(out_path).suffix.lower()
+    if suffix not in _SUFFIX_FORMATS:
+        raise ValueError(f"cannot tell the format of {str(out_path)!r} from its suffix: name it .safetensors or "
+                         ".pt, or give the format (--format safetensors|torch)")
+    return _SUFFIX_FORMATS[suffix]
+
+
+def export(directory: str | os.PathLike, out_path: str | os.PathLike, fmt: str | None = None,
+           log: Callable[[str], None] | None = print, *, check_files: bool = True) -> Path:
+    """Write the unsharded model state dict (GPT names, contiguous tensors) of a
+    checkpoint, or of a run directory's latest complete one, as .safetensors (with
+    the GPTConfig and step as metadata) or a torch.save'd dict of tensors; both load
+    into GPT(GPTConfig(**manifest["model"])) with strict=True. The checkpoint is
+    verified first unless ``check_files`` is False (or it was found via a run dir)."""
+    out_path = Path(out_path)
+    fmt = export_format(out_path, fmt)
+    directory, verified = resolve(directory, log=log)
+    manifest, model, _, _ = load_full(directory, check_files=check_files and not verified)
+    state = {name: tensor.contiguous() for name, tensor in model.items()}
+    if fmt == "safetensors":
+        from safetensors.torch import save_file
+
+        metadata = {"format": "plait", "step": str(manifest.get("step")),
+                    "model": json.dumps(manifest.get("model", {}), sort_keys=True)}
+        _atomic_write(out_path, lambda temp: save_file(state, temp, metadata=metadata))
+    else:
+        _atomic_write(out_path, lambda temp: torch.save(state, temp))
+    return out_path

@@ -1,0 +1,551 @@
+"""`plait train`'s configuration: one flat, frozen dataclass, validated as a whole.
+
+Three sources, later wins, judged together once at the end (so a TOML file and a
+flag that only make sense in combination are accepted, and every problem of the
+combination is reported at once):
+
+    defaults  <  --config FILE (TOML)  <  command-line flags
+
+Every field is a flag ``--field-name`` (``add_config_arguments``) and a TOML key.
+The TOML file may be flat (``lr = 1e-3``) or grouped in the tables ``[model]``,
+``[data]``, ``[batch]``, ``[parallel]``, ``[optim]`` and ``[run]`` (``[optim]
+lr = 1e-3``), or mix both. A key in the wrong table is an error naming its table,
+and so is a key set twice. ``model`` and ``data`` are both fields and table names: a
+flat ``model = "mlp"`` and a ``[model]`` table cannot share one file (TOML itself
+forbids it), so with tables write ``[model] model = "mlp"``.
+
+The batch arithmetic, per optimiser step:
+
+    global_batch = dp · per_rank_batch,  per_rank_batch = microbatches · micro_batch
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import hashlib
+import json
+import math
+import tomllib
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import tomli_w
+
+MODELS = ("gpt", "mlp")
+DTYPES = ("float32", "float64", "bfloat16")
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "chimera", "zero_bubble")
+OPTIMIZERS = ("adamw", "sgd")
+LR_SCHEDULES = ("cosine", "linear", "constant")
+AXES = ("tp", "dp", "pp")
+TABLES = ("model", "data", "batch", "parallel", "optim", "run")
+CLI_GROUP_TITLE = "training config (also settable in --config FILE)"
+
+
+def _field(default, table: str, help: str, choices: tuple[str, ...] = ()):
+    return field(default=default, metadata={"table": table, "help": help, "choices": choices})
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """Everything one `plait train` run needs; defaults are the README's main job
+    (a 4-layer GPT on the stdlib character corpus, dp=2 × pp=2 on 4 processes)."""
+
+    # ----- model -----
+    model: str = _field("gpt", "model", "model to train: gpt (character LM) or mlp (scikit-learn digits)", MODELS)
+    layers: int = _field(4, "model", "gpt: transformer blocks")
+    hidden: int = _field(128, "model", "gpt: model width h")
+    heads: int = _field(4, "model", "gpt: attention heads (must divide hidden)")
+    seq_len: int = _field(64, "model", "gpt: context length in tokens")
+    ffn_hidden: int = _field(0, "model", "gpt: MLP inner width (0 = 4*hidden)")
+    dropout: float = _field(0.0, "model", "gpt: dropout probability in [0, 1)")
+    tied_head: bool = _field(False, "model", "gpt: share the token embedding with the output head (pp=1 only)")
+    dtype: str = _field("float32", "model", "parameter and activation dtype", DTYPES)
+    mlp_hidden: tuple[int, ...] = _field((128, 128, 128), "model", "mlp: hidden widths, comma list e.g. 128,128,128")
+    # ----- data -----
+    data: str = _field("stdlib", "data", "corpus: stdlib (Python's own sources), digits (mlp), or a text file/dir")
+    data_max_bytes: int = _field(4_000_000, "data", "read at most this many bytes of text")
+    val_fraction: float = _field(0.05, "data", "fraction of the data held out for evaluation, in [0, 1)")
+    # ----- batch -----
+    global_batch: int = _field(16, "batch", "samples per optimiser step, all dp ranks together")
+    micro_batch: int = _field(4, "batch", "samples per pipeline micro-batch on one dp rank")
+    # ----- parallel -----
+    dp: int = _field(2, "parallel", "data-parallel degree")
+    tp: int = _field(1, "parallel", "tensor-parallel degree (gpt only)")
+    pp: int = _field(2, "parallel", "pipeline-parallel degree (stages)")
+    mesh_order: str = _field("tp,dp,pp", "parallel", "mesh axes innermost (consecutive ranks) first, "
+                                                      "a permutation of tp,dp,pp")
+    schedule: str = _field("1f1b", "parallel", "pipeline schedule", SCHEDULES)
+    virtual: int = _field(1, "parallel", "model chunks per pipeline rank (interleaved_1f1b only)")
+    sequence_parallel: bool = _field(False, "parallel", "gpt: shard LayerNorm/dropout activations along the "
+                                                        "sequence across tp ranks")
+    algorithm: str = _field("auto", "parallel", "collective algorithm for gradient all-reduce (auto = cost model)")
+    compression: str = _field("none", "parallel", "dp gradient compression spec, e.g. topk:0.01+ef, powersgd:4, none")
+    # ----- optim -----
+    optimizer: str = _field("adamw", "optim", "optimiser", OPTIMIZERS)
+    lr: float = _field(3e-3, "optim", "peak learning rate")
+    min_lr: float = _field(3e-4, "optim", "learning rate reached at the last step (cosine, linear)")
+    lr_schedule: str = _field("cosine", "optim", "decay after warmup", LR_SCHEDULES)
+    warmup_steps: int = _field(20, "optim", "linear warmup steps (0 = none)")
+    weight_decay: float = _field(0.1, "optim", "decoupled weight decay (adamw) or L2 (sgd)")
+    beta1: float = _field(0.9, "optim", "adamw: first-moment decay in [0, 1)")
+    beta2: float = _field(0.95, "optim", "adamw: second-moment decay in [0, 1)")
+    momentum: float = _field(0.9, "optim", "sgd: momentum in [0, 1)")
+    grad_clip: float = _field(1.0, "optim", "clip the global gradient norm to this (0 = off)")
+    # ----- run -----
+    steps: int = _field(300, "run", "optimiser steps")
+    eval_interval: int = _field(50, "run", "evaluate every this many steps (0 = never)")
+    eval_batches: int = _field(4, "run", "global batches per evaluation")
+    checkpoint_interval: int = _field(100, "run", "checkpoint every this many steps (0 = only at the end)")
+    keep_checkpoints: int = _field(3, "run", "newest checkpoints kept on disk (0 = keep all)")
+    log_interval: int = _field(10, "run", "log metrics every this many steps")
+    seed: int = _field(0, "run", "seed for initialisation, data order and dropout")
+    out: str = _field("runs/gpt-small", "run", "run directory: checkpoints, metrics, config")
+    timeout_s: float = _field(300.0, "run", "deadline in seconds for any collective or p2p wait")
+
+    def __post_init__(self):
+        problems = [problem for name in FIELD_NAMES if (problem := _type_problem(name, getattr(self, name)))]
+        typed = {name for name in FIELD_NAMES if not _type_problem(name, getattr(self, name))}
+        # Canonical forms, so equal configs compare, serialise and digest equal.
+        for name in typed:
+            value = getattr(self, name)
+            if FIELD_KINDS[name] == "float":
+                object.__setattr__(self, name, float(value))
+            elif FIELD_KINDS[name] == "ints":
+                object.__setattr__(self, name, tuple(value))
+        if "mesh_order" in typed:
+            object.__setattr__(self, "mesh_order", ",".join(part.strip() for part in self.mesh_order.split(",")))
+        problems += _value_problems(self, typed)
+        if problems:
+            raise ValueError("invalid TrainConfig:\n" + "\n".join(f"  - {problem}" for problem in problems))
+
+    # ----- derived sizes -----
+    @property
+    def world_size(self) -> int:
+        """Processes the run needs: dp · tp · pp."""
+        return self.dp * self.tp * self.pp
+
+    @property
+    def per_rank_batch(self) -> int:
+        """Samples one dp rank processes per optimiser step: global_batch / dp."""
+        return self.global_batch // self.dp
+
+    @property
+    def microbatches(self) -> int:
+        """Pipeline micro-batches per step on one dp rank: per_rank_batch / micro_batch."""
+        return self.per_rank_batch // self.micro_batch
+
+    @property
+    def ffn(self) -> int:
+        """The GPT's MLP inner width, ffn_hidden or 4·hidden."""
+        return self.ffn_hidden or 4 * self.hidden
+
+    @property
+    def axes(self) -> tuple[str, ...]:
+        """Mesh axes from innermost to outermost."""
+        return tuple(self.mesh_order.split(","))
+
+    def check_world_size(self, world_size: int) -> None:
+        """Raise unless the launcher started exactly dp · tp · pp processes."""
+        if self.world_size != world_size:
+            raise ValueError(f"dp({self.dp}) * tp({self.tp}) * pp({self.pp}) = {self.world_size} != "
+                             f"world_size({world_size}): launch {self.world_size} processes (--nprocs "
+                             f"{self.world_size}) or change dp/tp/pp so their product is {world_size}")
+
+    # ----- learning rate -----
+    def lr_at(self, step: int) -> float:
+        """Learning rate of optimiser step ``step`` (0-based).
+
+        Warmup: lr·(step+1)/warmup_steps for step < warmup_steps, so step 0 already
+        moves (lr/warmup_steps) and step warmup_steps-1 reaches lr. Then, with
+        progress t = (step - warmup_steps)/(steps - warmup_steps) clamped to [0, 1]:
+        cosine min_lr + (lr - min_lr)·(1 + cos πt)/2, linear lr - (lr - min_lr)·t,
+        constant lr. So step warmup_steps is also lr, and min_lr is reached at step
+        ``steps`` (one past the last step run). If warmup_steps >= steps the run ends
+        inside the warmup."""
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"step={step!r} must be an int >= 0")
+        if step < self.warmup_steps:
+            return self.lr * (step + 1) / self.warmup_steps
+        if self.lr_schedule == "constant":
+            return self.lr
+        decay_steps = self.steps - self.warmup_steps
+        progress = 1.0 if decay_steps <= 0 else min(1.0, (step - self.warmup_steps) / decay_steps)
+        if self.lr_schedule == "linear":
+            return self.lr - (self.lr - self.min_lr) * progress
+        return self.min_lr + (self.lr - self.min_lr) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    # ----- identity -----
+    def to_dict(self) -> dict:
+        """Every field, flat, in declaration order, as JSON/TOML types (tuples as lists)."""
+        return {name: list(value) if isinstance(value, tuple) else value
+                for name in FIELD_NAMES for value in [getattr(self, name)]}
+
+    def model_fields(self) -> dict:
+        """The fields that fix the model's parameter shapes and numerics; a checkpoint
+        whose model_fields differ cannot be loaded. Only the chosen model's fields
+        count, and ffn_hidden is resolved (0 and 4·hidden are the same model)."""
+        if self.model == "mlp":
+            return {"model": self.model, "mlp_hidden": list(self.mlp_hidden), "dtype": self.dtype}
+        return {"model": self.model, "layers": self.layers, "hidden": self.hidden, "heads": self.heads,
+                "seq_len": self.seq_len, "ffn_hidden": self.ffn, "tied_head": self.tied_head, "dtype": self.dtype}
+
+    def digest(self) -> str:
+        """sha256 hex of the canonical JSON of to_dict (sorted keys, no spaces)."""
+        canonical = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(canonical.encode()).hexdigest()
+
+    def replace(self, **overrides) -> TrainConfig:
+        """A validated copy with some fields changed."""
+        _check_names(overrides, "replace()")
+        return dataclasses.replace(self, **overrides)
+
+    # ----- files -----
+    @classmethod
+    def from_dict(cls, values: Mapping, *, source: str = "dict") -> TrainConfig:
+        """Build from flat field -> value (e.g. to_dict's output); unknown keys raise."""
+        _check_names(values, source)
+        return cls(**values)
+
+    @classmethod
+    def from_toml(cls, path) -> TrainConfig:
+        """Read a TOML file, flat or in tables (see the module docstring), over the defaults."""
+        return cls(**load_toml(path))
+
+    def to_toml(self) -> str:
+        """Every field, grouped in the TOML tables; from_toml reads it back equal."""
+        tables: dict[str, dict] = {table: {} for table in TABLES}
+        values = self.to_dict()
+        for name in FIELD_NAMES:
+            tables[FIELD_TABLES[name]][name] = values[name]
+        return f"# plait TrainConfig, digest {self.digest()}\n" + tomli_w.dumps(tables)
+
+
+FIELDS = dataclasses.fields(TrainConfig)
+FIELD_NAMES = tuple(spec.name for spec in FIELDS)
+FIELD_TABLES = {spec.name: spec.metadata["table"] for spec in FIELDS}
+FIELD_HELP = {spec.name: spec.metadata["help"] for spec in FIELDS}
+FIELD_CHOICES = {spec.name: spec.metadata["choices"] for spec in FIELDS}
+_KIND_OF_TYPE = {int: "int", float: "float", bool: "bool", str: "str", tuple[int, ...]: "ints"}
+FIELD_KINDS = {name: _KIND_OF_TYPE[hint] for name, hint in typing.get_type_hints(TrainConfig).items()}
+_EXPECTED = {"int": "an int", "float": "a number", "bool": "a bool (true/false)", "str": "a string",
+             "ints": "a list of ints"}
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _type_problem(name: str, value) -> str | None:
+    kind = FIELD_KINDS[name]
+    if kind == "int":
+        ok = _is_int(value)
+    elif kind == "float":
+        ok = (_is_int(value) or isinstance(value, float)) and math.isfinite(value)
+    elif kind == "bool":
+        ok = isinstance(value, bool)
+    elif kind == "str":
+        ok = isinstance(value, str)
+    else:
+        ok = isinstance(value, (list, tuple)) and all(_is_int(item) for item in value)
+    if ok:
+        return None
+    return f"{name}={value!r} ({type(value).__name__}) must be {_EXPECTED[kind]}, e.g. {name}={_default(name)!r}"
+
+
+def _default(name: str):
+    return next(spec.default for spec in FIELDS if spec.name == name)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0] if n >= 1 else []
+
+
+def _listed(values) -> str:
+    return ", ".join(map(str, values))
+
+
+# Names other trainers use, which difflib would not match to ours.
+_ALIASES = {"learning_rate": "lr", "batch_size": "global_batch", "micro_batch_size": "micro_batch",
+            "max_steps": "steps", "iterations": "steps", "epochs": "steps", "n_layer": "layers",
+            "n_head": "heads", "d_model": "hidden", "block_size": "seq_len", "warmup": "warmup_steps",
+            "clip_grad": "grad_clip", "output_dir": "out"}
+
+
+def _suggest(name: str, names=FIELD_NAMES) -> str:
+    key = name.replace("-", "_").lower()
+    if names is FIELD_NAMES and key in _ALIASES:
+        return f"did you mean {_ALIASES[key]!r}?"
+    close = difflib.get_close_matches(key, names, n=1, cutoff=0.5)
+    return f"did you mean {close[0]!r}?" if close else f"valid names: {_listed(names)}"
+
+
+def _check_names(values: Mapping, source: str) -> None:
+    unknown = [name for name in values if name not in FIELD_NAMES]
+    if unknown:
+        raise ValueError(f"unknown TrainConfig field(s) in {source}: "
+                         + "; ".join(f"{name!r} ({_suggest(name)})" for name in unknown))
+
+
+def _value_problems(config: TrainConfig, typed: set[str]) -> list[str]:
+    """Range and cross-field checks; a field with a type problem is left out."""
+    problems: list[str] = []
+    c = config
+
+    def ok(*names: str) -> bool:
+        return all(name in typed for name in names)
+
+    def at_least(name: str, low: int, meaning: str = "") -> None:
+        if ok(name) and getattr(c, name) < low:
+            problems.append(f"{name}={getattr(c, name)} must be >= {low}{meaning}")
+
+    def fraction(name: str, meaning: str) -> None:
+        if ok(name) and not 0.0 <= getattr(c, name) < 1.0:
+            problems.append(f"{name}={getattr(c, name)} must be in [0, 1) ({meaning}), e.g. {_default(name)}")
+
+    for name, choices in FIELD_CHOICES.items():
+        if choices and ok(name) and getattr(c, name) not in choices:
+            close = difflib.get_close_matches(getattr(c, name), choices, n=1, cutoff=0.5)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            problems.append(f"{name}={getattr(c, name)!r} is not valid: {hint}use one of {_listed(choices)}")
+            typed.discard(name)  # cross checks below assume a valid choice
+    # ----- single fields -----
+    for name in ("layers", "hidden", "heads", "seq_len", "data_max_bytes", "global_batch", "micro_batch",
+                 "dp", "tp", "pp", "virtual", "steps", "eval_batches", "log_interval"):
+        at_least(name, 1)
+    at_least("ffn_hidden", 0, " (0 means 4*hidden)")
+    at_least("warmup_steps", 0, " (0 = no warmup)")
+    at_least("eval_interval", 0, " (0 = no evaluation)")
+    at_least("checkpoint_interval", 0, " (0 = checkpoint only at the end)")
+    at_least("keep_checkpoints", 0, " (0 = keep all)")
+    at_least("seed", 0)
+    fraction("dropout", "a probability")
+    fraction("val_fraction", "the held-out share of the data")
+    fraction("beta1", "adamw's first-moment decay")
+    fraction("beta2", "adamw's second-moment decay")
+    fraction("momentum", "sgd's momentum")
+    if ok("mlp_hidden") and any(width < 1 for width in c.mlp_hidden):
+        problems.append(f"mlp_hidden={list(c.mlp_hidden)} widths must all be >= 1, e.g. mlp_hidden=128,128,128")
+    for name, what in (("data", "stdlib, digits or a path"), ("algorithm", "auto or an algorithm name"),
+                       ("out", "a run directory")):
+        if ok(name) and not getattr(c, name).strip():
+            problems.append(f"{name}={getattr(c, name)!r} is empty: give {what}, e.g. {name}={_default(name)!r}")
+    if ok("mesh_order") and sorted(c.mesh_order.split(",")) != sorted(AXES):
+        problems.append(f"mesh_order={c.mesh_order!r} must list tp, dp and pp once each, innermost first, "
+                        f"e.g. 'tp,dp,pp'")
+    if ok("lr") and c.lr <= 0:
+        problems.append(f"lr={c.lr} must be > 0, e.g. lr={_default('lr')}")
+    if ok("min_lr") and c.min_lr < 0:
+        problems.append(f"min_lr={c.min_lr} must be >= 0")
+    elif ok("lr", "min_lr") and c.lr > 0 and c.min_lr > c.lr:
+        problems.append(f"min_lr({c.min_lr}) > lr({c.lr}): the schedule decays from lr down to min_lr; "
+                        f"use min_lr <= {c.lr} (e.g. {c.lr / 10:g})")
+    for name in ("weight_decay", "grad_clip"):
+        if ok(name) and getattr(c, name) < 0:
+            problems.append(f"{name}={getattr(c, name)} must be >= 0" + (" (0 = off)" if name == "grad_clip" else ""))
+    if ok("timeout_s") and c.timeout_s <= 0:
+        problems.append(f"timeout_s={c.timeout_s} must be > 0 seconds, e.g. timeout_s={_default('timeout_s')}")
+    if ok("eval_interval", "val_fraction") and c.eval_interval > 0 and c.val_fraction == 0:
+        problems.append(f"eval_interval={c.eval_interval} needs held-out data but val_fraction=0: set "
+                        f"val_fraction > 0 (e.g. 0.05) or eval_interval=0")
+    if ok("compression") and c.compression != "none":
+        from plait.compress.spec import from_spec  # imports torch; only when asked for
+
+        try:
+            compressor = from_spec(c.compression)
+        except ValueError as error:
+            problems.append(f"compression={c.compression!r}: {error}")
+        else:
+            if compressor is not None and ok("dp") and c.dp == 1:
+                problems.append(f"compression={c.compression!r} compresses the dp gradient all-reduce, but dp=1 "
+                                f"has none: set compression=none or dp >= 2")
+    problems += _batch_problems(c, ok)
+    problems += _model_problems(c, ok)
+    return problems
+
+
+def _batch_problems(c: TrainConfig, ok) -> list[str]:
+    """global_batch / dp / micro_batch divisibility, then what the schedule needs of them."""
+    if not ok("global_batch", "micro_batch", "dp") or min(c.global_batch, c.micro_batch, c.dp) < 1:
+        return []
+    if c.global_batch % c.dp:
+        below, above = c.global_batch // c.dp * c.dp, (c.global_batch // c.dp + 1) * c.dp
+        batches = _listed(b for b in (below, above) if b >= 1)
+        return [f"global_batch({c.global_batch}) % dp({c.dp}) = {c.global_batch % c.dp}: the dp ranks split the "
+                f"global batch evenly; use global_batch in {{{batches}}} or dp in "
+                f"{{{_listed(_divisors(c.global_batch))}}}"]
+    per_rank = c.per_rank_batch
+    if per_rank % c.micro_batch:
+        return [f"per_rank_batch = global_batch({c.global_batch}) / dp({c.dp}) = {per_rank} is not a multiple of "
+                f"micro_batch({c.micro_batch}): use micro_batch in {{{_listed(_divisors(per_rank))}}}"]
+    if not ok("pp", "virtual", "schedule") or min(c.pp, c.virtual) < 1:
+        return []
+    problems = []
+    m = c.microbatches
+    derivation = f"microbatches = global_batch({c.global_batch}) / dp({c.dp}) / micro_batch({c.micro_batch}) = {m}"
+
+    def micro_batches_where(good) -> str:
+        valid = [d for d in _divisors(per_rank) if good(per_rank // d)]
+        return (f"use micro_batch in {{{_listed(valid)}}}" if valid
+                else f"no micro_batch works with per_rank_batch={per_rank}; raise global_batch")
+
+    if c.virtual > 1 and c.schedule != "interleaved_1f1b":
+        problems.append(f"virtual={c.virtual} model chunks per rank apply to schedule='interleaved_1f1b' only, not "
+                        f"{c.schedule!r}: set virtual=1 or schedule=interleaved_1f1b")
+    if c.schedule == "interleaved_1f1b":
+        if c.virtual < 2:
+            problems.append(f"schedule='interleaved_1f1b' needs virtual >= 2 model chunks per pipeline rank, got "
+                            f"virtual={c.virtual}: set virtual=2 (or schedule=1f1b)")
+        if m % c.pp:
+            problems.append(f"schedule='interleaved_1f1b' needs microbatches to be a multiple of pp({c.pp}), but "
+                            f"{derivation}: {micro_batches_where(lambda k: k % c.pp == 0)}")
+    if c.schedule == "chimera":
+        if c.pp % 2:
+            problems.append(f"schedule='chimera' runs two pipelines in opposite directions and needs an even pp, "
+                            f"got pp={c.pp}: use pp={c.pp + 1 if c.pp > 1 else 2} or another schedule")
+        if m % 2:
+            problems.append(f"schedule='chimera' splits the micro-batches between its two pipelines and needs an "
+                            f"even number, but {derivation}: {micro_batches_where(lambda k: k % 2 == 0)}")
+    return problems
+
+
+def _model_problems(c: TrainConfig, ok) -> list[str]:
+    """What the chosen model needs of tp, pp and the data."""
+    problems = []
+    if not ok("model"):
+        return problems
+    if ok("pp", "virtual") and min(c.pp, c.virtual) >= 1:
+        chunks = c.pp * c.virtual
+        if c.model == "gpt" and ok("layers") and c.layers < chunks:
+            problems.append(f"layers({c.layers}) < pp({c.pp}) * virtual({c.virtual}) = {chunks} pipeline chunks, "
+                            f"each needing at least one block: use layers >= {chunks} or fewer stages")
+        linear_layers = len(c.mlp_hidden) + 1 if ok("mlp_hidden") else chunks
+        if c.model == "mlp" and linear_layers < chunks:
+            problems.append(f"mlp_hidden={list(c.mlp_hidden)} gives {linear_layers} linear layers < pp({c.pp}) * "
+                            f"virtual({c.virtual}) = {chunks} pipeline chunks: give mlp_hidden >= {chunks - 1} "
+                            f"widths or fewer stages")
+    if c.model == "mlp":
+        if ok("tp") and c.tp != 1:
+            problems.append(f"tp={c.tp} with model='mlp': tensor parallelism is for the GPT; set tp=1 or model=gpt")
+        if ok("sequence_parallel") and c.sequence_parallel:
+            problems.append("sequence_parallel=true with model='mlp': sequence parallelism is for the GPT; "
+                            "set sequence_parallel=false")
+        if ok("data") and c.data != "digits":
+            problems.append(f"data={c.data!r} with model='mlp': the MLP trains on scikit-learn's digits; "
+                            f"set data=digits (or model=gpt)")
+        return problems
+    # ----- gpt -----
+    if ok("data") and c.data == "digits":
+        problems.append("data='digits' with model='gpt': digits is the MLP's image data set; use data=stdlib, a "
+                        "text file or directory, or model=mlp")
+    if ok("tied_head", "pp") and c.tied_head and c.pp > 1:
+        problems.append(f"tied_head=true with pp({c.pp}) > 1: the embedding (first stage) and the head (last "
+                        f"stage) would live on different stages; set tied_head=false (or pp=1)")
+    if not ok("hidden", "heads", "ffn_hidden", "tp", "seq_len", "sequence_parallel") or min(
+            c.hidden, c.heads, c.tp, c.seq_len) < 1 or c.ffn_hidden < 0:
+        return problems
+    if c.hidden % c.heads:
+        problems.append(f"hidden({c.hidden}) % heads({c.heads}) = {c.hidden % c.heads}: each head takes "
+                        f"hidden/heads channels; use heads in {{{_listed(_divisors(c.hidden)[:8])}}}"
+                        f"{', ...' if len(_divisors(c.hidden)) > 8 else ''} or hidden a multiple of {c.heads}")
+    sizes = {"heads": c.heads, "ffn": c.ffn} | ({"seq_len": c.seq_len} if c.sequence_parallel else {})
+    valid_tp = _listed(_divisors(math.gcd(*sizes.values())))
+    why = {"heads": "attention heads are split across tp ranks",
+           "ffn": "the MLP's inner width (ffn_hidden, 0 = 4*hidden) is split across tp ranks",
+           "seq_len": "sequence parallelism splits the sequence across tp ranks"}
+    for name, size in sizes.items():
+        if size % c.tp:
+            problems.append(f"{name}({size}) % tp({c.tp}) = {size % c.tp}: {why[name]}; use tp in {{{valid_tp}}}")
+    return problems
+
+
+# ----- TOML -------------------------------------------------------------------------------
+def load_toml(path) -> dict:
+    """A TOML file's fields as a flat dict (not yet validated together: the caller
+    builds the TrainConfig). Raises ValueError naming the file for a missing or
+    malformed file, an unknown key or table (with the closest valid name), a key in
+    the wrong table or set twice, and a value of the wrong type."""
+    path = Path(path)
+    try:
+        with path.open("rb") as file:
+            document = tomllib.load(file)
+    except FileNotFoundError:
+        raise ValueError(f"config file {str(path)!r} not found (cwd: {Path.cwd()})") from None
+    except (OSError, tomllib.TOMLDecodeError) as error:
+        raise ValueError(f"cannot read config file {str(path)!r}: {error}") from None
+    values: dict = {}
+    where: dict[str, str] = {}
+    problems: list[str] = []
+
+    def take(key: str, value, place: str, table: str | None) -> None:
+        if key not in FIELD_NAMES:
+            problems.append(f"unknown key {key!r} in {place}: {_suggest(key)}")
+        elif table is not None and FIELD_TABLES[key] != table:
+            problems.append(f"{key!r} belongs in [{FIELD_TABLES[key]}], not [{table}]")
+        elif key in values:
+            problems.append(f"{key!r} is set twice, in {where[key]} and in {place}: keep one")
+        elif (problem := _type_problem(key, value)) is not None:
+            problems.append(problem)
+        else:
+            values[key], where[key] = value, place
+
+    for key, value in document.items():
+        if isinstance(value, dict):
+            if key in TABLES:
+                for inner_key, inner_value in value.items():
+                    take(inner_key, inner_value, f"[{key}]", key)
+            else:
+                close = difflib.get_close_matches(key, TABLES, n=1, cutoff=0.5)
+                hint = f"did you mean [{close[0]}]? " if close else ""
+                problems.append(f"unknown table [{key}]: {hint}tables are {_listed(f'[{t}]' for t in TABLES)}")
+        else:
+            take(key, value, "the top level", None)
+    if problems:
+        raise ValueError(f"invalid config file {str(path)!r}:\n" + "\n".join(f"  - {p}" for p in problems))
+    return values
+
+
+# ----- command line -----------------------------------------------------------------------
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of ints, e.g. 128,128,128") from None
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> None:
+    """One flag per TrainConfig field, ``--field-name``, in the group
+    "training config (also settable in --config FILE)". Defaults are SUPPRESSed, so
+    the namespace holds only the flags given (config_from_args overlays them)."""
+    group = parser.add_argument_group(CLI_GROUP_TITLE)
+    for spec in FIELDS:
+        name, kind, choices = spec.name, FIELD_KINDS[spec.name], FIELD_CHOICES[spec.name]
+        default = ",".join(map(str, spec.default)) if kind == "ints" else spec.default
+        help_text = f"{FIELD_HELP[name]} (default: {str(default).lower() if kind == 'bool' else default})"
+        options = {"dest": name, "default": argparse.SUPPRESS, "help": help_text.replace("%", "%%")}
+        if kind == "bool":
+            group.add_argument(_flag(name), action=argparse.BooleanOptionalAction, **options)
+            continue
+        if choices:
+            options["metavar"] = "{" + ",".join(choices) + "}"
+        elif kind == "ints":
+            options["metavar"] = "W,W,..."
+        else:
+            options["metavar"] = {"int": "N", "float": "X", "str": "TEXT"}[kind]
+        group.add_argument(_flag(name), type={"int": int, "float": float, "str": str, "ints": _int_list}[kind],
+                           **options)
+
+
+def config_from_args(args: argparse.Namespace, config_path: str | None = None) -> TrainConfig:
+    """Defaults, then the TOML file at ``config_path`` (if any), then the flags given
+    on the command line; validated once, as a whole, at the end."""
+    values = load_toml(config_path) if config_path else {}
+    values.update({name: getattr(args, name) for name in FIELD_NAMES if hasattr(args, name)})
+    return TrainConfig(**values)

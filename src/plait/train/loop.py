@@ -1,0 +1,386 @@
+"""The training job one process of ``plait train`` runs, inside a torchrun world.
+
+``run(config)`` joins the world (gloo on CPU, NCCL on GPU, from torchrun's
+environment), builds the dp × tp × pp mesh, the data, the model cut into this
+rank's pipeline chunks at its tensor-parallel degree, and the optimiser; resumes
+from the newest complete checkpoint in ``config.out`` when there is one; then
+trains ``config.steps`` steps. Rank 0 shows progress, writes ``metrics.jsonl``
+(one line per step, rewritten on resume so no step appears twice) and, at the
+end, the run report. Checkpoints are written every ``checkpoint_interval``
+steps and at the end (see plait.train.checkpoint).
+
+The data position is the step number: global batch t is a deterministic function
+of (seed, t) and dp rank r reads its 1/dp slice of it, so a resumed or resharded
+run sees exactly the batches the uninterrupted one would.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import time
+from dataclasses import asdict
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn import functional as F
+
+from plait import comm
+from plait.parallel.hybrid import HybridModel, build_hybrid, evaluate, train_step
+from plait.parallel.mesh import DeviceMesh, ParallelDims
+from plait.train import checkpoint as ckpt
+from plait.train.config import TrainConfig
+
+FAULT_ENV = "PLAIT_FAULT_KILL"  # "RANK:STEP": that rank kills itself before STEP, first attempt only (tests)
+
+
+def init_distributed(timeout_s: float) -> torch.device:
+    """Join the torchrun world (env://) unless already in one: NCCL with one GPU
+    per local rank when CUDA is available, gloo on CPU otherwise."""
+    use_cuda = torch.cuda.is_available()
+    device = torch.device("cpu")
+    if use_cuda:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(seconds=timeout_s))
+    return device
+
+
+def _threads_per_process() -> int:
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return max(1, (os.cpu_count() or 1) // max(local, 1))
+
+
+def load_data(config: TrainConfig):
+    """The corpus (GPT) or the digits (MLP)."""
+    if config.model == "gpt":
+        from plait.train.corpus import load_corpus
+
+        return load_corpus(config.data, max_bytes=config.data_max_bytes, val_fraction=config.val_fraction)
+    from plait.train.data import load_digits
+
+    return load_digits(seed=config.seed)
+
+
+def model_description(config: TrainConfig, data) -> dict:
+    """What fixes the model's parameters: compared with a checkpoint's."""
+    if config.model == "gpt":
+        return {"kind": "gpt", **asdict(gpt_config(config, data.vocab_size))}
+    return {"kind": "mlp", "sizes": [64, *config.mlp_hidden, 10], "dtype": config.dtype}
+
+
+def gpt_config(config: TrainConfig, vocab: int):
+    from plait.models.gpt import GPTConfig
+
+    return GPTConfig(layers=config.layers, hidden=config.hidden, heads=config.heads, seq_len=config.seq_len,
+                     vocab=vocab, ffn_hidden=config.ffn_hidden, dropout=config.dropout,
+                     tied_head=config.tied_head, dtype=config.dtype)
+
+
+def build_model(config: TrainConfig, data, tp_group=None):
+    """(model at this rank's tp degree, its sequential layers, loss_fn)."""
+    if config.model == "gpt":
+        from plait.models.gpt import GPT
+        from plait.parallel.pipeline.partition import sequential_layers
+        from plait.parallel.tensor import TensorParallel, vocab_parallel_cross_entropy
+
+        tp = TensorParallel(group=tp_group, algorithm=config.algorithm, sequence_parallel=config.sequence_parallel,
+                            check_args=False)
+        model = GPT(gpt_config(config, data.vocab_size), tp, seed=config.seed)
+        vocab = data.vocab_size
+
+        def loss_fn(logits, targets):  # (b, s, V'/tp), (b, s)
+            return vocab_parallel_cross_entropy(logits, targets, tp, vocab).mean()
+
+        return model, sequential_layers(model), loss_fn
+    from plait.models.mlp import MLP
+
+    torch.manual_seed(config.seed)
+    model = MLP((64, *config.mlp_hidden, 10)).to(getattr(torch, config.dtype))
+    children = list(model.net)
+    layers = [nn.Sequential(*children[i:i + 2]) for i in range(0, len(children), 2)]  # Linear + ReLU pairs
+    return model, layers, lambda logits, labels: F.cross_entropy(logits, labels)
+
+
+def make_optimizer(named_params, config: TrainConfig) -> torch.optim.Optimizer:
+    """AdamW (or SGD with momentum); weight decay on matrices only, not on biases,
+    LayerNorm scales or position vectors (GPT-2 / Megatron practice)."""
+    named = list(named_params)
+    decay = [param for name, param in named if param.dim() >= 2]
+    rest = [param for name, param in named if param.dim() < 2]
+    groups = [{"params": decay, "weight_decay": config.weight_decay}, {"params": rest, "weight_decay": 0.0}]
+    groups = [group for group in groups if group["params"]]
+    if config.optimizer == "sgd":
+        return torch.optim.SGD(groups, lr=config.lr, momentum=config.momentum)
+    return torch.optim.AdamW(groups, lr=config.lr, betas=(config.beta1, config.beta2))
+
+
+def batch(config: TrainConfig, data, step: int, rank: int, world_size: int, *, evaluation: bool = False):
+    """Global batch ``step`` (or validation batch ``step``), this dp rank's slice."""
+    if config.model == "gpt":
+        from plait.train.corpus import eval_batch, lm_batch
+
+        if evaluation:
+            return eval_batch(data.val, step, config.global_batch, config.seq_len, rank=rank, world_size=world_size)
+        return lm_batch(data.train, step, config.global_batch, config.seq_len, seed=config.seed, rank=rank,
+                        world_size=world_size)
+    from plait.train.data import rank_batch
+
+    dataset = data[1] if evaluation else data[0]
+    size = min(config.global_batch, len(dataset) // world_size * world_size)
+    return rank_batch(dataset, step, size, rank, world_size, seed=config.seed)
+
+
+class Trainer:
+    """One rank's training state (see the module docstring)."""
+
+    def __init__(self, config: TrainConfig, *, resume: str = "auto", log=print, data=None):
+        self.config, self.log = config, log
+        self.started_s = float(os.environ.get("PLAIT_LAUNCH_TIME", time.time()))
+        self.device = init_distributed(config.timeout_s)
+        if self.device.type == "cpu" and "LOCAL_WORLD_SIZE" in os.environ:  # under torchrun: share the cores
+            torch.set_num_threads(_threads_per_process())
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.dims = ParallelDims(dp=config.dp, tp=config.tp, pp=config.pp, order=config.mesh_order)
+        self.mesh = DeviceMesh.create(self.dims)
+        self.coords = self.mesh.coords
+        self.data = load_data(config) if data is None else data
+        self.model_info = model_description(config, self.data)
+        model, layers, loss_fn = build_model(config, self.data, self.mesh.group["tp"] if config.tp > 1 else None)
+        model.to(self.device)
+        self.hybrid: HybridModel = build_hybrid(
+            model, layers, self.mesh, loss_fn, schedule=config.schedule, microbatches=config.microbatches,
+            virtual=config.virtual, algorithm=config.algorithm, compression=config.compression,
+            timeout_s=config.timeout_s, tp_rank=self.coords["tp"], tp_size=config.tp)
+        self.layers = layers
+        self.optimizer = make_optimizer(self.hybrid.names.items(), config)
+        self.out = Path(config.out)
+        self.start_step = 0
+        self.resumed_from = None
+        self.times = {"wall_s": 0.0, "compute_s": 0.0, "comm_s": 0.0, "bubble_s": 0.0, "other_s": 0.0}
+        if resume != "never":
+            self._resume(resume)
+
+    # ----- checkpoints ---------------------------------------------------------------------
+    def _resume(self, resume: str) -> None:
+        if resume == "auto":
+            path = ckpt.latest_complete(self.out, log=self.log if self.rank == 0 else (lambda _: None)) \
+                if self.out.exists() else None
+            if path is None:
+                return
+        else:
+            path = Path(resume)
+            problems = ckpt.verify(path)
+            if problems:
+                raise ValueError(f"cannot resume from {path}: " + "; ".join(problems))
+        manifest, model_state, optimizer_state, specs = ckpt.load_full(path, check_files=False)  # verified above
+        ckpt.check_compatible(manifest, self.model_info)
+        if manifest.get("corpus_digest") != getattr(self.data, "digest", None):
+            raise ValueError(f"checkpoint {path.name} was trained on different data ({manifest.get('corpus_digest')}"
+                             f" != {getattr(self.data, 'digest', None)}): resume with the same --data, "
+                             f"--data-max-bytes and --val-fraction, or start a new --out directory")
+        names = list(self.hybrid.names)
+        model_shard, optimizer_shard = ckpt.reshard(model_state, optimizer_state, specs, self.coords["tp"],
+                                                    self.config.tp, names)
+        with torch.no_grad():
+            for name, param in self.hybrid.names.items():
+                param.copy_(model_shard[name].to(param.device, param.dtype))
+        for name, param in self.hybrid.names.items():
+            state = optimizer_shard.get(name)
+            if state:
+                self.optimizer.state[param] = {key: value.to(self.device) if value.dim() else value.clone()
+                                               for key, value in state.items()}
+        same_mesh = manifest["mesh"] == self._mesh_info()
+        extra = self._my_extra(path) if same_mesh else {}
+        for name, module in self.hybrid.dropouts.items():
+            if name in extra.get("dropout", {}):
+                module.calls = int(extra["dropout"][name])
+        self.start_step = int(manifest["data_position"])
+        self.resumed_from = path
+        if self.rank == 0:
+            self.log(f"resuming from {path} (step {self.start_step}, saved with mesh "
+                     f"dp={manifest['mesh']['dp']} tp={manifest['mesh']['tp']} pp={manifest['mesh']['pp']})")
+
+    def _my_extra(self, path: Path) -> dict:
+        payload = torch.load(path / ckpt.shard_name(self.coords["tp"], self.coords["pp"]), weights_only=True)
+        return payload.get("extra", {})
+
+    def _mesh_info(self) -> dict:
+        return {"dp": self.config.dp, "tp": self.config.tp, "pp": self.config.pp, "order": self.config.mesh_order}
+
+    def save(self, step: int) -> Path:
+        """Every (tp, pp) coordinate's dp-rank-0 process writes its shard; rank 0
+        writes the manifest (the commit point) once all are on disk."""
+        directory = ckpt.checkpoint_dir(self.out, step)
+        if self.rank == 0:
+            if directory.exists():
+                shutil.rmtree(directory)  # a partial one from an interrupted attempt
+            directory.mkdir(parents=True)
+        dist.barrier()
+        entry = None
+        if self.coords["dp"] == 0:
+            state = {name: self.optimizer.state.get(self.hybrid.names[name], {}) for name in self.hybrid.saved_names}
+            payload = {
+                "format": 1, "tp_rank": self.coords["tp"], "tp_size": self.config.tp,
+                "pp_rank": self.coords["pp"], "pp_size": self.config.pp,
+                "model": {name: self.hybrid.names[name].detach().cpu().clone() for name in self.hybrid.saved_names},
+                "specs": {name: spec for name, spec in self.hybrid.named_specs().items()
+                          if name in self.hybrid.saved_names},
+                "optimizer": {name: {key: value.detach().cpu().clone() if torch.is_tensor(value)
+                                     else torch.tensor(value) for key, value in entry_state.items()}
+                              for name, entry_state in state.items() if entry_state},
+                "extra": {"dropout": {name: int(module.calls) for name, module in self.hybrid.dropouts.items()}},
+            }
+            entry = ckpt.write_shard(directory, ckpt.shard_name(self.coords["tp"], self.coords["pp"]), payload)
+        entries = [None] * self.world_size
+        dist.all_gather_object(entries, entry)
+        if self.rank == 0:
+            manifest = {"step": step, "mesh": self._mesh_info(), "config": self.config.to_dict(),
+                        "config_digest": self.config.digest(), "model": self.model_info,
+                        "corpus_digest": getattr(self.data, "digest", None), "data_position": step,
+                        "created_unix_s": time.time()}
+            ckpt.write_manifest(directory, manifest, [e for e in entries if e is not None])
+            if self.config.keep_checkpoints:  # 0 keeps them all
+                ckpt.prune(self.out, self.config.keep_checkpoints)
+        dist.barrier()
+        return directory
+
+    # ----- the loop ------------------------------------------------------------------------
+    def _batch(self, step, evaluation=False):
+        inputs, targets = batch(self.config, self.data, step, self.coords["dp"], self.config.dp,
+                                evaluation=evaluation)
+        return inputs.to(self.device), targets.to(self.device)
+
+    def evaluate(self) -> float:
+        losses = [evaluate(self.hybrid, *self._batch(index, evaluation=True))
+                  for index in range(self.config.eval_batches)]
+        return sum(losses) / len(losses)
+
+    def _fault_injection(self, step: int) -> None:
+        spec = os.environ.get(FAULT_ENV)
+        if not spec or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+            return
+        rank, at = (int(part) for part in spec.split(":"))
+        if rank == self.rank and step == at:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def train(self, *, until: int | None = None) -> dict | None:
+        """Train from the start (or resumed) step to ``config.steps``, or only up to
+        step ``until`` (exclusive; a partial run, as if stopped there: the LR
+        schedule is still the full run's). Returns rank 0's report."""
+        config = self.config
+        end = config.steps if until is None else min(until, config.steps)
+        metrics_path = self.out / "metrics.jsonl"
+        records = []
+        if self.rank == 0:
+            self.out.mkdir(parents=True, exist_ok=True)
+            (self.out / "config.toml").write_text(config.to_toml())
+            records = _read_metrics(metrics_path, before=self.start_step)
+            _write_metrics(metrics_path, records)
+        progress = None
+        if self.rank == 0:
+            from plait.train.progress import Progress
+
+            progress = Progress(config.steps, start_step=self.start_step)
+        tokens_per_step = config.global_batch * (config.seq_len if config.model == "gpt" else 1)
+        comm.reset_stats()
+        first_step_s = None
+        loop_start_s = time.perf_counter()
+        steps_run = 0
+        metrics_file = open(metrics_path, "a") if self.rank == 0 else None
+        try:
+            for step in range(self.start_step, end):
+                self._fault_injection(step)
+                inputs, targets = self._batch(step)
+                loss, norm, times = train_step(self.hybrid, inputs, targets, self.optimizer, step=step,
+                                               grad_clip=config.grad_clip, lr=config.lr_at(step))
+                steps_run += 1
+                if first_step_s is None:
+                    first_step_s = time.time() - self.started_s
+                for key in self.times:
+                    self.times[key] += getattr(times, key)
+                record = {"step": step, "loss": loss, "lr": config.lr_at(step), "grad_norm": norm,
+                          "tokens_per_s": tokens_per_step / times.wall_s, "step_s": times.wall_s,
+                          "elapsed_s": time.perf_counter() - loop_start_s}
+                last = step == end - 1
+                if config.eval_interval and ((step + 1) % config.eval_interval == 0 or last):
+                    record["val_loss"] = self.evaluate()
+                if self.rank == 0:
+                    metrics_file.write(json.dumps(record) + "\n")
+                    metrics_file.flush()
+                    records.append(record)
+                    extra = f"val {record['val_loss']:.3f}" if "val_loss" in record else ""
+                    progress.update(step + 1, loss, record["tokens_per_s"], extra)
+                if last or (config.checkpoint_interval and (step + 1) % config.checkpoint_interval == 0):
+                    path = self.save(step + 1)
+                    if self.rank == 0:
+                        progress.log(f"checkpoint {path}")
+        finally:
+            if metrics_file is not None:
+                metrics_file.close()
+            if progress is not None:
+                progress.close()
+        return self._report(records, steps_run, tokens_per_step, first_step_s)
+
+    def _report(self, records, steps_run, tokens_per_step, first_step_s) -> dict | None:
+        mine = {"rank": self.rank, "coords": dict(self.coords), "steps": steps_run, **self.times,
+                "collectives": {name: {key: entry[key] for key in ("calls", "bytes_sent", "time_s")}
+                                for name, entry in comm.stats().items()}}
+        everyone = [None] * self.world_size
+        dist.all_gather_object(everyone, mine)
+        if self.rank != 0:
+            return None
+        from plait.train.report import measure_peak_flops, summary_lines, write_report
+
+        run_info = {"config": self.config.to_dict(), "mesh": self.dims.describe(), "world_size": self.world_size,
+                    "backend": dist.get_backend(), "device": str(self.device), "tokens_per_step": tokens_per_step,
+                    "flops_per_step": self.flops_per_step(), "peak_flops_per_s": measure_peak_flops(),
+                    "time_to_first_step_s": first_step_s or 0.0, "steps": self.config.steps,
+                    "start_step": self.start_step}
+        report = write_report(self.out, metrics=records, ranks=everyone, run=run_info)
+        for line in summary_lines(report):
+            self.log(line)
+        return report
+
+    def flops_per_step(self) -> float:
+        config = self.config
+        if config.model == "gpt":
+            from plait.train.report import gpt_train_flops
+
+            return gpt_train_flops(config.global_batch, config.seq_len, config.layers, config.hidden,
+                                   self.data.vocab_size)
+        sizes = [64, *config.mlp_hidden, 10]
+        return 6.0 * config.global_batch * sum(a * b for a, b in zip(sizes, sizes[1:]))
+
+
+def _read_metrics(path: Path, before: int) -> list[dict]:
+    """Records of steps before ``before`` (a resumed run redoes the later ones)."""
+    if not path.exists():
+        return []
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line cut by a crash
+        if record.get("step", before) < before:
+            records.append(record)
+    return records
+
+
+def _write_metrics(path: Path, records: list[dict]) -> None:
+    temporary = path.with_suffix(".tmp")
+    temporary.write_text("".join(json.dumps(record) + "\n" for record in records))
+    os.replace(temporary, path)
+
+
+def run(config: TrainConfig, *, resume: str = "auto", log=print, until: int | None = None) -> dict | None:
+    """Train on this rank of the torchrun world; rank 0 returns the report."""
+    trainer = Trainer(config, resume=resume, log=log)
+    return trainer.train(until=until)

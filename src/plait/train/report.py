@@ -1,0 +1,474 @@
+"""Run report of `plait train`: report.json, report.md and loss.png, plus FLOP counts and MFU.
+
+FLOPs of one training step of a GPT (Megatron-LM, Narayanan et al. 2021; DESIGN §6),
+B batch, s sequence, l layers, h hidden, V vocab, FFN 4h:
+
+    no recomputation:    72·B·s·l·h²·(1 + s/(6h) + V/(12·l·h))
+    full recomputation:  96·B·s·l·h²·(1 + s/(6h) + V/(16·l·h))
+
+A layer's forward does 24·B·s·h² matmul FLOPs (QKV 6, projection 2, MLP 16) plus
+4·B·s²·h for the attention scores and their weighted sum; the logits 2·B·s·h·V.
+Backward costs twice the forward; recomputation adds one more forward of the layers
+(not of the logits).
+
+MFU = flops_per_step × steps / (training wall time × world_size × peak_flops_per_s).
+On CPU there is no datasheet peak, so ``measure_peak_flops`` times a square matmul in
+this process and that achieved rate stands in for the peak of one process.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+
+from plait.train.progress import format_duration, format_rate
+
+AXES = ("dp", "tp", "pp")
+TIME_PARTS = ("compute", "comm", "bubble", "other")
+MIB = float(1 << 20)
+RUN_KEYS = ("config", "mesh", "world_size", "backend", "device", "tokens_per_step", "flops_per_step",
+            "peak_flops_per_s", "time_to_first_step_s", "steps", "start_step")
+RANK_KEYS = ("rank", "coords", "wall_s", "compute_s", "comm_s", "bubble_s", "other_s")
+# Number of final train-loss records averaged into the smoothed final loss.
+FINAL_LOSS_WINDOW = 10
+TIME_DEFINITIONS = (
+    "- **compute**: forward and backward time, minus the plait collectives that ran inside them.\n"
+    "- **comm**: time inside plait collectives (data- and tensor-parallel) and waiting for "
+    "pipeline hand-offs (send/recv of activations and gradients).\n"
+    "- **bubble**: pipeline idle time, when a stage has no micro-batch to run.\n"
+    "- **other**: the rest of the training loop: optimiser step, data loading, logging.\n"
+    "- **wall**: the whole training loop of that rank; compute + comm + bubble + other ≈ wall.\n"
+    "- **%**: share of that rank's wall time.")
+
+
+# ---- FLOPs and peak -------------------------------------------------------------------
+
+def gpt_train_flops(batch: int, seq_len: int, layers: int, hidden: int, vocab: int,
+                    recompute: bool = False) -> float:
+    """FLOPs of one training step (forward + backward) of a GPT on ``batch`` sequences.
+
+    72·B·s·l·h²·(1 + s/(6h) + V/(12·l·h)), or with full activation recomputation
+    96·B·s·l·h²·(1 + s/(6h) + V/(16·l·h)). Pass the global batch to count the whole step."""
+    values = {"batch": batch, "seq_len": seq_len, "layers": layers, "hidden": hidden, "vocab": vocab}
+    bad = [f"{name}({value!r})" for name, value in values.items()
+           if isinstance(value, bool) or not isinstance(value, int) or value < 1]
+    if bad:
+        raise ValueError(f"gpt_train_flops needs positive ints: {', '.join(bad)}")
+    b, s, l, h, v = batch, seq_len, layers, hidden, vocab
+    # Expanded, in integers (exact): 72bslh²(1 + s/6h + V/12lh) = 72bslh² + 12bs²lh + 6bshV.
+    layer_passes = 4 if recompute else 3  # forward, backward (2×), and the recomputed forward
+    return float(layer_passes * 24 * b * s * l * h * h + layer_passes * 4 * b * s * s * l * h + 6 * b * s * h * v)
+
+
+def measure_peak_flops(dtype: torch.dtype = torch.float32, size: int = 512, seconds: float = 0.3,
+                       *, device: str | torch.device = "cpu") -> float:
+    """Achieved FLOP/s of a size×size matmul in this process (2·n³ FLOPs per matmul).
+
+    Not a datasheet number: it is what one process reaches on a large dense matmul with
+    its current thread count, the practical ceiling MFU is measured against on CPU.
+    Runs warm-up matmuls, then as many as fit in ``seconds``."""
+    if not isinstance(size, int) or size < 1 or not seconds > 0:
+        raise ValueError(f"measure_peak_flops needs size >= 1 and seconds > 0, got size={size!r}, "
+                         f"seconds={seconds!r}")
+    generator = torch.Generator().manual_seed(0)
+    a = torch.randn(size, size, generator=generator).to(device=device, dtype=dtype)
+    b = torch.randn(size, size, generator=generator).to(device=device, dtype=dtype)
+    flops_per_matmul = 2.0 * size ** 3
+    with torch.no_grad():
+        out = torch.empty_like(a)
+        for _ in range(3):  # warm-up: allocator, kernel selection, caches
+            torch.matmul(a, b, out=out)
+        out[0, 0].item()  # waits for queued kernels on an accelerator
+        count = 0
+        start_s = time.perf_counter()
+        while True:
+            torch.matmul(a, b, out=out)
+            count += 1
+            if count % 4 == 0 or count < 4:
+                out[0, 0].item()
+                elapsed_s = time.perf_counter() - start_s
+                if elapsed_s >= seconds:
+                    break
+    return flops_per_matmul * count / elapsed_s
+
+
+# ---- aggregation ----------------------------------------------------------------------
+
+def _finite(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _percent(part_s: float, wall_s: float) -> float | None:
+    return 100.0 * part_s / wall_s if wall_s > 0 else None
+
+
+def _check_inputs(metrics: list[dict], ranks: list[dict], run: dict) -> None:
+    problems = []
+    missing = [key for key in RUN_KEYS if key not in run]
+    if missing:
+        problems.append(f"run lacks {missing}")
+    for index, record in enumerate(metrics):
+        if "step" not in record:
+            problems.append(f"metrics[{index}] lacks 'step'")
+    seen = set()
+    for index, rank in enumerate(ranks):
+        lacking = [key for key in RANK_KEYS if key not in rank]
+        if lacking:
+            problems.append(f"ranks[{index}] lacks {lacking}")
+        elif rank["rank"] in seen:
+            problems.append(f"rank {rank['rank']} appears twice in ranks")
+        else:
+            seen.add(rank["rank"])
+            lacking_axes = [axis for axis in AXES if axis not in rank["coords"]]
+            if lacking_axes:
+                problems.append(f"ranks[{index}]['coords'] lacks {lacking_axes}")
+    if problems:
+        raise ValueError("write_report: " + "; ".join(problems))
+
+
+def _loss_summary(metrics: list[dict]) -> dict:
+    train = [(r["step"], float(r["loss"])) for r in metrics if _finite(r.get("loss"))]
+    val = [(r["step"], float(r["val_loss"])) for r in metrics if _finite(r.get("val_loss"))]
+    window = [loss for _, loss in train[-FINAL_LOSS_WINDOW:]]
+    return {
+        "first_train": train[0][1] if train else None,
+        "final_train": train[-1][1] if train else None,
+        "final_train_step": train[-1][0] if train else None,
+        "final_train_mean": sum(window) / len(window) if window else None,
+        "final_train_mean_over": len(window),
+        "final_val": val[-1][1] if val else None,
+        "final_val_step": val[-1][0] if val else None,
+        "best_val": min(loss for _, loss in val) if val else None,
+        "nonfinite_train_records": sum(1 for r in metrics if "loss" in r and not _finite(r.get("loss"))),
+    }
+
+
+def _throughput(metrics: list[dict], start_step: int) -> dict:
+    """Time-weighted mean tokens/s over this run's recorded steps after its first (warm-up):
+    Σ tokens_per_s·step_s / Σ step_s, i.e. tokens / seconds when every step is recorded.
+    This run's records are those with step >= start_step (a resumed run's metrics also
+    hold the earlier run's steps, which the loss curve shows but the throughput skips)."""
+    timed = [r for r in metrics if _finite(r.get("tokens_per_s")) and r["step"] >= start_step]
+    timed.sort(key=lambda r: r["step"])
+    measured = timed[1:] if len(timed) > 1 else timed
+    weighted = [r for r in measured if _finite(r.get("step_s")) and r["step_s"] > 0]
+    if measured and len(weighted) == len(measured):
+        total_s = sum(r["step_s"] for r in weighted)
+        tokens_per_s = sum(r["tokens_per_s"] * r["step_s"] for r in weighted) / total_s
+        mean_step_s = total_s / len(weighted)
+    elif measured:  # no usable step times: plain mean of the rates
+        tokens_per_s = sum(r["tokens_per_s"] for r in measured) / len(measured)
+        mean_step_s = None
+    else:
+        tokens_per_s = mean_step_s = None
+    return {"mean_tokens_per_s": tokens_per_s, "mean_step_s": mean_step_s, "steps_measured": len(measured),
+            "first_step_excluded": len(timed) > 1}
+
+
+def _rank_rows(ranks: list[dict]) -> list[dict]:
+    rows = []
+    for rank in sorted(ranks, key=lambda r: r["rank"]):
+        wall_s = float(rank["wall_s"])
+        row = {"rank": rank["rank"], "coords": {axis: rank["coords"][axis] for axis in AXES},
+               "steps": rank.get("steps"), "wall_s": wall_s}
+        for part in TIME_PARTS:
+            row[f"{part}_s"] = float(rank[f"{part}_s"])
+            row[f"{part}_pct"] = _percent(row[f"{part}_s"], wall_s)
+        rows.append(row)
+    return rows
+
+
+def _time_totals(rows: list[dict]) -> dict:
+    """Sum over the rows (rank-seconds) with each part's share of the summed wall."""
+    wall_s = sum(row["wall_s"] for row in rows)
+    totals = {"ranks": len(rows), "wall_s": wall_s}
+    for part in TIME_PARTS:
+        part_s = sum(row[f"{part}_s"] for row in rows)
+        totals[f"{part}_s"] = part_s
+        totals[f"{part}_pct"] = _percent(part_s, wall_s)
+    return totals
+
+
+def _axis_totals(rows: list[dict]) -> dict:
+    """For each mesh axis with more than one coordinate: time totals per coordinate
+    (e.g. per pipeline stage, where the bubble differs), summed over its ranks."""
+    by_axis = {}
+    for axis in AXES:
+        values = sorted({row["coords"][axis] for row in rows})
+        if len(values) > 1:
+            by_axis[axis] = {str(value): _time_totals([row for row in rows if row["coords"][axis] == value])
+                             for value in values}
+    return by_axis
+
+
+def _collectives(ranks: list[dict]) -> dict:
+    total, per_rank = {}, {}
+    for rank in sorted(ranks, key=lambda r: r["rank"]):
+        for name, stats in sorted((rank.get("collectives") or {}).items()):
+            entry = {"calls": int(stats.get("calls", 0)), "bytes_sent": int(stats.get("bytes_sent", 0)),
+                     "time_s": float(stats.get("time_s", 0.0))}
+            per_rank.setdefault(str(rank["rank"]), {})[name] = entry
+            summed = total.setdefault(name, {"calls": 0, "bytes_sent": 0, "time_s": 0.0, "ranks": 0})
+            for key in ("calls", "bytes_sent", "time_s"):
+                summed[key] += entry[key]
+            summed["ranks"] += 1
+    return {"total": dict(sorted(total.items())), "per_rank": per_rank}
+
+
+def _mesh_shape(ranks: list[dict], run: dict) -> dict:
+    if ranks:
+        return {axis: 1 + max(int(rank["coords"][axis]) for rank in ranks) for axis in AXES}
+    config = run.get("config") or {}
+    return {axis: int(config.get(axis, 1)) for axis in AXES}
+
+
+def _mfu(run: dict, rows: list[dict], throughput: dict) -> dict:
+    wall_s = max((row["wall_s"] for row in rows), default=None)
+    rank_steps = {row["steps"] for row in rows if row["steps"] is not None}
+    steps_run = max(rank_steps) if rank_steps else int(run["steps"]) - int(run["start_step"])
+    flops_per_step, peak, world_size = run["flops_per_step"], run["peak_flops_per_s"], run["world_size"]
+    usable = _finite(flops_per_step) and _finite(peak) and peak > 0 and wall_s and wall_s > 0
+    value = flops_per_step * steps_run / (wall_s * world_size * peak) if usable else None
+    # Same ratio at the steady-state rate (first step excluded): steps/s = tokens/s ÷ tokens per step.
+    steady = None
+    if usable and _finite(throughput["mean_tokens_per_s"]) and _finite(run["tokens_per_step"]) \
+            and run["tokens_per_step"] > 0:
+        steps_per_s = throughput["mean_tokens_per_s"] / run["tokens_per_step"]
+        steady = flops_per_step * steps_per_s / (world_size * peak)
+    return {"value": value, "steady_value": steady, "flops_per_step": flops_per_step, "steps_run": steps_run,
+            "wall_s": wall_s, "world_size": world_size, "peak_flops_per_s": peak,
+            "rank_steps_disagree": len(rank_steps) > 1,
+            "formula": "MFU = flops_per_step × steps_run / (wall_s × world_size × peak_flops_per_s)"}
+
+
+def _json_safe(value):
+    """NaN/inf -> None (strict JSON), tuples -> lists, unknown objects -> str."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {str(key): _json_safe(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(item) for item in value]
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    return str(value)
+
+
+# ---- the report -----------------------------------------------------------------------
+
+def write_report(out_dir, *, metrics: list[dict], ranks: list[dict], run: dict,
+                 log_y: bool | None = None) -> dict:
+    """Write out_dir/report.json, report.md and loss.png; return the report dict.
+
+    ``metrics``: rank 0's per-step records; ``ranks``: one time split per global rank;
+    ``run``: the run's description (keys RUN_KEYS, optional "samples"). ``run["steps"]``
+    is the run's total step count, ``run["start_step"]`` the steps done before this
+    process (resume); a record's "step" is the 0-based index, so this process ran steps
+    start_step .. steps-1. MFU uses the ranks' own "steps" (steps run inside their
+    ``wall_s``) when given, else steps - start_step.
+    ``flops_per_step`` counts the whole global batch (all data-parallel replicas).
+    ``log_y`` None: log scale when the train loss spans more than 10×."""
+    _check_inputs(metrics, ranks, run)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = {"json": str(out_dir / "report.json"), "markdown": str(out_dir / "report.md"),
+             "loss_png": str(out_dir / "loss.png")}
+    metrics = sorted(metrics, key=lambda r: r["step"])
+    rows = _rank_rows(ranks)
+    throughput = _throughput(metrics, int(run["start_step"]))
+    slowest = max(rows, key=lambda row: row["wall_s"]) if rows else None
+    report = {
+        "run": {key: run[key] for key in RUN_KEYS},
+        "mesh_shape": _mesh_shape(ranks, run),
+        "loss": _loss_summary(metrics),
+        "throughput": throughput,
+        "time_to_first_step_s": run["time_to_first_step_s"],
+        "wall_s": max((row["wall_s"] for row in rows), default=None),
+        "mfu": _mfu(run, rows, throughput),
+        "ranks": rows,
+        "ranks_reported": len(rows),
+        "slowest_rank": slowest["rank"] if slowest else None,
+        "time_totals": _time_totals(rows) if rows else None,
+        "axis_totals": _axis_totals(rows),
+        "collectives": _collectives(ranks),
+        "samples": run.get("samples"),
+        "paths": paths,
+    }
+    report = _json_safe(report)
+    _plot_loss(metrics, Path(paths["loss_png"]), report["mesh_shape"], log_y)
+    Path(paths["json"]).write_text(json.dumps(report, indent=2, allow_nan=False) + "\n")
+    Path(paths["markdown"]).write_text(render_markdown(report))
+    return report
+
+
+def _mesh_title(shape: dict) -> str:
+    return " × ".join(f"{axis}={shape[axis]}" for axis in AXES)
+
+
+def _plot_loss(metrics: list[dict], path: Path, shape: dict, log_y: bool | None) -> None:
+    from matplotlib.figure import Figure  # no pyplot: no global backend, renders with Agg
+
+    train = [(r["step"], r["loss"]) for r in metrics if _finite(r.get("loss"))]
+    val = [(r["step"], r["val_loss"]) for r in metrics if _finite(r.get("val_loss"))]
+    fig = Figure(figsize=(7.0, 4.2), dpi=110)
+    ax = fig.add_subplot()
+    if train:
+        ax.plot([s for s, _ in train], [v for _, v in train], color="#3f7fd0", linewidth=1.2, label="train loss")
+    if val:
+        ax.plot([s for s, _ in val], [v for _, v in val], "o", color="#e0772e", markersize=5, label="val loss")
+    positive = [v for _, v in train + val if v > 0]
+    if log_y is None:
+        log_y = bool(positive) and len(positive) == len(train) + len(val) and max(positive) > 10 * min(positive)
+    if log_y and positive:
+        ax.set_yscale("log")
+    if not train and not val:
+        ax.text(0.5, 0.5, "no finite loss recorded", ha="center", va="center", transform=ax.transAxes)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (cross-entropy)" + (", log scale" if log_y and positive else ""))
+    ax.set_title(f"plait train loss: mesh {_mesh_title(shape)} (world {shape['dp'] * shape['tp'] * shape['pp']})")
+    ax.grid(True, alpha=0.3)
+    if train or val:
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, format="png")
+
+
+# ---- markdown -------------------------------------------------------------------------
+
+def _num(value, fmt: str = ".3f", missing: str = "n/a") -> str:
+    return missing if value is None else format(value, fmt)
+
+
+def _pct(fraction, fmt: str = ".2f") -> str:
+    return _num(None if fraction is None else 100.0 * fraction, fmt)
+
+
+def _split(row: dict) -> str:
+    return " | ".join(f"{row[f'{part}_s']:.3f} ({_num(row[f'{part}_pct'], '.1f', '-')}%)" for part in TIME_PARTS)
+
+
+def _flops_rate(value) -> str:
+    return "n/a" if value is None else f"{value / 1e9:.3g} GFLOP/s"
+
+
+def render_markdown(report: dict) -> str:
+    """The report as markdown, readable on its own (columns and formulas explained)."""
+    run, loss, throughput, mfu = report["run"], report["loss"], report["throughput"], report["mfu"]
+    shape = report["mesh_shape"]
+    lines = ["# plait training report", ""]
+    val_text = (f"{loss['final_val']:.4f} (step {loss['final_val_step']}, best {loss['best_val']:.4f})"
+                if loss["final_val"] is not None else "n/a (no evaluation)")
+    train_text = (f"{loss['final_train']:.4f} (step {loss['final_train_step']}; mean of last "
+                  f"{loss['final_train_mean_over']}: {loss['final_train_mean']:.4f})"
+                  if loss["final_train"] is not None else "n/a")
+    tokens_text = (f"{format_rate(throughput['mean_tokens_per_s'])} tokens/s over {throughput['steps_measured']} "
+                   f"recorded steps" + (" (first step excluded)" if throughput["first_step_excluded"] else "")
+                   if throughput["mean_tokens_per_s"] is not None else "n/a")
+    lines += [
+        f"- mesh: {_mesh_title(shape)}, world size {run['world_size']}, backend {run['backend']}, "
+        f"device {run['device']}",
+        f"- steps: {run['start_step']} -> {run['steps']} ({mfu['steps_run']} run), "
+        f"{run['tokens_per_step']} tokens per step",
+        f"- final train loss: {train_text}",
+        f"- final val loss: {val_text}",
+        f"- mean throughput: {tokens_text}",
+        f"- time to first step: {_num(report['time_to_first_step_s'], '.2f')} s; training wall time "
+        f"(slowest rank): {_num(report['wall_s'], '.2f')} s",
+        f"- MFU: {_pct(mfu['value'])}% (steady state, first step excluded: {_pct(mfu['steady_value'])}%)",
+    ]
+    if loss["nonfinite_train_records"]:
+        lines.append(f"- WARNING: {loss['nonfinite_train_records']} records have a non-finite train loss")
+    lines += ["", "## Loss", "", "![loss curve](loss.png)", ""]
+
+    lines += ["## Time per rank", "", "Seconds over the whole training loop, and % of that rank's wall time.", "",
+              TIME_DEFINITIONS, ""]
+    if report["ranks"]:
+        lines += ["| rank | dp | tp | pp | steps | wall s | compute s (%) | comm s (%) | bubble s (%) | other s (%) |",
+                  "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for row in report["ranks"]:
+            coords = row["coords"]
+            marker = " (slowest)" if row["rank"] == report["slowest_rank"] else ""
+            lines.append(f"| {row['rank']}{marker} | {coords['dp']} | {coords['tp']} | {coords['pp']} | "
+                         f"{_num(row['steps'], 'd', '-')} | {row['wall_s']:.3f} | {_split(row)} |")
+        totals = report["time_totals"]
+        lines.append(f"| all ({totals['ranks']}) | | | | | {totals['wall_s']:.3f} | {_split(totals)} |")
+        if report["ranks_reported"] != run["world_size"]:
+            lines += ["", f"Only {report['ranks_reported']} of {run['world_size']} ranks reported."]
+    else:
+        lines.append("No per-rank timings were reported.")
+    lines.append("")
+    for axis, by_value in report["axis_totals"].items():
+        lines += [f"### Per {axis} coordinate", "",
+                  f"Summed over the ranks sharing each {axis} coordinate (rank-seconds; % of their summed wall).", "",
+                  f"| {axis} | ranks | wall s | compute s (%) | comm s (%) | bubble s (%) | other s (%) |",
+                  "|---:|---:|---:|---:|---:|---:|---:|"]
+        for value, totals in by_value.items():
+            lines.append(f"| {value} | {totals['ranks']} | {totals['wall_s']:.3f} | {_split(totals)} |")
+        lines.append("")
+
+    lines += ["## Collectives", "",
+              "Calls, data sent (MiB = 2^20 bytes) and time inside each plait collective. "
+              "Summed over ranks: a collective that every rank joins is counted once per rank.", ""]
+    collectives = report["collectives"]
+    if collectives["total"]:
+        lines += ["| collective | ranks | calls | MiB sent | time s |", "|---|---:|---:|---:|---:|"]
+        for name, stats in collectives["total"].items():
+            lines.append(f"| {name} | {stats['ranks']} | {stats['calls']} | {stats['bytes_sent'] / MIB:.3f} | "
+                         f"{stats['time_s']:.3f} |")
+        lines += ["", "Per rank:", "", "| rank | collective | calls | MiB sent | time s |",
+                  "|---:|---|---:|---:|---:|"]
+        for rank, by_name in collectives["per_rank"].items():
+            for name, stats in by_name.items():
+                lines.append(f"| {rank} | {name} | {stats['calls']} | {stats['bytes_sent'] / MIB:.3f} | "
+                             f"{stats['time_s']:.3f} |")
+    else:
+        lines.append("No collectives were recorded.")
+    lines.append("")
+
+    lines += ["## Model FLOPs utilisation", "", f"    {mfu['formula']}", ""]
+    if mfu["value"] is not None:
+        lines.append(f"    = {mfu['flops_per_step']:.4g} × {mfu['steps_run']} / ({mfu['wall_s']:.3f} s × "
+                     f"{mfu['world_size']} × {mfu['peak_flops_per_s']:.4g} FLOP/s) = {100 * mfu['value']:.2f}%")
+    else:
+        lines.append("    not available (no FLOP count, peak or wall time)")
+    lines += ["",
+              "flops_per_step is the model FLOPs of one optimiser step over the global batch, "
+              "72·B·s·l·h²·(1 + s/(6h) + V/(12·l·h)) for a GPT (96·… with recomputation); "
+              "wall_s is the slowest rank's training loop, first step included. "
+              f"peak_flops_per_s ({_flops_rate(mfu['peak_flops_per_s'])}) is the matmul rate one process "
+              "achieved on this machine (measured, not a datasheet peak). The steady-state MFU uses the mean "
+              "tokens/s without the first step instead of steps_run / wall_s.", ""]
+    lines += ["## Mesh", "", "```", str(run["mesh"]).rstrip(), "```", "",
+              "## Config", "", "```json", json.dumps(run["config"], indent=2, sort_keys=True), "```", ""]
+    if report.get("samples"):
+        lines += ["## Samples", "", "```", str(report["samples"]).rstrip(), "```", ""]
+    return "\n".join(lines)
+
+
+def summary_lines(report: dict) -> list[str]:
+    """A few console lines for rank 0 at the end of training."""
+    loss, throughput, mfu = report["loss"], report["throughput"], report["mfu"]
+    val = f", val {loss['final_val']:.4f}" if loss["final_val"] is not None else ""
+    train = f"{loss['final_train']:.4f} (step {loss['final_train_step']})" if loss["final_train"] is not None else "n/a"
+    lines = [f"loss: train {train}{val}"]
+    tokens = throughput["mean_tokens_per_s"]
+    first_s = report["time_to_first_step_s"]
+    lines.append(f"throughput: {format_rate(tokens)} tokens/s (first step excluded); first step after "
+                 f"{format_duration(first_s) if _finite(first_s) else 'n/a'}")
+    slowest = next((row for row in report["ranks"] if row["rank"] == report["slowest_rank"]), None)
+    if slowest is not None:
+        coords = " ".join(f"{axis}{slowest['coords'][axis]}" for axis in AXES)
+        split = ", ".join(f"{part} {_num(slowest[f'{part}_pct'], '.0f', '-')}%" for part in TIME_PARTS)
+        lines.append(f"slowest rank {slowest['rank']} ({coords}): {format_duration(slowest['wall_s'])} = {split}")
+    if mfu["value"] is not None:
+        steady = "" if mfu["steady_value"] is None else f"; steady state {_pct(mfu['steady_value'], '.1f')}%"
+        lines.append(f"MFU: {_pct(mfu['value'], '.1f')}% of {_flops_rate(mfu['peak_flops_per_s'])} per process "
+                     f"(measured matmul rate){steady}")
+    else:
+        lines.append("MFU: n/a")
+    lines.append(f"report: {report['paths']['markdown']} (+ report.json, loss.png)")
+    return lines

@@ -1,0 +1,78 @@
+"""`plait checkpoint info` and `plait checkpoint export` on a tiny tp=2, pp=2
+checkpoint (built as in tests/train/test_checkpoint.py): output, exit codes and the
+messages of a corrupt or missing checkpoint."""
+
+import pytest
+import torch
+
+from plait.cli.main import main
+from plait.models import GPT
+from tests.train.test_checkpoint import CONFIG, build_reference, save
+
+
+@pytest.fixture
+def run_dir(tmp_path):
+    reference = build_reference()
+    save(tmp_path, 100, reference)
+    save(tmp_path, 200, reference)
+    return tmp_path
+
+
+def test_info_prints_step_mesh_model_and_files(run_dir, capsys):
+    assert main(["checkpoint", "info", str(run_dir)]) == 0
+    out = capsys.readouterr().out
+    assert "step_00000200: complete (4 files verified, sha256)" in out
+    assert "step 200, continue data from step 200" in out
+    assert "mesh dp=1, tp=2, pp=2 (order tp-dp-pp)" in out
+    assert "layers=2, hidden=16, heads=4, seq_len=8, vocab=13" in out
+    for name in ("tp0-pp0.pt", "tp1-pp0.pt", "tp0-pp1.pt", "tp1-pp1.pt"):
+        assert name in out
+
+
+def test_info_on_a_corrupt_checkpoint_exits_2(run_dir, capsys):
+    path = run_dir / "checkpoints" / "step_00000200" / "tp1-pp0.pt"
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+    assert main(["checkpoint", "info", str(path.parent)]) == 2
+    err = capsys.readouterr().err
+    assert "plait checkpoint: error:" in err and "tp1-pp0.pt sha256 mismatch (corrupt)" in err
+    # the run directory falls back to step 100 and says why
+    assert main(["checkpoint", "info", str(run_dir)]) == 0
+    captured = capsys.readouterr()
+    assert "step_00000200: tp1-pp0.pt sha256 mismatch (corrupt): using step_00000100" in captured.err
+    assert "step 100," in captured.out
+
+
+def test_info_on_a_partial_or_missing_path_exits_2(run_dir, capsys):
+    (run_dir / "checkpoints" / "step_00000200" / "manifest.json").unlink()
+    assert main(["checkpoint", "info", str(run_dir / "checkpoints" / "step_00000200")]) == 2
+    assert "no manifest.json (partial: the save did not finish)" in capsys.readouterr().err
+    assert main(["checkpoint", "info", str(run_dir / "nope")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("out_name, extra", [("model.safetensors", []), ("model.pt", []),
+                                             ("model.bin", ["--format", "safetensors"])])
+def test_export_writes_a_strictly_loadable_state_dict(run_dir, tmp_path, capsys, out_name, extra):
+    out = tmp_path / "exported" / out_name
+    assert main(["checkpoint", "export", str(run_dir), "--out", str(out), *extra]) == 0
+    assert f"exported step 200 of {run_dir / 'checkpoints' / 'step_00000200'}" in capsys.readouterr().out
+    if out_name.endswith(".pt"):
+        state = torch.load(out, weights_only=True)
+    else:
+        from safetensors.torch import load_file
+        state = load_file(out)
+    GPT(CONFIG).load_state_dict(state, strict=True)
+
+
+def test_export_errors_exit_2(run_dir, tmp_path, capsys):
+    assert main(["checkpoint", "export", str(run_dir), "--out", str(tmp_path / "model.onnx")]) == 2
+    assert "cannot tell the format" in capsys.readouterr().err
+    for step in (100, 200):
+        (run_dir / "checkpoints" / f"step_{step:08d}" / "tp0-pp1.pt").unlink()
+    assert main(["checkpoint", "export", str(run_dir), "--out", str(tmp_path / "m.pt")]) == 2
+    err = capsys.readouterr().err
+    assert "has no complete checkpoint" in err and "tp0-pp1.pt missing" in err
+    assert not (tmp_path / "m.pt").exists()
+    assert main(["checkpoint", "export", str(run_dir)]) == 2  # --out is required (argparse)

@@ -1,0 +1,124 @@
+"""plait train's hybrid layouts against one process training the same model.
+
+The oracle is written here from plain torch: the unsharded GPT, the whole global
+batch, AdamW, torch's clip_grad_norm_. Every layout (dp × tp × pp) must give its
+loss curve within 1e-5 for 20 steps in float32: the layouts differ only in the
+order floating-point sums are taken (micro-batch accumulation, dp averaging,
+tp partial sums), which moves a loss of ~4 by a few float32 ulps (1 ulp at 4 is
+4.8e-7) per step; AdamW's normalised update keeps those differences from
+growing much over 20 steps. Resume (same layout) is bitwise; resharding (another
+layout) is held to the same 1e-5.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from plait.testing import run_distributed
+from plait.train.config import TrainConfig
+
+TOLERANCE = 1e-5
+STEPS = 20
+
+
+def _config(out, **overrides) -> TrainConfig:
+    values = dict(layers=4, hidden=32, heads=4, seq_len=16, data_max_bytes=60_000, global_batch=8, micro_batch=2,
+                  dp=1, tp=1, pp=1, steps=STEPS, warmup_steps=3, lr=3e-3, min_lr=3e-4, eval_interval=0,
+                  checkpoint_interval=0, keep_checkpoints=0, out=str(out), timeout_s=60.0)
+    values.update(overrides)
+    return TrainConfig(**values)
+
+
+def _losses(out) -> list[float]:
+    lines = (Path(out) / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line)["loss"] for line in lines]
+
+
+def _train_rank(rank, world_size, config, resume="auto", until=None):
+    from plait.train.loop import Trainer
+
+    trainer = Trainer(config, resume=resume, log=lambda _: None)
+    trainer.train(until=until)
+    return None
+
+
+def _reference_losses(config: TrainConfig) -> list[float]:
+    """One process, the whole batch, no plait parallelism."""
+    from plait.models.gpt import GPT
+    from plait.train.corpus import lm_batch, load_corpus
+    from plait.train.loop import gpt_config, make_optimizer
+
+    corpus = load_corpus(config.data, max_bytes=config.data_max_bytes, val_fraction=config.val_fraction)
+    model = GPT(gpt_config(config, corpus.vocab_size), seed=config.seed)
+    optimizer = make_optimizer(model.named_parameters(), config)
+    losses = []
+    for step in range(config.steps):
+        inputs, targets = lm_batch(corpus.train, step, config.global_batch, config.seq_len, seed=config.seed)
+        logits = model(inputs)
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+        optimizer.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
+        for group in optimizer.param_groups:
+            group["lr"] = config.lr_at(step)
+        optimizer.step()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    return _reference_losses(_config(tmp_path_factory.mktemp("reference")))
+
+
+LAYOUTS = [dict(dp=1, tp=1, pp=1), dict(dp=2, tp=2, pp=1), dict(dp=2, tp=1, pp=2), dict(dp=1, tp=2, pp=2)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda d: f"dp{d['dp']}-tp{d['tp']}-pp{d['pp']}")
+def test_layout_matches_one_process(layout, reference, tmp_path):
+    config = _config(tmp_path / "run", **layout)
+    run_distributed(_train_rank, config.world_size, config, timeout_s=300)
+    losses = _losses(tmp_path / "run")
+    assert len(losses) == STEPS
+    assert reference[-1] < reference[0] - 0.5, "the reference must learn, or the comparison says little"
+    worst = max(abs(a - b) for a, b in zip(losses, reference))
+    assert worst <= TOLERANCE, f"{layout}: max |loss - reference| = {worst:.3g} > {TOLERANCE}"
+
+
+@pytest.mark.slow
+def test_other_schedules_and_compression_free_paths_match(reference, tmp_path):
+    """Interleaved 1F1B (2 chunks per rank) with sequence parallelism on tp=2."""
+    config = _config(tmp_path / "run", dp=1, tp=2, pp=2, schedule="interleaved_1f1b", virtual=2, micro_batch=4,
+                     sequence_parallel=True)
+    run_distributed(_train_rank, 4, config, timeout_s=300)
+    worst = max(abs(a - b) for a, b in zip(_losses(tmp_path / "run"), reference))
+    assert worst <= TOLERANCE
+
+
+@pytest.mark.slow
+def test_resume_is_bitwise_and_resharding_matches(tmp_path):
+    whole = _config(tmp_path / "whole", dp=2, pp=2, steps=12, checkpoint_interval=6)
+    run_distributed(_train_rank, 4, whole, timeout_s=300)
+    expected = _losses(tmp_path / "whole")
+
+    # stopped after 6 steps (checkpoint at 6), then resumed in the same layout
+    part = whole.replace(out=str(tmp_path / "part"))
+    run_distributed(_train_rank, 4, part, "auto", 6, timeout_s=300)
+    assert len(_losses(tmp_path / "part")) == 6
+    run_distributed(_train_rank, 4, part, timeout_s=300)
+    assert _losses(tmp_path / "part") == expected  # bitwise: the same arithmetic in the same order
+
+    # the dp2 x pp2 checkpoint at step 6 loaded into tp2 x pp2 and into one process
+    checkpoint = tmp_path / "whole" / "checkpoints" / "step_00000006"
+    for layout, world in ((dict(dp=1, tp=2, pp=2), 4), (dict(dp=1, tp=1, pp=1), 1)):
+        out = tmp_path / f"reshard-{world}"
+        run_distributed(_train_rank, world, whole.replace(out=str(out), **layout), str(checkpoint), timeout_s=300)
+        losses = _losses(out)
+        assert len(losses) == 6
+        worst = max(abs(a - b) for a, b in zip(losses, expected[6:]))
+        assert worst <= TOLERANCE, f"resharded into {layout}: {worst:.3g}"
