@@ -47,8 +47,22 @@ def init_distributed(timeout_s: float) -> torch.device:
     if use_cuda:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
-    if not dist.is_initialized():
-        dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(seconds=timeout_s))
+    if dist.is_initialized():
+        return device
+    backend, timeout = ("nccl" if use_cuda else "gloo"), timedelta(seconds=timeout_s)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None or "MASTER_ADDR" not in os.environ:
+        dist.init_process_group(backend, timeout=timeout)
+        return device
+    # Under torchrun the store outlives a restart: the killed attempt's keys (gloo
+    # addresses of dead processes, one set per new_group) would be read by the new
+    # one. Every attempt gets its own key space.
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                          is_master=not agent_store and rank == 0, timeout=timeout)
+    dist.init_process_group(backend, store=dist.PrefixStore(f"plait/attempt_{attempt}", store), rank=rank,
+                            world_size=world_size, timeout=timeout)
     return device
 
 

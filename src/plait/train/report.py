@@ -37,9 +37,11 @@ RANK_KEYS = ("rank", "coords", "wall_s", "compute_s", "comm_s", "bubble_s", "oth
 FINAL_LOSS_WINDOW = 10
 TIME_DEFINITIONS = (
     "- **compute**: forward and backward time, minus the plait collectives that ran inside them.\n"
-    "- **comm**: time inside plait collectives (data- and tensor-parallel) and waiting for "
-    "pipeline hand-offs (send/recv of activations and gradients).\n"
-    "- **bubble**: pipeline idle time, when a stage has no micro-batch to run.\n"
+    "- **comm**: time inside plait collectives: tensor-parallel ones inside forward and backward, "
+    "the data-parallel gradient averaging, the gradient-norm and loss sums.\n"
+    "- **bubble**: time in the pipeline step outside forward and backward: a stage with no "
+    "micro-batch to run, or waiting for an activation or gradient to arrive from the next or "
+    "previous stage (on one CPU machine a slow peer shows here too).\n"
     "- **other**: the rest of the training loop: optimiser step, data loading, logging.\n"
     "- **wall**: the whole training loop of that rank; compute + comm + bubble + other ≈ wall.\n"
     "- **%**: share of that rank's wall time.")
