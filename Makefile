@@ -18,8 +18,12 @@ $(STAMP): pyproject.toml Makefile
 
 install: $(STAMP)
 
+# The main job: a small GPT on the standard library's source, dp=2 x pp=2 on 4 local
+# processes (plait train's defaults), then text sampled from it. Starts fresh each time.
+RUN_OUT ?= runs/make-run
 run: $(STAMP)
-	OMP_NUM_THREADS=1 $(VENV)/bin/plait bench all_reduce --nprocs 4
+	rm -rf $(RUN_OUT)
+	OMP_NUM_THREADS=1 $(VENV)/bin/plait train --out $(RUN_OUT)
 
 test: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q

@@ -96,7 +96,7 @@ class TrainConfig:
     momentum: float = _field(0.9, "optim", "sgd: momentum in [0, 1)")
     grad_clip: float = _field(1.0, "optim", "clip the global gradient norm to this (0 = off)")
     # ----- run -----
-    steps: int = _field(300, "run", "optimiser steps")
+    steps: int = _field(600, "run", "optimiser steps")
     eval_interval: int = _field(50, "run", "evaluate every this many steps (0 = never)")
     eval_batches: int = _field(4, "run", "global batches per evaluation")
     checkpoint_interval: int = _field(100, "run", "checkpoint every this many steps (0 = only at the end)")

@@ -290,6 +290,11 @@ class Trainer:
         schedule is still the full run's). Returns rank 0's report."""
         config = self.config
         end = config.steps if until is None else min(until, config.steps)
+        if self.start_step >= end:  # e.g. rerun of a finished job: keep its metrics and report as they are
+            if self.rank == 0:
+                self.log(f"{self.out} is already trained to step {self.start_step} of {config.steps}: nothing to do "
+                         f"(raise --steps to train on, or use a new --out)")
+            return None
         metrics_path = self.out / "metrics.jsonl"
         records = []
         if self.rank == 0:
@@ -354,13 +359,23 @@ class Trainer:
 
         run_info = {"config": self.config.to_dict(), "mesh": self.dims.describe(), "world_size": self.world_size,
                     "backend": dist.get_backend(), "device": str(self.device), "tokens_per_step": tokens_per_step,
-                    "flops_per_step": self.flops_per_step(), "peak_flops_per_s": measure_peak_flops(),
+                    "flops_per_step": self.flops_per_step(), "peak_flops_per_s": self.peak_flops_per_process(measure_peak_flops),
                     "time_to_first_step_s": first_step_s or 0.0, "steps": self.config.steps,
                     "start_step": self.start_step}
         report = write_report(self.out, metrics=records, ranks=everyone, run=run_info)
         for line in summary_lines(report):
             self.log(line)
         return report
+
+    def peak_flops_per_process(self, measure) -> float:
+        """The matmul rate one process achieves (measured on rank 0), times its share
+        of the cores when more processes than cores share a CPU machine (4 processes
+        on 2 cores get half a core each, so the machine's peak is 2 cores' worth)."""
+        rate = measure(device=self.device)
+        if self.device.type == "cpu":
+            local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+            rate *= min(1.0, (os.cpu_count() or 1) / max(local, 1))
+        return rate
 
     def flops_per_step(self) -> float:
         config = self.config
