@@ -70,6 +70,8 @@ def run(args) -> int:
         raise ValueError(f"--nprocs {nprocs} != dp({config.dp}) * tp({config.tp}) * pp({config.pp}) = "
                          f"{config.world_size}: pass --nprocs {config.world_size}, or change --dp/--tp/--pp so "
                          f"their product is {nprocs}")
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port {args.port} must be in 0..65535 (0: a free one)")
     if args.max_restarts < 0:
         raise ValueError(f"--max-restarts {args.max_restarts} must be >= 0")
     if args.sample_chars < 0:

@@ -23,7 +23,8 @@ def layer_parameter_counts(config: TrainConfig, data) -> tuple[list[str], list[i
         h, v, ffn = config.hidden, data.vocab_size, config.ffn
         block = 4 * h * h + 4 * h + 2 * h * ffn + ffn + h + 4 * h
         names = ["embedding"] + [f"block {i}" for i in range(config.layers)] + ["head"]
-        return names, [v * h + config.seq_len * h] + [block] * config.layers + [v * h + 2 * h]
+        head = 2 * h + (0 if config.tied_head else v * h)  # final LayerNorm (+ the untied head matrix)
+        return names, [v * h + config.seq_len * h] + [block] * config.layers + [head]
     sizes = [64, *config.mlp_hidden, 10]
     return [f"linear {i}" for i in range(len(sizes) - 1)], [a * b + b for a, b in zip(sizes, sizes[1:])]
 

@@ -1,0 +1,456 @@
+"""`plait train` before any training process starts: config and data errors,
+--nprocs, --dry-run, the --resume checks and the --port fallback.
+
+Everything runs in-process through plait.cli.main.main. subprocess.Popen (how the
+launcher starts torch.distributed.run) is replaced by a recorder for every test, so
+a test that would start processes fails loudly instead of training for minutes; the
+tests that go all the way to the launch check the command it would have run. The one
+real checkpoint is trained once, in the harness's world_size-1 pool.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import socket
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from plait.cli.main import main
+from plait.testing import run_distributed
+from plait.train.config import TrainConfig
+
+# The tiny GPT of every test: small enough that config validation, the data cache and
+# the layout take milliseconds.
+TINY = ["--layers", "2", "--hidden", "32", "--heads", "4", "--seq-len", "16", "--data-max-bytes", "60000",
+        "--global-batch", "8", "--micro-batch", "2"]
+TINY_CONFIG = dict(layers=2, hidden=32, heads=4, seq_len=16, data_max_bytes=60_000, global_batch=8, micro_batch=2,
+                   dp=1, tp=1, pp=1)
+SINGLE = ["--dp", "1", "--tp", "1", "--pp", "1"]
+
+
+class PopenRecorder:
+    """Stands in for subprocess.Popen: records the command, returns a process that
+    exits with `exit_code` at once."""
+
+    def __init__(self):
+        self.calls: list[list[str]] = []
+        self.exit_code = 0
+
+    def __call__(self, command, *args, **kwargs):
+        self.calls.append(list(command))
+        recorder = self
+
+        class FinishedProcess:
+            def wait(self, timeout=None):
+                return recorder.exit_code
+
+            def terminate(self):
+                pass
+
+        return FinishedProcess()
+
+
+@pytest.fixture(autouse=True)
+def launcher(monkeypatch):
+    """No real processes, and not mistaken for a rank of a torchrun world."""
+    for name in ("TORCHELASTIC_RUN_ID", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    recorder = PopenRecorder()
+    monkeypatch.setattr(subprocess, "Popen", recorder)
+    return recorder
+
+
+def train(argv, capsys) -> tuple[int, str, str]:
+    code = main(["train", *argv])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+# --------------------------------------------------------------------------- config errors
+@pytest.mark.parametrize("argv, expected", [
+    (["--dp", "3"], ["global_batch(16) % dp(3) = 1", "dp in {1, 2, 4, 8, 16}"]),
+    (["--tp", "3"], ["heads(4) % tp(3) = 1", "ffn(512) % tp(3) = 2", "use tp in {1, 2, 4}"]),
+    (["--pp", "8"], ["layers(4) < pp(8) * virtual(1) = 8 pipeline chunks"]),
+    (["--schedule", "chimera", "--micro-batch", "8"],
+     ["schedule='chimera'", "microbatches = global_batch(16) / dp(2) / micro_batch(8) = 1",
+      "use micro_batch in {1, 2, 4}"]),
+    (["--schedule", "interleaved_1f1b"], ["needs virtual >= 2", "virtual=1"]),
+    (["--virtual", "2"], ["virtual=2 model chunks per rank apply to schedule='interleaved_1f1b' only", "'1f1b'"]),
+    (["--hidden", "30"], ["hidden(30) % heads(4) = 2"]),
+])
+def test_config_errors_exit_2_naming_the_values(argv, expected, tmp_path, capsys, launcher):
+    code, out, err = train([*argv, "--out", str(tmp_path / "run")], capsys)
+    assert code == 2, err
+    assert err.startswith("plait train: error: invalid TrainConfig")
+    for text in expected:
+        assert text in err, f"{text!r} not in {err!r}"
+    assert launcher.calls == []
+    assert not (tmp_path / "run").exists()
+
+
+def test_every_config_problem_is_reported_at_once(tmp_path, capsys, launcher):
+    code, _, err = train(["--dp", "3", "--tp", "3", "--pp", "8", "--out", str(tmp_path)], capsys)
+    assert code == 2
+    for text in ("global_batch(16) % dp(3)", "heads(4) % tp(3)", "layers(4) < pp(8)"):
+        assert text in err
+    assert launcher.calls == []
+
+
+def test_unknown_key_in_a_config_file_exits_2_naming_file_and_key(tmp_path, capsys, launcher):
+    config = tmp_path / "job.toml"
+    config.write_text('learning_rate = 1e-3\n[optim]\nlr = 1e-3\n[parallel]\nlayers = 2\n')
+    code, _, err = train(["--config", str(config), "--out", str(tmp_path / "run")], capsys)
+    assert code == 2
+    assert str(config) in err
+    assert "unknown key 'learning_rate' in the top level: did you mean 'lr'?" in err
+    assert "'layers' belongs in [model], not [parallel]" in err
+    assert launcher.calls == []
+
+
+def test_missing_config_file_exits_2(tmp_path, capsys):
+    code, _, err = train(["--config", str(tmp_path / "nope.toml")], capsys)
+    assert code == 2
+    assert "nope.toml" in err and "not found" in err
+
+
+def test_flags_override_the_config_file(tmp_path, capsys, launcher):
+    """The file alone is invalid (pp=8 > layers); the flag fixes it, so the pair is accepted."""
+    config = tmp_path / "job.toml"
+    config.write_text("[parallel]\npp = 8\ndp = 1\n")
+    code, out, err = train(["--config", str(config), *TINY, "--pp", "2", "--dry-run", "--out", str(tmp_path)],
+                           capsys)
+    assert code == 0, err
+    assert "mesh dp=1 x tp=1 x pp=2 = 2 processes" in out
+    assert launcher.calls == []
+
+
+@pytest.mark.parametrize("nprocs", ["3", "8"])
+def test_nprocs_other_than_dp_tp_pp_exits_2_naming_both(nprocs, tmp_path, capsys, launcher):
+    code, _, err = train([*TINY, "--nprocs", nprocs, "--out", str(tmp_path)], capsys)
+    assert code == 2
+    assert f"--nprocs {nprocs} != dp(2) * tp(1) * pp(2) = 4" in err
+    assert "pass --nprocs 4" in err
+    assert launcher.calls == []
+
+
+@pytest.mark.parametrize("flag, value", [("--max-restarts", "-1"), ("--sample-chars", "-5")])
+def test_negative_launcher_options_exit_2(flag, value, tmp_path, capsys, launcher):
+    code, _, err = train([*TINY, flag, value, "--out", str(tmp_path)], capsys)
+    assert code == 2
+    assert f"{flag} {value} must be >= 0" in err
+    assert launcher.calls == []
+
+
+# --------------------------------------------------------------------------- data errors
+def test_missing_data_path_exits_2_naming_it(tmp_path, capsys, launcher):
+    code, _, err = train([*TINY, "--data", "/nonexistent/path", "--out", str(tmp_path / "run")], capsys)
+    assert code == 2
+    assert "'/nonexistent/path' does not exist" in err
+    assert launcher.calls == []
+    assert not (tmp_path / "run").exists()
+
+
+def test_empty_data_directory_exits_2(tmp_path, capsys, launcher):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    code, _, err = train([*TINY, "--data", str(empty), "--out", str(tmp_path / "run")], capsys)
+    assert code == 2
+    assert str(empty) in err and "has no files" in err
+    assert launcher.calls == []
+
+
+def test_too_small_data_file_exits_2(tmp_path, capsys, launcher):
+    tiny = tmp_path / "tiny.txt"
+    tiny.write_text("abc")
+    code, _, err = train([*TINY, "--data", str(tiny), "--out", str(tmp_path / "run")], capsys)
+    assert code == 2
+    assert "too few" in err
+    assert launcher.calls == []
+
+
+# --------------------------------------------------------------------------- --dry-run
+RANK_LINE = re.compile(r"^  rank +(\d+): dp (\d+) tp (\d+) pp (\d+)  stage (.*?)  (?:tp shard (\d)/(\d).*?  )?\(",
+                       re.M)
+
+
+def _tiny_parameter_count(**overrides) -> int:
+    """The oracle: build the GPT the dry run describes and count its parameters."""
+    from plait.models.gpt import GPT
+    from plait.train.loop import gpt_config, load_data
+
+    config = TrainConfig(**{**TINY_CONFIG, **overrides})
+    data = load_data(config)
+    return sum(parameter.numel() for parameter in GPT(gpt_config(config, data.vocab_size)).parameters())
+
+
+def _dry_run_ranks(out: str) -> dict[int, tuple[dict, str, str | None]]:
+    ranks = {}
+    for match in RANK_LINE.finditer(out):
+        rank, dp, tp, pp = map(int, match.group(1, 2, 3, 4))
+        assert rank not in ranks, f"rank {rank} listed twice"
+        ranks[rank] = ({"dp": dp, "tp": tp, "pp": pp}, match.group(5), match.group(6))
+    return ranks
+
+
+@pytest.mark.parametrize("layout, extra, stages", [
+    ({"dp": 2, "tp": 1, "pp": 2}, [], {0: "chunk 0 [embedding..block 0]", 1: "chunk 1 [block 1..head]"}),
+    ({"dp": 1, "tp": 2, "pp": 2}, [], {0: "chunk 0 [embedding..block 0]", 1: "chunk 1 [block 1..head]"}),
+    ({"dp": 1, "tp": 1, "pp": 2}, ["--schedule", "interleaved_1f1b", "--virtual", "2", "--layers", "4"],
+     {0: "chunk 0 [embedding..block 0], chunk 2 [block 2]", 1: "chunk 1 [block 1], chunk 3 [block 3..head]"}),
+], ids=["dp2xpp2", "tp2xpp2", "interleaved"])
+def test_dry_run_prints_ranks_stages_parameters_and_schedule(layout, extra, stages, tmp_path, capsys, launcher):
+    from plait.parallel.mesh import ParallelDims
+
+    flags = [f"--{axis}={size}" for axis, size in layout.items()]
+    code, out, err = train([*TINY, *flags, *extra, "--dry-run", "--out", str(tmp_path / "run")], capsys)
+    assert code == 0, err
+    assert launcher.calls == []  # no process started
+    assert not (tmp_path / "run").exists()  # and nothing written
+    dims = ParallelDims(**layout)
+    ranks = _dry_run_ranks(out)
+    assert sorted(ranks) == list(range(dims.world_size)), out
+    for rank, (coords, stage, shard) in ranks.items():
+        assert coords == dims.coords(rank)
+        assert stage == stages[coords["pp"]], (rank, stage)
+        assert (shard is not None) == (layout["tp"] > 1)
+        if shard is not None:
+            assert int(shard) == coords["tp"] + 1
+    layers = 4 if "--layers" in extra else 2
+    parameters = _tiny_parameter_count(layers=layers)
+    assert f"GPT layers={layers} hidden=32 heads=4 seq_len=16" in out
+    assert f": {parameters:,} parameters" in out
+    schedule = "interleaved_1f1b (virtual=2)" if extra else "1f1b"
+    microbatches = 8 // layout["dp"] // 2
+    assert f"schedule  {schedule}, {microbatches} micro-batches of 2 per dp rank" in out
+    assert f"batch     global 8 = dp {layout['dp']} x per-rank {8 // layout['dp']}" in out
+    assert f"output    {tmp_path / 'run'}" in out
+
+
+def test_dry_run_does_not_check_the_resume_choice(tmp_path, capsys, launcher):
+    """--dry-run only describes: an --out with a foreign checkpoint is not an error yet."""
+    (tmp_path / "checkpoints" / "step_00000001").mkdir(parents=True)
+    code, out, _ = train([*TINY, "--resume", "never", "--dry-run", "--out", str(tmp_path)], capsys)
+    assert code == 0
+    assert "mesh dp=2 x tp=1 x pp=2" in out
+
+
+def test_dry_run_parameter_count_with_a_tied_head(tmp_path, capsys):
+    code, out, err = train([*TINY, *SINGLE, "--tied-head", "--dry-run", "--out", str(tmp_path)], capsys)
+    assert code == 0, err
+    assert f": {_tiny_parameter_count(tied_head=True):,} parameters" in out
+
+
+# --------------------------------------------------------------------------- the launch itself
+def test_a_valid_run_launches_torchrun_with_the_written_config(tmp_path, capsys, launcher):
+    out_dir = tmp_path / "run"
+    code, out, err = train([*TINY, *SINGLE, "--sample-chars", "0", "--out", str(out_dir)], capsys)
+    assert code == 0, err
+    assert len(launcher.calls) == 1
+    command = launcher.calls[0]
+    assert command[1:3] == ["-m", "torch.distributed.run"]
+    assert command[command.index("--nproc-per-node") + 1] == "1"
+    assert command[command.index("--resume") + 1] == "auto"
+    written = command[command.index("--config") + 1]
+    assert Path(written) == out_dir / "launch-config.toml"
+    assert TrainConfig.from_toml(written) == TrainConfig(**TINY_CONFIG, out=str(out_dir))
+    assert "plait train: 1 processes (dp=1 x tp=1 x pp=1)" in out
+    assert f"report: {out_dir / 'report.md'}" in out
+
+
+def test_a_failed_launch_returns_its_exit_code(tmp_path, capsys, launcher):
+    launcher.exit_code = 3
+    code, _, err = train([*TINY, *SINGLE, "--out", str(tmp_path)], capsys)
+    assert code == 3
+    assert "the training processes failed (exit 3)" in err
+
+
+# --------------------------------------------------------------------------- --resume
+def _train_rank(rank, world_size, config):
+    from plait.train.loop import Trainer
+
+    Trainer(config, log=lambda _: None).train()
+    return None
+
+
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory) -> Path:
+    """A real run of the tiny GPT (layers=2, dp=tp=pp=1): checkpoints at steps 1 and 2."""
+    out = tmp_path_factory.mktemp("trained") / "run"
+    config = TrainConfig(**TINY_CONFIG, steps=2, eval_interval=0, checkpoint_interval=1, out=str(out),
+                         timeout_s=60.0)
+    run_distributed(_train_rank, 1, config, timeout_s=120.0)
+    return out
+
+
+@pytest.fixture
+def run_dir(trained_run, tmp_path) -> Path:
+    """A private copy of the trained run, free to damage."""
+    copy = tmp_path / "run"
+    shutil.copytree(trained_run, copy)
+    return copy
+
+
+def _steps(run: Path) -> list[str]:
+    return sorted(path.name for path in (run / "checkpoints").iterdir())
+
+
+def _corrupt(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.slow
+def test_the_trained_run_has_two_checkpoints(trained_run):
+    assert _steps(trained_run) == ["step_00000001", "step_00000002"]
+
+
+@pytest.mark.slow
+def test_resume_never_into_a_run_with_checkpoints_exits_2_with_the_fix(run_dir, capsys, launcher):
+    code, _, err = train([*TINY, *SINGLE, "--resume", "never", "--out", str(run_dir)], capsys)
+    assert code == 2
+    assert f"--resume never but {run_dir} already holds checkpoints" in err
+    assert "choose a new --out" in err and "--resume auto" in err
+    assert launcher.calls == []
+    assert _steps(run_dir) == ["step_00000001", "step_00000002"]  # nothing deleted
+
+
+def test_resume_never_into_a_fresh_directory_launches(tmp_path, capsys, launcher):
+    code, _, err = train([*TINY, *SINGLE, "--resume", "never", "--sample-chars", "0", "--out", str(tmp_path)],
+                         capsys)
+    assert code == 0, err
+    assert launcher.calls and launcher.calls[0][launcher.calls[0].index("--resume") + 1] == "never"
+
+
+@pytest.mark.slow
+def test_resume_auto_of_the_same_model_launches(run_dir, capsys, launcher):
+    code, _, err = train([*TINY, *SINGLE, "--sample-chars", "0", "--out", str(run_dir)], capsys)
+    assert code == 0, err
+    assert len(launcher.calls) == 1
+
+
+@pytest.mark.slow
+def test_resume_auto_with_another_model_exits_2_naming_the_field(run_dir, capsys, launcher):
+    code, _, err = train([*TINY, *SINGLE, "--layers", "4", "--out", str(run_dir)], capsys)
+    assert code == 2
+    assert "step_00000002 was saved for a different model" in err
+    assert "layers 2 != 4" in err
+    assert "hidden" not in err.split("different model:")[1].split(";")[0]  # only the differing field
+    assert "start a new --out" in err
+    assert launcher.calls == []
+
+
+@pytest.mark.slow
+def test_resume_from_a_directory_with_another_model_exits_2(run_dir, tmp_path, capsys, launcher):
+    checkpoint = run_dir / "checkpoints" / "step_00000001"
+    code, _, err = train([*TINY, *SINGLE, "--hidden", "64", "--resume", str(checkpoint),
+                          "--out", str(tmp_path / "new")], capsys)
+    assert code == 2
+    assert "step_00000001 was saved for a different model" in err and "hidden 32 != 64" in err
+    assert launcher.calls == []
+
+
+@pytest.mark.slow
+def test_corrupt_checkpoint_is_reported_by_checkpoint_info(run_dir, capsys):
+    _corrupt(run_dir / "checkpoints" / "step_00000002" / "tp0-pp0.pt")
+    assert main(["checkpoint", "info", str(run_dir / "checkpoints" / "step_00000002")]) == 2
+    assert "tp0-pp0.pt sha256 mismatch (corrupt)" in capsys.readouterr().err
+    assert main(["checkpoint", "info", str(run_dir)]) == 0
+    captured = capsys.readouterr()
+    assert "step_00000002: tp0-pp0.pt sha256 mismatch (corrupt): using step_00000001" in captured.err
+    assert "step 1," in captured.out
+
+
+@pytest.mark.slow
+def test_resume_auto_falls_back_past_a_corrupt_checkpoint(run_dir, capsys):
+    from plait.train.launch import check_resume_choice, prepare_data
+
+    _corrupt(run_dir / "checkpoints" / "step_00000002" / "tp0-pp0.pt")
+    config = TrainConfig(**TINY_CONFIG, out=str(run_dir))
+    data = prepare_data(config)
+    check_resume_choice(config, "auto", data)  # the older, intact step_00000001 is fine
+    assert "step_00000002: tp0-pp0.pt sha256 mismatch (corrupt): using step_00000001" in capsys.readouterr().out
+    # the corrupt one named explicitly is refused, with the reason
+    with pytest.raises(ValueError, match=re.escape("tp0-pp0.pt sha256 mismatch (corrupt)")):
+        check_resume_choice(config, str(run_dir / "checkpoints" / "step_00000002"), data)
+    # the fallback checkpoint is still checked against the model
+    with pytest.raises(ValueError, match="step_00000001 was saved for a different model: layers 2 != 3"):
+        check_resume_choice(config.replace(layers=3), "auto", data)
+
+
+@pytest.mark.slow
+def test_resume_auto_through_the_cli_falls_back_and_launches(run_dir, capsys, launcher):
+    _corrupt(run_dir / "checkpoints" / "step_00000002" / "tp0-pp0.pt")
+    code, out, err = train([*TINY, *SINGLE, "--sample-chars", "0", "--out", str(run_dir)], capsys)
+    assert code == 0, err
+    assert "using step_00000001" in out + err
+    assert len(launcher.calls) == 1
+
+
+@pytest.mark.slow
+def test_resume_from_a_missing_or_partial_directory_exits_2(run_dir, tmp_path, capsys, launcher):
+    (run_dir / "checkpoints" / "step_00000002" / "manifest.json").unlink()
+    code, _, err = train([*TINY, *SINGLE, "--resume", str(run_dir / "checkpoints" / "step_00000002"),
+                          "--out", str(tmp_path / "new")], capsys)
+    assert code == 2
+    assert "no manifest.json (partial" in err
+    code, _, err = train([*TINY, *SINGLE, "--resume", str(tmp_path / "nowhere"), "--out", str(tmp_path / "new")],
+                         capsys)
+    assert code == 2
+    assert "nowhere" in err
+    assert launcher.calls == []
+
+
+# --------------------------------------------------------------------------- --port
+def test_free_port_keeps_a_free_port():
+    from plait.cli.train import _free_port
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    assert _free_port(port) == port
+
+
+def test_free_port_replaces_a_busy_port(capsys):
+    from plait.cli.train import _free_port
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        replacement = _free_port(port)
+        assert replacement != port
+        assert 0 < replacement < 65536
+    assert f"port {port} is in use; using a free one instead" in capsys.readouterr().err
+
+
+def test_free_port_zero_picks_one(capsys):
+    from plait.cli.train import _free_port
+
+    assert 0 < _free_port(0) < 65536
+    assert capsys.readouterr().err == ""
+
+
+def test_busy_port_flag_launches_on_another_port(tmp_path, capsys, launcher):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        code, out, err = train([*TINY, *SINGLE, "--sample-chars", "0", "--port", str(port), "--out", str(tmp_path)],
+                               capsys)
+    assert code == 0, err
+    assert f"port {port} is in use" in err
+    endpoint = launcher.calls[0][launcher.calls[0].index("--rdzv-endpoint") + 1]
+    assert endpoint.startswith("127.0.0.1:") and endpoint != f"127.0.0.1:{port}"
+    assert f"rendezvous {endpoint}" in out
+
+
+@pytest.mark.parametrize("port", ["70000", "-1"])
+def test_out_of_range_port_exits_2(port, tmp_path, capsys, launcher):
+    code, _, err = train([*TINY, *SINGLE, "--port", port, "--out", str(tmp_path)], capsys)
+    assert code == 2
+    assert f"--port {port}" in err
+    assert launcher.calls == []
