@@ -122,3 +122,31 @@ def test_resume_is_bitwise_and_resharding_matches(tmp_path):
         assert len(losses) == 6
         worst = max(abs(a - b) for a, b in zip(losses, expected[6:]))
         assert worst <= TOLERANCE, f"resharded into {layout}: {worst:.3g}"
+
+
+@pytest.mark.slow
+def test_chimera_and_a_tied_head_match_one_process(reference, tmp_path):
+    """Chimera (two pipeline replicas, gradients exchanged) on tp2 x pp2; a tied head
+    (pp=1: the embedding weight is the output weight) on dp2 x tp2 against its own
+    single-process reference."""
+    config = _config(tmp_path / "chimera", dp=1, tp=2, pp=2, schedule="chimera")
+    run_distributed(_train_rank, 4, config, timeout_s=300)
+    assert max(abs(a - b) for a, b in zip(_losses(tmp_path / "chimera"), reference)) <= TOLERANCE
+    tied = _config(tmp_path / "tied", dp=2, tp=2, pp=1, tied_head=True)
+    run_distributed(_train_rank, 4, tied, timeout_s=300)
+    tied_reference = _reference_losses(tied)
+    assert max(abs(a - b) for a, b in zip(_losses(tmp_path / "tied"), tied_reference)) <= TOLERANCE
+
+
+@pytest.mark.slow
+def test_lossy_compression_keeps_tensor_parallel_replicas_identical(tmp_path):
+    """Top-k with error feedback on dp2 x tp2: the LayerNorm, bias and position
+    parameters every tp rank holds must stay bitwise equal (they are compressed in
+    buckets of their own, alike on every tp rank); load_full checks it."""
+    from plait.train import checkpoint as ckpt
+
+    config = _config(tmp_path / "topk", dp=2, tp=2, pp=1, steps=6, compression="topk:0.1+ef")
+    run_distributed(_train_rank, 4, config, timeout_s=300)
+    losses = _losses(tmp_path / "topk")
+    assert len(losses) == 6 and losses[-1] < losses[0]
+    ckpt.load_full(ckpt.latest_complete(tmp_path / "topk"), check_replicas=True)  # raises if replicas differ

@@ -37,7 +37,7 @@ from plait.parallel.pipeline.partition import split_layers
 from plait.parallel.pipeline.partition import build_stage
 
 BUCKET_BYTES = 25 << 20  # DDP's default bucket cap
-_EVAL_TAG = 1 << 29
+_EVAL_TAG = (1 << 30) + 16  # above every tag the engine uses (messages < 2^30, Chimera exchange 2^30)
 
 
 @dataclass
@@ -80,7 +80,8 @@ def build_hybrid(model: nn.Module, layers: list[nn.Module], mesh: DeviceMesh, lo
     modules = {stage: build_stage(layers, chunks[stage]) for _, stage in held}
     name_of = {id(param): name for name, param in model.named_parameters()}
     names, saved = {}, []
-    for replica, stage in held:
+    # in stage order, so both holders of a Chimera stage list its parameters alike
+    for replica, stage in sorted(held, key=lambda pair: pair[1]):
         for param in modules[stage].parameters():
             name = name_of[id(param)]
             names[name] = param
@@ -97,9 +98,20 @@ def build_hybrid(model: nn.Module, layers: list[nn.Module], mesh: DeviceMesh, lo
         compression = None if compression in ("", "none") else from_spec(compression)
     if compression is not None:
         compression.validate([(name, tuple(param.shape)) for name, param in names.items()])
+    _drop_unheld(model, module_ids)
     engine = PipelineEngine(pipeline, modules, loss_fn, group=mesh.group["pp"], timeout_s=timeout_s)
     return HybridModel(mesh=mesh, engine=engine, chunks=chunks, names=names, saved_names=saved, tp_rank=tp_rank,
                        tp_size=tp_size, algorithm=algorithm, compressor=compression, dropouts=dropouts)
+
+
+def _drop_unheld(model: nn.Module, held_ids: set[int]) -> None:
+    """Free what this pipeline rank does not run: the GPT's blocks of other stages
+    (the embedding and head wrappers keep the model object itself alive)."""
+    blocks = getattr(model, "blocks", None)
+    if isinstance(blocks, nn.ModuleList):
+        for index, block in enumerate(blocks):
+            if id(block) not in held_ids:
+                blocks[index] = nn.Identity()
 
 
 @dataclass
@@ -161,7 +173,12 @@ def average_gradients(hybrid: HybridModel, step: int) -> None:
         return
     group = hybrid.mesh.group["dp"]
     params = [(name, param) for name, param in hybrid.names.items() if param.requires_grad]
-    for index, bucket in enumerate(_buckets(params)):
+    # tp-replicated parameters in buckets of their own, first: every tp rank then
+    # compresses them identically (same bucket index, seed and residual), so lossy
+    # compression cannot make the replicas drift apart
+    sharded = [(name, param) for name, param in params if getattr(param, "tp_shard", None) is not None]
+    replicated = [(name, param) for name, param in params if getattr(param, "tp_shard", None) is None]
+    for index, bucket in enumerate([*_buckets(replicated), *_buckets(sharded)]):
         grads = [param.grad if param.grad is not None else torch.zeros_like(param) for _, param in bucket]
         flat = torch.cat([grad.reshape(-1) for grad in grads])
         if hybrid.compressor is not None:

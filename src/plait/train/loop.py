@@ -112,7 +112,9 @@ def build_model(config: TrainConfig, data, tp_group=None):
         def loss_fn(logits, targets):  # (b, s, V'/tp), (b, s)
             return vocab_parallel_cross_entropy(logits, targets, tp, vocab).mean()
 
-        return model, sequential_layers(model), loss_fn
+        # a tied head shares the embedding weight, so the model stays in one piece (pp=1 only: TrainConfig)
+        layers = [model] if config.tied_head else sequential_layers(model)
+        return model, layers, loss_fn
     from plait.models.mlp import MLP
 
     torch.manual_seed(config.seed)
@@ -166,33 +168,78 @@ class Trainer:
         self.coords = self.mesh.coords
         self.data = load_data(config) if data is None else data
         self.model_info = model_description(config, self.data)
+        self._check_agreement()
+        self._comm_defaults = comm.configure(timeout_s=config.timeout_s)  # restored when train() ends
         model, layers, loss_fn = build_model(config, self.data, self.mesh.group["tp"] if config.tp > 1 else None)
-        model.to(self.device)
         self.hybrid: HybridModel = build_hybrid(
             model, layers, self.mesh, loss_fn, schedule=config.schedule, microbatches=config.microbatches,
             virtual=config.virtual, algorithm=config.algorithm, compression=config.compression,
             timeout_s=config.timeout_s, tp_rank=self.coords["tp"], tp_size=config.tp)
-        self.layers = layers
+        for stage in self.hybrid.engine.stages.values():  # only this rank's chunks reach the device
+            stage.to(self.device)
+        del model, layers
         self.optimizer = make_optimizer(self.hybrid.names.items(), config)
         self.out = Path(config.out)
         self.start_step = 0
         self.resumed_from = None
         self.times = {"wall_s": 0.0, "compute_s": 0.0, "comm_s": 0.0, "bubble_s": 0.0, "other_s": 0.0}
-        if resume != "never":
-            self._resume(resume)
+        self._resume(resume)
 
     # ----- checkpoints ---------------------------------------------------------------------
-    def _resume(self, resume: str) -> None:
+    def _check_agreement(self) -> None:
+        """Every rank must train the same config on the same data (under torchrun each
+        node parses its own flags and reads its own files): one all-gather, and the
+        ranks that differ from rank 0 are named on every rank."""
+        mine = (self.config.digest(), getattr(self.data, "digest", None))
+        everyone = [None] * self.world_size
+        dist.all_gather_object(everyone, mine)
+        config_differs = [rank for rank, (config, _) in enumerate(everyone) if config != everyone[0][0]]
+        data_differs = [rank for rank, (_, data) in enumerate(everyone) if data != everyone[0][1]]
+        problems = ([f"ranks {config_differs} have a different config from rank 0's (launch every node with the "
+                     f"same flags / --config)"] if config_differs else []) + \
+                   ([f"ranks {data_differs} read different data from rank 0's (every node needs the same --data "
+                     f"files; 'stdlib' is each node's own Python)"] if data_differs else [])
+        if problems:
+            raise ValueError("plait train: " + "; ".join(problems))
+
+    def _choose_checkpoint(self, resume: str) -> str | None:
+        """Rank 0 picks the checkpoint (or refuses), every rank gets its decision: ranks
+        never start from different steps. Checkpoints need a filesystem every node
+        sees at --out."""
+        decision = [None]
+        if self.rank == 0:
+            try:
+                decision[0] = ("ok", self._pick(resume))
+            except ValueError as error:
+                decision[0] = ("error", str(error))
+        dist.broadcast_object_list(decision, src=0)
+        status, value = decision[0]
+        if status == "error":
+            raise ValueError(value)
+        return value
+
+    def _pick(self, resume: str) -> str | None:
+        exists = self.out.exists()
+        if resume == "never":
+            if exists and ckpt.list_checkpoints(self.out):
+                raise ValueError(f"--resume never but {self.out} already holds checkpoints: choose a new --out, "
+                                 f"delete {self.out / 'checkpoints'}, or use --resume auto to continue")
+            return None
+        newest = ckpt.latest_complete(self.out, log=self.log) if exists else None
         if resume == "auto":
-            path = ckpt.latest_complete(self.out, log=self.log if self.rank == 0 else (lambda _: None)) \
-                if self.out.exists() else None
-            if path is None:
-                return
-        else:
-            path = Path(resume)
-            problems = ckpt.verify(path)
-            if problems:
-                raise ValueError(f"cannot resume from {path}: " + "; ".join(problems))
+            return None if newest is None else str(newest)
+        if newest is not None and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+            return str(newest)  # a restart continues from this run's own newest checkpoint, not from DIR
+        problems = ckpt.verify(Path(resume))
+        if problems:
+            raise ValueError(f"cannot resume from {resume}: " + "; ".join(problems))
+        return resume
+
+    def _resume(self, resume: str) -> None:
+        chosen = self._choose_checkpoint(resume)
+        if chosen is None:
+            return
+        path = Path(chosen)
         manifest, model_state, optimizer_state, specs = ckpt.load_full(path, check_files=False)  # verified above
         ckpt.check_compatible(manifest, self.model_info)
         if manifest.get("corpus_digest") != getattr(self.data, "digest", None):
@@ -217,6 +264,10 @@ class Trainer:
                 module.calls = int(extra["dropout"][name])
         self.start_step = int(manifest["data_position"])
         self.resumed_from = path
+        if self.rank == 0 and self.hybrid.compressor is not None:
+            self.log("note: the compressor's state (error-feedback residuals, PowerSGD factors) is not in "
+                     "checkpoints; it restarts from zero, so the resumed run is close to, not identical with, "
+                     "an uninterrupted one")
         if self.rank == 0:
             self.log(f"resuming from {path} (step {self.start_step}, saved with mesh "
                      f"dp={manifest['mesh']['dp']} tp={manifest['mesh']['tp']} pp={manifest['mesh']['pp']})")
@@ -294,6 +345,7 @@ class Trainer:
             if self.rank == 0:
                 self.log(f"{self.out} is already trained to step {self.start_step} of {config.steps}: nothing to do "
                          f"(raise --steps to train on, or use a new --out)")
+            comm.configure(timeout_s=self._comm_defaults["timeout_s"])
             return None
         metrics_path = self.out / "metrics.jsonl"
         records = []
@@ -341,6 +393,7 @@ class Trainer:
                     if self.rank == 0:
                         progress.log(f"checkpoint {path}")
         finally:
+            comm.configure(timeout_s=self._comm_defaults["timeout_s"])
             if metrics_file is not None:
                 metrics_file.close()
             if progress is not None:
