@@ -401,6 +401,9 @@ class Trainer:
         return self._report(records, steps_run, tokens_per_step, first_step_s)
 
     def _report(self, records, steps_run, tokens_per_step, first_step_s) -> dict | None:
+        from plait.train.report import measure_peak_flops
+
+        peak_flops_per_s = self.peak_flops_per_process(measure_peak_flops)
         mine = {"rank": self.rank, "coords": dict(self.coords), "steps": steps_run, **self.times,
                 "collectives": {name: {key: entry[key] for key in ("calls", "bytes_sent", "time_s")}
                                 for name, entry in comm.stats().items()}}
@@ -408,11 +411,11 @@ class Trainer:
         dist.all_gather_object(everyone, mine)
         if self.rank != 0:
             return None
-        from plait.train.report import measure_peak_flops, summary_lines, write_report
+        from plait.train.report import summary_lines, write_report
 
         run_info = {"config": self.config.to_dict(), "mesh": self.dims.describe(), "world_size": self.world_size,
                     "backend": dist.get_backend(), "device": str(self.device), "tokens_per_step": tokens_per_step,
-                    "flops_per_step": self.flops_per_step(), "peak_flops_per_s": self.peak_flops_per_process(measure_peak_flops),
+                    "flops_per_step": self.flops_per_step(), "peak_flops_per_s": peak_flops_per_s,
                     "time_to_first_step_s": first_step_s or 0.0, "steps": self.config.steps,
                     "start_step": self.start_step}
         report = write_report(self.out, metrics=records, ranks=everyone, run=run_info)
@@ -421,14 +424,14 @@ class Trainer:
         return report
 
     def peak_flops_per_process(self, measure) -> float:
-        """The matmul rate one process achieves (measured on rank 0), times its share
-        of the cores when more processes than cores share a CPU machine (4 processes
-        on 2 cores get half a core each, so the machine's peak is 2 cores' worth)."""
+        """The matmul rate a process achieves while every rank measures at once (so
+        4 processes sharing 2 cores each see their share): the median over ranks.
+        Collective: every rank calls it."""
+        dist.barrier()
         rate = measure(device=self.device)
-        if self.device.type == "cpu":
-            local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-            rate *= min(1.0, (os.cpu_count() or 1) / max(local, 1))
-        return rate
+        everyone = [None] * self.world_size
+        dist.all_gather_object(everyone, rate)
+        return sorted(everyone)[len(everyone) // 2]
 
     def flops_per_step(self) -> float:
         config = self.config
@@ -465,4 +468,8 @@ def _write_metrics(path: Path, records: list[dict]) -> None:
 def run(config: TrainConfig, *, resume: str = "auto", log=print, until: int | None = None) -> dict | None:
     """Train on this rank of the torchrun world; rank 0 returns the report."""
     trainer = Trainer(config, resume=resume, log=log)
-    return trainer.train(until=until)
+    try:
+        return trainer.train(until=until)
+    finally:
+        if os.environ.get("TORCHELASTIC_RUN_ID") and dist.is_initialized():
+            dist.destroy_process_group()  # a clean gloo shutdown before the process exits
