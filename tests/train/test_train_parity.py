@@ -150,3 +150,32 @@ def test_lossy_compression_keeps_tensor_parallel_replicas_identical(tmp_path):
     losses = _losses(tmp_path / "topk")
     assert len(losses) == 6 and losses[-1] < losses[0]
     ckpt.load_full(ckpt.latest_complete(tmp_path / "topk"), check_replicas=True)  # raises if replicas differ
+
+
+def _train_with_a_full_disk_on_rank(rank, world_size, config, failing_rank):
+    """Rank ``failing_rank``'s shard write fails as a full disk would (OSError)."""
+    from plait.train import checkpoint as ckpt
+
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    original = ckpt.write_shard
+    if rank == failing_rank:
+        ckpt.write_shard = full_disk
+    try:
+        _train_rank(rank, world_size, config)
+    finally:
+        ckpt.write_shard = original  # the pooled worker serves later tests
+
+
+@pytest.mark.slow
+def test_a_failed_shard_write_is_reported_on_every_rank(tmp_path):
+    from plait.testing import RankError
+
+    config = _config(tmp_path / "run", pp=2, steps=2)
+    with pytest.raises(RankError) as raised:
+        run_distributed(_train_with_a_full_disk_on_rank, 2, config, 1, timeout_s=120)
+    message = str(raised.value)
+    assert "ranks 0, 1" in message  # both raise at once, neither waits for a timeout
+    assert message.count("rank 1 could not write its shard") >= 2 and "No space left on device" in message
+    assert not (tmp_path / "run" / "checkpoints" / "step_00000002" / "manifest.json").exists()

@@ -302,9 +302,16 @@ class Trainer:
                               for name, entry_state in state.items() if entry_state},
                 "extra": {"dropout": {name: int(module.calls) for name, module in self.hybrid.dropouts.items()}},
             }
-            entry = ckpt.write_shard(directory, ckpt.shard_name(self.coords["tp"], self.coords["pp"]), payload)
+            try:
+                entry = ckpt.write_shard(directory, ckpt.shard_name(self.coords["tp"], self.coords["pp"]), payload)
+            except (OSError, ValueError, TypeError) as error:  # e.g. a full disk: every rank hears why
+                entry = {"error": f"rank {self.rank} could not write its shard to {directory}: {error}"}
         entries = [None] * self.world_size
         dist.all_gather_object(entries, entry)
+        failures = [e["error"] for e in entries if e is not None and "error" in e]
+        if failures:
+            raise RuntimeError("checkpoint at step {} not written (the previous complete one stays): {}".format(
+                step, "; ".join(failures)))
         if self.rank == 0:
             manifest = {"step": step, "mesh": self._mesh_info(), "config": self.config.to_dict(),
                         "config_digest": self.config.digest(), "model": self.model_info,
