@@ -1,0 +1,190 @@
+"""A cluster for the planner: nodes of identical devices, and the price of a collective
+on any process group of a (tp, dp, pp) layout.
+
+Links come from plait.cost's topology presets (``level_link_models``: the slowest
+pair within a node and between nodes, as alpha-beta-gamma models). Every device has
+its own NIC in the DGX presets, so the groups that run at once in a layout (all tp
+groups, or all dp groups) do not share a port; a group's collective is priced alone
+with the closed forms of plait.cost.alpha_beta, taking the cheapest algorithm
+plait implements (flat on the slowest link the group crosses, or hierarchical:
+reduce-scatter within nodes, all-reduce between, all-gather within), as plait's
+tuner would.
+
+Ranks are laid out tp innermost, then dp, then pp (``plait.parallel.mesh``'s default
+order "tp,dp,pp"): the tp group of a rank is tp consecutive ranks, its dp group
+ranks tp apart, its pp group ranks tp·dp apart; rank r sits on node r // devices_per_node.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+from plait.cost import LinkModel
+from plait.cost.alpha_beta import closed_form_algorithms, predict_time_s
+from plait.plan.device import DeviceSpec, device_preset
+
+__all__ = ["Cluster", "CLUSTER_PRESETS", "cluster_preset", "GroupShape"]
+
+# algorithms priced for each collective: plait's own with a closed form, less the naive
+# direct and star exchanges and the single binary tree (the double binary tree, as NCCL
+# runs it, has the same depth at half the per-link load)
+_CANDIDATES = {c: [a for a in closed_form_algorithms(c) if a not in ("direct", "star", "binary_tree")]
+               for c in ("all_reduce", "reduce_scatter", "all_gather")}
+
+
+@dataclass(frozen=True)
+class GroupShape:
+    """A process group's footprint: ``size`` ranks, ``per_node`` of them on each of
+    ``nodes`` nodes."""
+
+    size: int
+    per_node: int
+    nodes: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class Cluster:
+    """``nodes`` nodes of ``devices_per_node`` identical devices; ``intra_link`` within
+    a node, ``inter_link`` between nodes (per device), ``call_overhead_s`` the fixed
+    software cost of one collective call."""
+
+    name: str
+    nodes: int
+    devices_per_node: int
+    device: DeviceSpec
+    intra_link: LinkModel
+    inter_link: LinkModel
+    call_overhead_s: float = 0.0
+    link_source: str = ""
+    _cache: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        for key in ("nodes", "devices_per_node"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{key}={value!r} must be a whole number >= 1")
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.devices_per_node
+
+    def describe(self) -> str:
+        return (f"{self.name}: {self.nodes} node(s) x {self.devices_per_node} {self.device.name} = "
+                f"{self.world_size} devices; within a node {_link_text(self.intra_link)}, between nodes "
+                f"{_link_text(self.inter_link)}")
+
+    def group_shape(self, size: int, stride: int) -> GroupShape:
+        """The footprint of a group of ``size`` ranks ``stride`` apart (the first at a
+        node boundary, as every group of a tp/dp/pp layout whose inner sizes divide the
+        node is)."""
+        if size == 1:
+            return GroupShape(1, 1, 1)
+        per_node_slots = self.devices_per_node
+        if stride >= per_node_slots:
+            return GroupShape(size, 1, size)
+        per_node = min(size, max(1, per_node_slots // stride))
+        return GroupShape(size, per_node, math.ceil(size / per_node))
+
+    def collective_time_s(self, collective: str, nbytes: float, size: int, stride: int) -> tuple[float, str]:
+        """(seconds, algorithm) of the cheapest plait algorithm for ``collective`` on
+        ``nbytes`` over a group of ``size`` ranks ``stride`` apart, call overhead included."""
+        if size == 1 or nbytes <= 0:
+            return 0.0, "none"
+        key = (collective, float(nbytes), size, stride)
+        hit = self._cache.get(key)
+        if hit is not None:
+            return hit
+        shape = self.group_shape(size, stride)
+        flat_link = self.inter_link if shape.nodes > 1 else self.intra_link
+        best = (math.inf, "none")
+        for algorithm in _CANDIDATES[collective]:
+            if algorithm == "hierarchical":
+                if collective != "all_reduce" or shape.nodes == 1 or shape.per_node == 1 \
+                        or shape.nodes * shape.per_node != size:
+                    continue
+                seconds = predict_time_s(collective, algorithm, nbytes, size, [self.inter_link, self.intra_link],
+                                         hierarchy=f"{shape.nodes}x{shape.per_node}")
+            else:
+                seconds = predict_time_s(collective, algorithm, nbytes, size, flat_link)
+            if seconds < best[0]:
+                best = (seconds, algorithm)
+        result = (best[0] + self.call_overhead_s, best[1])
+        self._cache[key] = result
+        return result
+
+    def p2p_time_s(self, nbytes: float, crosses_node: bool) -> float:
+        """One message between pipeline neighbours: alpha + n·beta on the link it takes."""
+        if nbytes <= 0:
+            return 0.0
+        link = self.inter_link if crosses_node else self.intra_link
+        return link.alpha_s + nbytes * link.beta_s_per_byte + self.call_overhead_s
+
+
+def _link_text(link: LinkModel) -> str:
+    return f"{link.alpha_s * 1e6:.3g} us + {1e-9 / link.beta_s_per_byte:.4g} GB/s"
+
+
+@lru_cache(maxsize=None)
+def _preset_links(topology: str) -> tuple[LinkModel, LinkModel, str]:
+    from plait.cost.presets import preset
+
+    # two nodes carry every link kind of the (non-blocking) fabric: the links of a
+    # 1,024-GPU cluster are the same models
+    between, within = preset(topology, nodes=2).level_link_models()
+    return within, between, f"plait.cost.presets {topology!r}"
+
+
+CLUSTER_PRESETS = {
+    "dgx-a100": ("dgx-a100", "a100-80gb"),
+    "dgx-a100-40gb": ("dgx-a100", "a100-40gb"),
+    "dgx-h100": ("dgx-h100", "h100-80gb"),
+    "dgx-h200": ("dgx-h100", "h200-141gb"),
+    "local": None,
+}
+
+
+def cluster_preset(name: str, *, gpus: int | None = None, nodes: int | None = None, nprocs: int | None = None,
+                   device: DeviceSpec | None = None, local_link: LinkModel | None = None,
+                   call_overhead_s: float = 0.0, link_source: str = "") -> Cluster:
+    """A cluster by name. DGX presets have 8 GPUs per node: give ``gpus`` (a multiple
+    of 8) or ``nodes``. ``local`` is this machine: ``nprocs`` processes on one node,
+    ``device`` the measured per-process DeviceSpec, ``local_link`` the calibrated link."""
+    if name not in CLUSTER_PRESETS:
+        raise ValueError(f"unknown cluster {name!r}; valid: {', '.join(CLUSTER_PRESETS)}")
+    if name == "local":
+        count = nprocs if nprocs is not None else gpus
+        if count is None:
+            raise ValueError("cluster 'local' needs --nprocs N (processes on this machine)")
+        _check_whole("nprocs", count)
+        if device is None or local_link is None:
+            raise ValueError("cluster 'local' needs a measured device and a link (plait.plan.local_cluster builds both)")
+        return Cluster(name="local", nodes=1, devices_per_node=count, device=device, intra_link=local_link,
+                       inter_link=local_link, call_overhead_s=call_overhead_s, link_source=link_source)
+    topology, device_name = CLUSTER_PRESETS[name]
+    per_node = 8
+    if gpus is None and nodes is None:
+        raise ValueError(f"cluster {name!r} needs --gpus N (a multiple of {per_node}) or --nodes N")
+    if gpus is not None:
+        _check_whole("gpus", gpus)
+        if gpus % per_node and gpus > per_node:
+            raise ValueError(f"gpus={gpus} is not a whole number of {name} nodes ({per_node} GPUs each): use "
+                             f"{gpus // per_node * per_node} or {(gpus // per_node + 1) * per_node}")
+        if nodes is not None and nodes * per_node != gpus:
+            raise ValueError(f"gpus={gpus} and nodes={nodes} disagree: {nodes} {name} nodes hold {nodes * per_node} GPUs")
+    if nodes is not None:
+        _check_whole("nodes", nodes)
+    within, between, source = _preset_links(topology)
+    spec = device or device_preset(device_name)
+    if gpus is not None and gpus < per_node:  # part of one node
+        return Cluster(name=name, nodes=1, devices_per_node=gpus, device=spec, intra_link=within, inter_link=between,
+                       call_overhead_s=call_overhead_s, link_source=source)
+    count = nodes if nodes is not None else gpus // per_node
+    return Cluster(name=name, nodes=count, devices_per_node=per_node, device=spec, intra_link=within,
+                   inter_link=between, call_overhead_s=call_overhead_s, link_source=source)
+
+
+def _check_whole(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}={value!r} must be a whole number >= 1")

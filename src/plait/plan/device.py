@@ -1,0 +1,224 @@
+"""Devices: peak FLOP/s by dtype, memory, and how fast a layer runs on one.
+
+The time of work on a device (``plait.plan.layers``):
+
+    T = kernels · t_kernel + matmul FLOPs / (η · peak[dtype]) + other bytes / (η_mem · bandwidth)
+
+Assumptions, stated once: a matmul runs at a fixed fraction η of the dtype's peak
+once it is large, and a small one is dominated by the per-kernel cost t_kernel
+(launch, dispatch and the tail of the last wave), so its achieved efficiency
+F / (T · peak) = η · F / (F + t_kernel · η · peak) falls with its size F; non-matmul
+kernels are bound by memory bandwidth at a fraction η_mem; nothing overlaps within one
+device's stream. Tile quantisation (dimensions that are not multiples of the tile)
+is not modelled.
+
+GPU presets carry vendor peaks (dense, no sparsity) and η assumptions, not
+measurements: NVIDIA's cuBLAS reaches roughly 80% of an A100's 312 TFLOP/s on large
+bf16 GEMMs and roughly 70% of an H100's 989, which is what η is set to; kernels cost
+~4 us each. ``measure_device`` fits t_kernel, η·peak and the bandwidth on the machine
+it runs on (this machine's CPU; on a GPU the same code calibrates the preset).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass, replace
+
+from plait.plan.layers import LayerCost
+
+__all__ = ["DeviceSpec", "DEVICE_PRESETS", "device_preset", "measure_device", "DTYPE_BYTES"]
+
+GIB = 1 << 30
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8}
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeviceSpec:
+    """One accelerator (or one CPU process). ``peak_flops_per_s`` maps a dtype name to
+    its dense matmul peak; ``matmul_efficiency`` is η, ``memory_efficiency`` η_mem."""
+
+    name: str
+    peak_flops_per_s: tuple[tuple[str, float], ...]
+    memory_bytes: float
+    memory_bandwidth_bytes_per_s: float
+    matmul_efficiency: float = 0.8
+    memory_efficiency: float = 0.8
+    kernel_overhead_s: float = 4e-6
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        problems = []
+        for key in ("memory_bytes", "memory_bandwidth_bytes_per_s"):
+            value = getattr(self, key)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                problems.append(f"{key}={value!r} must be a finite number > 0")
+        for key in ("matmul_efficiency", "memory_efficiency"):
+            value = getattr(self, key)
+            if not (isinstance(value, (int, float)) and 0 < value <= 1):
+                problems.append(f"{key}={value!r} must be in (0, 1]")
+        if not (isinstance(self.kernel_overhead_s, (int, float)) and self.kernel_overhead_s >= 0):
+            problems.append(f"kernel_overhead_s={self.kernel_overhead_s!r} must be >= 0 seconds")
+        if not self.peak_flops_per_s or any(not (isinstance(v, (int, float)) and v > 0)
+                                            for _, v in self.peak_flops_per_s):
+            problems.append(f"peak_flops_per_s={self.peak_flops_per_s!r} must map dtypes to FLOP/s > 0")
+        if problems:
+            raise ValueError(f"invalid device {self.name!r}: " + "; ".join(problems))
+
+    def peak(self, dtype: str) -> float:
+        """Dense matmul peak FLOP/s for ``dtype``."""
+        peaks = dict(self.peak_flops_per_s)
+        if dtype not in peaks:
+            raise ValueError(f"device {self.name!r} has no peak for dtype {dtype!r}; it has {', '.join(peaks)}")
+        return peaks[dtype]
+
+    def time_s(self, *, flops: float, nbytes: float, kernels: float, dtype: str) -> float:
+        """T = kernels·t_kernel + flops/(η·peak) + bytes/(η_mem·bandwidth)."""
+        return (kernels * self.kernel_overhead_s + flops / (self.matmul_efficiency * self.peak(dtype))
+                + nbytes / (self.memory_efficiency * self.memory_bandwidth_bytes_per_s))
+
+    def forward_time_s(self, layer: LayerCost, dtype: str) -> float:
+        return self.time_s(flops=layer.forward_flops, nbytes=layer.forward_bytes, kernels=layer.forward_kernels,
+                           dtype=dtype)
+
+    def backward_time_s(self, layer: LayerCost, dtype: str) -> float:
+        return self.time_s(flops=layer.backward_flops, nbytes=layer.backward_bytes, kernels=layer.backward_kernels,
+                           dtype=dtype)
+
+    def matmul_efficiency_at(self, flops: float, dtype: str) -> float:
+        """Achieved fraction of peak of one matmul of ``flops``: η·F / (F + t_kernel·η·peak)."""
+        rate = self.matmul_efficiency * self.peak(dtype)
+        return flops / (flops + self.kernel_overhead_s * rate) * self.matmul_efficiency
+
+    def describe(self) -> str:
+        peaks = ", ".join(f"{k} {v / 1e12:g}" for k, v in self.peak_flops_per_s)
+        return (f"{self.name}: peak TFLOP/s {peaks}; {self.memory_bytes / GIB:.3g} GiB at "
+                f"{self.memory_bandwidth_bytes_per_s / 1e9:.4g} GB/s; matmul efficiency {self.matmul_efficiency:.2f}, "
+                f"memory {self.memory_efficiency:.2f}, {self.kernel_overhead_s * 1e6:.3g} us per kernel")
+
+
+def _gpu(name, bf16, fp32, tf32, memory_gib, bandwidth, efficiency, source) -> DeviceSpec:
+    return DeviceSpec(name=name, peak_flops_per_s=(("bfloat16", bf16), ("float16", bf16), ("tf32", tf32),
+                                                   ("float32", fp32)),
+                      memory_bytes=memory_gib * GIB, memory_bandwidth_bytes_per_s=bandwidth,
+                      matmul_efficiency=efficiency, memory_efficiency=0.8, kernel_overhead_s=4e-6, source=source)
+
+
+# NVIDIA data sheets: A100 SXM 312 TFLOP/s bf16/fp16 dense, 156 tf32, 19.5 fp32, HBM2 1,555 GB/s
+# (40 GB) / HBM2e 2,039 GB/s (80 GB); H100 SXM 989 bf16 dense, 495 tf32, 67 fp32, HBM3 3.35 TB/s;
+# H200 SXM the H100's compute with 141 GB HBM3e at 4.8 TB/s. Memory in GiB as nvidia-smi shows it.
+DEVICE_PRESETS = {
+    "a100-40gb": _gpu("a100-40gb", 312e12, 19.5e12, 156e12, 40, 1555e9, 0.8, "NVIDIA A100 data sheet; eta assumed"),
+    "a100-80gb": _gpu("a100-80gb", 312e12, 19.5e12, 156e12, 80, 2039e9, 0.8, "NVIDIA A100 data sheet; eta assumed"),
+    "h100-80gb": _gpu("h100-80gb", 989e12, 67e12, 495e12, 80, 3350e9, 0.7, "NVIDIA H100 SXM data sheet; eta assumed"),
+    "h200-141gb": _gpu("h200-141gb", 989e12, 67e12, 495e12, 140, 4800e9, 0.7, "NVIDIA H200 data sheet; eta assumed"),
+}
+
+
+def device_preset(name: str) -> DeviceSpec:
+    spec = DEVICE_PRESETS.get(name)
+    if spec is None:
+        raise ValueError(f"unknown device {name!r}; valid: {', '.join(DEVICE_PRESETS)} (or 'cpu', measured)")
+    return spec
+
+
+def _least_squares(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """y = a + b·x with a, b >= 0 (relative errors weighted equally)."""
+    import numpy as np
+
+    design = np.array([[1.0 / y, x / y] for x, y in zip(xs, ys)])
+    solution, *_ = np.linalg.lstsq(design, np.ones(len(ys)), rcond=None)
+    a, b = (max(float(v), 0.0) for v in solution)
+    if b == 0.0:
+        b = max(y / x for x, y in zip(xs, ys))
+    return a, b
+
+
+def measure_device(*, device: str = "cpu", dtype: str = "float32", threads: int | None = 1, processes: int = 1,
+                   cores: int | None = None, repeats: int = 5) -> DeviceSpec:
+    """Measure this machine: time square matmuls (32..512) and elementwise adds (16 KiB..
+    64 MiB), fit T = t0 + F / rate and T = t0' + bytes / bandwidth, time a chain of tiny
+    autograd ops forward and backward for the per-kernel cost of eager training
+    (t_kernel: dispatch, autograd and launch), and return a DeviceSpec with peak = rate
+    and η = 1 (the measured rate is achieved).
+
+    ``processes`` ranks sharing ``cores`` cores (default: os.cpu_count()) each get
+    min(1, cores / processes) of the measured single-process rate and bandwidth, as
+    ``plait train``'s gloo ranks on this CPU do; memory is the machine's RAM over the
+    processes. On ``device="cuda"`` the same fit calibrates a GPU (not run on a
+    machine without one).
+    """
+    import torch
+
+    torch_dtype = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}[dtype]
+    previous_threads = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        def timed(call) -> float:
+            call()
+            if device != "cpu":
+                torch.cuda.synchronize()
+            best = math.inf
+            for _ in range(repeats):
+                start = time.perf_counter()
+                calls = 0
+                while True:
+                    call()
+                    calls += 1
+                    if device != "cpu":
+                        torch.cuda.synchronize()
+                    if time.perf_counter() - start > 0.01:
+                        break
+                best = min(best, (time.perf_counter() - start) / calls)
+            return best
+
+        sizes, flop_counts, matmul_s = (32, 64, 128, 256, 384, 512), [], []
+        for n in sizes:
+            a = torch.randn(n, n, dtype=torch_dtype, device=device)
+            b = torch.randn(n, n, dtype=torch_dtype, device=device)
+            flop_counts.append(2.0 * n ** 3)
+            matmul_s.append(timed(lambda: a @ b))
+        overhead_s, seconds_per_flop = _least_squares(flop_counts, matmul_s)
+        byte_counts, add_s = [], []
+        for numel in (1 << 12, 1 << 16, 1 << 20, 1 << 22, 1 << 24):
+            x = torch.randn(numel, dtype=torch_dtype, device=device)
+            y = torch.empty_like(x)
+            byte_counts.append(2.0 * x.element_size() * numel)
+            add_s.append(timed(lambda: torch.add(x, 1.0, out=y)))
+        _, seconds_per_byte = _least_squares(byte_counts, add_s)
+        # the per-kernel cost of eager training: a chain of tiny autograd ops, forward
+        # and backward (dispatch, autograd bookkeeping and the kernel launch together)
+        leaf = torch.ones(8, dtype=torch_dtype, device=device, requires_grad=True)
+        chain = 32
+
+        def tiny_step():
+            z = leaf
+            for _ in range(chain):
+                z = z * 1.0001
+            z.sum().backward()
+
+        kernel_s = timed(tiny_step) / (3 * chain)  # a multiply forward; its backward a multiply and an add
+    finally:
+        torch.set_num_threads(previous_threads)
+    cores = cores or os.cpu_count() or 1
+    share = min(1.0, cores / processes) if device == "cpu" else 1.0
+    rate = share / seconds_per_flop
+    if device == "cpu":
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / processes
+    else:
+        memory = torch.cuda.get_device_properties(device).total_memory
+    spec = DeviceSpec(name=f"{device} (measured)", peak_flops_per_s=((dtype, rate),), memory_bytes=float(memory),
+                      memory_bandwidth_bytes_per_s=share / seconds_per_byte, matmul_efficiency=1.0,
+                      memory_efficiency=1.0, kernel_overhead_s=max(kernel_s, overhead_s) / share,
+                      source=f"measured: {len(sizes)} matmul and 5 add sizes, an autograd chain, {threads} thread(s), "
+                             f"{processes} process(es) on {cores} core(s)")
+    return spec
+
+
+def with_dtype_peak(spec: DeviceSpec, dtype: str, flops_per_s: float) -> DeviceSpec:
+    """``spec`` with a peak for one more dtype (e.g. the measured float32 rate for float64 use)."""
+    peaks = dict(spec.peak_flops_per_s)
+    peaks[dtype] = flops_per_s
+    return replace(spec, peak_flops_per_s=tuple(peaks.items()))

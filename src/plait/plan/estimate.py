@@ -1,0 +1,388 @@
+"""Price one parallel layout: step time, its parts, and memory per device.
+
+A layout (``Layout``) is tp x pp x dp devices, the micro-batch size b and the number
+of micro-batches m (global batch B = dp·m·b), the pipeline schedule (v model chunks
+per pipeline rank when interleaved), full activation recomputation, ZeRO stage and
+sequence parallelism. Given the model's per-micro-batch layer costs on one device
+(``plait.plan.transformer`` or a traced module) and a ``Cluster``:
+
+Stage split. The layers are cut into pp·v contiguous chunks minimising the slowest
+chunk's time (``plait.plan.stages.minmax_partition``); chunk c runs on pipeline rank
+c mod pp. A chunk's time per micro-batch is t = forward + backward (+ a recomputed
+forward) of its layers plus their tensor-parallel collectives, all on the critical
+path; a pipeline rank's t_r adds one receive per chunk and direction (alpha + n·beta on
+the link between the neighbours).
+
+Pipeline (DESIGN §6). pp = 1: m·t. GPipe and 1F1B, one chunk per rank: the first
+micro-batch passes every stage and the slowest paces the other m-1 (Alpa, OSDI'22):
+T = Σ_r t_r + (m-1)·max_r t_r, which is (m + p - 1)·t for equal stages, a bubble of
+(p-1)/(m+p-1). Interleaved (Megatron-LM): T = (m + (p-1)/v)·max_r t_r.
+
+Data parallelism after the pipeline flush (not overlapped, as plait train runs it):
+ZeRO 0 all-reduces the gradients, ZeRO 1 reduce-scatters them and all-gathers the
+updated parameters (the same ring volume), ZeRO 2 reduce-scatters every micro-batch's
+gradients as DeepSpeed does, ZeRO 3 also all-gathers the parameters for every
+micro-batch's forward and backward. A tied head with pp > 1 all-reduces the embedding
+gradient between the first and last stage. The optimizer step streams its states
+through memory once.
+
+Memory per device (the worst pipeline rank): parameters, gradients and optimizer
+states (ZeRO 1 shards the optimizer states over dp, 2 also the gradients, 3 also the
+parameters) plus activations: per micro-batch in flight the chunk's saved tensors
+(with recomputation its layers' inputs, plus one layer's full activations while it is
+recomputed). In flight: 1 with pp = 1 (micro-batches run one at a time), m for GPipe,
+min(m, p - r) on rank r for 1F1B, and (p - r - 1)·2 + (v - 1)·p + 1 chunk-micro-batches
+for interleaved 1F1B (all m·v when m = p), as plait's schedules run them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+
+from plait.plan.cluster import Cluster
+from plait.plan.layers import LayerCost
+from plait.plan.stages import minmax_partition
+from plait.plan.transformer import TensorParallelComm
+
+__all__ = ["Layout", "Precision", "PRECISIONS", "Estimate", "estimate", "SCHEDULES", "Unit", "GroupCosts",
+           "layout_problems", "summarize", "split_groups", "combine", "in_flight"]
+
+SCHEDULES = ("none", "gpipe", "1f1b", "interleaved")
+_COST_FIELDS = tuple(f.name for f in fields(LayerCost) if f.name != "name")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Precision:
+    """Bytes per element and per parameter of a training precision."""
+
+    name: str
+    dtype: str                # the matmul dtype (selects the device peak)
+    element_bytes: int        # activations
+    param_bytes: int
+    grad_bytes: int
+    optimizer_bytes: int      # per parameter: Adam's states (+ fp32 master weights when mixed)
+    optimizer_traffic_bytes: int  # read + written per parameter by one optimizer step
+
+
+PRECISIONS = {
+    # ZeRO's accounting (Rajbhandari et al. 2020): 2 + 2 + 12 = 16 bytes per parameter
+    "bf16-mixed": Precision(name="bf16-mixed", dtype="bfloat16", element_bytes=2, param_bytes=2, grad_bytes=2,
+                            optimizer_bytes=12, optimizer_traffic_bytes=32),
+    # plain float32 AdamW (plait train's default dtype): 4 + 4 + 8
+    "fp32": Precision(name="fp32", dtype="float32", element_bytes=4, param_bytes=4, grad_bytes=4,
+                      optimizer_bytes=8, optimizer_traffic_bytes=28),
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Layout:
+    """tp x pp x dp, micro-batching, schedule and memory options."""
+
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    micro_batch: int = 1
+    num_microbatches: int = 1
+    schedule: str = "none"
+    virtual: int = 1
+    recompute: bool = False
+    zero_stage: int = 0
+    sequence_parallel: bool = False
+
+    @property
+    def devices(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    @property
+    def global_batch(self) -> int:
+        return self.dp * self.num_microbatches * self.micro_batch
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    def text(self) -> str:
+        schedule = self.schedule + (f" v={self.virtual}" if self.schedule == "interleaved" else "")
+        return (f"tp={self.tp} pp={self.pp} dp={self.dp} mb={self.micro_batch} m={self.num_microbatches} {schedule}"
+                f"{' sp' if self.sequence_parallel else ''}{' recompute' if self.recompute else ''}"
+                f"{f' zero{self.zero_stage}' if self.zero_stage else ''}")
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One layer as the estimate sees it: its costs, its tensor-parallel collectives,
+    and whether full recomputation re-runs it (blocks) or keeps its activations."""
+
+    cost: LayerCost
+    comm: TensorParallelComm
+    recomputable: bool
+
+
+def layout_problems(layout: Layout, *, num_groups: int, world_size: int, global_batch: int,
+                    tp_problem: str | None, seq_len: int | None) -> list[str]:
+    """Every rule ``layout`` breaks, each naming the values and the rule."""
+    problems = []
+    for key in ("tp", "pp", "dp", "micro_batch", "num_microbatches", "virtual"):
+        value = getattr(layout, key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            problems.append(f"{key}={value!r} must be a whole number >= 1")
+    if problems:
+        return problems
+    if layout.devices != world_size:
+        problems.append(f"tp({layout.tp}) * pp({layout.pp}) * dp({layout.dp}) = {layout.devices} != "
+                        f"devices({world_size})")
+    if layout.global_batch != global_batch:
+        problems.append(f"dp({layout.dp}) * num_microbatches({layout.num_microbatches}) * micro_batch"
+                        f"({layout.micro_batch}) = {layout.global_batch} != global batch({global_batch})")
+    if tp_problem:
+        problems.append(tp_problem)
+    if layout.schedule not in SCHEDULES:
+        problems.append(f"schedule={layout.schedule!r} must be one of {', '.join(SCHEDULES)}")
+    elif layout.pp == 1 and layout.schedule != "none":
+        problems.append(f"schedule={layout.schedule!r} needs pp > 1 (pp=1 runs no pipeline: schedule none)")
+    elif layout.pp > 1 and layout.schedule == "none":
+        problems.append(f"pp={layout.pp} needs a pipeline schedule (gpipe, 1f1b or interleaved)")
+    if layout.schedule == "interleaved":
+        if layout.virtual < 2:
+            problems.append(f"interleaved needs virtual >= 2 model chunks per rank, got {layout.virtual}")
+        if layout.num_microbatches % layout.pp:
+            problems.append(f"interleaved needs num_microbatches({layout.num_microbatches}) to be a multiple of "
+                            f"pp({layout.pp})")
+    elif layout.virtual != 1:
+        problems.append(f"virtual={layout.virtual} is only for the interleaved schedule")
+    chunks = layout.pp * layout.virtual
+    if chunks > num_groups:
+        problems.append(f"pp({layout.pp}) * virtual({layout.virtual}) = {chunks} chunks exceed the model's "
+                        f"{num_groups} layers (each chunk needs at least one)")
+    if layout.zero_stage not in (0, 1, 2, 3):
+        problems.append(f"zero_stage={layout.zero_stage!r} must be 0, 1, 2 or 3")
+    elif layout.zero_stage >= 2 and layout.pp > 1:
+        problems.append(f"zero_stage={layout.zero_stage} shards gradients, which every micro-batch of a pipeline "
+                        "accumulates: use zero_stage <= 1 with pp > 1 (as DeepSpeed requires)")
+    if layout.sequence_parallel:
+        if layout.tp == 1:
+            problems.append("sequence_parallel needs tp > 1")
+        elif seq_len is not None and seq_len % layout.tp:
+            problems.append(f"sequence_parallel splits seq_len({seq_len}) over tp({layout.tp}): it must divide")
+    return problems
+
+
+@dataclass
+class Estimate:
+    """The predicted step of one layout (seconds, bytes, FLOPs)."""
+
+    layout: Layout
+    step_time_s: float
+    time_s: dict[str, float]
+    memory_per_gpu_bytes: float
+    memory_bytes: dict[str, float]
+    stage_layers: list[list[int]]
+    bottleneck_rank: int
+    model_flops: float
+    hardware_flops: float
+    tflops_per_gpu: float
+    model_tflops_per_gpu: float
+    percent_of_peak: float
+    mfu: float
+    samples_per_s: float
+    algorithms: dict[str, str] = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        out = {**self.layout.as_dict(), "step_time_s": self.step_time_s, "tflops_per_gpu": self.tflops_per_gpu,
+               "model_tflops_per_gpu": self.model_tflops_per_gpu, "percent_of_peak": self.percent_of_peak,
+               "mfu": self.mfu, "memory_per_gpu_bytes": self.memory_per_gpu_bytes,
+               "samples_per_s": self.samples_per_s, "time_breakdown_s": dict(self.time_s),
+               "memory_breakdown_bytes": dict(self.memory_bytes), "stage_layers": self.stage_layers,
+               "algorithms": dict(self.algorithms)}
+        return out
+
+
+def _comm_time_s(cluster: Cluster, calls, tp: int, algorithms: dict) -> float:
+    seconds = 0.0
+    for collective, nbytes in calls:
+        spent, algorithm = cluster.collective_time_s(collective, nbytes, tp, 1)
+        algorithms[f"tp {collective}"] = algorithm
+        seconds += spent
+    return seconds
+
+
+@dataclass(frozen=True)
+class GroupCosts:
+    """A layer group (or a chunk of groups) per micro-batch: compute and tp
+    communication seconds, parameters, activations kept per micro-batch in flight,
+    working memory of one recomputed layer, and the bytes its output sends."""
+
+    compute_s: float
+    tp_comm_s: float
+    params: int
+    activation_bytes: float
+    working_bytes: float
+    output_bytes: float
+
+    @property
+    def time_s(self) -> float:
+        return self.compute_s + self.tp_comm_s
+
+
+def _unit_costs(unit: Unit, tp: int, recompute: bool, cluster: Cluster, dtype: str, algorithms: dict) -> GroupCosts:
+    device = cluster.device
+    forward = device.forward_time_s(unit.cost, dtype)
+    compute = forward + device.backward_time_s(unit.cost, dtype)
+    comm = _comm_time_s(cluster, unit.comm.forward + unit.comm.backward, tp, algorithms)
+    if recompute and unit.recomputable:
+        compute += forward
+        comm += _comm_time_s(cluster, unit.comm.recompute, tp, algorithms)
+        return GroupCosts(compute, comm, unit.cost.params, unit.cost.input_bytes, unit.cost.activation_bytes,
+                          unit.cost.output_bytes)
+    return GroupCosts(compute, comm, unit.cost.params, unit.cost.activation_bytes, 0.0, unit.cost.output_bytes)
+
+
+def combine(parts: list[GroupCosts]) -> GroupCosts:
+    """Groups run one after another: times, parameters and activations add, the
+    working memory is the largest, the output is the last one's."""
+    return GroupCosts(sum(p.compute_s for p in parts), sum(p.tp_comm_s for p in parts), sum(p.params for p in parts),
+                      sum(p.activation_bytes for p in parts), max(p.working_bytes for p in parts),
+                      parts[-1].output_bytes)
+
+
+def summarize(groups: list[list[Unit]], *, tp: int, recompute: bool, cluster: Cluster, dtype: str,
+              algorithms: dict | None = None) -> list[GroupCosts]:
+    """Each group's GroupCosts on ``cluster`` (identical layers priced once)."""
+    algorithms = {} if algorithms is None else algorithms
+    memo: dict = {}
+    out = []
+    for group in groups:
+        parts = []
+        for unit in group:
+            key = (tuple(getattr(unit.cost, f) for f in _COST_FIELDS), id(unit.comm), unit.recomputable)
+            if key not in memo:
+                memo[key] = _unit_costs(unit, tp, recompute, cluster, dtype, algorithms)
+            parts.append(memo[key])
+        out.append(combine(parts))
+    return out
+
+
+def split_groups(summaries: list[GroupCosts], chunks: int) -> list[list[int]]:
+    """pp·v contiguous chunks of the groups minimising the slowest chunk's time."""
+    bounds = minmax_partition([g.time_s for g in summaries], chunks)
+    return [list(range(bounds[c], bounds[c + 1])) for c in range(chunks)]
+
+
+def in_flight(layout: Layout, rank: int) -> float:
+    """Micro-batches (in units of the rank's whole share) whose activations rank
+    ``rank`` of the pipeline holds at its peak."""
+    p, m, v = layout.pp, layout.num_microbatches, layout.virtual
+    if layout.schedule == "none":
+        return 1.0
+    if layout.schedule == "gpipe":
+        return float(m)
+    if layout.schedule == "1f1b":
+        return float(min(m, p - rank))
+    units = m * v if m == p else min(m * v, (p - rank - 1) * 2 + (v - 1) * p + 1)
+    return units / v
+
+
+def estimate(groups: list[list[Unit]], layout: Layout, cluster: Cluster, precision: Precision, *,
+             model_flops: float, hardware_flops: float, tied_embedding_params: int = 0,
+             summaries: list[GroupCosts] | None = None, split: list[list[int]] | None = None,
+             chunks: list[GroupCosts] | None = None, algorithms: dict | None = None) -> Estimate:
+    """Price ``layout`` (see the module docstring). ``groups`` are the model's layers
+    for one micro-batch on one tp rank, grouped where no stage boundary may fall;
+    ``model_flops`` / ``hardware_flops`` are the global step's FLOPs without / with
+    recomputation; ``tied_embedding_params`` (per tp rank) are kept a second time on the
+    last stage and all-reduced between the two ends when pp > 1. ``summaries``,
+    ``split``, ``chunks`` (the split's combined groups) and ``algorithms`` let a search
+    reuse ``summarize`` and ``split_groups``."""
+    dtype = precision.dtype
+    algorithms = dict(algorithms or {})
+    if summaries is None:
+        summaries = summarize(groups, tp=layout.tp, recompute=layout.recompute, cluster=cluster, dtype=dtype,
+                              algorithms=algorithms)
+    split = split or split_groups(summaries, layout.pp * layout.virtual)
+    p, v, m = layout.pp, layout.virtual, layout.num_microbatches
+    if chunks is None:
+        chunks = [combine([summaries[g] for g in indices]) for indices in split]
+    crosses_node = layout.tp * layout.dp >= cluster.devices_per_node and cluster.nodes > 1
+    ranks = []
+    for r in range(p):
+        mine = [chunks[c] for c in range(r, p * v, p)]
+        compute = sum(c.compute_s for c in mine)
+        tp_comm = sum(c.tp_comm_s for c in mine)
+        p2p = 0.0
+        if p > 1:
+            for index in range(r, p * v, p):
+                if index > 0:
+                    p2p += cluster.p2p_time_s(chunks[index - 1].output_bytes, crosses_node)
+                if index < p * v - 1:
+                    p2p += cluster.p2p_time_s(chunks[index].output_bytes, crosses_node)
+        params = sum(c.params for c in mine) + (tied_embedding_params if p > 1 and r == p - 1 else 0)
+        activation = sum(c.activation_bytes for c in mine) * in_flight(layout, r) + max(c.working_bytes for c in mine)
+        ranks.append({"compute": compute, "tp_comm": tp_comm, "p2p": p2p, "params": params, "activations": activation,
+                      "total": compute + tp_comm + p2p})
+    slowest = max(range(p), key=lambda r: ranks[r]["total"])
+    t_max = ranks[slowest]["total"]
+    if p == 1:
+        pipeline_s = m * t_max
+    elif layout.schedule == "interleaved":
+        pipeline_s = (m + (p - 1) / v) * t_max
+    else:
+        pipeline_s = sum(r["total"] for r in ranks) + (m - 1) * t_max
+    bottleneck = ranks[slowest]
+    times = {"compute": m * bottleneck["compute"], "tp_comm": m * bottleneck["tp_comm"],
+             "pp_comm": m * bottleneck["p2p"]}
+    times["pp_bubble"] = max(0.0, pipeline_s - m * t_max)
+
+    # data parallelism and the optimizer, on the rank with the most parameters
+    heavy = max(range(p), key=lambda r: ranks[r]["params"])
+    params = ranks[heavy]["params"]
+    grad_bytes, param_bytes = params * precision.grad_bytes, params * precision.param_bytes
+    dp, stride = layout.dp, layout.tp
+
+    def collective(name: str, nbytes: float) -> float:
+        seconds, algorithm = cluster.collective_time_s(name, nbytes, dp, stride)
+        algorithms[f"dp {name}"] = algorithm
+        return seconds
+
+    if dp == 1:
+        dp_s = 0.0
+    elif layout.zero_stage == 0:
+        dp_s = collective("all_reduce", grad_bytes)
+    elif layout.zero_stage == 1:
+        dp_s = collective("reduce_scatter", grad_bytes) + collective("all_gather", param_bytes)
+    elif layout.zero_stage == 2:
+        dp_s = m * collective("reduce_scatter", grad_bytes) + collective("all_gather", param_bytes)
+    else:
+        dp_s = m * (collective("reduce_scatter", grad_bytes) + 2 * collective("all_gather", param_bytes))
+    if p > 1 and tied_embedding_params:
+        seconds, algorithms["tied embedding"] = cluster.collective_time_s(
+            "all_reduce", tied_embedding_params * precision.grad_bytes, 2, layout.tp * layout.dp * (p - 1))
+        dp_s += seconds
+    times["dp_comm"] = dp_s
+    sharded = params / dp if layout.zero_stage >= 1 else params
+    device = cluster.device
+    times["optimizer"] = device.time_s(flops=0.0, nbytes=sharded * precision.optimizer_traffic_bytes, kernels=1,
+                                       dtype=dtype)
+    step = pipeline_s + dp_s + times["optimizer"]
+
+    # memory: the worst pipeline rank
+    def memory_of(r: int) -> dict[str, float]:
+        count = ranks[r]["params"]
+        z = layout.zero_stage
+        return {"parameters": count * precision.param_bytes / (dp if z >= 3 else 1),
+                "gradients": count * precision.grad_bytes / (dp if z >= 2 else 1),
+                "optimizer": count * precision.optimizer_bytes / (dp if z >= 1 else 1),
+                "activations": ranks[r]["activations"]}
+
+    memories = [memory_of(r) for r in range(p)]
+    worst = max(range(p), key=lambda r: sum(memories[r].values()))
+    memory = memories[worst]
+    world = layout.devices
+    peak = device.peak(dtype)
+    hardware_per_gpu = hardware_flops / step / world
+    model_per_gpu = model_flops / step / world
+    return Estimate(layout=layout, step_time_s=step, time_s=times, memory_per_gpu_bytes=sum(memory.values()),
+                    memory_bytes=memory, stage_layers=split, bottleneck_rank=slowest, model_flops=model_flops,
+                    hardware_flops=hardware_flops, tflops_per_gpu=hardware_per_gpu / 1e12,
+                    model_tflops_per_gpu=model_per_gpu / 1e12, percent_of_peak=100.0 * hardware_per_gpu / peak,
+                    mfu=100.0 * model_per_gpu / peak, samples_per_s=layout.global_batch / step,
+                    algorithms=algorithms)
+

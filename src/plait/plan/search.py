@@ -1,0 +1,341 @@
+"""The search: every valid layout of a model on a cluster, priced, filtered by memory,
+ranked by step time, and the reasons.
+
+Enumerated: tp and pp over the divisors of the device count (dp = devices / (tp·pp)),
+the micro-batch b over the divisors of B/dp up to ``max_micro_batch`` (m = B/(dp·b)),
+the schedule (none at pp = 1; gpipe, 1f1b, interleaved with v in ``virtual_choices``
+otherwise), sequence parallelism (tp > 1), full recomputation, ZeRO stage (0 at dp = 1;
+0-1 with pp > 1; 0-3 otherwise). Any of them may be fixed (``PlanRequest``); the rest
+are searched under that constraint. Every layout breaking a rule or the memory limit
+is counted against each of its values, so the explanation can say, for each choice
+of the winner, what the best alternative value costs or which constraint removed it.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import Counter
+from dataclasses import dataclass, field, replace
+
+from plait.plan.cluster import Cluster
+from plait.plan.estimate import (PRECISIONS, SCHEDULES, Estimate, Layout, combine, estimate, layout_problems,
+                                 split_groups, summarize)
+from plait.plan.transformer import ACCOUNTINGS
+
+__all__ = ["PlanRequest", "PlanResult", "PlanError", "search", "DIMENSIONS"]
+
+GIB = 1 << 30
+DIMENSIONS = ("tp", "pp", "dp", "micro_batch", "schedule", "recompute", "zero_stage", "sequence_parallel")
+
+
+class PlanError(ValueError):
+    """No layout can run the request (the message says why and what would)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanRequest:
+    """What to plan: the global batch (sequences per step) and, optionally, fixed
+    choices. ``None`` means search it."""
+
+    global_batch: int
+    tp: int | None = None
+    pp: int | None = None
+    dp: int | None = None
+    micro_batch: int | None = None
+    schedule: str | None = None
+    virtual: int | None = None
+    recompute: bool | None = None
+    zero_stage: int | None = None
+    sequence_parallel: bool | None = None
+    precision: str = "bf16-mixed"
+    accounting: str = "megatron"
+    memory_limit_bytes: float | None = None
+    max_micro_batch: int = 32
+    virtual_choices: tuple[int, ...] = (2, 4, 8)
+    top: int = 5
+
+    def __post_init__(self) -> None:
+        problems = []
+
+        def whole(key, value, allow_none=True, minimum=1):
+            if value is None and allow_none:
+                return
+            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+                problems.append(f"{key}={value!r} must be a whole number >= {minimum}")
+
+        whole("global_batch", self.global_batch, allow_none=False)
+        for key in ("tp", "pp", "dp", "micro_batch", "virtual"):
+            whole(key, getattr(self, key))
+        whole("max_micro_batch", self.max_micro_batch, allow_none=False)
+        whole("top", self.top, allow_none=False)
+        if self.zero_stage is not None and self.zero_stage not in (0, 1, 2, 3):
+            problems.append(f"zero_stage={self.zero_stage!r} must be 0, 1, 2 or 3")
+        if self.schedule is not None and self.schedule not in SCHEDULES:
+            problems.append(f"schedule={self.schedule!r} must be one of {', '.join(SCHEDULES)}")
+        if self.precision not in PRECISIONS:
+            problems.append(f"precision={self.precision!r} must be one of {', '.join(PRECISIONS)}")
+        if self.accounting not in ACCOUNTINGS:
+            problems.append(f"accounting={self.accounting!r} must be one of {', '.join(ACCOUNTINGS)}")
+        if self.memory_limit_bytes is not None and not (isinstance(self.memory_limit_bytes, (int, float))
+                                                        and self.memory_limit_bytes > 0):
+            problems.append(f"memory_limit_bytes={self.memory_limit_bytes!r} must be > 0")
+        if not self.virtual_choices or any(isinstance(v, bool) or not isinstance(v, int) or v < 2
+                                           for v in self.virtual_choices):
+            problems.append(f"virtual_choices={self.virtual_choices!r} must be whole numbers >= 2")
+        if problems:
+            raise ValueError("invalid plan request: " + "; ".join(problems))
+
+
+@dataclass
+class _Tally:
+    """What happened to the layouts with one value of one dimension."""
+
+    best: Estimate | None = None
+    failures: Counter = field(default_factory=Counter)
+    closest: Estimate | None = None  # the least memory among those over the limit
+
+
+@dataclass
+class PlanResult:
+    """Ranked plans (best first) and the record of the search."""
+
+    plans: list[Estimate]
+    model_description: str
+    cluster_description: str
+    request: PlanRequest
+    memory_limit_bytes: float
+    peak_flops_per_s: float
+    considered: int
+    feasible: int
+    eliminated: Counter
+    tallies: dict[tuple[str, object], _Tally]
+    search_time_s: float
+
+    @property
+    def best(self) -> Estimate:
+        return self.plans[0]
+
+    def as_json(self) -> list[dict]:
+        """The stable list: one dict per plan, best first (keys in docs/plan.md)."""
+        return [{"rank": i + 1, **plan.as_dict()} for i, plan in enumerate(self.plans)]
+
+
+def dimension_value(layout: Layout, dimension: str):
+    if dimension == "schedule":
+        return layout.schedule + (f" v={layout.virtual}" if layout.schedule == "interleaved" else "")
+    return getattr(layout, dimension)
+
+
+def _divisors(n: int) -> list[int]:
+    small = [d for d in range(1, int(math.isqrt(n)) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
+
+
+def _choices(fixed, options):
+    return [fixed] if fixed is not None else list(options)
+
+
+def search(model, cluster: Cluster, request: PlanRequest, *, suggest: bool = True) -> PlanResult:
+    """Every layout of ``model`` on ``cluster`` for ``request``, ranked (see the module
+    docstring). Raises PlanError when none is valid or none fits in memory (with
+    ``suggest``, naming the smallest bigger cluster that would fit)."""
+    started = time.perf_counter()
+    world = cluster.world_size
+    precision = PRECISIONS[request.precision]
+    limit = request.memory_limit_bytes or cluster.device.memory_bytes
+    batch = request.global_batch
+    _check_fixed(model, world, request)
+
+    tallies: dict[tuple[str, object], _Tally] = {}
+    eliminated: Counter = Counter()
+    feasible: list[Estimate] = []
+    considered = 0
+
+    def tally(layout: Layout, dimensions=DIMENSIONS) -> list[_Tally]:
+        return [tallies.setdefault((d, dimension_value(layout, d)), _Tally()) for d in dimensions]
+
+    def reject(layout: Layout, reason: str, dimensions=DIMENSIONS) -> None:
+        eliminated[reason] += 1
+        for entry in tally(layout, dimensions):
+            entry.failures[reason] += 1
+
+    groups_cache: dict = {}
+    split_cache: dict = {}
+    flops = {rc: (model.training_flops(batch, False), model.training_flops(batch, rc)) for rc in (False, True)}
+    for tp in _choices(request.tp, _divisors(world)):
+        for pp in _choices(request.pp, _divisors(world // tp) if world % tp == 0 else []):
+            if world % (tp * pp):
+                continue
+            dp = world // (tp * pp)
+            if request.dp is not None and dp != request.dp:
+                continue
+            shell = Layout(tp=tp, pp=pp, dp=dp, schedule="none" if pp == 1 else "1f1b")
+            structural = [p for p in (model.tensor_parallel_problem(tp),) if p]
+            if pp > model.num_groups:
+                structural.append(f"pp={pp} exceeds the model's {model.num_groups} layers")
+            if batch % dp:
+                structural.append(f"global batch {batch} is not divisible by dp={dp}")
+            if structural:
+                considered += 1
+                reject(shell, _kind(structural[0]), ("tp", "pp", "dp"))
+                continue
+            per_replica = batch // dp
+            micro_batches = [b for b in _divisors(per_replica) if b <= request.max_micro_batch]
+            for mb in _choices(request.micro_batch, micro_batches):
+                if per_replica % mb:
+                    considered += 1
+                    reject(replace(shell, micro_batch=mb), f"micro-batch does not divide the per-replica batch",
+                           ("tp", "pp", "dp", "micro_batch"))
+                    continue
+                m = per_replica // mb
+                for sp in _choices(request.sequence_parallel, (False, True) if tp > 1 else (False,)):
+                    for rc in _choices(request.recompute, (False, True)):
+                        key = (tp, mb, sp)
+                        if key not in groups_cache:
+                            groups_cache[key] = model.groups(mb, tp, sp, precision, request.accounting)
+                        groups = groups_cache[key]
+                        algorithms: dict = {}
+                        summaries = summarize(groups, tp=tp, recompute=rc, cluster=cluster, dtype=precision.dtype,
+                                              algorithms=algorithms)
+                        for schedule, virtual in _schedules(pp, request):
+                            zeros = [0] if dp == 1 else ([0, 1] if pp > 1 else [0, 1, 2, 3])
+                            for zero in _choices(request.zero_stage, zeros):
+                                layout = Layout(tp=tp, pp=pp, dp=dp, micro_batch=mb, num_microbatches=m,
+                                                schedule=schedule, virtual=virtual, recompute=rc, zero_stage=zero,
+                                                sequence_parallel=sp)
+                                considered += 1
+                                problems = layout_problems(layout, num_groups=model.num_groups, world_size=world,
+                                                           global_batch=batch, tp_problem=None,
+                                                           seq_len=getattr(model, "seq_len", None))
+                                if problems:
+                                    reject(layout, _kind(problems[0]))
+                                    continue
+                                split_key = (tp, mb, sp, rc, pp, virtual)
+                                if split_key not in split_cache:
+                                    split = split_groups(summaries, pp * virtual)
+                                    split_cache[split_key] = (split, [combine([summaries[g] for g in indices])
+                                                                      for indices in split])
+                                result = estimate(groups, layout, cluster, precision, model_flops=flops[rc][0],
+                                                  hardware_flops=flops[rc][1],
+                                                  tied_embedding_params=model.tied_embedding_params(tp),
+                                                  summaries=summaries, split=split_cache[split_key][0],
+                                                  chunks=split_cache[split_key][1], algorithms=algorithms)
+                                if result.memory_per_gpu_bytes > limit:
+                                    reject(layout, "exceeds memory")
+                                    for entry in tally(layout):
+                                        if entry.closest is None or \
+                                                result.memory_per_gpu_bytes < entry.closest.memory_per_gpu_bytes:
+                                            entry.closest = result
+                                    continue
+                                feasible.append(result)
+                                for entry in tally(layout):
+                                    if entry.best is None or result.step_time_s < entry.best.step_time_s:
+                                        entry.best = result
+    elapsed = time.perf_counter() - started
+    if not feasible:
+        raise PlanError(_no_plan_message(model, cluster, request, tallies, eliminated, limit, considered, suggest))
+    feasible.sort(key=lambda e: (e.step_time_s, e.memory_per_gpu_bytes))
+    return PlanResult(plans=feasible[:request.top], model_description=model.describe(),
+                      cluster_description=cluster.describe(), request=request, memory_limit_bytes=limit,
+                      peak_flops_per_s=cluster.device.peak(precision.dtype), considered=considered,
+                      feasible=len(feasible), eliminated=eliminated, tallies=tallies, search_time_s=elapsed)
+
+
+def _schedules(pp: int, request: PlanRequest) -> list[tuple[str, int]]:
+    if pp == 1:
+        options = [("none", 1)]
+    else:
+        options = [("1f1b", 1), ("gpipe", 1)] + [("interleaved", v) for v in request.virtual_choices]
+    if request.schedule is not None:
+        options = [o for o in options if o[0] == request.schedule] or [(request.schedule, request.virtual or 1)]
+    if request.virtual is not None:
+        options = [(s, request.virtual if s == "interleaved" else v) for s, v in options]
+        options = list(dict.fromkeys(options))
+    return options
+
+
+def _kind(problem: str) -> str:
+    """A problem message without its particular values, to count alike ones together."""
+    rules = (("does not divide heads", "tp does not divide the attention heads"),
+             ("does not divide ffn", "tp does not divide the MLP width"),
+             ("no tensor-parallel split", "traced module has no tensor parallelism"),
+             ("exceeds the model", "pp exceeds the layers"),
+             ("chunks exceed", "pp x virtual exceeds the layers"),
+             ("not divisible by dp", "global batch not divisible by dp"),
+             ("multiple of pp", "interleaved needs micro-batches a multiple of pp"),
+             ("shards gradients", "ZeRO 2/3 with a pipeline"),
+             ("sequence_parallel splits", "seq_len not divisible by tp"))
+    for needle, kind in rules:
+        if needle in problem:
+            return kind
+    return problem
+
+
+def _check_fixed(model, world: int, request: PlanRequest) -> None:
+    """Reject fixed degrees that no layout can honour, naming the rule broken."""
+    problems = []
+    for key in ("tp", "pp", "dp"):
+        value = getattr(request, key)
+        if value is not None and world % value:
+            problems.append(f"{key}={value} does not divide the {world} devices (valid {key}: "
+                            f"{', '.join(map(str, _divisors(world)))})")
+    fixed = [getattr(request, k) for k in ("tp", "pp", "dp") if getattr(request, k) is not None]
+    if len(fixed) == 3 and math.prod(fixed) != world:
+        problems.append(f"tp({request.tp}) * pp({request.pp}) * dp({request.dp}) = {math.prod(fixed)} != "
+                        f"devices({world})")
+    if request.tp is not None:
+        problem = model.tensor_parallel_problem(request.tp)
+        if problem:
+            problems.append(problem)
+    if request.pp is not None and request.pp > model.num_groups:
+        problems.append(f"pp={request.pp} exceeds the model's {model.num_groups} layers (each stage needs one)")
+    if request.dp is not None and request.global_batch % request.dp:
+        problems.append(f"global batch {request.global_batch} is not divisible by dp={request.dp}")
+    if request.schedule is not None and request.pp is not None:
+        if request.pp == 1 and request.schedule != "none":
+            problems.append(f"schedule={request.schedule!r} needs pp > 1")
+        if request.pp > 1 and request.schedule == "none":
+            problems.append(f"pp={request.pp} needs a pipeline schedule (gpipe, 1f1b or interleaved)")
+    if request.virtual is not None and request.schedule not in (None, "interleaved"):
+        problems.append(f"virtual={request.virtual} is only for --schedule interleaved")
+    if request.sequence_parallel and request.tp == 1:
+        problems.append("sequence parallelism needs tp > 1")
+    if problems:
+        raise PlanError("; ".join(problems))
+
+
+def _no_plan_message(model, cluster: Cluster, request: PlanRequest, tallies, eliminated: Counter, limit: float,
+                     considered: int, suggest: bool) -> str:
+    closest = None
+    for entry in tallies.values():
+        if entry.closest is not None and (closest is None or
+                                          entry.closest.memory_per_gpu_bytes < closest.memory_per_gpu_bytes):
+            closest = entry.closest
+    head = f"no layout of {model.describe()} runs on {cluster.describe()} with global batch {request.global_batch}"
+    if closest is None:
+        reasons = "; ".join(f"{count} x {reason}" for reason, count in eliminated.most_common())
+        return f"{head}: all {considered} layouts break a rule ({reasons})"
+    need = closest.memory_per_gpu_bytes
+    parts = ", ".join(f"{k} {v / GIB:.1f}" for k, v in closest.memory_bytes.items())
+    message = (f"{head}: the layout needing the least memory ({closest.layout.text()}) needs {need / GIB:.1f} GiB "
+               f"per device ({parts} GiB), {(need - limit) / GIB:.1f} GiB more than the {limit / GIB:.1f} GiB "
+               f"available")
+    suggestion = _what_would_fit(model, cluster, request) if suggest else ""
+    return message + ("; " + suggestion if suggestion else "")
+
+
+def _what_would_fit(model, cluster: Cluster, request: PlanRequest) -> str:
+    """The smallest multiple of the node count (doubling, up to 64x) on which some
+    layout fits the same global batch."""
+    if cluster.name == "local":
+        return "give the processes more memory, or a smaller model"
+    for factor in (2, 4, 8, 16, 32, 64):
+        bigger = replace(cluster, nodes=cluster.nodes * factor, _cache={})
+        try:
+            result = search(model, bigger, replace(request, top=1, dp=None), suggest=False)
+        except PlanError:
+            continue
+        return (f"{bigger.world_size} devices ({bigger.nodes} nodes) would fit it, e.g. "
+                f"{result.best.layout.text()} at {result.best.memory_per_gpu_bytes / GIB:.1f} GiB per device")
+    return "not even 64x the devices fit it: use a smaller model or devices with more memory"

@@ -1,0 +1,129 @@
+"""One layout priced: the pipeline time against plait's own schedules replayed, the
+activations in flight against the schedules, ZeRO's memory, the collectives' prices."""
+
+from __future__ import annotations
+
+import pytest
+
+from plait.cost import LinkModel
+from plait.cost.alpha_beta import predict_time_s
+from plait.parallel.pipeline.replay import peak_in_flight, replay
+from plait.parallel.pipeline.schedules import build
+from plait.plan import Layout, cluster_preset, estimate_layout, model_preset
+from plait.plan.cluster import Cluster
+from plait.plan.device import DeviceSpec
+from plait.plan.estimate import PRECISIONS, Unit, estimate, in_flight
+from plait.plan.layers import LayerCost
+from plait.plan.transformer import TensorParallelComm
+
+# a device where one FLOP takes one second and nothing else costs anything, and links
+# that cost nothing, so an estimate is pure schedule arithmetic
+UNIT_DEVICE = DeviceSpec(name="unit", peak_flops_per_s=(("float32", 1.0),), memory_bytes=1e18,
+                         memory_bandwidth_bytes_per_s=1e30, matmul_efficiency=1.0, memory_efficiency=1.0,
+                         kernel_overhead_s=0.0)
+FREE_LINK = LinkModel(0.0, 1e-30)
+
+
+def _cluster(devices: int) -> Cluster:
+    return Cluster(name="unit", nodes=1, devices_per_node=devices, device=UNIT_DEVICE, intra_link=FREE_LINK,
+                   inter_link=FREE_LINK)
+
+
+def _uniform_groups(count: int, forward_s: float) -> list[list[Unit]]:
+    cost = LayerCost(name="layer", forward_flops=forward_s, backward_flops=2 * forward_s)
+    return [[Unit(cost, TensorParallelComm(), True)] for _ in range(count)]
+
+
+@pytest.mark.parametrize("schedule,p,m,v", [("gpipe", 4, 8, 1), ("1f1b", 4, 8, 1), ("1f1b", 3, 7, 1),
+                                           ("1f1b", 4, 4, 1), ("interleaved", 4, 8, 2), ("interleaved", 2, 6, 3),
+                                           ("interleaved", 4, 4, 2), ("none", 1, 5, 1)])
+def test_pipeline_time_is_the_replayed_schedule(schedule, p, m, v):
+    """Uniform stages, free links: the estimate's step equals the makespan of plait's
+    own schedule replayed with each rank's forward and backward times."""
+    layers = p * v * 2
+    groups = _uniform_groups(layers, 1.0)
+    layout = Layout(pp=p, num_microbatches=m, schedule=schedule, virtual=v)
+    result = estimate(groups, layout, _cluster(p), PRECISIONS["fp32"], model_flops=1.0, hardware_flops=1.0)
+    per_rank_forward = layers / p
+    if schedule == "none":
+        expected = m * 3 * per_rank_forward
+    else:
+        name = "interleaved_1f1b" if schedule == "interleaved" else schedule
+        expected = replay(build(name, p, m, v if v > 1 else None), forward=per_rank_forward,
+                          backward=2 * per_rank_forward).makespan_s
+    assert result.step_time_s == pytest.approx(expected, rel=1e-12)
+    bubble = (p - 1) / v / (m + (p - 1) / v)  # DESIGN §6
+    assert result.time_s["pp_bubble"] / result.step_time_s == pytest.approx(bubble, rel=1e-12)
+
+
+@pytest.mark.parametrize("schedule,p,m,v", [("gpipe", 4, 6, 1), ("1f1b", 4, 6, 1), ("1f1b", 4, 2, 1),
+                                           ("interleaved", 4, 8, 2), ("interleaved", 3, 3, 2),
+                                           ("interleaved", 2, 4, 4)])
+def test_in_flight_matches_the_schedules(schedule, p, m, v):
+    name = "interleaved_1f1b" if schedule == "interleaved" else schedule
+    peaks = peak_in_flight(build(name, p, m, v if v > 1 else None))
+    layout = Layout(pp=p, num_microbatches=m, schedule=schedule, virtual=v)
+    assert [in_flight(layout, r) * v for r in range(p)] == peaks
+
+
+def test_uneven_stages_are_balanced_and_priced_by_the_slowest():
+    """Six layers of costs 1, 1, 1, 1, 1, 5 on two stages: the min-max split puts the
+    heavy layer alone on the second stage, the other five on the first (both 5); then
+    T = Σ t + (m-1)·max t with t = forward + backward = 3 x 5."""
+    costs = [1, 1, 1, 1, 1, 5]
+    groups = [[Unit(LayerCost(name=f"l{i}", forward_flops=c, backward_flops=2 * c), TensorParallelComm(), True)]
+              for i, c in enumerate(costs)]
+    layout = Layout(pp=2, num_microbatches=4, schedule="1f1b")
+    result = estimate(groups, layout, _cluster(2), PRECISIONS["fp32"], model_flops=1.0, hardware_flops=1.0)
+    assert result.stage_layers == [[0, 1, 2, 3, 4], [5]]
+    t = [3 * 5, 3 * 5]
+    assert result.step_time_s == pytest.approx(sum(t) + 3 * max(t))
+
+
+@pytest.mark.parametrize("zero,divisors", [(0, (1, 1, 1)), (1, (1, 1, 8)), (2, (1, 8, 8)), (3, (8, 8, 8))])
+def test_zero_stages_shard_the_model_states(zero, divisors):
+    """ZeRO (Rajbhandari et al.): 2 + 2 + 12 bytes per parameter, the optimizer states
+    sharded from stage 1, the gradients from 2, the parameters from 3."""
+    spec = model_preset("gpt-1.3b")
+    layout = Layout(dp=8, micro_batch=1, num_microbatches=2, zero_stage=zero)
+    result = estimate_layout(spec, "dgx-a100", layout, gpus=8)
+    params = spec.num_parameters() + (spec.padded_vocab(1) - spec.vocab) * spec.hidden
+    for key, per_param, divisor in zip(("parameters", "gradients", "optimizer"), (2, 2, 12), divisors):
+        assert result.memory_bytes[key] == pytest.approx(params * per_param / divisor, rel=1e-12)
+
+
+def test_data_parallel_time_is_the_cheapest_collective():
+    cluster = cluster_preset("dgx-a100", gpus=16)
+    spec = model_preset("gpt-350m")
+    result = estimate_layout(spec, cluster, Layout(dp=16, micro_batch=4, num_microbatches=1))
+    grad_bytes = 2 * (spec.num_parameters())
+    # 16 ranks on 2 nodes, 8 per node: flat algorithms on the NIC link, or hierarchical
+    candidates = [predict_time_s("all_reduce", a, grad_bytes, 16, cluster.inter_link)
+                  for a in ("ring", "tree", "double_binary_tree", "recursive_doubling", "halving_doubling")]
+    candidates.append(predict_time_s("all_reduce", "hierarchical", grad_bytes, 16,
+                                     [cluster.inter_link, cluster.intra_link], hierarchy="2x8"))
+    assert result.time_s["dp_comm"] == pytest.approx(min(candidates), rel=1e-9)
+    assert result.algorithms["dp all_reduce"] == "hierarchical"
+
+
+def test_group_shapes_follow_the_mesh_order():
+    cluster = cluster_preset("dgx-a100", gpus=64)
+    assert (cluster.group_shape(8, 1).per_node, cluster.group_shape(8, 1).nodes) == (8, 1)
+    assert cluster.group_shape(8, 8).per_node == 1 and cluster.group_shape(8, 8).nodes == 8
+    shape = cluster.group_shape(8, 2)  # dp over tp=2: 4 per node on 2 nodes
+    assert (shape.per_node, shape.nodes) == (4, 2)
+    # tp inside a node is NVLink-cheap, across nodes it is not
+    inside, _ = cluster.collective_time_s("all_reduce", 1 << 26, 8, 1)
+    across, _ = cluster.collective_time_s("all_reduce", 1 << 26, 8, 8)
+    assert across > 5 * inside
+
+
+def test_an_invalid_layout_is_refused_with_every_rule_named():
+    with pytest.raises(ValueError) as error:
+        estimate_layout("gpt-1.3b", "dgx-a100", Layout(tp=3, pp=2, dp=1, micro_batch=1, num_microbatches=2,
+                                                        schedule="none", zero_stage=2), gpus=8)
+    text = str(error.value)
+    assert "tp(3) * pp(2) * dp(1) = 6 != devices(8)" in text
+    assert "tp=3 does not divide heads=16" in text
+    assert "pp=2 needs a pipeline schedule" in text
+    assert "zero_stage=2" in text

@@ -1,0 +1,133 @@
+"""The search: its best plan is the brute-force optimum, it never returns a plan over
+the memory limit, it honours fixed choices, and it says why when nothing fits."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import pytest
+
+from plait.plan import (Layout, PlanError, cluster_preset, estimate_layout, explain, model_preset, plan, table)
+from plait.plan.search import DIMENSIONS
+
+GIB = 1 << 30
+
+
+def _divisors(n):
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _brute_force(spec, cluster, batch, limit):
+    """Every layout enumerated independently of the search, priced one by one."""
+    best = None
+    world = cluster.world_size
+    for tp, pp in itertools.product(_divisors(world), repeat=2):
+        if world % (tp * pp) or spec.tensor_parallel_problem(tp) or pp > spec.layers:
+            continue
+        dp = world // (tp * pp)
+        if batch % dp:
+            continue
+        for mb in _divisors(batch // dp):
+            m = batch // (dp * mb)
+            schedules = [("none", 1)] if pp == 1 else [("1f1b", 1), ("gpipe", 1), ("interleaved", 2),
+                                                       ("interleaved", 4), ("interleaved", 8)]
+            zeros = [0] if dp == 1 else ([0, 1] if pp > 1 else [0, 1, 2, 3])
+            for (schedule, v), rc, zero, sp in itertools.product(schedules, (False, True), zeros,
+                                                                 (False, True) if tp > 1 else (False,)):
+                if schedule == "interleaved" and (m % pp or pp * v > spec.layers):
+                    continue
+                layout = Layout(tp=tp, pp=pp, dp=dp, micro_batch=mb, num_microbatches=m, schedule=schedule,
+                                virtual=v, recompute=rc, zero_stage=zero, sequence_parallel=sp)
+                result = estimate_layout(spec, cluster, layout)
+                if result.memory_per_gpu_bytes <= limit and (best is None or result.step_time_s < best.step_time_s):
+                    best = result
+    return best
+
+
+@pytest.mark.parametrize("limit_gib", [80, 6, 3])
+def test_the_best_plan_is_the_brute_force_optimum_within_memory(limit_gib):
+    spec = model_preset("gpt-350m")
+    cluster = cluster_preset("dgx-a100", gpus=8)
+    limit = limit_gib * GIB
+    result = plan(spec, cluster, global_batch=16, memory_limit_bytes=limit, max_micro_batch=64, top=1000)
+    expected = _brute_force(spec, cluster, 16, limit)
+    assert result.best.step_time_s == pytest.approx(expected.step_time_s, rel=1e-12)
+    assert all(p.memory_per_gpu_bytes <= limit for p in result.plans)
+    assert [p.step_time_s for p in result.plans] == sorted(p.step_time_s for p in result.plans)
+    assert result.feasible == len(result.plans)
+
+
+def test_fixed_choices_are_honoured_and_the_rest_searched():
+    result = plan("gpt-1.3b", "dgx-a100", gpus=16, global_batch=64, tp=2, schedule="gpipe", recompute=True, top=50)
+    assert result.plans
+    for p in result.plans:
+        assert (p.layout.tp, p.layout.schedule, p.layout.recompute) == (2, "gpipe", True)
+        assert p.layout.pp > 1 and p.layout.devices == 16 and p.layout.global_batch == 64
+    assert len({p.layout.pp for p in result.plans}) > 1  # pp still searched
+    assert "(fixed by the request)" in "\n".join(explain(result))
+
+
+def test_the_explanation_covers_every_choice():
+    result = plan("gpt-13b", "dgx-a100", gpus=64, global_batch=256)
+    lines = explain(result)
+    text = "\n".join(lines)
+    for label in ("tp =", "pp =", "dp =", "micro-batch =", "schedule =", "recompute =", "ZeRO stage =",
+                  "sequence parallel ="):
+        assert label in text
+    assert lines[0] == f"best: {result.best.layout.text()}"
+    assert "x slower" in text and "searched" in lines[-1]
+    assert len(table(result)) == len(result.plans) + 1
+    # the parts add up to the step
+    assert sum(result.best.time_s.values()) == pytest.approx(result.best.step_time_s, rel=1e-12)
+
+
+def test_json_is_stable():
+    result = plan("gpt-1.3b", "dgx-h100", gpus=8, global_batch=32, top=3)
+    document = json.loads(json.dumps(result.as_json()))
+    assert [d["rank"] for d in document] == [1, 2, 3]
+    for key in ("tp", "pp", "dp", "micro_batch", "num_microbatches", "schedule", "recompute", "zero_stage",
+                "step_time_s", "tflops_per_gpu", "percent_of_peak", "memory_per_gpu_bytes", "virtual",
+                "sequence_parallel", "mfu", "time_breakdown_s", "memory_breakdown_bytes"):
+        assert key in document[0]
+
+
+def test_a_model_too_big_says_how_much_is_missing_and_what_would_fit():
+    with pytest.raises(PlanError) as error:
+        plan("gpt-76b", "dgx-a100", gpus=8, global_batch=64)
+    text = str(error.value)
+    assert "GiB more than the 80.0 GiB available" in text
+    assert "would fit it" in text and "devices" in text
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(tp=3), "tp=3 does not divide the 8 devices"),
+    (dict(tp=8, model="gpt-125m-heads"), None),
+    (dict(pp=32), "pp=32 does not divide the 8 devices"),
+    (dict(tp=2, pp=2, dp=4), r"tp\(2\) \* pp\(2\) \* dp\(4\) = 16 != devices\(8\)"),
+    (dict(dp=8, global_batch=12), "global batch 12 is not divisible by dp=8"),
+    (dict(schedule="gpipe", pp=1), "needs pp > 1"),
+])
+def test_invalid_degrees_name_the_rule(kwargs, message):
+    kwargs = dict(kwargs)
+    if kwargs.pop("model", None):
+        # 12 heads: tp=8 does not divide them
+        with pytest.raises(PlanError, match="tp=8 does not divide heads=12"):
+            plan("gpt-125m", "dgx-a100", gpus=8, global_batch=16, **kwargs)
+        return
+    with pytest.raises(PlanError, match=message):
+        plan("gpt-125m", "dgx-a100", gpus=8, global_batch=kwargs.pop("global_batch", 16), **kwargs)
+
+
+def test_unknown_presets_list_the_valid_ones():
+    with pytest.raises(ValueError, match="unknown cluster 'dgx-z'; valid: dgx-a100"):
+        cluster_preset("dgx-z", gpus=8)
+    with pytest.raises(ValueError, match="unknown model preset"):
+        plan("gpt-2t", "dgx-a100", gpus=8, global_batch=8)
+    with pytest.raises(ValueError, match="not a whole number of dgx-a100 nodes"):
+        cluster_preset("dgx-a100", gpus=12)
+
+
+def test_dimensions_are_all_tallied():
+    result = plan("gpt-125m", "dgx-a100", gpus=8, global_batch=16)
+    assert {d for d, _ in result.tallies} == set(DIMENSIONS)
