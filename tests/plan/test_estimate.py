@@ -127,3 +127,23 @@ def test_an_invalid_layout_is_refused_with_every_rule_named():
     assert "tp=3 does not divide heads=16" in text
     assert "pp=2 needs a pipeline schedule" in text
     assert "zero_stage=2" in text
+
+
+@pytest.mark.parametrize("collective", ["all_reduce", "reduce_scatter", "all_gather"])
+def test_collective_prices_are_the_closed_forms_at_every_size(collective):
+    """The cluster prices from closed forms computed once per segment count and scaled
+    by the size; that must equal plait.cost.alpha_beta at the size itself."""
+    from plait.cost.alpha_beta import closed_form_algorithms
+
+    cluster = cluster_preset("dgx-h100", gpus=64)
+    for size, stride in ((8, 1), (8, 8), (16, 2), (64, 1), (3, 8)):
+        shape = cluster.group_shape(size, stride)
+        flat = cluster.inter_link if shape.nodes > 1 else cluster.intra_link
+        for nbytes in (1, 1000, 3 << 20, 7.5e8, 12345678901):
+            expected = min(predict_time_s(collective, a, nbytes, size, flat) for a in closed_form_algorithms(collective)
+                           if a not in ("direct", "star", "binary_tree", "hierarchical"))
+            if collective == "all_reduce" and shape.nodes > 1 and shape.per_node > 1:
+                expected = min(expected, predict_time_s(collective, "hierarchical", nbytes, size,
+                                                        [cluster.inter_link, cluster.intra_link],
+                                                        hierarchy=f"{shape.nodes}x{shape.per_node}"))
+            assert cluster.collective_time_s(collective, nbytes, size, stride)[0] == pytest.approx(expected, rel=1e-9)

@@ -131,3 +131,34 @@ def test_unknown_presets_list_the_valid_ones():
 def test_dimensions_are_all_tallied():
     result = plan("gpt-125m", "dgx-a100", gpus=8, global_batch=16)
     assert {d for d, _ in result.tallies} == set(DIMENSIONS)
+
+
+def test_an_uneven_traced_model_is_split_by_alpa():
+    """An uneven model on a 2-stage pipeline is cut where Σ t + (m-1)·max t is least,
+    boundary transfers included: not in the middle, where the min-max cut of the layer
+    times would go, because the activation there is huge (brute force over the cut)."""
+    from plait.cost import LinkModel
+    from plait.plan import LayerCost, ModuleModel
+    from plait.plan.cluster import Cluster
+    from plait.plan.device import DeviceSpec
+
+    device = DeviceSpec(name="unit", peak_flops_per_s=(("float32", 1.0),), memory_bytes=1e18,
+                        memory_bandwidth_bytes_per_s=1e30, matmul_efficiency=1.0, memory_efficiency=1.0,
+                        kernel_overhead_s=0.0)
+    link = LinkModel(0.0, 1e-9)  # 1 GB/s: a 1e10-byte activation takes 10 s each way
+    cluster = Cluster(name="unit", nodes=1, devices_per_node=2, device=device, intra_link=link, inter_link=link)
+    costs, outputs = [1, 1, 1, 1], [4, 1e10, 4, 4]
+    model = ModuleModel(name="uneven", traced_batch=1, layers=tuple(
+        LayerCost(name=f"l{i}", forward_flops=c, backward_flops=2 * c, output_bytes=o)
+        for i, (c, o) in enumerate(zip(costs, outputs))))
+    m = 4
+    result = plan(model, cluster, global_batch=m, pp=2, micro_batch=1, schedule="1f1b", top=1, precision="fp32")
+
+    def latency(k):
+        transfer = outputs[k - 1] * 1e-9
+        a, b = 3 * sum(costs[:k]) + transfer, 3 * sum(costs[k:]) + transfer
+        return a + b + (m - 1) * max(a, b)
+
+    assert min(range(1, 4), key=latency) != 2
+    assert result.best.step_time_s == pytest.approx(min(latency(k) for k in range(1, 4)))
+    assert len(result.best.stage_layers[0]) != 2

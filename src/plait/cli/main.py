@@ -14,7 +14,7 @@ import sys
 from plait import __version__
 
 SUBCOMMANDS = ("train", "bench", "bench_dp", "bench_tp", "bench_pp", "schedule", "cost", "tune", "calibrate",
-               "simulate", "checkpoint")
+               "simulate", "checkpoint", "plan")
 
 
 def build_parser() -> argparse.ArgumentParser:

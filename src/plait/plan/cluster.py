@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from plait.cost import LinkModel
-from plait.cost.alpha_beta import closed_form_algorithms, predict_time_s
+from plait.cost.alpha_beta import closed_form_algorithms, level_terms, pipeline_segments
 from plait.plan.device import DeviceSpec, device_preset
 
 __all__ = ["Cluster", "CLUSTER_PRESETS", "cluster_preset", "GroupShape"]
@@ -99,15 +99,17 @@ class Cluster:
         shape = self.group_shape(size, stride)
         flat_link = self.inter_link if shape.nodes > 1 else self.intra_link
         best = (math.inf, "none")
+        segments = pipeline_segments(int(nbytes))
         for algorithm in _CANDIDATES[collective]:
             if algorithm == "hierarchical":
                 if collective != "all_reduce" or shape.nodes == 1 or shape.per_node == 1 \
                         or shape.nodes * shape.per_node != size:
                     continue
-                seconds = predict_time_s(collective, algorithm, nbytes, size, [self.inter_link, self.intra_link],
-                                         hierarchy=f"{shape.nodes}x{shape.per_node}")
+                links, hierarchy = [self.inter_link, self.intra_link], f"{shape.nodes}x{shape.per_node}"
             else:
-                seconds = predict_time_s(collective, algorithm, nbytes, size, flat_link)
+                links, hierarchy = [flat_link], None
+            seconds = sum(terms.time_s(links[level])
+                          for level, terms in _unit_terms(collective, algorithm, size, segments, hierarchy, nbytes))
             if seconds < best[0]:
                 best = (seconds, algorithm)
         result = (best[0] + self.call_overhead_s, best[1])
@@ -120,6 +122,30 @@ class Cluster:
             return 0.0
         link = self.inter_link if crosses_node else self.intra_link
         return link.alpha_s + nbytes * link.beta_s_per_byte + self.call_overhead_s
+
+
+@lru_cache(maxsize=4096)
+def _reference_terms(collective: str, algorithm: str, size: int, segments: int, hierarchy: str | None):
+    return level_terms(collective, algorithm, _REFERENCE_NBYTES, size, hierarchy=hierarchy, segments=segments)
+
+
+_REFERENCE_NBYTES = float(1 << 40)
+_EXACT_BELOW_NBYTES = 1 << 20
+
+
+def _unit_terms(collective: str, algorithm: str, size: int, segments: int, hierarchy: str | None, nbytes: float):
+    """plait.cost.alpha_beta's (level, terms) for ``nbytes``. For a fixed segment count
+    every closed form's rounds are independent of n and its beta and gamma bytes are
+    proportional to n, so the terms are computed once per (collective, algorithm, p,
+    segments, hierarchy) at a reference size and scaled: the double binary tree's
+    closed form walks every segment of every rank, which at p = 384 costs ~0.1 s a call.
+    (The double binary tree splits n into whole bytes, floor(n/2) and the rest: below
+    1 MiB, where that rounding is visible and the walk is short, terms are exact.)"""
+    if nbytes < _EXACT_BELOW_NBYTES:
+        return level_terms(collective, algorithm, nbytes, size, hierarchy=hierarchy, segments=segments)
+    scale = nbytes / _REFERENCE_NBYTES
+    return [(level, type(terms)(terms.rounds, terms.beta_bytes * scale, terms.gamma_bytes * scale))
+            for level, terms in _reference_terms(collective, algorithm, size, segments, hierarchy)]
 
 
 def _link_text(link: LinkModel) -> str:

@@ -41,11 +41,11 @@ from dataclasses import asdict, dataclass, field, fields
 
 from plait.plan.cluster import Cluster
 from plait.plan.layers import LayerCost
-from plait.plan.stages import minmax_partition
+from plait.plan.stages import alpa_partition, minmax_partition
 from plait.plan.transformer import TensorParallelComm
 
 __all__ = ["Layout", "Precision", "PRECISIONS", "Estimate", "estimate", "SCHEDULES", "Unit", "GroupCosts",
-           "layout_problems", "summarize", "split_groups", "combine", "in_flight"]
+           "layout_problems", "summarize", "split_groups", "alpa_split", "combine", "in_flight"]
 
 SCHEDULES = ("none", "gpipe", "1f1b", "interleaved")
 _COST_FIELDS = tuple(f.name for f in fields(LayerCost) if f.name != "name")
@@ -267,6 +267,30 @@ def split_groups(summaries: list[GroupCosts], chunks: int) -> list[list[int]]:
     return [list(range(bounds[c], bounds[c + 1])) for c in range(chunks)]
 
 
+def pipeline_crosses_node(layout: Layout, cluster: Cluster) -> bool:
+    """Whether pipeline neighbours (tp·dp ranks apart) sit on different nodes."""
+    return layout.tp * layout.dp >= cluster.devices_per_node and cluster.nodes > 1
+
+
+def alpa_split(summaries: list[GroupCosts], layout: Layout, cluster: Cluster) -> list[list[int]]:
+    """Stages for an uneven model by Alpa's DP (``plait.plan.stages.alpa_partition``),
+    one pipeline rank each: minimise Σ t_s + (m-1)·max t_s with t_s the slice's time
+    plus its boundary receives, the estimate's own 1F1B/GPipe formula."""
+    crosses = pipeline_crosses_node(layout, cluster)
+    prefix = [0.0]
+    for group in summaries:
+        prefix.append(prefix[-1] + group.time_s)
+    count = len(summaries)
+
+    def stage_time_s(i: int, j: int, n: int) -> float:
+        receive = cluster.p2p_time_s(summaries[i - 1].output_bytes, crosses) if i > 0 else 0.0
+        send_back = cluster.p2p_time_s(summaries[j - 1].output_bytes, crosses) if j < count else 0.0
+        return prefix[j] - prefix[i] + receive + send_back
+
+    stage_plan = alpa_partition(count, layout.pp, (1,), layout.num_microbatches, stage_time_s)
+    return [list(range(i, j)) for i, j in stage_plan.slices]
+
+
 def in_flight(layout: Layout, rank: int) -> float:
     """Micro-batches (in units of the rank's whole share) whose activations rank
     ``rank`` of the pipeline holds at its peak."""
@@ -301,7 +325,7 @@ def estimate(groups: list[list[Unit]], layout: Layout, cluster: Cluster, precisi
     p, v, m = layout.pp, layout.virtual, layout.num_microbatches
     if chunks is None:
         chunks = [combine([summaries[g] for g in indices]) for indices in split]
-    crosses_node = layout.tp * layout.dp >= cluster.devices_per_node and cluster.nodes > 1
+    crosses_node = pipeline_crosses_node(layout, cluster)
     ranks = []
     for r in range(p):
         mine = [chunks[c] for c in range(r, p * v, p)]

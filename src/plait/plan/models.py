@@ -78,6 +78,7 @@ class ModuleModel:
     layers: tuple[LayerCost, ...]
     traced_batch: int
     seq_len: int | None = None
+    uneven = True  # its stages are split by Alpa's DP (plait.plan.search)
 
     def __post_init__(self) -> None:
         if not self.layers:

@@ -9,6 +9,10 @@ otherwise), sequence parallelism (tp > 1), full recomputation, ZeRO stage (0 at 
 are searched under that constraint. Every layout breaking a rule or the memory limit
 is counted against each of its values, so the explanation can say, for each choice
 of the winner, what the best alternative value costs or which constraint removed it.
+
+Stages: a transformer's blocks are alike, so its chunks are the min-max split of the
+layer times; an uneven model (a traced module) with one chunk per rank is split by
+Alpa's DP on the very objective the estimate prices, Σ t_s + (m-1)·max t_s.
 """
 
 from __future__ import annotations
@@ -19,8 +23,8 @@ from collections import Counter
 from dataclasses import dataclass, field, replace
 
 from plait.plan.cluster import Cluster
-from plait.plan.estimate import (PRECISIONS, SCHEDULES, Estimate, Layout, combine, estimate, layout_problems,
-                                 split_groups, summarize)
+from plait.plan.estimate import (PRECISIONS, SCHEDULES, Estimate, Layout, alpa_split, combine, estimate,
+                                 layout_problems, split_groups, summarize)
 from plait.plan.transformer import ACCOUNTINGS
 
 __all__ = ["PlanRequest", "PlanResult", "PlanError", "search", "DIMENSIONS"]
@@ -211,9 +215,11 @@ def search(model, cluster: Cluster, request: PlanRequest, *, suggest: bool = Tru
                                 if problems:
                                     reject(layout, _kind(problems[0]))
                                     continue
-                                split_key = (tp, mb, sp, rc, pp, virtual)
+                                uneven = getattr(model, "uneven", False) and virtual == 1 and pp > 1
+                                split_key = (tp, mb, sp, rc, pp, virtual, m if uneven else None)
                                 if split_key not in split_cache:
-                                    split = split_groups(summaries, pp * virtual)
+                                    split = (alpa_split(summaries, layout, cluster) if uneven
+                                             else split_groups(summaries, pp * virtual))
                                     split_cache[split_key] = (split, [combine([summaries[g] for g in indices])
                                                                       for indices in split])
                                 result = estimate(groups, layout, cluster, precision, model_flops=flops[rc][0],

@@ -1,0 +1,201 @@
+"""`plait plan`: how to train this model on these devices.
+
+    plait plan --model gpt-175b --cluster dgx-a100 --gpus 1024 --global-batch 1536
+    plait plan --model gpt --layers 24 --hidden 2048 --heads 16 --seq 2048 --vocab 51200 \\
+               --cluster dgx-h100 --gpus 64 --global-batch 512 --tp 4 --json
+    plait plan --cluster local --nprocs 4 --global-batch 16        # plait train's GPT here
+
+Without degrees it searches every layout and prints the best ones, the winner's time
+and memory and, per choice, why; any of --tp --pp --dp --micro-batch --schedule
+--virtual --recompute --zero-stage --sequence-parallel fixes that choice and the rest
+are searched. ``--json`` prints the ranked list (keys in the README) and nothing else.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+import time
+import warnings
+
+GIB = 1 << 30
+_TRAIN_DEFAULT = dict(layers=4, hidden=128, heads=4, seq=64)  # plait train's GPT
+
+
+def _bool_flag(parser, name: str, help: str) -> None:
+    parser.add_argument(f"--{name}", dest=name.replace("-", "_"), action=argparse.BooleanOptionalAction,
+                        default=None, help=help + " (default: searched)")
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    from plait.plan import CLUSTER_PRESETS, MODEL_PRESETS, PRECISIONS
+
+    parser = subparsers.add_parser(
+        "plan", help="choose dp, tp, pp, micro-batching, schedule and memory options for a model on a cluster",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    model = parser.add_argument_group("model")
+    model.add_argument("--model", default=None,
+                       help=f"gpt (give the shape below) or a preset: {', '.join(MODEL_PRESETS)} "
+                            "(default: gpt-1.3b, or plait train's GPT with --cluster local)")
+    model.add_argument("--module", default=None, metavar="PKG.MOD:FUNCTION",
+                       help="trace a real nn.Module instead: FUNCTION() returns (module, sample_input); "
+                            "the sample's first dimension is its batch")
+    for flag, help in (("layers", "transformer blocks"), ("hidden", "model width h"), ("heads", "attention heads"),
+                       ("seq", "sequence length"), ("vocab", "vocabulary size"),
+                       ("ffn-hidden", "MLP width (default 4h)")):
+        model.add_argument(f"--{flag}", type=int, default=None, help=help)
+    model.add_argument("--untied-head", action="store_true", help="a separate output head (default: tied)")
+    model.add_argument("--dropout", action=argparse.BooleanOptionalAction, default=None,
+                       help="dropout on (its masks cost memory; presets: on)")
+    cluster = parser.add_argument_group("cluster")
+    cluster.add_argument("--cluster", default="dgx-a100", help=f"{', '.join(CLUSTER_PRESETS)} (default dgx-a100)")
+    cluster.add_argument("--gpus", type=int, default=None, help="devices (a multiple of 8 for DGX clusters)")
+    cluster.add_argument("--nodes", type=int, default=None, help="nodes (instead of --gpus)")
+    cluster.add_argument("--nprocs", type=int, default=None, help="local: processes on this machine")
+    cluster.add_argument("--profile", default=None, help="local: calibration profile for the link "
+                                                         "(default: the one plait calibrate saved)")
+    cluster.add_argument("--memory-limit-gib", type=float, default=None,
+                         help="usable memory per device (default: the device's)")
+    layout = parser.add_argument_group("layout (each fixes that choice; the rest are searched)")
+    layout.add_argument("--global-batch", type=int, required=True, help="sequences (samples) per optimizer step")
+    for flag in ("tp", "pp", "dp", "micro-batch", "virtual", "zero-stage"):
+        layout.add_argument(f"--{flag}", type=int, default=None)
+    layout.add_argument("--schedule", default=None, choices=("none", "gpipe", "1f1b", "interleaved"))
+    _bool_flag(layout, "recompute", "full activation recomputation")
+    _bool_flag(layout, "sequence-parallel", "sequence parallelism (tp > 1)")
+    layout.add_argument("--precision", default=None, choices=tuple(PRECISIONS),
+                        help="bf16-mixed (default on GPUs) or fp32 (default on --cluster local)")
+    layout.add_argument("--accounting", default=None, choices=("megatron", "plait"),
+                        help="activation accounting: megatron's fused kernels (default on GPUs) or plait's "
+                             "eager GPT (default local)")
+    layout.add_argument("--max-micro-batch", type=int, default=32, help="largest micro-batch searched")
+    out = parser.add_argument_group("output")
+    out.add_argument("--top", type=int, default=5, help="plans to list")
+    out.add_argument("--json", action="store_true", help="print the ranked plans as JSON only")
+    parser.set_defaults(run=run)
+    return parser
+
+
+def _transformer(args):
+    from plait.plan import TransformerSpec, model_preset
+
+    shape = {"layers": args.layers, "hidden": args.hidden, "heads": args.heads, "seq_len": args.seq,
+             "vocab": args.vocab, "ffn_hidden": args.ffn_hidden}
+    name = args.model or ("gpt" if args.cluster == "local" else "gpt-1.3b")
+    if name == "gpt":
+        if args.cluster == "local":
+            for key, value in _TRAIN_DEFAULT.items():
+                shape["seq_len" if key == "seq" else key] = shape["seq_len" if key == "seq" else key] or value
+            shape["vocab"] = shape["vocab"] or _train_vocab()
+        missing = [f"--{k.replace('_len', '').replace('_', '-')}" for k, v in shape.items()
+                   if v is None and k != "ffn_hidden"]
+        if missing:
+            raise ValueError(f"--model gpt needs {' '.join(missing)} (or name a preset with --model)")
+        return TransformerSpec(name="gpt", ffn_hidden=shape.pop("ffn_hidden") or 0, tied_head=not args.untied_head,
+                               dropout=bool(args.dropout), **{k: v for k, v in shape.items() if k != "ffn_hidden"})
+    spec = model_preset(name)
+    overrides = {k: v for k, v in shape.items() if v is not None}
+    if args.untied_head:
+        overrides["tied_head"] = False
+    if args.dropout is not None:
+        overrides["dropout"] = args.dropout
+    if overrides:
+        from dataclasses import replace
+
+        spec = replace(spec, **overrides)
+    return spec
+
+
+def _train_vocab() -> int:
+    """The vocabulary of plait train's default corpus (characters of Python's sources)."""
+    from plait.train.config import TrainConfig
+    from plait.train.corpus import load_corpus
+
+    config = TrainConfig()
+    return load_corpus(config.data, max_bytes=config.data_max_bytes, val_fraction=config.val_fraction).vocab_size
+
+
+def _module_model(spec: str):
+    from plait.plan import ModuleModel
+    from plait.plan.trace import describe_module
+
+    if ":" not in spec:
+        raise ValueError(f"--module {spec!r} must be PKG.MOD:FUNCTION (a function returning (module, sample_input))")
+    module_name, function_name = spec.split(":", 1)
+    factory = getattr(importlib.import_module(module_name), function_name, None)
+    if factory is None:
+        raise ValueError(f"--module: {module_name} has no {function_name!r}")
+    module, sample = factory()
+    layers = describe_module(module, sample)
+    return ModuleModel(name=spec, layers=tuple(layers), traced_batch=int(sample.shape[0]))
+
+
+def _local_cluster(args, precision_name: str, emit):
+    from plait.cost.presets import PLACEHOLDER_LOCAL_LINK
+    from plait.cost.profile import ProfileMismatchWarning, load_profile
+    from plait.plan import cluster_preset
+    from plait.plan.device import measure_device
+
+    nprocs = args.nprocs or args.gpus
+    if nprocs is None:
+        raise ValueError("--cluster local needs --nprocs N (processes on this machine)")
+    dtype = "float32" if precision_name == "fp32" else "bfloat16"
+    started = time.perf_counter()
+    device = measure_device(dtype=dtype, processes=nprocs)
+    emit(f"measured this machine in {time.perf_counter() - started:.1f} s: {device.describe()} "
+         f"[{device.source}]")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ProfileMismatchWarning)
+        profile = load_profile(args.profile)
+    if profile is None:
+        if args.profile:
+            raise ValueError(f"no calibration profile at {args.profile}; run plait calibrate --output {args.profile}")
+        link, overhead, source = PLACEHOLDER_LOCAL_LINK, 0.0, "placeholder link (run `plait calibrate` to measure)"
+    else:
+        link, overhead, source = profile.link, profile.call_overhead_s, "calibration profile"
+    emit(f"link: {source}: alpha {link.alpha_s * 1e6:.3g} us, {1e-9 / link.beta_s_per_byte:.3g} GB/s, "
+         f"{overhead * 1e6:.3g} us per call")
+    return cluster_preset("local", nprocs=nprocs, device=device, local_link=link, call_overhead_s=overhead,
+                          link_source=source)
+
+
+def run(args) -> int:
+    from plait.plan import PlanRequest, TransformerModel, cluster_preset, explain, search, table
+
+    emit = (lambda text: print(text, file=sys.stderr)) if args.json else print
+    local = args.cluster == "local"
+    precision = args.precision or ("fp32" if local else "bf16-mixed")
+    accounting = args.accounting or ("plait" if local else "megatron")
+    if args.module:
+        if args.model:
+            raise ValueError("give --model or --module, not both")
+        model = _module_model(args.module)
+    else:
+        model = TransformerModel(_transformer(args))
+    if local:
+        cluster = _local_cluster(args, precision, emit)
+    else:
+        if args.nprocs is not None:
+            raise ValueError(f"--nprocs is for --cluster local; {args.cluster} takes --gpus or --nodes")
+        cluster = cluster_preset(args.cluster, gpus=args.gpus, nodes=args.nodes)
+    request = PlanRequest(
+        global_batch=args.global_batch, tp=args.tp, pp=args.pp, dp=args.dp, micro_batch=args.micro_batch,
+        schedule=args.schedule, virtual=args.virtual, recompute=args.recompute, zero_stage=args.zero_stage,
+        sequence_parallel=args.sequence_parallel, precision=precision, accounting=accounting,
+        memory_limit_bytes=None if args.memory_limit_gib is None else args.memory_limit_gib * GIB,
+        max_micro_batch=args.max_micro_batch, top=args.top)
+    result = search(model, cluster, request)
+    if args.json:
+        print(json.dumps(result.as_json(), indent=2))
+        return 0
+    print(f"model: {result.model_description}")
+    print(f"cluster: {result.cluster_description} [{cluster.link_source or 'given links'}]")
+    print(f"device: {cluster.device.describe()}")
+    print(f"global batch {args.global_batch}, precision {precision}, activation accounting {accounting}")
+    print()
+    print("\n".join(table(result)))
+    print()
+    print("\n".join(explain(result)))
+    return 0

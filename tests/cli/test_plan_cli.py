@@ -1,0 +1,78 @@
+"""`plait plan`: the table and reasons, JSON, fixed choices, a traced module, the
+local cluster, and every kind of bad input."""
+
+import json
+
+import pytest
+import torch
+
+from plait.cli.main import main
+
+
+@pytest.fixture(autouse=True)
+def no_saved_profile(tmp_path, monkeypatch):
+    # --cluster local reads the saved calibration profile; keep the tests off the user's
+    monkeypatch.setenv("PLAIT_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def test_search_prints_ranked_plans_and_reasons(capsys):
+    assert main(["plan", "--model", "gpt-1.3b", "--cluster", "dgx-a100", "--gpus", "16", "--global-batch", "128",
+                 "--top", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "model: gpt-1.3b" in out and "dgx-a100: 2 node(s) x 8 a100-80gb = 16 devices" in out
+    assert "TFLOP/s/GPU" in out and "%peak" in out and "mem GiB" in out
+    assert "best: tp=" in out and "why:" in out and "searched" in out
+    rows = [line for line in out.splitlines() if line[:2].strip().isdigit()]
+    assert len(rows) == 3
+
+
+def test_json_with_fixed_degrees(capsys):
+    assert main(["plan", "--model", "gpt", "--layers", "8", "--hidden", "1024", "--heads", "16", "--seq", "1024",
+                 "--vocab", "32000", "--cluster", "dgx-h100", "--gpus", "8", "--global-batch", "64", "--tp", "2",
+                 "--no-recompute", "--json"]) == 0
+    plans = json.loads(capsys.readouterr().out)
+    assert plans and all(p["tp"] == 2 and p["recompute"] is False for p in plans)
+    assert plans[0]["step_time_s"] <= plans[-1]["step_time_s"]
+    assert set(plans[0]) >= {"tp", "pp", "dp", "micro_batch", "num_microbatches", "schedule", "recompute",
+                             "zero_stage", "step_time_s", "tflops_per_gpu", "percent_of_peak", "memory_per_gpu_bytes"}
+
+
+def digits_mlp():
+    """A module factory for --module: an MLP on scikit-learn digits' shape."""
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256),
+                                torch.nn.ReLU(), torch.nn.Linear(256, 10))
+    return model, torch.randn(32, 64)
+
+
+def test_a_traced_module_is_planned_without_tensor_parallelism(capsys):
+    assert main(["plan", "--module", "tests.cli.test_plan_cli:digits_mlp", "--cluster", "dgx-a100", "--gpus", "8",
+                 "--global-batch", "256", "--json"]) == 0
+    plans = json.loads(capsys.readouterr().out)
+    assert plans and all(p["tp"] == 1 for p in plans)
+    assert main(["plan", "--module", "tests.cli.test_plan_cli:digits_mlp", "--gpus", "8", "--global-batch", "256",
+                 "--tp", "2"]) == 2
+    assert "a traced module has no tensor-parallel split" in capsys.readouterr().err
+
+
+def test_local_cluster_measures_this_machine(capsys):
+    assert main(["plan", "--cluster", "local", "--nprocs", "2", "--global-batch", "8", "--top", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "measured this machine" in out and "placeholder link" in out
+    assert "model: gpt:" in out and "4 layers, hidden 128, 4 heads, seq 64" in out
+    assert "precision fp32, activation accounting plait" in out
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--cluster", "dgx-b9000", "--gpus", "8"], "unknown cluster 'dgx-b9000'; valid: dgx-a100"),
+    (["--model", "gpt-7t", "--gpus", "8"], "unknown model preset 'gpt-7t'; valid: gpt-125m"),
+    (["--model", "gpt", "--layers", "2", "--gpus", "8"], "--model gpt needs --hidden --heads --seq --vocab"),
+    (["--gpus", "12"], "gpus=12 is not a whole number of dgx-a100 nodes"),
+    (["--gpus", "8", "--tp", "3"], "tp=3 does not divide the 8 devices"),
+    (["--gpus", "8", "--tp", "8", "--model", "gpt-125m"], "tp=8 does not divide heads=12"),
+    (["--model", "gpt-175b", "--gpus", "8", "--dp", "1"], "GiB more than the 80.0 GiB available"),
+    (["--cluster", "local"], "--cluster local needs --nprocs"),
+    (["--module", "nodots", "--gpus", "8"], "must be PKG.MOD:FUNCTION"),
+])
+def test_bad_input_is_a_clear_error(capsys, argv, message):
+    assert main(["plan", "--global-batch", "64", *argv]) == 2
+    assert message in capsys.readouterr().err
