@@ -69,10 +69,22 @@ def test_local_cluster_measures_this_machine(capsys):
     (["--gpus", "12"], "gpus=12 is not a whole number of dgx-a100 nodes"),
     (["--gpus", "8", "--tp", "3"], "tp=3 does not divide the 8 devices"),
     (["--gpus", "8", "--tp", "8", "--model", "gpt-125m"], "tp=8 does not divide heads=12"),
-    (["--model", "gpt-175b", "--gpus", "8", "--dp", "1"], "GiB more than the 80.0 GiB available"),
+    (["--model", "gpt-175b", "--gpus", "8", "--dp", "1"], "GiB more than the 72.0 GiB available"),
     (["--cluster", "local"], "--cluster local needs --nprocs"),
     (["--module", "nodots", "--gpus", "8"], "must be PKG.MOD:FUNCTION"),
 ])
 def test_bad_input_is_a_clear_error(capsys, argv, message):
     assert main(["plan", "--global-batch", "64", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--module", "no_such_module_xyz:f"], "cannot import 'no_such_module_xyz'"),
+    (["--module", "tests.cli.test_plan_cli:nothing_here"], "has no function 'nothing_here'"),
+    (["--module", "tests.cli.test_plan_cli:digits_mlp", "--layers", "4"], "--layers describe a GPT"),
+    (["--profile", "x.json"], "--profile is for --cluster local"),
+    (["--cluster", "local", "--nprocs", "2", "--nodes", "2"], "--nodes is for DGX clusters"),
+])
+def test_module_and_flag_mistakes_are_clear_errors(capsys, argv, message):
+    assert main(["plan", "--gpus", "8", "--global-batch", "64", *argv]) == 2
     assert message in capsys.readouterr().err

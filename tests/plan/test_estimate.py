@@ -147,3 +147,52 @@ def test_collective_prices_are_the_closed_forms_at_every_size(collective):
                                                         [cluster.inter_link, cluster.intra_link],
                                                         hierarchy=f"{shape.nodes}x{shape.per_node}"))
             assert cluster.collective_time_s(collective, nbytes, size, stride)[0] == pytest.approx(expected, rel=1e-9)
+
+
+def test_groups_that_straddle_nodes_are_priced_on_the_slow_link():
+    """tp=6 on 8-GPU nodes: the group of ranks 6..11 spans two nodes, so a tp
+    collective crosses InfiniBand, not only NVLink."""
+    cluster = cluster_preset("dgx-a100", gpus=24)
+    shape = cluster.group_shape(6, 1)
+    assert shape.nodes == 2 and shape.per_node == 1  # 2 + 4 ranks: uneven, priced flat
+    seconds, _ = cluster.collective_time_s("all_reduce", 1 << 26, 6, 1)
+    inter_ring = predict_time_s("all_reduce", "ring", 1 << 26, 6, cluster.inter_link)
+    assert seconds >= 0.5 * inter_ring
+    assert cluster.group_shape(8, 1).nodes == 1 and cluster.group_shape(3, 8).nodes == 3
+
+
+def test_pipeline_boundaries_that_cross_nodes_pay_the_network():
+    """tp=2 x dp=2 per stage, 4 stages on 16 GPUs: stages 1 and 2 sit on different
+    nodes, and that boundary paces every micro-batch."""
+    spec = model_preset("gpt-1.3b")
+    cluster = cluster_preset("dgx-a100", gpus=16)
+    layout = Layout(tp=2, pp=4, dp=2, micro_batch=1, num_microbatches=8, schedule="1f1b")
+    result = estimate_layout(spec, cluster, layout)
+    boundary = spec.block_input_bytes(1, tp=2, element_bytes=2)
+    per_microbatch = 2 * cluster.p2p_time_s(boundary, True)  # a middle rank receives forward and backward
+    assert result.time_s["pp_comm"] == pytest.approx(8 * per_microbatch, rel=1e-9)
+
+
+def test_interleaved_memory_bounds_the_real_schedule_with_unequal_chunks():
+    """Chunks of different activation sizes: the estimate's per-rank activations are
+    never below the peak found by walking plait's interleaved schedule with each
+    chunk's own bytes (and equal to it when the chunks are equal)."""
+    p, m, v = 4, 8, 2
+    sizes = [5, 1, 2, 7, 3, 3, 1, 9]  # activation bytes of the 8 layer groups = chunks
+    groups = [[Unit(LayerCost(name=f"l{i}", forward_flops=1.0, backward_flops=2.0, activation_bytes=a),
+                    TensorParallelComm(), True)] for i, a in enumerate(sizes)]
+    layout = Layout(pp=p, num_microbatches=m, schedule="interleaved", virtual=v)
+    split = [[c] for c in range(p * v)]
+    result = estimate(groups, layout, _cluster(p), PRECISIONS["fp32"], model_flops=1.0, hardware_flops=1.0,
+                      split=split)
+    schedule = build("interleaved_1f1b", p, m, v)
+    peaks = []
+    for rank in range(p):
+        alive = peak = 0
+        for action in schedule.compute_order(rank):
+            weight = sizes[action.stage]
+            alive += weight if action.kind == "F" else -weight if action.kind == "B" else 0
+            peak = max(peak, alive)
+        peaks.append(peak)
+    assert result.memory_bytes["activations"] >= max(peaks)
+    assert result.memory_bytes["activations"] <= 2 * max(peaks)

@@ -96,7 +96,7 @@ def test_a_model_too_big_says_how_much_is_missing_and_what_would_fit():
     with pytest.raises(PlanError) as error:
         plan("gpt-76b", "dgx-a100", gpus=8, global_batch=64)
     text = str(error.value)
-    assert "GiB more than the 80.0 GiB available" in text
+    assert "GiB more than the 72.0 GiB available" in text
     assert "would fit it" in text and "devices" in text
 
 
@@ -162,3 +162,43 @@ def test_an_uneven_traced_model_is_split_by_alpa():
     assert min(range(1, 4), key=latency) != 2
     assert result.best.step_time_s == pytest.approx(min(latency(k) for k in range(1, 4)))
     assert len(result.best.stage_layers[0]) != 2
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(tp=4, pp=4), r"tp\(4\) \* pp\(4\) = 16 does not divide the 8 devices"),
+    (dict(pp=2, dp=8), r"pp\(2\) \* dp\(8\) = 16 does not divide the 8 devices"),
+    (dict(micro_batch=5), "micro_batch=5 divides no per-replica batch.*valid micro-batches: 1, 2, 4, 8, 16"),
+    (dict(virtual=1, schedule="interleaved"), "virtual=1: interleaving needs at least 2"),
+    (dict(virtual=2, pp=1), "pp=1 has none"),
+    (dict(virtual=8, pp=4), r"pp\(4\) \* virtual\(8\) = 32 chunks exceed the model's 12 layers"),
+])
+def test_impossible_fixed_choices_are_named(kwargs, message):
+    with pytest.raises(PlanError, match=message):
+        plan("gpt-125m", "dgx-a100", gpus=8, global_batch=16, **kwargs)
+
+
+def test_virtual_alone_means_interleaved():
+    result = plan("gpt-1.3b", "dgx-a100", gpus=16, global_batch=64, virtual=4, top=20)
+    assert all(p.layout.schedule == "interleaved" and p.layout.virtual == 4 and p.layout.pp > 1
+               for p in result.plans)
+
+
+def test_the_default_memory_limit_keeps_a_reserve():
+    result = plan("gpt-13b", "dgx-a100", gpus=16, global_batch=64)
+    assert result.memory_limit_bytes == pytest.approx(0.9 * 80 * GIB)
+    assert all(p.memory_per_gpu_bytes <= 0.9 * 80 * GIB for p in result.plans)
+    explained = "\n".join(explain(result))
+    assert "at best with" in explained  # alternatives name the choices they differ in
+
+
+def test_a_traced_model_is_priced_in_the_planned_precision():
+    from plait.plan import LayerCost, ModuleModel
+
+    layer = LayerCost(name="l", forward_flops=10.0, backward_flops=20.0, activation_bytes=400.0, output_bytes=40.0,
+                      forward_bytes=80.0)
+    model = ModuleModel(name="m", layers=(layer, layer), traced_batch=2, traced_element_bytes=4)
+    from plait.plan.estimate import PRECISIONS
+
+    half = model.groups(4, 1, False, PRECISIONS["bf16-mixed"], "plait")[0][0].cost
+    assert (half.activation_bytes, half.output_bytes, half.forward_bytes) == (400.0, 40.0, 80.0)  # x2 batch, /2 dtype
+    assert half.forward_flops == 20.0

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import sys
 import time
 import warnings
@@ -123,16 +124,48 @@ def _module_model(spec: str):
 
     if ":" not in spec:
         raise ValueError(f"--module {spec!r} must be PKG.MOD:FUNCTION (a function returning (module, sample_input))")
+    import torch
+
     module_name, function_name = spec.split(":", 1)
-    factory = getattr(importlib.import_module(module_name), function_name, None)
-    if factory is None:
-        raise ValueError(f"--module: {module_name} has no {function_name!r}")
-    module, sample = factory()
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())  # a module in the working directory, as `python -m` finds it
+    try:
+        imported = importlib.import_module(module_name)
+    except ImportError as error:
+        raise ValueError(f"--module {spec!r}: cannot import {module_name!r} ({error}); give an importable "
+                         "PKG.MOD (from the working directory or the environment)") from None
+    factory = getattr(imported, function_name, None)
+    if not callable(factory):
+        raise ValueError(f"--module {spec!r}: {module_name} has no function {function_name!r}")
+    made = factory()
+    if not (isinstance(made, tuple) and len(made) == 2 and isinstance(made[0], torch.nn.Module)
+            and isinstance(made[1], torch.Tensor) and made[1].dim() >= 1):
+        raise ValueError(f"--module {spec!r}: {function_name}() must return (nn.Module, sample input tensor with a "
+                         f"batch dimension), got {type(made).__name__}")
+    module, sample = made
     layers = describe_module(module, sample)
-    return ModuleModel(name=spec, layers=tuple(layers), traced_batch=int(sample.shape[0]))
+    dtypes = [p.dtype for p in module.parameters() if p.is_floating_point()]
+    element_bytes = dtypes[0].itemsize if dtypes else (sample.element_size() if sample.is_floating_point() else 4)
+    return ModuleModel(name=spec, layers=tuple(layers), traced_batch=int(sample.shape[0]),
+                       traced_element_bytes=element_bytes)
 
 
-def _local_cluster(args, precision_name: str, emit):
+def _model_matmul_shapes(model) -> list[tuple[int, int, int]] | None:
+    """The (m, n, k) products of a transformer's forward at micro-batches 1, 4 and 16:
+    QKV, proj, fc1, fc2 and the head over b·s tokens, and the attention products."""
+    spec = getattr(model, "spec", None)
+    if spec is None:
+        return None
+    h, f, s, head_dim = spec.hidden, spec.ffn, spec.seq_len, spec.hidden // spec.heads
+    shapes = []
+    for batch in (1, 4, 16):
+        tokens = batch * s
+        shapes += [(tokens, 3 * h, h), (tokens, h, h), (tokens, f, h), (tokens, h, f), (tokens, spec.vocab, h)]
+    shapes += [(s, s, head_dim), (s, head_dim, s)]
+    return shapes
+
+
+def _local_cluster(args, precision_name: str, emit, model=None):
     from plait.cost.presets import PLACEHOLDER_LOCAL_LINK
     from plait.cost.profile import ProfileMismatchWarning, load_profile
     from plait.plan import cluster_preset
@@ -143,7 +176,7 @@ def _local_cluster(args, precision_name: str, emit):
         raise ValueError("--cluster local needs --nprocs N (processes on this machine)")
     dtype = "float32" if precision_name == "fp32" else "bfloat16"
     started = time.perf_counter()
-    device = measure_device(dtype=dtype, processes=nprocs)
+    device = measure_device(dtype=dtype, processes=nprocs, matmul_shapes=_model_matmul_shapes(model))
     emit(f"measured this machine in {time.perf_counter() - started:.1f} s: {device.describe()} "
          f"[{device.source}]")
     with warnings.catch_warnings():
@@ -161,6 +194,31 @@ def _local_cluster(args, precision_name: str, emit):
                           link_source=source)
 
 
+def _check_flag_combinations(args, local: bool) -> None:
+    """Refuse flags the chosen cluster or model would silently ignore."""
+    problems = []
+    if args.module:
+        shaped = [f"--{flag}" for flag in ("model", "layers", "hidden", "heads", "seq", "vocab", "ffn_hidden")
+                  if getattr(args, flag.replace("-", "_")) is not None]
+        shaped += ["--untied-head"] if args.untied_head else []
+        shaped += ["--dropout"] if args.dropout is not None else []
+        shaped += ["--accounting"] if args.accounting is not None else []
+        if shaped:
+            problems.append(f"{', '.join(shaped)} describe a GPT; --module traces its own model: drop them")
+    if local:
+        if args.nodes is not None:
+            problems.append("--nodes is for DGX clusters; --cluster local is one machine: give --nprocs")
+        if args.gpus is not None and args.nprocs is not None and args.gpus != args.nprocs:
+            problems.append(f"--gpus {args.gpus} and --nprocs {args.nprocs} disagree; give --nprocs only")
+    else:
+        if args.nprocs is not None:
+            problems.append(f"--nprocs is for --cluster local; {args.cluster} takes --gpus or --nodes")
+        if args.profile is not None:
+            problems.append(f"--profile is for --cluster local; {args.cluster}'s links come from its topology")
+    if problems:
+        raise ValueError("; ".join(problems))
+
+
 def run(args) -> int:
     from plait.plan import PlanRequest, TransformerModel, cluster_preset, explain, search, table
 
@@ -168,17 +226,14 @@ def run(args) -> int:
     local = args.cluster == "local"
     precision = args.precision or ("fp32" if local else "bf16-mixed")
     accounting = args.accounting or ("plait" if local else "megatron")
+    _check_flag_combinations(args, local)
     if args.module:
-        if args.model:
-            raise ValueError("give --model or --module, not both")
         model = _module_model(args.module)
     else:
         model = TransformerModel(_transformer(args))
     if local:
-        cluster = _local_cluster(args, precision, emit)
+        cluster = _local_cluster(args, precision, emit, model)
     else:
-        if args.nprocs is not None:
-            raise ValueError(f"--nprocs is for --cluster local; {args.cluster} takes --gpus or --nodes")
         cluster = cluster_preset(args.cluster, gpus=args.gpus, nodes=args.nodes)
     request = PlanRequest(
         global_batch=args.global_batch, tp=args.tp, pp=args.pp, dp=args.dp, micro_batch=args.micro_batch,

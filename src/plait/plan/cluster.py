@@ -76,16 +76,34 @@ class Cluster:
                 f"{_link_text(self.inter_link)}")
 
     def group_shape(self, size: int, stride: int) -> GroupShape:
-        """The footprint of a group of ``size`` ranks ``stride`` apart (the first at a
-        node boundary, as every group of a tp/dp/pp layout whose inner sizes divide the
-        node is)."""
+        """The footprint of the groups of ``size`` ranks ``stride`` apart that tile the
+        cluster (ranks base + i·stride, the way plait.parallel.mesh builds a tp, dp or pp
+        group): the group spanning the most nodes, and the fewest of its ranks on one
+        node; ``per_node`` is 1 when its ranks are not spread evenly over its nodes (no
+        uniform hierarchy then: it is priced flat on the slowest link)."""
         if size == 1:
             return GroupShape(1, 1, 1)
-        per_node_slots = self.devices_per_node
-        if stride >= per_node_slots:
-            return GroupShape(size, 1, size)
-        per_node = min(size, max(1, per_node_slots // stride))
-        return GroupShape(size, per_node, math.ceil(size / per_node))
+        key = ("shape", size, stride)
+        hit = self._cache.get(key)
+        if hit is not None:
+            return hit
+        worst = GroupShape(size, size, 1)
+        world, slots = self.world_size, self.devices_per_node
+        if size * stride <= world and world % (size * stride) == 0:
+            bases = [block + offset for block in range(0, world, size * stride) for offset in range(stride)]
+        else:  # not a tiling of this cluster: the first group alone
+            bases = [0]
+        for base in bases:
+            counts: dict[int, int] = {}
+            for i in range(size):
+                node = (base + i * stride) // slots
+                counts[node] = counts.get(node, 0) + 1
+            even = len(set(counts.values())) == 1
+            shape = GroupShape(size, min(counts.values()) if even else 1, len(counts))
+            if (shape.nodes, -shape.per_node) > (worst.nodes, -worst.per_node):
+                worst = shape
+        self._cache[key] = worst
+        return worst
 
     def collective_time_s(self, collective: str, nbytes: float, size: int, stride: int) -> tuple[float, str]:
         """(seconds, algorithm) of the cheapest plait algorithm for ``collective`` on

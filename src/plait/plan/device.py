@@ -136,12 +136,18 @@ def _least_squares(xs: list[float], ys: list[float]) -> tuple[float, float]:
 
 
 def measure_device(*, device: str = "cpu", dtype: str = "float32", threads: int | None = 1, processes: int = 1,
-                   cores: int | None = None, repeats: int = 5) -> DeviceSpec:
+                   cores: int | None = None, repeats: int = 5,
+                   matmul_shapes: list[tuple[int, int, int]] | None = None) -> DeviceSpec:
     """Measure this machine: time square matmuls (32..512) and elementwise adds (16 KiB..
     64 MiB), fit T = t0 + F / rate and T = t0' + bytes / bandwidth, time a chain of tiny
     autograd ops forward and backward for the per-kernel cost of eager training
     (t_kernel: dispatch, autograd and launch), and return a DeviceSpec with peak = rate
     and η = 1 (the measured rate is achieved).
+
+    ``matmul_shapes`` are the (m, n, k) products to time instead of squares: a CPU
+    reaches a very different rate on the skinny products of a small model (a
+    (256 x 128)·(128 x 384) runs at about a third of a 512³ square's rate here), so
+    ``plait plan --cluster local`` passes the shapes of the model it plans.
 
     ``processes`` ranks sharing ``cores`` cores (default: os.cpu_count()) each get
     min(1, cores / processes) of the measured single-process rate and bandwidth, as
@@ -174,11 +180,12 @@ def measure_device(*, device: str = "cpu", dtype: str = "float32", threads: int 
                 best = min(best, (time.perf_counter() - start) / calls)
             return best
 
-        sizes, flop_counts, matmul_s = (32, 64, 128, 256, 384, 512), [], []
-        for n in sizes:
-            a = torch.randn(n, n, dtype=torch_dtype, device=device)
-            b = torch.randn(n, n, dtype=torch_dtype, device=device)
-            flop_counts.append(2.0 * n ** 3)
+        shapes = matmul_shapes or [(n, n, n) for n in (32, 64, 128, 256, 384, 512)]
+        flop_counts, matmul_s = [], []
+        for rows, cols, inner in shapes:
+            a = torch.randn(rows, inner, dtype=torch_dtype, device=device)
+            b = torch.randn(inner, cols, dtype=torch_dtype, device=device)
+            flop_counts.append(2.0 * rows * cols * inner)
             matmul_s.append(timed(lambda: a @ b))
         overhead_s, seconds_per_flop = _least_squares(flop_counts, matmul_s)
         byte_counts, add_s = [], []
@@ -212,7 +219,8 @@ def measure_device(*, device: str = "cpu", dtype: str = "float32", threads: int 
     spec = DeviceSpec(name=f"{device} (measured)", peak_flops_per_s=((dtype, rate),), memory_bytes=float(memory),
                       memory_bandwidth_bytes_per_s=share / seconds_per_byte, matmul_efficiency=1.0,
                       memory_efficiency=1.0, kernel_overhead_s=max(kernel_s, overhead_s) / share,
-                      source=f"measured: {len(sizes)} matmul and 5 add sizes, an autograd chain, {threads} thread(s), "
+                      source=f"measured: {len(shapes)} matmul {'shapes of the model' if matmul_shapes else 'sizes'}, "
+                             f"5 add sizes, an autograd chain, {threads} thread(s), "
                              f"{processes} process(es) on {cores} core(s)")
     return spec
 

@@ -197,10 +197,14 @@ class Estimate:
 
 
 def _comm_time_s(cluster: Cluster, calls, tp: int, algorithms: dict) -> float:
+    """Seconds of ``calls`` on a tp group; ``algorithms`` keeps, per collective, the
+    algorithm of its most expensive call (the one that matters)."""
     seconds = 0.0
     for collective, nbytes in calls:
         spent, algorithm = cluster.collective_time_s(collective, nbytes, tp, 1)
-        algorithms[f"tp {collective}"] = algorithm
+        key = f"tp {collective}"
+        if spent >= algorithms.get("_cost " + key, -1.0):
+            algorithms[key], algorithms["_cost " + key] = algorithm, spent
         seconds += spent
     return seconds
 
@@ -261,15 +265,42 @@ def summarize(groups: list[list[Unit]], *, tp: int, recompute: bool, cluster: Cl
     return out
 
 
-def split_groups(summaries: list[GroupCosts], chunks: int) -> list[list[int]]:
-    """pp·v contiguous chunks of the groups minimising the slowest chunk's time."""
-    bounds = minmax_partition([g.time_s for g in summaries], chunks)
+def split_groups(summaries: list[GroupCosts], chunks: int, ranks: int | None = None) -> list[list[int]]:
+    """pp·v contiguous chunks of the groups minimising the slowest chunk's time. With
+    v > 1 chunks per rank (chunk c on rank c mod ``ranks``) the ranks' totals pace the
+    pipeline, so of the min-max split and the proportional split (boundaries where the
+    running time crosses k/(pp·v) of the total) the one with the smaller largest
+    per-rank total is taken."""
+    times = [g.time_s for g in summaries]
+    bounds = minmax_partition(times, chunks)
+    if ranks is not None and ranks < chunks:
+        total, prefix = sum(times), [0.0]
+        for t in times:
+            prefix.append(prefix[-1] + t)
+        proportional = [0]
+        for k in range(1, chunks):
+            target = total * k / chunks
+            nearest = min(range(proportional[-1] + 1, len(times) - (chunks - k) + 1),
+                          key=lambda b: (abs(prefix[b] - target), b))
+            proportional.append(nearest)
+        proportional.append(len(times))
+
+        def worst_rank(b):
+            sums = [0.0] * ranks
+            for c in range(chunks):
+                sums[c % ranks] += prefix[b[c + 1]] - prefix[b[c]]
+            return max(sums)
+
+        if worst_rank(proportional) < worst_rank(bounds):
+            bounds = proportional
     return [list(range(bounds[c], bounds[c + 1])) for c in range(chunks)]
 
 
 def pipeline_crosses_node(layout: Layout, cluster: Cluster) -> bool:
-    """Whether pipeline neighbours (tp·dp ranks apart) sit on different nodes."""
-    return layout.tp * layout.dp >= cluster.devices_per_node and cluster.nodes > 1
+    """Whether some pair of pipeline neighbours (tp·dp ranks apart) sits on different
+    nodes. A pipeline spans every rank of the layout, so on more than one node some
+    boundary always crosses, and the slowest boundary paces the pipeline."""
+    return cluster.nodes > 1 and layout.pp > 1
 
 
 def alpa_split(summaries: list[GroupCosts], layout: Layout, cluster: Cluster) -> list[list[int]]:
@@ -289,6 +320,19 @@ def alpa_split(summaries: list[GroupCosts], layout: Layout, cluster: Cluster) ->
 
     stage_plan = alpa_partition(count, layout.pp, (1,), layout.num_microbatches, stage_time_s)
     return [list(range(i, j)) for i, j in stage_plan.slices]
+
+
+def _activation_peak(mine: list[GroupCosts], layout: Layout, rank: int) -> float:
+    """The most activation bytes pipeline rank ``rank`` holds at once. Interleaved
+    ranks hold chunk-micro-batches of different chunks; unless all forwards come first
+    (m = p, every chunk m times) the bound (peak count) x (the rank's largest chunk)
+    is used, exact for equal chunks and never below the truth."""
+    activations = [c.activation_bytes for c in mine]
+    if layout.schedule != "interleaved":
+        return sum(activations) * in_flight(layout, rank)
+    if layout.num_microbatches == layout.pp:
+        return sum(activations) * layout.num_microbatches
+    return in_flight(layout, rank) * layout.virtual * max(activations)
 
 
 def in_flight(layout: Layout, rank: int) -> float:
@@ -321,7 +365,7 @@ def estimate(groups: list[list[Unit]], layout: Layout, cluster: Cluster, precisi
     if summaries is None:
         summaries = summarize(groups, tp=layout.tp, recompute=layout.recompute, cluster=cluster, dtype=dtype,
                               algorithms=algorithms)
-    split = split or split_groups(summaries, layout.pp * layout.virtual)
+    split = split or split_groups(summaries, layout.pp * layout.virtual, layout.pp)
     p, v, m = layout.pp, layout.virtual, layout.num_microbatches
     if chunks is None:
         chunks = [combine([summaries[g] for g in indices]) for indices in split]
@@ -339,7 +383,7 @@ def estimate(groups: list[list[Unit]], layout: Layout, cluster: Cluster, precisi
                 if index < p * v - 1:
                     p2p += cluster.p2p_time_s(chunks[index].output_bytes, crosses_node)
         params = sum(c.params for c in mine) + (tied_embedding_params if p > 1 and r == p - 1 else 0)
-        activation = sum(c.activation_bytes for c in mine) * in_flight(layout, r) + max(c.working_bytes for c in mine)
+        activation = _activation_peak(mine, layout, r) + max(c.working_bytes for c in mine)
         ranks.append({"compute": compute, "tp_comm": tp_comm, "p2p": p2p, "params": params, "activations": activation,
                       "total": compute + tp_comm + p2p})
     slowest = max(range(p), key=lambda r: ranks[r]["total"])
@@ -374,8 +418,9 @@ def estimate(groups: list[list[Unit]], layout: Layout, cluster: Cluster, precisi
         dp_s = collective("reduce_scatter", grad_bytes) + collective("all_gather", param_bytes)
     elif layout.zero_stage == 2:
         dp_s = m * collective("reduce_scatter", grad_bytes) + collective("all_gather", param_bytes)
-    else:
-        dp_s = m * (collective("reduce_scatter", grad_bytes) + 2 * collective("all_gather", param_bytes))
+    else:  # ZeRO 3: gather for the forward and the backward (and a recomputed forward)
+        gathers = 3 if layout.recompute else 2
+        dp_s = m * (collective("reduce_scatter", grad_bytes) + gathers * collective("all_gather", param_bytes))
     if p > 1 and tied_embedding_params:
         seconds, algorithms["tied embedding"] = cluster.collective_time_s(
             "all_reduce", tied_embedding_params * precision.grad_bytes, 2, layout.tp * layout.dp * (p - 1))
@@ -403,6 +448,7 @@ def estimate(groups: list[list[Unit]], layout: Layout, cluster: Cluster, precisi
     peak = device.peak(dtype)
     hardware_per_gpu = hardware_flops / step / world
     model_per_gpu = model_flops / step / world
+    algorithms = {k: v for k, v in algorithms.items() if not k.startswith("_cost ")}
     return Estimate(layout=layout, step_time_s=step, time_s=times, memory_per_gpu_bytes=sum(memory.values()),
                     memory_bytes=memory, stage_layers=split, bottleneck_rank=slowest, model_flops=model_flops,
                     hardware_flops=hardware_flops, tflops_per_gpu=hardware_per_gpu / 1e12,

@@ -116,7 +116,13 @@ def explain(result: PlanResult) -> list[str]:
             entry = result.tallies[(dimension, value)]
             if entry.best is not None:
                 ratio = entry.best.step_time_s / best.step_time_s
-                notes.append(f"{_value_text(value)}: {ratio:.2f}x slower ({_slower_because(entry.best, best)})")
+                changed = [f"{d}={_value_text(dimension_value(entry.best.layout, d))}" for d in DIMENSIONS
+                           if d != dimension and dimension_value(entry.best.layout, d) != dimension_value(best.layout, d)]
+                how = f" at best with {' '.join(changed)}" if changed else ""
+                blocked = entry.failures.get("exceeds memory", 0)
+                memory = f"; {blocked} of its layouts exceed memory" if blocked else ""
+                notes.append(f"{_value_text(value)}: {ratio:.2f}x slower{how} "
+                             f"({_slower_because(entry.best, best)}{memory})")
             elif entry.failures:
                 text = _failure_text(entry.failures, entry.closest, result.memory_limit_bytes)
                 grouped.setdefault(text, []).append(_value_text(value))

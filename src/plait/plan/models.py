@@ -12,7 +12,7 @@ plait's GPT).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from plait.plan.estimate import Precision, Unit
 from plait.plan.layers import LayerCost
@@ -78,6 +78,7 @@ class ModuleModel:
     layers: tuple[LayerCost, ...]
     traced_batch: int
     seq_len: int | None = None
+    traced_element_bytes: int = 4
     uneven = True  # its stages are split by Alpa's DP (plait.plan.search)
 
     def __post_init__(self) -> None:
@@ -119,4 +120,12 @@ class ModuleModel:
         if problem:
             raise ValueError(problem)
         scale = micro_batch / self.traced_batch
-        return [[Unit(layer.scaled(scale), _NO_COMM, True)] for layer in self.layers]
+        # activations, boundaries and non-matmul traffic move to the planned precision's
+        # element size (the trace ran in its own dtype); FLOPs and kernels do not change
+        ratio = precision.element_bytes / self.traced_element_bytes
+        return [[Unit(replace(layer.scaled(scale), forward_bytes=layer.forward_bytes * scale * ratio,
+                              backward_bytes=layer.backward_bytes * scale * ratio,
+                              activation_bytes=layer.activation_bytes * scale * ratio,
+                              input_bytes=layer.input_bytes * scale * ratio,
+                              output_bytes=layer.output_bytes * scale * ratio), _NO_COMM, True)]
+                for layer in self.layers]

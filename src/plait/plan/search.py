@@ -40,7 +40,10 @@ class PlanError(ValueError):
 @dataclass(frozen=True, kw_only=True)
 class PlanRequest:
     """What to plan: the global batch (sequences per step) and, optionally, fixed
-    choices. ``None`` means search it."""
+    choices. ``None`` means search it. The memory limit is ``memory_limit_bytes``, by
+    default the device's memory less ``memory_reserve_fraction`` (10%: the CUDA
+    context, communication buffers, allocator fragmentation and transient tensors the
+    accounting leaves out). ``virtual`` alone implies the interleaved schedule."""
 
     global_batch: int
     tp: int | None = None
@@ -55,6 +58,7 @@ class PlanRequest:
     precision: str = "bf16-mixed"
     accounting: str = "megatron"
     memory_limit_bytes: float | None = None
+    memory_reserve_fraction: float = 0.1
     max_micro_batch: int = 32
     virtual_choices: tuple[int, ...] = (2, 4, 8)
     top: int = 5
@@ -81,6 +85,8 @@ class PlanRequest:
             problems.append(f"precision={self.precision!r} must be one of {', '.join(PRECISIONS)}")
         if self.accounting not in ACCOUNTINGS:
             problems.append(f"accounting={self.accounting!r} must be one of {', '.join(ACCOUNTINGS)}")
+        if not (isinstance(self.memory_reserve_fraction, (int, float)) and 0 <= self.memory_reserve_fraction < 1):
+            problems.append(f"memory_reserve_fraction={self.memory_reserve_fraction!r} must be in [0, 1)")
         if self.memory_limit_bytes is not None and not (isinstance(self.memory_limit_bytes, (int, float))
                                                         and self.memory_limit_bytes > 0):
             problems.append(f"memory_limit_bytes={self.memory_limit_bytes!r} must be > 0")
@@ -147,7 +153,7 @@ def search(model, cluster: Cluster, request: PlanRequest, *, suggest: bool = Tru
     started = time.perf_counter()
     world = cluster.world_size
     precision = PRECISIONS[request.precision]
-    limit = request.memory_limit_bytes or cluster.device.memory_bytes
+    limit = request.memory_limit_bytes or cluster.device.memory_bytes * (1 - request.memory_reserve_fraction)
     batch = request.global_batch
     _check_fixed(model, world, request)
 
@@ -219,7 +225,7 @@ def search(model, cluster: Cluster, request: PlanRequest, *, suggest: bool = Tru
                                 split_key = (tp, mb, sp, rc, pp, virtual, m if uneven else None)
                                 if split_key not in split_cache:
                                     split = (alpa_split(summaries, layout, cluster) if uneven
-                                             else split_groups(summaries, pp * virtual))
+                                             else split_groups(summaries, pp * virtual, pp))
                                     split_cache[split_key] = (split, [combine([summaries[g] for g in indices])
                                                                       for indices in split])
                                 result = estimate(groups, layout, cluster, precision, model_flops=flops[rc][0],
@@ -253,8 +259,9 @@ def _schedules(pp: int, request: PlanRequest) -> list[tuple[str, int]]:
         options = [("none", 1)]
     else:
         options = [("1f1b", 1), ("gpipe", 1)] + [("interleaved", v) for v in request.virtual_choices]
-    if request.schedule is not None:
-        options = [o for o in options if o[0] == request.schedule] or [(request.schedule, request.virtual or 1)]
+    schedule = request.schedule or ("interleaved" if request.virtual is not None else None)
+    if schedule is not None:
+        options = [o for o in options if o[0] == schedule] or [(schedule, request.virtual or 1)]
     if request.virtual is not None:
         options = [(s, request.virtual if s == "interleaved" else v) for s, v in options]
         options = list(dict.fromkeys(options))
@@ -286,10 +293,14 @@ def _check_fixed(model, world: int, request: PlanRequest) -> None:
         if value is not None and world % value:
             problems.append(f"{key}={value} does not divide the {world} devices (valid {key}: "
                             f"{', '.join(map(str, _divisors(world)))})")
-    fixed = [getattr(request, k) for k in ("tp", "pp", "dp") if getattr(request, k) is not None]
-    if len(fixed) == 3 and math.prod(fixed) != world:
-        problems.append(f"tp({request.tp}) * pp({request.pp}) * dp({request.dp}) = {math.prod(fixed)} != "
-                        f"devices({world})")
+    fixed = {k: getattr(request, k) for k in ("tp", "pp", "dp") if getattr(request, k) is not None}
+    product = math.prod(fixed.values())
+    if len(fixed) == 3 and product != world:
+        problems.append(f"tp({request.tp}) * pp({request.pp}) * dp({request.dp}) = {product} != devices({world})")
+    elif len(fixed) == 2 and world % product:
+        names = " * ".join(f"{k}({v})" for k, v in fixed.items())
+        problems.append(f"{names} = {product} does not divide the {world} devices: the third degree would not be "
+                        "a whole number")
     if request.tp is not None:
         problem = model.tensor_parallel_problem(request.tp)
         if problem:
@@ -303,8 +314,26 @@ def _check_fixed(model, world: int, request: PlanRequest) -> None:
             problems.append(f"schedule={request.schedule!r} needs pp > 1")
         if request.pp > 1 and request.schedule == "none":
             problems.append(f"pp={request.pp} needs a pipeline schedule (gpipe, 1f1b or interleaved)")
-    if request.virtual is not None and request.schedule not in (None, "interleaved"):
-        problems.append(f"virtual={request.virtual} is only for --schedule interleaved")
+    if request.virtual is not None:
+        if request.schedule not in (None, "interleaved"):
+            problems.append(f"virtual={request.virtual} is only for --schedule interleaved")
+        if request.virtual < 2:
+            problems.append(f"virtual={request.virtual}: interleaving needs at least 2 model chunks per pipeline "
+                            "rank (with 1, use --schedule 1f1b)")
+        if request.pp == 1:
+            problems.append(f"virtual={request.virtual} interleaves a pipeline; pp=1 has none")
+        if request.pp is not None and request.pp * request.virtual > model.num_groups:
+            problems.append(f"pp({request.pp}) * virtual({request.virtual}) = {request.pp * request.virtual} chunks "
+                            f"exceed the model's {model.num_groups} layers")
+    if request.schedule == "interleaved" and request.pp == 1:
+        problems.append("schedule='interleaved' needs pp > 1")
+    if request.micro_batch is not None:
+        dps = [request.dp] if request.dp is not None else [d for d in _divisors(world)
+                                                         if request.global_batch % d == 0]
+        if not any(request.global_batch % (d * request.micro_batch) == 0 for d in dps):
+            valid = sorted({b for d in dps for b in _divisors(request.global_batch // d)})
+            problems.append(f"micro_batch={request.micro_batch} divides no per-replica batch (global batch "
+                            f"{request.global_batch} / dp); valid micro-batches: {', '.join(map(str, valid))}")
     if request.sequence_parallel and request.tp == 1:
         problems.append("sequence parallelism needs tp > 1")
     if problems:
