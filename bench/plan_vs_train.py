@@ -10,8 +10,9 @@ Per layout (dp x tp x pp, 4 processes, gloo on CPU):
   --pp P --micro-batch 4 --schedule 1f1b|none --no-recompute --zero-stage 0
   --no-sequence-parallel --untied-head --top 1 --json` (schedule none when pp = 1),
   i.e. what plait train runs by default (fp32 AdamW, 4 layers, hidden 128, 4 heads,
-  seq 64, an untied head, global batch 16, micro-batch 4); its `step_time_s` and
-  `time_breakdown_s`;
+  seq 64, an untied head, global batch 16, micro-batch 4; --untied-head because plait
+  train's head is untied by default, while plait plan's GPT defaults to a tied one);
+  its `step_time_s` and `time_breakdown_s`;
 - measurement: one `plait train --dp D --tp T --pp P --steps N --eval-interval 0
   --checkpoint-interval 0 --sample-chars 0 --out DIR`; the measured step time is the
   median of rank 0's per-step wall times (`step_s` in metrics.jsonl) with the first
@@ -43,8 +44,10 @@ layouts right, which is what a planner needs; the geometric-mean ratio says how 
 its absolute times are off. Measured steps include Python, autograd and optimizer
 overheads and OS scheduling noise (4 processes time-sharing the cores) that the
 plan does not model, so a ratio > 1 everywhere is expected; a ratio that differs
-by layout is a modelling error. Other jobs on the machine disturb the timings: the
-load average before each run is recorded in the JSON.
+by layout is a modelling error. Other jobs on the machine disturb the timings (on a
+2-core machine, repeated invocations differed by up to 1.3x per layout): the load
+average before each run (which still counts the previous run) is in the JSON, and
+layouts whose measured times are within that noise may swap ranks.
 """
 
 from __future__ import annotations
@@ -93,17 +96,62 @@ def tail(text: str, chars: int = 2000) -> str:
     return text[-chars:].rstrip()
 
 
+def descendants(pid: int) -> list[int]:
+    """Every live process below ``pid`` (Linux /proc): torchrun's workers run in sessions
+    of their own, so killing the launcher's process group does not reach them."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(parent, []).append(int(entry.name))
+    found, queue = [], [pid]
+    while queue:
+        for child in children.get(queue.pop(), []):
+            found.append(child)
+            queue.append(child)
+    return found
+
+
+def _cmdline(pid: int) -> bytes | None:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return None
+
+
 def run_command(command: list[str], env: dict, timeout_s: float) -> subprocess.CompletedProcess:
-    """Run ``command`` in its own process group; past ``timeout_s`` the whole group
-    (torchrun and its workers) is killed and TimeoutExpired raised."""
+    """Run ``command`` in its own session. Past ``timeout_s``: SIGTERM to its process group
+    (torchrun then stops its workers, up to 20 s), then SIGKILL, by pid, to every process
+    it had started that is still alive (the same command line); then RuntimeError with
+    the output's tail."""
     with subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                           start_new_session=True) as process:
         try:
             stdout, stderr = process.communicate(timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
+            started = {pid: _cmdline(pid) for pid in descendants(process.pid)}
+            try:
+                os.killpg(process.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+            try:
+                process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                pass
+            for pid, cmdline in started.items():
+                if cmdline is not None and _cmdline(pid) == cmdline:
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+            if process.poll() is None:
+                process.kill()
             stdout, stderr = process.communicate()
-            raise RuntimeError(f"{' '.join(command[1:4])} ... timed out after {timeout_s:.0f} s:\n"
+            raise RuntimeError(f"{' '.join(command[1:4])} timed out after {timeout_s:.0f} s:\n"
                                f"{tail(stderr or stdout)}") from None
     return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
 

@@ -94,7 +94,9 @@ def _transformer(args):
                    if v is None and k != "ffn_hidden"]
         if missing:
             raise ValueError(f"--model gpt needs {' '.join(missing)} (or name a preset with --model)")
-        return TransformerSpec(name="gpt", ffn_hidden=shape.pop("ffn_hidden") or 0, tied_head=not args.untied_head,
+        # plait train's GPT has an untied head by default (a tied one cannot be pipelined there)
+        tied = not args.untied_head and (args.cluster != "local" or _train_tied_head())
+        return TransformerSpec(name="gpt", ffn_hidden=shape.pop("ffn_hidden") or 0, tied_head=tied,
                                dropout=bool(args.dropout), **{k: v for k, v in shape.items() if k != "ffn_hidden"})
     spec = model_preset(name)
     overrides = {k: v for k, v in shape.items() if v is not None}
@@ -107,6 +109,12 @@ def _transformer(args):
 
         spec = replace(spec, **overrides)
     return spec
+
+
+def _train_tied_head() -> bool:
+    from plait.train.config import TrainConfig
+
+    return TrainConfig().tied_head
 
 
 def _train_vocab() -> int:
@@ -190,8 +198,9 @@ def _local_cluster(args, precision_name: str, emit, model=None):
         link, overhead, source = profile.link, profile.call_overhead_s, "calibration profile"
     emit(f"link: {source}: alpha {link.alpha_s * 1e6:.3g} us, {1e-9 / link.beta_s_per_byte:.3g} GB/s, "
          f"{overhead * 1e6:.3g} us per call")
-    return cluster_preset("local", nprocs=nprocs, device=device, local_link=link, call_overhead_s=overhead,
-                          link_source=source)
+    cluster = cluster_preset("local", nprocs=nprocs, device=device, local_link=link, call_overhead_s=overhead,
+                             link_source=source)
+    return cluster
 
 
 def _check_flag_combinations(args, local: bool) -> None:

@@ -32,6 +32,10 @@ __all__ = ["Cluster", "CLUSTER_PRESETS", "cluster_preset", "GroupShape"]
 # runs it, has the same depth at half the per-link load)
 _CANDIDATES = {c: [a for a in closed_form_algorithms(c) if a not in ("direct", "star", "binary_tree")]
                for c in ("all_reduce", "reduce_scatter", "all_gather")}
+# on one host (the 'local' cluster, a handful of ranks) plait's tuner also runs the
+# direct and star exchanges, and often picks star: price them there too
+_LOCAL_CANDIDATES = {c: [a for a in closed_form_algorithms(c) if a != "binary_tree"]
+                     for c in ("all_reduce", "reduce_scatter", "all_gather")}
 
 
 @dataclass(frozen=True)
@@ -118,7 +122,7 @@ class Cluster:
         flat_link = self.inter_link if shape.nodes > 1 else self.intra_link
         best = (math.inf, "none")
         segments = pipeline_segments(int(nbytes))
-        for algorithm in _CANDIDATES[collective]:
+        for algorithm in (_LOCAL_CANDIDATES if self.name == "local" else _CANDIDATES)[collective]:
             if algorithm == "hierarchical":
                 if collective != "all_reduce" or shape.nodes == 1 or shape.per_node == 1 \
                         or shape.nodes * shape.per_node != size:
