@@ -15,7 +15,7 @@ import re
 import pytest
 
 from plait.parallel.mesh import AXES, DEFAULT_ORDER, DeviceMesh, ParallelDims
-from plait.testing import run_distributed
+from plait.testing import run_distributed, run_fresh_world
 
 ORDERS = [",".join(permutation) for permutation in itertools.permutations(AXES)]
 # (dp, tp, pp): non-powers of two, size-1 axes, and the all-ones mesh.
@@ -295,10 +295,16 @@ def test_device_mesh_rejects_a_mismatched_world(dims):
         assert f"launch {dims.world_size} processes" in message
 
 
-def test_device_mesh_create_needs_an_initialised_world():
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        pytest.skip("this process already has a default group")
-    with pytest.raises(RuntimeError, match="needs torch.distributed initialised"):
+def create_without_a_world(rank, world_size):
+    try:
         DeviceMesh.create(ParallelDims())
+    except RuntimeError as error:
+        return str(error)
+    return None
+
+
+def test_device_mesh_create_needs_an_initialised_world():
+    """In a fresh process that never initialised torch.distributed (so the check
+    cannot be masked by a group some other test left in this one)."""
+    (message,) = run_fresh_world(create_without_a_world, 1, init=False, timeout_s=60.0)
+    assert message is not None and "needs torch.distributed initialised" in message

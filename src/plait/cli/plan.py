@@ -198,9 +198,8 @@ def _local_cluster(args, precision_name: str, emit, model=None):
         link, overhead, source = profile.link, profile.call_overhead_s, "calibration profile"
     emit(f"link: {source}: alpha {link.alpha_s * 1e6:.3g} us, {1e-9 / link.beta_s_per_byte:.3g} GB/s, "
          f"{overhead * 1e6:.3g} us per call")
-    cluster = cluster_preset("local", nprocs=nprocs, device=device, local_link=link, call_overhead_s=overhead,
-                             link_source=source)
-    return cluster
+    return cluster_preset("local", nprocs=nprocs, device=device, local_link=link, call_overhead_s=overhead,
+                          link_source=source)
 
 
 def _check_flag_combinations(args, local: bool) -> None:

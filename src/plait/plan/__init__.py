@@ -13,7 +13,7 @@ Pieces: ``transformer`` (analytic GPT: FLOPs, parameters, activations, communica
 efficiency, this machine's measured CPU), ``cluster`` (topology links and collective
 prices), ``stages`` (min-max and Alpa stage partitioning), ``estimate`` (one layout),
 ``search`` (all layouts, ranked), ``explain`` (tables and reasons). Nothing here
-imports torch.distributed; torch is imported only to trace or measure.
+loads the distributed runtime; torch is imported only to trace or measure.
 """
 
 from __future__ import annotations

@@ -195,7 +195,7 @@ def search(model, cluster: Cluster, request: PlanRequest, *, suggest: bool = Tru
             for mb in _choices(request.micro_batch, micro_batches):
                 if per_replica % mb:
                     considered += 1
-                    reject(replace(shell, micro_batch=mb), f"micro-batch does not divide the per-replica batch",
+                    reject(replace(shell, micro_batch=mb), "micro-batch does not divide the per-replica batch",
                            ("tp", "pp", "dp", "micro_batch"))
                     continue
                 m = per_replica // mb

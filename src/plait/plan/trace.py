@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import math
+import sys
 
 from plait.plan.layers import LayerCost
 
@@ -236,9 +237,10 @@ def describe_module(model, sample_input, *, training: bool = True) -> list[Layer
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     if isinstance(model, nn.Sequential):
         return describe_layers(model, sample_input, training=training)
-    from plait.models.gpt import GPT  # here: plait.models imports plait.parallel (torch.distributed)
-
-    if isinstance(model, GPT):
+    # a plait GPT can only exist if its module is loaded: look it up rather than import it,
+    # so plait.plan itself never loads plait.parallel (and with it the distributed runtime)
+    gpt_module = sys.modules.get("plait.models.gpt")
+    if gpt_module is not None and isinstance(model, gpt_module.GPT):
         layers = _gpt_layers(model)
         named = [(f"{index}:{type(layer).__name__}", layer) for index, layer in enumerate(layers)]
         # the head layer reaches the tied weight through the model: exclude all the model holds
