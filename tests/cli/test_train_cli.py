@@ -44,10 +44,12 @@ class PopenRecorder:
         recorder = self
 
         class FinishedProcess:
+            pid = -1
+
             def wait(self, timeout=None):
                 return recorder.exit_code
 
-            def terminate(self):
+            def send_signal(self, number):
                 pass
 
         return FinishedProcess()
@@ -167,8 +169,37 @@ def test_too_small_data_file_exits_2(tmp_path, capsys, launcher):
     tiny.write_text("abc")
     code, _, err = train([*TINY, "--data", str(tiny), "--out", str(tmp_path / "run")], capsys)
     assert code == 2
-    assert "too few" in err
+    assert "has 3 characters; plait train needs at least 331 characters" in err
     assert launcher.calls == []
+
+
+@pytest.mark.parametrize("batch, seq_len, evaluate", [("8", "16", True), ("4", "32", False), ("16", "8", True)])
+def test_the_data_size_the_message_asks_for_is_exactly_enough(batch, seq_len, evaluate, tmp_path, capsys,
+                                                              monkeypatch):
+    """The number in the too-small message is the least that trains: N characters
+    pass the launcher and train a step (lm_batch and eval_batch draw real windows),
+    N - 1 are refused, naming N."""
+    from plait.train.corpus import eval_batch, load_corpus, lm_batch
+
+    monkeypatch.setenv("PLAIT_CACHE_DIR", str(tmp_path / "cache"))
+    argv = [*TINY, *SINGLE, "--global-batch", batch, "--micro-batch", batch, "--seq-len", seq_len, "--dry-run",
+            "--eval-interval", "5" if evaluate else "0"]
+    probe = tmp_path / "probe.txt"
+    probe.write_text("x")
+    code, _, err = train([*argv, "--data", str(probe)], capsys)
+    needed = int(re.search(r"needs at least ([\d,]+) characters", err).group(1).replace(",", ""))
+    text = ("the quick brown fox jumps over the lazy dog " * (needed // 40 + 1))[:needed]
+    enough, short = tmp_path / "enough.txt", tmp_path / "short.txt"
+    enough.write_text(text)
+    short.write_text(text[:-1])
+    assert train([*argv, "--data", str(enough)], capsys)[0] == 0
+    code, _, err = train([*argv, "--data", str(short)], capsys)
+    assert code == 2 and f"has {needed - 1:,} characters; plait train needs at least {needed:,}" in err
+    corpus = load_corpus(str(enough), max_bytes=60_000, cache_dir=tmp_path / "cache")
+    inputs, _ = lm_batch(corpus.train, 0, int(batch), int(seq_len))
+    assert inputs.shape == (int(batch), int(seq_len))
+    if evaluate:
+        assert eval_batch(corpus.val, 0, int(batch), int(seq_len))[0].shape == (int(batch), int(seq_len))
 
 
 # --------------------------------------------------------------------------- --dry-run
@@ -250,7 +281,11 @@ def test_a_valid_run_launches_torchrun_with_the_written_config(tmp_path, capsys,
     assert code == 0, err
     assert len(launcher.calls) == 1
     command = launcher.calls[0]
-    assert command[1:3] == ["-m", "torch.distributed.run"]
+    assert command[1:3] == ["-m", "plait.train.agent"]  # torch's elastic agent, stores bound to one address
+    assert command[command.index("--rdzv-backend") + 1] == "plait-c10d"
+    assert command[command.index("--rdzv-endpoint") + 1].startswith("127.0.0.1:")
+    assert command[command.index("--local-addr") + 1] == "127.0.0.1"
+    assert command[command.index("--rdzv-id") + 1] == command[command.index("--run-id") + 1]
     assert command[command.index("--nproc-per-node") + 1] == "1"
     assert command[command.index("--resume") + 1] == "auto"
     written = command[command.index("--config") + 1]
@@ -312,8 +347,9 @@ def test_the_trained_run_has_two_checkpoints(trained_run):
 def test_resume_never_into_a_run_with_checkpoints_exits_2_with_the_fix(run_dir, capsys, launcher):
     code, _, err = train([*TINY, *SINGLE, "--resume", "never", "--out", str(run_dir)], capsys)
     assert code == 2
-    assert f"--resume never but {run_dir} already holds checkpoints" in err
-    assert "choose a new --out" in err and "--resume auto" in err
+    assert f"--resume never would start over in {run_dir}, which holds an earlier run" in err
+    assert "2 checkpoints: step_00000002, step_00000001" in err
+    assert "--force-fresh" in err and "--resume auto" in err and "another --out" in err
     assert launcher.calls == []
     assert _steps(run_dir) == ["step_00000001", "step_00000002"]  # nothing deleted
 
@@ -372,7 +408,10 @@ def test_resume_auto_falls_back_past_a_corrupt_checkpoint(run_dir, capsys):
     config = TrainConfig(**TINY_CONFIG, out=str(run_dir))
     data = prepare_data(config)
     check_resume_choice(config, "auto", data)  # the older, intact step_00000001 is fine
-    assert "step_00000002: tp0-pp0.pt sha256 mismatch (corrupt): using step_00000001" in capsys.readouterr().out
+    assert (f"resuming from {run_dir / 'checkpoints' / 'step_00000001'}; step_00000002 (tp0-pp0.pt sha256 mismatch "
+            "(corrupt)) is newer but not complete: it will be kept as step_00000002.corrupt"
+            in capsys.readouterr().out)
+    assert _steps(run_dir) == ["step_00000001", "step_00000002"]  # the launcher only looks
     # the corrupt one named explicitly is refused, with the reason
     with pytest.raises(ValueError, match=re.escape("tp0-pp0.pt sha256 mismatch (corrupt)")):
         check_resume_choice(config, str(run_dir / "checkpoints" / "step_00000002"), data)
@@ -386,7 +425,7 @@ def test_resume_auto_through_the_cli_falls_back_and_launches(run_dir, capsys, la
     _corrupt(run_dir / "checkpoints" / "step_00000002" / "tp0-pp0.pt")
     code, out, err = train([*TINY, *SINGLE, "--sample-chars", "0", "--out", str(run_dir)], capsys)
     assert code == 0, err
-    assert "using step_00000001" in out + err
+    assert "resuming from" in out and "step_00000001;" in out and "kept as step_00000002.corrupt" in out
     assert len(launcher.calls) == 1
 
 

@@ -177,7 +177,7 @@ def test_source_and_argument_errors(tmp_path):
     with pytest.raises(ValueError, match=r"blank\.txt.*has 0 characters"):
         load_corpus(str(tmp_path / "blank.txt"), cache_dir=tmp_path)
     write(tmp_path / "tiny.txt", "hello")
-    with pytest.raises(ValueError, match=r"tiny\.txt.*has 5 characters.*at least 40"):
+    with pytest.raises(ValueError, match=r"tiny\.txt.*has 5 characters.*at least 30"):
         load_corpus(str(tmp_path / "tiny.txt"), cache_dir=tmp_path)
     write(tmp_path / "latin1.txt", "café".encode("latin-1") * 50)
     with pytest.raises(ValueError, match=r"latin1\.txt.*not UTF-8"):

@@ -4,21 +4,26 @@
     plait train --tp 2 --pp 2 --dp 1 --steps 100  # any layout whose product is the process count
     plait train --config job.toml --lr 1e-3      # a TOML file, then flags (each flag is one config field)
     plait train --dry-run                         # which rank holds which stage and shard; no training
-    torchrun --nnodes 2 --nproc-per-node 2 --rdzv-backend c10d --rdzv-endpoint HOST:PORT -m plait train ...
+    plait train --nnodes 2 --rdzv-endpoint HOST:PORT ...   # on each of 2 machines (same flags)
 
-Outside a torchrun world it validates the config, prepares the data cache and
-starts dp*tp*pp local processes through torch.distributed.run (c10d rendezvous on
-127.0.0.1, a free port; `--max-restarts K` restarts the world after a failure,
-which then resumes from the newest complete checkpoint). Inside a torchrun world
-(multi-node) every process runs one rank. gloo on CPU, NCCL on GPU. At the end
-rank 0 writes OUT/report.md, report.json, loss.png and metrics.jsonl, and the
-launcher prints text sampled from the trained GPT.
+Outside a torchrun world it checks everything it can before any process starts (the
+config, the data against the batch, memory per process, --out writable with room for
+a checkpoint, what --resume would start from), locks --out for this run (a second
+run on the same --out is refused), and starts dp*tp*pp processes through torch's
+elastic agent with every listening socket on 127.0.0.1 (on several machines: on this
+node's address). SIGINT, SIGTERM and SIGHUP stop every process of the run; so does
+the launcher's death. `--max-restarts K` restarts the world after a failure, which
+resumes from the newest complete checkpoint. Inside a torchrun world
+(`torchrun ... -m plait train`) every process runs one rank. gloo on CPU, NCCL on
+GPU. At the end rank 0 writes OUT/report.md, report.json, loss.png and
+metrics.jsonl, and the launcher prints text sampled from the trained GPT.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -28,26 +33,44 @@ from pathlib import Path
 
 from plait.train.config import add_config_arguments, config_from_args
 
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+GRACE_S = 5.0  # after forwarding a stop signal, how long the agent gets before SIGKILL
+LOOPBACK = "127.0.0.1"
+
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     parser = subparsers.add_parser("train", help="train a model with dp x tp x pp parallelism",
                                    description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", metavar="FILE", help="a TOML file of config fields (flags override it)")
     parser.add_argument("--nprocs", type=int, default=None,
-                        help="local processes to start (default dp*tp*pp; must equal it)")
+                        help="local processes to start (default dp*tp*pp / nnodes; must equal it)")
     parser.add_argument("--resume", default="auto", metavar="auto|never|DIR",
-                        help="auto: continue from the newest complete checkpoint in --out if there is one "
-                             "(default); never: start fresh (refused if --out holds checkpoints); "
-                             "DIR: a checkpoint directory, possibly saved with another dp/tp/pp")
+                        help="auto: continue from the newest complete checkpoint in --out; start fresh only if --out "
+                             "holds no run (default); never: start fresh (refused if --out holds a run, unless "
+                             "--force-fresh); DIR: a checkpoint directory, possibly saved with another dp/tp/pp")
+    parser.add_argument("--force-fresh", action="store_true",
+                        help="with --resume never (or DIR): move an earlier run in --out to OUT/previous/<time>/ "
+                             "and start over")
     parser.add_argument("--max-restarts", type=int, default=0,
                         help="restart the whole world up to K times after a process fails (torchrun elastic); "
                              "each restart resumes from the newest complete checkpoint")
     parser.add_argument("--port", type=int, default=0,
                         help="rendezvous port on 127.0.0.1 (default: a free one; a busy one is replaced)")
+    parser.add_argument("--nnodes", type=int, default=1, help="machines in the run; start plait train on each")
+    parser.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT",
+                        help="with --nnodes > 1: the first node's address and a port (its rendezvous store "
+                             "listens there, and nowhere else)")
+    parser.add_argument("--rdzv-id", default=None, metavar="ID",
+                        help="with --nnodes > 1: a name for the run, the same on every node (default: from the "
+                             "endpoint)")
+    parser.add_argument("--local-addr", default=None, metavar="ADDR",
+                        help="with --nnodes > 1: this node's address for the run's sockets (default: the one that "
+                             "routes to the endpoint)")
     parser.add_argument("--dry-run", action="store_true", help="print the mesh and stage layout, then exit")
     parser.add_argument("--sample-chars", type=int, default=300,
                         help="characters of text to sample from the trained GPT at the end (0: none)")
     parser.add_argument("--prompt", default="def ", help="text the sample starts from")
+    parser.add_argument("--run-id", default=None, help=argparse.SUPPRESS)  # the launcher's, passed to its ranks
     add_config_arguments(parser)
     parser.set_defaults(run=run)
     return parser
@@ -61,62 +84,208 @@ def in_torchrun_world() -> bool:
 def run(args) -> int:
     config = config_from_args(args, args.config)
     if in_torchrun_world():
-        from plait.train.loop import run as run_rank
+        return _run_rank(args, config)
+    from plait.train import budget, runlock
+    from plait.train.launch import check_output_dir, check_output_path, check_resume_choice, describe_layout, \
+        prepare_data
 
-        run_rank(config, resume=args.resume)
-        return 0
-    nprocs = config.world_size if args.nprocs is None else args.nprocs
-    if nprocs != config.world_size:
-        raise ValueError(f"--nprocs {nprocs} != dp({config.dp}) * tp({config.tp}) * pp({config.pp}) = "
-                         f"{config.world_size}: pass --nprocs {config.world_size}, or change --dp/--tp/--pp so "
-                         f"their product is {nprocs}")
-    if not 0 <= args.port <= 65535:
-        raise ValueError(f"--port {args.port} must be in 0..65535 (0: a free one)")
-    if args.max_restarts < 0:
-        raise ValueError(f"--max-restarts {args.max_restarts} must be >= 0")
-    if args.sample_chars < 0:
-        raise ValueError(f"--sample-chars {args.sample_chars} must be >= 0")
-    _warn_if_oversubscribed(nprocs)
-    from plait.train.launch import check_resume_choice, describe_layout, prepare_data
-
+    nprocs = _check_launcher_options(args, config)
+    out = Path(config.out)
+    check_output_path(out)
     data = prepare_data(config)
+    budget.check_fits(config, data, local_processes=nprocs, gpu_memory_bytes=_gpu_memory_bytes(nprocs))
     if args.dry_run:
         print(describe_layout(config, data))
         return 0
-    check_resume_choice(config, args.resume, data)
-    port = _free_port(args.port)
-    out = Path(config.out)
-    out.mkdir(parents=True, exist_ok=True)
-    launch_config = out / "launch-config.toml"
-    launch_config.write_text(config.to_toml())
-    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(nprocs),
-               "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
-               "--rdzv-id", f"plait-{os.getpid()}-{int(time.time())}", "--max-restarts", str(args.max_restarts),
-               "--monitor-interval", "1", "-m", "plait", "train", "--config", str(launch_config),
-               "--resume", args.resume]
-    env = {**os.environ, "PLAIT_LAUNCH_TIME": repr(time.time()), "PYTHONUNBUFFERED": "1"}
-    env.setdefault("OMP_NUM_THREADS", "1")
-    print(f"plait train: {nprocs} processes (dp={config.dp} x tp={config.tp} x pp={config.pp}), "
-          f"rendezvous 127.0.0.1:{port}, output {out}", flush=True)
-    process = subprocess.Popen(command, env=env)
-    try:
-        code = process.wait()
-    except KeyboardInterrupt:
-        process.terminate()
-        process.wait(timeout=30)
-        raise
-    if code != 0:
-        print(f"plait train: the training processes failed (exit {code}); see the errors above", file=sys.stderr)
-        return code
-    if config.model == "gpt" and args.sample_chars:
-        from plait.train.generate import model_from_checkpoint, sample
+    check_output_dir(out, budget.checkpoint_bytes(config, data))
+    endpoint, local_addr, run_id = _rendezvous(args)
+    with runlock.acquire(out, run_id) as lock:
+        check_resume_choice(config, args.resume, data, run_id=run_id, force_fresh=args.force_fresh)
+        launch_config = out / "launch-config.toml"
+        launch_config.write_text(config.to_toml())
+        command = [sys.executable, "-m", "plait.train.agent", "--parent-pid", str(os.getpid()),
+                   "--nnodes", str(args.nnodes), "--nproc-per-node", str(nprocs),
+                   "--rdzv-backend", "plait-c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", run_id,
+                   "--local-addr", local_addr, "--max-restarts", str(args.max_restarts), "--monitor-interval", "1",
+                   "-m", "plait", "train", "--config", str(launch_config), "--resume", args.resume,
+                   "--run-id", run_id] + (["--force-fresh"] if args.force_fresh else [])
+        env = {**os.environ, "PLAIT_LAUNCH_TIME": repr(time.time()), "PYTHONUNBUFFERED": "1",
+               **_socket_env(local_addr)}
+        env.setdefault("OMP_NUM_THREADS", "1")
+        print(f"plait train: {nprocs} processes (dp={config.dp} x tp={config.tp} x pp={config.pp}"
+              + (f", node of {args.nnodes}" if args.nnodes > 1 else "")
+              + f"), rendezvous {endpoint}, output {out} (locked for this run)", flush=True)
+        code, stopped_by = _supervise(command, env, lock.fileno() if lock.owned else None)
+        if stopped_by is not None:
+            print(f"plait train: stopped by {signal.Signals(stopped_by).name}; every process of the run has "
+                  f"exited. {_resume_hint(out)}", file=sys.stderr)
+            return 128 + stopped_by
+        if code != 0:
+            how = (f"the agent (torchrun) was killed by {signal.Signals(-code).name}, and its ranks with it"
+                   if code < 0 else f"the training processes failed (exit {code})")
+            print(f"plait train: {how}. {_resume_hint(out)}", file=sys.stderr)
+            return 128 - code if code < 0 else code
+        if config.model == "gpt" and args.sample_chars and _hosts_endpoint(endpoint):
+            from plait.train.generate import model_from_checkpoint, sample
 
-        model, manifest = model_from_checkpoint(out)
-        text = sample(model, data, args.prompt, chars=args.sample_chars, seed=config.seed)
-        print(f"\nsample from the trained model (step {manifest['step']}, temperature 0.8, "
-              f"{args.sample_chars} characters after {args.prompt!r}):\n{'-' * 60}\n{text}\n{'-' * 60}")
-    print(f"report: {out / 'report.md'}")
+            model, manifest = model_from_checkpoint(out)
+            text = sample(model, data, args.prompt, chars=args.sample_chars, seed=config.seed)
+            print(f"\nsample from the trained model (step {manifest['step']}, temperature 0.8, "
+                  f"{args.sample_chars} characters after {args.prompt!r}):\n{'-' * 60}\n{text}\n{'-' * 60}")
+        print(f"report: {out / 'report.md'}")
     return 0
+
+
+def _run_rank(args, config) -> int:
+    """One rank of a torchrun world. Launched by plait train (--run-id given), errors go
+    to torchrun's error file and the launcher's agent prints them once; under a user's
+    own torchrun they are raised as usual."""
+    from plait.train import lifeline
+    from plait.train.agent import record_rank_error
+    from plait.train.loop import run as run_rank
+
+    if "TORCHELASTIC_RUN_ID" in os.environ and lifeline.supported():
+        try:
+            lifeline.tie_to_parent(signal.SIGKILL)  # a rank whose agent is gone stops at once
+        except lifeline.ParentGone as error:
+            print(f"plait train: {error}: not starting", file=sys.stderr)
+            return 1
+    run_id = args.run_id or (f"torchrun:{os.environ.get('TORCHELASTIC_RUN_ID', 'none')}@"
+                             f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}")
+    try:
+        run_rank(config, run_id=run_id, resume=args.resume, force_fresh=args.force_fresh)
+    except Exception as error:
+        if record_rank_error(error) and args.run_id is not None:
+            return 1
+        raise
+    return 0
+
+
+def _check_launcher_options(args, config) -> int:
+    """The launcher's own flags; returns the local process count."""
+    problems = []
+    if args.nnodes < 1:
+        problems.append(f"--nnodes {args.nnodes} must be >= 1")
+    elif config.world_size % args.nnodes:
+        problems.append(f"dp({config.dp}) * tp({config.tp}) * pp({config.pp}) = {config.world_size} processes do "
+                        f"not split over --nnodes {args.nnodes}: use a node count that divides {config.world_size}")
+    per_node = config.world_size // max(args.nnodes, 1)
+    nprocs = per_node if args.nprocs is None else args.nprocs
+    if nprocs != per_node and not problems:
+        problems.append(f"--nprocs {nprocs} != dp({config.dp}) * tp({config.tp}) * pp({config.pp})"
+                        + (f" / nnodes({args.nnodes})" if args.nnodes > 1 else "") + f" = {per_node}: pass "
+                        f"--nprocs {per_node}, or change --dp/--tp/--pp so their product is "
+                        f"{nprocs * max(args.nnodes, 1)}")
+    if not 0 <= args.port <= 65535:
+        problems.append(f"--port {args.port} must be in 0..65535 (0: a free one)")
+    if args.max_restarts < 0:
+        problems.append(f"--max-restarts {args.max_restarts} must be >= 0")
+    if args.sample_chars < 0:
+        problems.append(f"--sample-chars {args.sample_chars} must be >= 0")
+    if args.nnodes > 1 and not args.rdzv_endpoint:
+        problems.append(f"--nnodes {args.nnodes} needs --rdzv-endpoint HOST:PORT (the first node's address and a "
+                        "free port there), the same on every node")
+    if args.nnodes == 1 and (args.rdzv_endpoint or args.local_addr or args.rdzv_id):
+        problems.append("--rdzv-endpoint, --rdzv-id and --local-addr are for --nnodes > 1; one machine binds "
+                        f"{LOOPBACK} (use --port to choose the port)")
+    if args.rdzv_endpoint and args.port:
+        problems.append("--port is for one machine; with --rdzv-endpoint the port is the endpoint's")
+    if args.run_id is not None:
+        problems.append("--run-id is set by plait train for its own processes; leave it out")
+    if args.force_fresh and args.resume == "auto":
+        problems.append("--force-fresh replaces an earlier run, but --resume auto continues it: use --resume never "
+                        "--force-fresh to start over, or drop --force-fresh")
+    if problems:
+        raise ValueError("; ".join(problems))
+    _warn_if_oversubscribed(nprocs)
+    return nprocs
+
+
+def _rendezvous(args) -> tuple[str, str, str]:
+    """(endpoint HOST:PORT, this node's address, run id)."""
+    from plait.train.launch import local_address_towards
+
+    if args.nnodes == 1:
+        port = _free_port(args.port)
+        return f"{LOOPBACK}:{port}", LOOPBACK, f"plait-{socket.gethostname()}-{os.getpid()}-{time.time_ns()}"
+    host, _, port_text = args.rdzv_endpoint.rpartition(":")
+    host = host.strip("[]")
+    if not host or not port_text.isdigit() or not 0 < int(port_text) <= 65535:
+        raise ValueError(f"--rdzv-endpoint {args.rdzv_endpoint!r} must be HOST:PORT with a port in 1..65535")
+    local_addr = args.local_addr or local_address_towards(host)
+    return args.rdzv_endpoint, local_addr, args.rdzv_id or f"plait-{host}:{port_text}"
+
+
+def _socket_env(local_addr: str) -> dict:
+    """gloo and NCCL listen on the interface holding ``local_addr`` (loopback on one machine)."""
+    from plait.train.launch import interface_with_address
+
+    interface = interface_with_address(local_addr)
+    if interface is None:
+        print(f"plait train: warning: no network interface holds {local_addr}; gloo and NCCL choose their own",
+              file=sys.stderr)
+        return {}
+    return {"GLOO_SOCKET_IFNAME": interface, "NCCL_SOCKET_IFNAME": interface}
+
+
+def _hosts_endpoint(endpoint: str) -> bool:
+    from plait.train.agent import is_local_address
+
+    return is_local_address(endpoint.rpartition(":")[0].strip("[]"))
+
+
+def _supervise(command: list[str], env: dict, lock_fd: int | None) -> tuple[int, int | None]:
+    """Run the agent to the end; (exit code, the stop signal received or None).
+
+    The agent runs in a session of its own, so a terminal's Ctrl-C or hang-up reaches
+    the launcher alone, which stops the run in order: a stop signal is forwarded to the
+    agent as SIGTERM (torchrun then stops its ranks), and after GRACE_S the agent's
+    process group gets SIGKILL (each rank has PR_SET_PDEATHSIG and follows). The run
+    lock's descriptor is passed on, so the directory stays locked while the agent lives."""
+    received: list[int] = []
+    previous = {number: signal.signal(number, lambda signum, frame: received.append(signum))
+                for number in STOP_SIGNALS}
+    try:
+        process = subprocess.Popen(command, env=env, start_new_session=True,
+                                   pass_fds=() if lock_fd is None else (lock_fd,))
+        deadline = None
+        while True:
+            try:
+                return process.wait(timeout=0.2), (received[0] if received else None)
+            except subprocess.TimeoutExpired:
+                pass
+            if received and deadline is None:
+                print(f"plait train: {signal.Signals(received[0]).name} received: stopping every process of the "
+                      "run", file=sys.stderr, flush=True)
+                process.send_signal(signal.SIGTERM)
+                deadline = time.monotonic() + GRACE_S
+            elif deadline is not None and time.monotonic() > deadline:
+                try:
+                    os.killpg(process.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                deadline = float("inf")
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)
+
+
+def _resume_hint(out: Path) -> str:
+    from plait.train import checkpoint as ckpt
+
+    newest = ckpt.latest_complete(out, log=None) if out.is_dir() else None
+    if newest is None:
+        return "No complete checkpoint was written."
+    return f"The newest complete checkpoint is {newest}; run the same command again to continue from it."
+
+
+def _gpu_memory_bytes(nprocs: int) -> int | None:
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    return min(torch.cuda.get_device_properties(index).total_memory
+               for index in range(min(nprocs, torch.cuda.device_count())))
 
 
 def _warn_if_oversubscribed(nprocs: int) -> None:
@@ -126,7 +295,7 @@ def _warn_if_oversubscribed(nprocs: int) -> None:
         if nprocs > torch.cuda.device_count():
             raise ValueError(f"{nprocs} processes but {torch.cuda.device_count()} GPUs on this machine: one process "
                              f"per GPU; use a layout with at most {torch.cuda.device_count()} processes here, or "
-                             "launch on several nodes with torchrun")
+                             "launch on several nodes (--nnodes)")
         return
     cores = os.cpu_count() or 1
     if nprocs > 2 * cores:
@@ -140,10 +309,10 @@ def _free_port(wanted: int) -> int:
     if wanted:
         with socket.socket() as probe:
             try:
-                probe.bind(("127.0.0.1", wanted))
+                probe.bind((LOOPBACK, wanted))
                 return wanted
             except OSError:
                 print(f"plait train: port {wanted} is in use; using a free one instead", file=sys.stderr)
     with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
+        probe.bind((LOOPBACK, 0))
         return probe.getsockname()[1]

@@ -163,6 +163,7 @@ class Compressor(ABC):
     """Averages a gradient bucket across a group, lossily, in place."""
 
     name: str = "compressor"
+    collectives: tuple[str, ...] = ("all_reduce",)  # what reduce() calls with its algorithm
 
     def validate(self, named_shapes: list[tuple[str, tuple[int, ...]]]) -> None:
         """Raise ValueError before training if some parameter cannot be compressed."""
@@ -199,6 +200,8 @@ class PayloadCompressor(Compressor):
     and ``empty_payload`` follow), ``compress`` and ``decompress``; ``aggregate``
     defaults to the mean of the decoded payloads, (1/p) Σ_r D(C(x_r)).
     """
+
+    collectives: tuple[str, ...] = ("all_gather",)
 
     @abstractmethod
     def payload_layout(self, numel: int, dtype: torch.dtype) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:

@@ -28,6 +28,7 @@ class Cast(PayloadCompressor):
     """Send ``wire_dtype`` values: n · itemsize(wire_dtype) bytes."""
 
     wire_dtype: torch.dtype = torch.float16
+    collectives = ("all_reduce",)  # reduce() all-reduces the cast values
 
     def payload_layout(self, numel, dtype):
         return {"values": ((numel,), self.wire_dtype)}

@@ -25,6 +25,7 @@ each parameter and its optimizer state once per (tp, pp) shard, about
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -68,10 +69,13 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def _atomic_write(path: Path, write: Callable[[str], None]) -> None:
+def _atomic_write(path: Path, write: Callable[[str], None], nbytes: int = 0) -> None:
     """``write(temp_name)`` writes a temporary file next to ``path``; fsync it, rename
-    it over ``path``, fsync the directory: readers see the old file or the whole new one."""
+    it over ``path``, fsync the directory: readers see the old file or the whole new one.
+    ``nbytes``, the expected size, is checked against the free space first, and a write
+    that fails on a full disk raises DiskFull, naming the path and the bytes needed."""
     path.parent.mkdir(parents=True, exist_ok=True)
+    check_free_space(path, nbytes)
     fd, temp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     os.close(fd)
     try:
@@ -79,10 +83,50 @@ def _atomic_write(path: Path, write: Callable[[str], None]) -> None:
         with open(temp_name, "rb+") as file:
             os.fsync(file.fileno())
         os.replace(temp_name, path)
-    except BaseException:
+    except BaseException as error:
         Path(temp_name).unlink(missing_ok=True)
+        if _disk_full(error):
+            raise DiskFull(path, nbytes) from None
         raise
     _fsync_dir(path.parent)
+
+
+class DiskFull(OSError):
+    """A checkpoint file does not fit on its filesystem."""
+
+    def __init__(self, path: Path, nbytes: int):
+        free = shutil.disk_usage(path.parent).free
+        need = f"it needs about {nbytes:,} bytes" if nbytes else "it needs more room"
+        super().__init__(errno.ENOSPC, f"no space left on device writing {path}: {need} and {free:,} bytes are free "
+                                       "there; free some space or give --out a filesystem with room")
+
+
+def check_free_space(path: Path, nbytes: int) -> None:
+    """Raise DiskFull unless ``path``'s filesystem has ``nbytes`` free."""
+    if nbytes and shutil.disk_usage(path.parent).free < nbytes:
+        raise DiskFull(path, nbytes)
+
+
+def _disk_full(error: BaseException) -> bool:
+    return isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT)
+
+
+def _torch_save(value, path: str) -> None:
+    """torch.save through a Python file, so a full disk raises OSError(ENOSPC) (given a
+    path, torch reports it as a bare RuntimeError "unexpected pos")."""
+    with open(path, "wb") as file:
+        torch.save(value, file)
+
+
+def payload_nbytes(value) -> int:
+    """Bytes of the tensors in a (nested) payload: about its size on disk."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, dict):
+        return sum(payload_nbytes(item) for item in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(payload_nbytes(item) for item in value)
+    return 0
 
 
 def _sha256(path: Path) -> str:
@@ -186,7 +230,7 @@ def write_shard(directory: str | os.PathLike, name: str, payload: dict) -> dict:
     _check_loadable(payload, "payload")
     payload = _compact(payload)
     path = directory / name
-    _atomic_write(path, lambda temp: torch.save(payload, temp))
+    _atomic_write(path, lambda temp: _torch_save(payload, temp), nbytes=payload_nbytes(payload) + (1 << 16))
     return _file_entry(path)
 
 
@@ -214,7 +258,7 @@ def write_manifest(directory: str | os.PathLike, manifest: dict, files: list[dic
     document = {**manifest, "format": FORMAT, "files": entries}
     text = json.dumps(document, indent=2) + "\n"  # a TypeError here names the value that is not JSON
     path = directory / MANIFEST_NAME
-    _atomic_write(path, lambda temp: Path(temp).write_text(text))
+    _atomic_write(path, lambda temp: Path(temp).write_text(text), nbytes=len(text.encode()))
     return path
 
 
@@ -233,7 +277,25 @@ def read_manifest(directory: str | os.PathLike) -> dict:
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or not isinstance(manifest.get("files"),
                                                                                              dict):
         raise ValueError(f"{path}: not a format-{FORMAT} plait manifest (need \"format\": {FORMAT} and \"files\")")
+    outside = [name for name in manifest["files"] if not is_plain_name(name)]
+    if outside:
+        raise UnsafeManifest(path, outside)
     return manifest
+
+
+class UnsafeManifest(ValueError):
+    """A manifest that names files outside its checkpoint directory."""
+
+    def __init__(self, path: Path, names: list):
+        self.names = names
+        super().__init__(f"{path} lists {', '.join(map(repr, names[:3]))}: a checkpoint's files are plain names "
+                         "inside its directory (no '/', '..' or absolute paths); this checkpoint is not valid")
+
+
+def is_plain_name(name) -> bool:
+    """A file name that stays in its directory: no separators, not '.' or '..', not absolute."""
+    return (isinstance(name, str) and name not in ("", ".", "..", MANIFEST_NAME) and "/" not in name
+            and "\\" not in name and "\x00" not in name and Path(name).name == name)
 
 
 def verify(directory: str | os.PathLike, *, check_sha256: bool = True) -> list[str]:
@@ -242,14 +304,21 @@ def verify(directory: str | os.PathLike, *, check_sha256: bool = True) -> list[s
     directory = Path(directory)
     if not (directory / MANIFEST_NAME).exists():
         return [f"no {MANIFEST_NAME} (partial: the save did not finish)"]
+    if (directory / MANIFEST_NAME).is_symlink():
+        return [f"{MANIFEST_NAME} is a symbolic link (a checkpoint's files are regular files inside it)"]
     try:
         manifest = read_manifest(directory)
+    except UnsafeManifest as error:
+        return [f"{MANIFEST_NAME} lists files outside the checkpoint directory: "
+                f"{', '.join(map(repr, error.names[:3]))} (not valid)"]
     except ValueError:
         return [f"{MANIFEST_NAME} unreadable"]
     problems = []
     for name, entry in manifest["files"].items():
         path = directory / name
-        if not path.is_file():
+        if path.is_symlink():
+            problems.append(f"{name} is a symbolic link (a checkpoint's files are regular files inside it)")
+        elif not path.is_file():
             problems.append(f"{name} missing")
         elif (nbytes := path.stat().st_size) != entry.get("nbytes"):
             problems.append(f"{name} is {nbytes} bytes, manifest says {entry.get('nbytes')} (truncated or "
@@ -461,24 +530,50 @@ def check_compatible(manifest: dict, model: dict, what: str = "checkpoint") -> N
                          "same model settings or start a new --out directory")
 
 
-def prune(run_dir: str | os.PathLike, keep: int, *, check_sha256: bool = False) -> list[Path]:
-    """Delete all but the newest ``keep`` complete checkpoints, and partial ones older
-    than the newest complete; returns the deleted directories. Complete means the
-    manifest is readable and every file has its size (``check_sha256``: also hashed)."""
+def prune(run_dir: str | os.PathLike, keep: int, *, check_sha256: bool = False,
+          log: Callable[[str], None] | None = print) -> list[Path]:
+    """Delete all but the newest ``keep`` complete checkpoints, and partial ones (no
+    manifest: a save that never finished) older than the newest complete; returns the
+    deleted directories. Complete means the manifest is readable and every file has
+    its size (``check_sha256``: also hashed). A corrupt checkpoint (a manifest whose
+    files do not match it) is never deleted as if it were old: it is renamed
+    ``step_N.corrupt`` (out of rotation) and logged."""
     if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
         raise ValueError(f"keep={keep!r} must be an int >= 1 (the newest complete checkpoint is never deleted)")
     paths = list_checkpoints(run_dir)
-    complete = [path for path in paths if not verify(path, check_sha256=check_sha256)]
+    problems = {path: verify(path, check_sha256=check_sha256) for path in paths}
+    complete = [path for path in paths if not problems[path]]
     if not complete:
         return []
     kept = set(complete[-keep:])
     newest = paths.index(complete[-1])
-    doomed = [path for path in paths[:newest] if path not in kept]
+    doomed = []
+    for path in paths[:newest]:
+        if path in kept:
+            continue
+        if problems[path] and (path / MANIFEST_NAME).exists():
+            target = set_aside(path, "corrupt")
+            if log is not None:
+                log(f"{path.name}: {_summary(problems[path])}: kept as {target.name}, not pruned")
+            continue
+        doomed.append(path)
     for path in doomed:
         # The manifest first: a half-deleted directory then reads as partial, not corrupt.
         (path / MANIFEST_NAME).unlink(missing_ok=True)
         shutil.rmtree(path)
     return doomed
+
+
+def set_aside(path: Path, reason: str) -> Path:
+    """Rename checkpoint directory ``path`` to ``step_N.<reason>`` (or ``.<reason>.K``
+    if taken): kept on disk, out of list_checkpoints, so never resumed from or pruned."""
+    target = path.with_name(f"{path.name}.{reason}")
+    index = 0
+    while target.exists():
+        index += 1
+        target = path.with_name(f"{path.name}.{reason}.{index}")
+    path.rename(target)
+    return target
 
 
 # ----------------------------------------------------------------------------- export
@@ -515,5 +610,5 @@ def export(directory: str | os.PathLike, out_path: str | os.PathLike, fmt: str |
                     "model": json.dumps(manifest.get("model", {}), sort_keys=True)}
         _atomic_write(out_path, lambda temp: save_file(state, temp, metadata=metadata))
     else:
-        _atomic_write(out_path, lambda temp: torch.save(state, temp))
+        _atomic_write(out_path, lambda temp: _torch_save(state, temp))
     return out_path

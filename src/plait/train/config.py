@@ -42,6 +42,10 @@ OPTIMIZERS = ("adamw", "sgd")
 LR_SCHEDULES = ("cosine", "linear", "constant")
 AXES = ("tp", "dp", "pp")
 TABLES = ("model", "data", "batch", "parallel", "optim", "run")
+# A step's schedule is built, replayed and held as data every step (O(microbatches · pp)
+# actions); past this many micro-batches per step a run is a typo, not a plan.
+MAX_MICROBATCHES = 4096
+ALGORITHM_DEFAULTS = ("auto", "default", "torch")  # names every collective accepts
 CLI_GROUP_TITLE = "training config (also settable in --config FILE)"
 
 
@@ -261,7 +265,11 @@ def _default(name: str):
 
 
 def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0] if n >= 1 else []
+    """Divisors of n, ascending: O(sqrt n), and [] above 10^14 (a message would not list them)."""
+    if n < 1 or n > 10**14:
+        return []
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
 
 
 def _listed(values) -> str:
@@ -351,6 +359,7 @@ def _value_problems(config: TrainConfig, typed: set[str]) -> list[str]:
     if ok("eval_interval", "val_fraction") and c.eval_interval > 0 and c.val_fraction == 0:
         problems.append(f"eval_interval={c.eval_interval} needs held-out data but val_fraction=0: set "
                         f"val_fraction > 0 (e.g. 0.05) or eval_interval=0")
+    compressor = None
     if ok("compression") and c.compression != "none":
         from plait.compress.spec import from_spec  # imports torch; only when asked for
 
@@ -358,13 +367,44 @@ def _value_problems(config: TrainConfig, typed: set[str]) -> list[str]:
             compressor = from_spec(c.compression)
         except ValueError as error:
             problems.append(f"compression={c.compression!r}: {error}")
+            typed.discard("compression")
         else:
             if compressor is not None and ok("dp") and c.dp == 1:
                 problems.append(f"compression={c.compression!r} compresses the dp gradient all-reduce, but dp=1 "
                                 f"has none: set compression=none or dp >= 2")
+    if ok("algorithm", "tp", "sequence_parallel", "compression") and c.algorithm.strip() \
+            and c.algorithm not in ALGORITHM_DEFAULTS:
+        problems += _algorithm_problems(c, compressor)
     problems += _batch_problems(c, ok)
     problems += _model_problems(c, ok)
     return problems
+
+
+def _algorithm_problems(c: TrainConfig, compressor) -> list[str]:
+    """``algorithm`` must implement every collective the run calls with it: the dp
+    gradient all-reduce (or the compressor's collective), and under tensor parallelism
+    the all-reduces (and with sequence parallelism the all-gathers and reduce-scatters)."""
+    from plait.comm.algorithms import ALGORITHMS, algorithms_for  # imports torch; only when asked for
+
+    if c.algorithm not in ALGORITHMS:
+        close = difflib.get_close_matches(c.algorithm, [*ALGORITHMS, *ALGORITHM_DEFAULTS], n=1, cutoff=0.5)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        valid = algorithms_for("all_reduce")
+        return [f"algorithm={c.algorithm!r} is not a plait algorithm: {hint}use auto, torch or one of "
+                f"{_listed(valid)}"]
+    needed = {"all_reduce": "the dp gradient all-reduce"} if compressor is None else \
+        {name: f"compression={c.compression!r}" for name in compressor.collectives}
+    if c.tp > 1:
+        needed.setdefault("all_reduce", "tensor parallelism")
+        if c.sequence_parallel:
+            needed.update(all_gather="sequence parallelism", reduce_scatter="sequence parallelism")
+    missing = [name for name in needed if c.algorithm not in algorithms_for(name)]
+    if not missing:
+        return []
+    usable = [name for name in ALGORITHMS if all(name in algorithms_for(collective) for collective in needed)]
+    return [f"algorithm={c.algorithm!r} has no {', '.join(missing)} (needed by "
+            f"{', '.join(sorted({needed[name] for name in missing}))}): use auto, torch"
+            + (f" or one of {_listed(usable)}" if usable else "")]
 
 
 def _batch_problems(c: TrainConfig, ok) -> list[str]:
@@ -386,6 +426,12 @@ def _batch_problems(c: TrainConfig, ok) -> list[str]:
     problems = []
     m = c.microbatches
     derivation = f"microbatches = global_batch({c.global_batch}) / dp({c.dp}) / micro_batch({c.micro_batch}) = {m}"
+    if m > MAX_MICROBATCHES:
+        low = -(-per_rank // MAX_MICROBATCHES)
+        smallest = next((d for d in _divisors(per_rank) if d >= low), low)
+        return [f"{derivation} exceeds the limit of {MAX_MICROBATCHES} micro-batches per step (each step builds "
+                f"and runs a schedule of that length): use micro_batch >= {smallest} (a divisor of "
+                f"per_rank_batch {per_rank}), or a smaller global_batch"]
 
     def micro_batches_where(good) -> str:
         valid = [d for d in _divisors(per_rank) if good(per_rank // d)]

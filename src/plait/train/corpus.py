@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import sys
 import sysconfig
@@ -136,7 +137,8 @@ def _read_text(path: Path, max_chars: int) -> str | None:
     it is not UTF-8 text (fails to decode or contains NUL bytes)."""
     try:
         with open(path, encoding="utf-8", newline="") as stream:
-            text = stream.read(max_chars)
+            # read(n) allocates n characters up front: ask for no more than the file can hold
+            text = stream.read(min(max_chars, os.fstat(stream.fileno()).st_size))
     except UnicodeDecodeError:
         return None
     return None if "\x00" in text else text
@@ -283,6 +285,38 @@ def _save_cached(path: Path, corpus: CharCorpus) -> None:
 
 # --------------------------------------------------------------------------- load
 
+class CorpusTooSmall(ValueError):
+    """The text holds too few characters for one training and one validation window."""
+
+    def __init__(self, description: str, nchars: int, val_fraction: float):
+        self.description, self.nchars, self.val_fraction = description, nchars, val_fraction
+        needed = min_characters(1, 1, val_fraction)
+        super().__init__(f"corpus {description} has {nchars} characters, too few for one training and one "
+                         f"validation window at val_fraction={val_fraction}; pass at least {needed} characters of "
+                         "UTF-8 text")
+
+
+def min_characters(train_windows: int, seq_len: int, val_fraction: float, *, val_windows: int = 1) -> int:
+    """The fewest characters N whose split (N - round(N·val_fraction) training,
+    round(N·val_fraction) validation) holds ``train_windows`` training windows and
+    ``val_windows`` validation windows of seq_len + 1 ids (see windows_per_epoch)."""
+    need_train, need_val = train_windows * seq_len + 1, (val_windows * seq_len + 1 if val_windows else 0)
+
+    def enough(n: int) -> bool:
+        n_val = int(round(n * val_fraction))
+        return n - n_val >= max(need_train, 2) and n_val >= max(need_val, 2)
+
+    # n_train <= N(1 - f) + 1/2 and n_val >= k only if N·f >= k - 1/2: N below these fails. enough() is
+    # monotone in N (n_train and n_val never shrink as N grows), so stepping up from there finds the least.
+    low = math.ceil((max(need_train, 2) - 0.5) / (1 - val_fraction))
+    if val_fraction:
+        low = max(low, math.ceil((max(need_val, 2) - 0.5) / val_fraction))
+    n = max(low - 1, 1)
+    while not enough(n):
+        n += 1
+    return n
+
+
 def load_corpus(source: str = "stdlib", *, max_bytes: int = 4_000_000, val_fraction: float = 0.05,
                 cache_dir: str | os.PathLike | None = None) -> CharCorpus:
     """The character corpus of ``source`` ("stdlib", a UTF-8 text file or a directory):
@@ -309,9 +343,7 @@ def load_corpus(source: str = "stdlib", *, max_bytes: int = 4_000_000, val_fract
     text, used, description = _read_source(kind, root, files, max_bytes)
     n_val = int(round(len(text) * val_fraction))
     if n_val < 2 or len(text) - n_val < 2:
-        raise ValueError(f"corpus {description} has {len(text)} characters, too few for one training and one "
-                         f"validation window at val_fraction={val_fraction}; pass at least "
-                         f"{int(np.ceil(2 / val_fraction))} characters of UTF-8 text")
+        raise CorpusTooSmall(description, len(text), val_fraction)
     chars, ids = _tokenise(text)
     train, val = ids[: len(ids) - n_val], ids[len(ids) - n_val :]
     corpus = CharCorpus(chars=chars, train=torch.from_numpy(train.copy()), val=torch.from_numpy(val.copy()),

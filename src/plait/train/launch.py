@@ -1,49 +1,81 @@
-"""What `plait train` does before starting processes: data cache, layout, resume check."""
+"""What ``plait train`` checks before any process starts, so that every bad value is
+named once, by the launcher, instead of by every rank after the world has started:
+the data (enough text for the batch and the sequence length), what the run needs of
+the machine (plait.train.budget), the output directory (a writable directory, room
+for a checkpoint), the resume choice (plait.train.rundir), and which address each
+listening socket binds.
+"""
 
 from __future__ import annotations
 
+import errno
+import fcntl
+import shutil
+import socket
+import struct
+import tempfile
 from pathlib import Path
 
 from plait.parallel.mesh import ParallelDims
+from plait.train import budget, rundir
 from plait.train.config import TrainConfig
 
+SIOCGIFADDR = 0x8915  # <linux/sockios.h>: an interface's IPv4 address
+
+
+# ----------------------------------------------------------------------------- data
 
 def prepare_data(config: TrainConfig):
-    """Load (tokenise and cache, the first time) the data once in the launcher, so
-    the ranks only read the cache; errors about the data path surface here."""
+    """Load (tokenise and cache, the first time) the data once in the launcher, so the
+    ranks only read the cache, and check it holds what the run reads: for the GPT,
+    ``global_batch`` training windows of seq_len + 1 ids and (with evaluation) one
+    validation window."""
+    from plait.train.corpus import CorpusTooSmall, min_characters, windows_per_epoch
     from plait.train.loop import load_data
 
-    return load_data(config)
+    if config.model != "gpt":
+        return load_data(config)
+    val_windows = 1 if config.eval_interval else 0
+    needed = min_characters(config.global_batch, config.seq_len, config.val_fraction, val_windows=val_windows)
+    fix = (f"plait train needs at least {needed:,} characters here (global_batch({config.global_batch}) windows of "
+           f"seq_len({config.seq_len}) + 1 for training" + (", one for validation" if val_windows else "")
+           + f", val_fraction {config.val_fraction}): give more text"
+           + (f" (and --data-max-bytes >= {needed})" if config.data_max_bytes < needed else "")
+           + ", or lower --global-batch / --seq-len")
+    try:
+        data = load_data(config)
+    except CorpusTooSmall as error:
+        raise ValueError(f"corpus {error.description} has {error.nchars:,} characters; {fix}") from None
+    short = windows_per_epoch(data.train, config.seq_len) < config.global_batch or \
+        (val_windows and windows_per_epoch(data.val, config.seq_len) < 1)
+    if short:
+        raise ValueError(f"corpus {data.source} has {data.nbytes:,} characters; {fix}")
+    return data
 
 
-def layer_parameter_counts(config: TrainConfig, data) -> tuple[list[str], list[int]]:
-    """Names and parameter counts of the model's sequential layers, from the config
-    alone (nothing is built): what split_layers(balance="params") balances."""
-    if config.model == "gpt":
-        h, v, ffn = config.hidden, data.vocab_size, config.ffn
-        block = 4 * h * h + 4 * h + 2 * h * ffn + ffn + h + 4 * h
-        names = ["embedding"] + [f"block {i}" for i in range(config.layers)] + ["head"]
-        head = 2 * h + (0 if config.tied_head else v * h)  # final LayerNorm (+ the untied head matrix)
-        return names, [v * h + config.seq_len * h] + [block] * config.layers + [head]
-    sizes = [64, *config.mlp_hidden, 10]
-    return [f"linear {i}" for i in range(len(sizes) - 1)], [a * b + b for a, b in zip(sizes, sizes[1:])]
-
+# ----------------------------------------------------------------------------- layout
 
 def describe_layout(config: TrainConfig, data) -> str:
     """The mesh (which rank holds which stage and tp shard), the schedule and the
     batch arithmetic: what --dry-run prints."""
-    from plait.parallel.pipeline import build
     from plait.parallel.pipeline.partition import balanced_boundaries
 
     dims = ParallelDims(dp=config.dp, tp=config.tp, pp=config.pp, order=config.mesh_order)
     virtual = config.virtual if config.schedule == "interleaved_1f1b" else 1
-    schedule = build(config.schedule, config.pp, config.microbatches,
-                     virtual if config.schedule == "interleaved_1f1b" else None)
-    names, counts = layer_parameter_counts(config, data)
+    vocab = data.vocab_size if config.model == "gpt" else 10
+    counts = budget.layer_parameters(config, vocab)
+    if config.model == "gpt":
+        names = ["embedding"] + [f"block {i}" for i in range(config.layers)] + ["head"]
+    else:
+        names = [f"linear {i}" for i in range(len(counts))]
     bounds = balanced_boundaries([float(c) for c in counts], config.pp * virtual)
-    chunk_text = []
-    for start, end in zip(bounds, bounds[1:]):
-        chunk_text.append(names[start] if end - start == 1 else f"{names[start]}..{names[end - 1]}")
+    chunk_text = [names[start] if end - start == 1 else f"{names[start]}..{names[end - 1]}"
+                  for start, end in zip(bounds, bounds[1:])]
+    from plait.parallel.pipeline import build
+
+    # which chunks a rank holds does not depend on the number of micro-batches: a short schedule shows it
+    schedule = build(config.schedule, config.pp, min(config.microbatches, 2 * config.pp),
+                     virtual if virtual > 1 else None)
     stage_layers = {}
     for pp_rank in range(config.pp):
         held = [f"chunk {stage} [{chunk_text[stage]}]" + (" (replica)" if replica else "")
@@ -63,26 +95,88 @@ def describe_layout(config: TrainConfig, data) -> str:
     return "\n".join(lines)
 
 
-def check_resume_choice(config: TrainConfig, resume: str, data) -> None:
-    """Before any process starts: --resume never into a directory that already
-    holds checkpoints would mix two runs' (refused); the checkpoint a run would
-    resume from must verify and be of the same model (the differing fields named)."""
+# ----------------------------------------------------------------------------- output directory
+
+def check_output_path(out: Path) -> None:
+    """Without writing: --out is not a file, and no file stands where a parent must be."""
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} is a file, not a directory: give a directory for the run (it is created "
+                         "if missing)")
+    for parent in out.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise ValueError(f"--out {out}: {parent} is a file, so the run directory cannot be created under it")
+            break
+
+
+def check_output_dir(out: Path, checkpoint_nbytes: int) -> None:
+    """--out can be created and written to, and has room for one checkpoint."""
+    check_output_path(out)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out):
+            pass
+    except OSError as error:
+        raise ValueError(f"--out {out} is not writable ({error.strerror}): choose a directory you can write "
+                         "to") from None
+    free = shutil.disk_usage(out).free
+    if free < checkpoint_nbytes:
+        raise ValueError(f"--out {out} has {free:,} bytes free but one checkpoint needs about {checkpoint_nbytes:,} "
+                         "(every parameter and its optimizer state): free some space or choose another --out")
+
+
+def check_resume_choice(config: TrainConfig, resume: str, data, *, run_id: str | None = None,
+                        force_fresh: bool = False, log=print) -> rundir.ResumePlan:
+    """Before any process starts: what the run will start from (rundir.decide, which
+    refuses to start over an earlier run), said in one line, and that the checkpoint is
+    of this model (the differing fields named). Changes nothing: rank 0 decides again
+    under the run lock and carries the plan out."""
     from plait.train import checkpoint as ckpt
     from plait.train.loop import model_description
 
-    out = Path(config.out)
-    if resume == "never":
-        if out.exists() and ckpt.list_checkpoints(out):
-            raise ValueError(f"--resume never but {out} already holds checkpoints: choose a new --out, delete "
-                             f"{out / 'checkpoints'}, or use --resume auto to continue")
-        return
-    if resume == "auto":
-        path = ckpt.latest_complete(out) if out.exists() else None
-        if path is None:
-            return
-    else:
-        path = Path(resume)
-        problems = ckpt.verify(path)
-        if problems:
-            raise ValueError(f"--resume {resume}: " + "; ".join(problems))
-    ckpt.check_compatible(ckpt.read_manifest(path), model_description(config, data))
+    plan = rundir.decide(Path(config.out), resume, run_id=run_id, force_fresh=force_fresh)
+    if plan.checkpoint is not None:
+        ckpt.check_compatible(ckpt.read_manifest(plan.checkpoint), model_description(config, data))
+    what = f"resuming from {plan.checkpoint}" if plan.checkpoint is not None else "starting at step 0"
+    if plan.move_aside_earlier_run:
+        what += f"; the earlier run in {config.out} will be moved to {Path(config.out) / rundir.PREVIOUS_DIR}/"
+    for state in plan.set_aside:
+        what += (f"; {state.describe()} is newer but not complete: it will be kept as {state.path.name}."
+                 f"{'partial' if state.partial else 'corrupt'}")
+    log(f"plait train: {what}")
+    return plan
+
+
+# ----------------------------------------------------------------------------- addresses
+
+def local_address_towards(host: str) -> str:
+    """This machine's address on the route to ``host`` (a UDP socket's source address
+    after connect: no packet is sent)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.connect((host, 9))
+            return probe.getsockname()[0]
+    except OSError as error:
+        raise ValueError(f"no route from this machine to the rendezvous host {host} ({error.strerror}): check "
+                         "--rdzv-endpoint, or name this node's address with --local-addr") from None
+
+
+def interface_with_address(address: str) -> str | None:
+    """The name of the network interface holding IPv4 ``address`` (Linux), or None."""
+    try:
+        wanted = socket.inet_aton(address)
+    except OSError:
+        return None
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        for _, name in socket.if_nameindex():
+            try:
+                request = struct.pack("256s", name.encode()[:15])
+                answer = fcntl.ioctl(probe.fileno(), SIOCGIFADDR, request)
+            except OSError as error:
+                if error.errno in (errno.EADDRNOTAVAIL, errno.ENODEV, errno.EINVAL):
+                    continue
+                raise
+            if answer[20:24] == wanted:
+                return name
+    return None

@@ -34,6 +34,7 @@ from plait import comm
 from plait.parallel.hybrid import HybridModel, build_hybrid, evaluate, train_step
 from plait.parallel.mesh import DeviceMesh, ParallelDims
 from plait.train import checkpoint as ckpt
+from plait.train import rundir, runlock
 from plait.train.config import TrainConfig
 
 FAULT_ENV = "PLAIT_FAULT_KILL"  # "RANK:STEP": that rank kills itself before STEP, first attempt only (tests)
@@ -156,8 +157,10 @@ def batch(config: TrainConfig, data, step: int, rank: int, world_size: int, *, e
 class Trainer:
     """One rank's training state (see the module docstring)."""
 
-    def __init__(self, config: TrainConfig, *, resume: str = "auto", log=print, data=None):
+    def __init__(self, config: TrainConfig, *, resume: str = "auto", log=print, data=None, run_id: str | None = None,
+                 force_fresh: bool = False):
         self.config, self.log = config, log
+        self.run_id, self.force_fresh = run_id, force_fresh
         self.started_s = float(os.environ.get("PLAIT_LAUNCH_TIME", time.time()))
         self.device = init_distributed(config.timeout_s)
         if self.device.type == "cpu" and "LOCAL_WORLD_SIZE" in os.environ:  # under torchrun: share the cores
@@ -210,7 +213,7 @@ class Trainer:
         if self.rank == 0:
             try:
                 decision[0] = ("ok", self._pick(resume))
-            except ValueError as error:
+            except (ValueError, OSError) as error:  # every rank raises it, none waits for a step that never comes
                 decision[0] = ("error", str(error))
         dist.broadcast_object_list(decision, src=0)
         status, value = decision[0]
@@ -219,21 +222,15 @@ class Trainer:
         return value
 
     def _pick(self, resume: str) -> str | None:
-        exists = self.out.exists()
-        if resume == "never":
-            if exists and ckpt.list_checkpoints(self.out):
-                raise ValueError(f"--resume never but {self.out} already holds checkpoints: choose a new --out, "
-                                 f"delete {self.out / 'checkpoints'}, or use --resume auto to continue")
-            return None
-        newest = ckpt.latest_complete(self.out, log=self.log) if exists else None
-        if resume == "auto":
-            return None if newest is None else str(newest)
-        if newest is not None and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
-            return str(newest)  # a restart continues from this run's own newest checkpoint, not from DIR
-        problems = ckpt.verify(Path(resume))
-        if problems:
-            raise ValueError(f"cannot resume from {resume}: " + "; ".join(problems))
-        return resume
+        """Rank 0: what to start from (plait.train.rundir.decide), with its side effects
+        (broken newer checkpoints set aside, an earlier run moved aside on
+        --force-fresh) and run.json written before any step runs."""
+        plan = rundir.decide(self.out, resume, run_id=self.run_id, force_fresh=self.force_fresh)
+        self.out.mkdir(parents=True, exist_ok=True)
+        rundir.apply(plan, self.out, log=self.log)
+        if self.run_id is not None:
+            rundir.write_run_record(self.out, self.run_id, plan.checkpoint)
+        return None if plan.checkpoint is None else str(plan.checkpoint)
 
     def _resume(self, resume: str) -> None:
         chosen = self._choose_checkpoint(resume)
@@ -284,8 +281,10 @@ class Trainer:
         writes the manifest (the commit point) once all are on disk."""
         directory = ckpt.checkpoint_dir(self.out, step)
         if self.rank == 0:
-            if directory.exists():
-                shutil.rmtree(directory)  # a partial one from an interrupted attempt
+            if (directory / ckpt.MANIFEST_NAME).exists():  # never overwritten: rundir.decide prevents it; kept if not
+                self.log(f"{directory.name} already exists: kept as {ckpt.set_aside(directory, 'replaced').name}")
+            elif directory.exists():
+                shutil.rmtree(directory)  # partial (no manifest): this run's own interrupted save
             directory.mkdir(parents=True)
         dist.barrier()
         entry = None
@@ -319,7 +318,7 @@ class Trainer:
                         "created_unix_s": time.time()}
             ckpt.write_manifest(directory, manifest, [e for e in entries if e is not None])
             if self.config.keep_checkpoints:  # 0 keeps them all
-                ckpt.prune(self.out, self.config.keep_checkpoints)
+                ckpt.prune(self.out, self.config.keep_checkpoints, log=self.log)
         dist.barrier()
         return directory
 
@@ -472,11 +471,14 @@ def _write_metrics(path: Path, records: list[dict]) -> None:
     os.replace(temporary, path)
 
 
-def run(config: TrainConfig, *, resume: str = "auto", log=print, until: int | None = None) -> dict | None:
-    """Train on this rank of the torchrun world; rank 0 returns the report."""
-    trainer = Trainer(config, resume=resume, log=log)
-    try:
-        return trainer.train(until=until)
-    finally:
-        if os.environ.get("TORCHELASTIC_RUN_ID") and dist.is_initialized():
-            dist.destroy_process_group()  # a clean gloo shutdown before the process exits
+def run(config: TrainConfig, *, run_id: str, resume: str = "auto", force_fresh: bool = False, log=print,
+        until: int | None = None) -> dict | None:
+    """Train on this rank of the torchrun world; rank 0 returns the report. The run
+    directory's lock is held (or shared with the run's launcher) throughout."""
+    with runlock.acquire(config.out, run_id):
+        trainer = Trainer(config, resume=resume, log=log, run_id=run_id, force_fresh=force_fresh)
+        try:
+            return trainer.train(until=until)
+        finally:
+            if os.environ.get("TORCHELASTIC_RUN_ID") and dist.is_initialized():
+                dist.destroy_process_group()  # a clean gloo shutdown before the process exits
