@@ -92,13 +92,15 @@ def run(args) -> int:
     nprocs = _check_launcher_options(args, config)
     out = Path(config.out)
     check_output_path(out)
+    endpoint, local_addr, run_id = _rendezvous(args)
+    if not args.dry_run:
+        runlock.check_free(out, run_id)  # refuse at once, before minutes of data preparation
     data = prepare_data(config)
     budget.check_fits(config, data, local_processes=nprocs, gpu_memory_bytes=_gpu_memory_bytes(nprocs))
     if args.dry_run:
         print(describe_layout(config, data))
         return 0
     check_output_dir(out, budget.checkpoint_bytes(config, data))
-    endpoint, local_addr, run_id = _rendezvous(args)
     with runlock.acquire(out, run_id) as lock:
         check_resume_choice(config, args.resume, data, run_id=run_id, force_fresh=args.force_fresh)
         launch_config = out / "launch-config.toml"

@@ -530,6 +530,16 @@ def check_compatible(manifest: dict, model: dict, what: str = "checkpoint") -> N
                          "same model settings or start a new --out directory")
 
 
+def check_same_data(manifest: dict, corpus_digest: str | None) -> None:
+    """Raise ValueError unless the checkpoint was trained on the data of ``corpus_digest``."""
+    if manifest.get("corpus_digest") != corpus_digest:
+        step = manifest.get("step")
+        label = f"step_{step:08d}" if isinstance(step, int) else "(unknown step)"
+        raise ValueError(f"checkpoint {label} was trained on different data ({manifest.get('corpus_digest')} != "
+                         f"{corpus_digest}): resume with the same --data, --data-max-bytes and --val-fraction, or "
+                         "start a new --out directory")
+
+
 def prune(run_dir: str | os.PathLike, keep: int, *, check_sha256: bool = False,
           log: Callable[[str], None] | None = print) -> list[Path]:
     """Delete all but the newest ``keep`` complete checkpoints, and partial ones (no

@@ -136,7 +136,9 @@ def check_resume_choice(config: TrainConfig, resume: str, data, *, run_id: str |
 
     plan = rundir.decide(Path(config.out), resume, run_id=run_id, force_fresh=force_fresh)
     if plan.checkpoint is not None:
-        ckpt.check_compatible(ckpt.read_manifest(plan.checkpoint), model_description(config, data))
+        manifest = ckpt.read_manifest(plan.checkpoint)
+        ckpt.check_compatible(manifest, model_description(config, data))
+        ckpt.check_same_data(manifest, getattr(data, "digest", None))
     what = f"resuming from {plan.checkpoint}" if plan.checkpoint is not None else "starting at step 0"
     if plan.move_aside_earlier_run:
         what += f"; the earlier run in {config.out} will be moved to {Path(config.out) / rundir.PREVIOUS_DIR}/"

@@ -239,10 +239,7 @@ class Trainer:
         path = Path(chosen)
         manifest, model_state, optimizer_state, specs = ckpt.load_full(path, check_files=False)  # verified above
         ckpt.check_compatible(manifest, self.model_info)
-        if manifest.get("corpus_digest") != getattr(self.data, "digest", None):
-            raise ValueError(f"checkpoint {path.name} was trained on different data ({manifest.get('corpus_digest')}"
-                             f" != {getattr(self.data, 'digest', None)}): resume with the same --data, "
-                             f"--data-max-bytes and --val-fraction, or start a new --out directory")
+        ckpt.check_same_data(manifest, getattr(self.data, "digest", None))
         names = list(self.hybrid.names)
         model_shard, optimizer_shard = ckpt.reshard(model_state, optimizer_state, specs, self.coords["tp"],
                                                     self.config.tp, names)

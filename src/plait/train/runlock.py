@@ -152,3 +152,11 @@ def holder(out: str | os.PathLike) -> LockHolder | None:
     finally:
         os.close(fd)
     return None
+
+
+def check_free(out: str | os.PathLike, run_id: str) -> None:
+    """Raise RunDirectoryBusy if another run holds ``out`` (reads only; ``acquire``
+    still decides, since a run may take it in between)."""
+    current = holder(out)
+    if current is not None and current.run_id != run_id:
+        raise RunDirectoryBusy(Path(out), current)
