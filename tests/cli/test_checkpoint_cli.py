@@ -76,3 +76,28 @@ def test_export_errors_exit_2(run_dir, tmp_path, capsys):
     assert "has no complete checkpoint" in err and "tp0-pp1.pt missing" in err
     assert not (tmp_path / "m.pt").exists()
     assert main(["checkpoint", "export", str(run_dir)]) == 2  # --out is required (argparse)
+
+
+def test_info_and_export_refuse_a_manifest_naming_files_outside(run_dir, tmp_path, capsys):
+    """The probe: a manifest listing ../../../../secret.txt and /etc/hostname was reported
+    "complete (4 files verified)" by info, and export torch.load-ed them."""
+    import hashlib
+    import json
+
+    secret = tmp_path / "secret.txt"
+    secret.write_text("secret")
+    directory = run_dir / "checkpoints" / "step_00000200"
+    manifest = json.loads((directory / "manifest.json").read_text())
+    entry = {"nbytes": secret.stat().st_size, "sha256": hashlib.sha256(secret.read_bytes()).hexdigest()}
+    manifest["files"]["../../../../secret.txt"] = entry
+    manifest["files"]["/etc/hostname"] = entry
+    (directory / "manifest.json").write_text(json.dumps(manifest))
+    assert main(["checkpoint", "info", str(directory)]) == 2
+    assert "manifest.json lists files outside the checkpoint directory: '../../../../secret.txt'" in \
+        capsys.readouterr().err
+    assert main(["checkpoint", "export", str(directory), "--out", str(tmp_path / "model.pt")]) == 2
+    assert not (tmp_path / "model.pt").exists()
+    # the run directory stands for its newest complete checkpoint: step_00000100, named in the skip line
+    assert main(["checkpoint", "info", str(run_dir)]) == 0
+    captured = capsys.readouterr()
+    assert "step_00000200: manifest.json lists files outside" in captured.err and "step 100," in captured.out

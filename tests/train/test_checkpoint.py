@@ -3,8 +3,10 @@ tiny untied GPT (vocab 13, padded at tp 2 and 4) sliced with shard_tensor, writt
 a dp=1, tp=2, pp=2 checkpoint; loading, resharding to tp=4, corruption handling,
 pruning, compatibility checks and export."""
 
+import errno
 import hashlib
 import json
+import subprocess
 from dataclasses import asdict
 
 import pytest
@@ -369,3 +371,88 @@ def test_export_format_errors(tmp_path):
         ckpt.export_format(tmp_path / "model.pt", "onnx")
     with pytest.raises(ValueError, match="neither a checkpoint directory"):
         ckpt.export(tmp_path, tmp_path / "model.pt")
+
+
+# ----------------------------------------------------------------------------- confinement
+@pytest.mark.parametrize("name", ["../../../../secret.txt", "/etc/hostname", "sub/tp0-pp0.pt", "..", "a\\b"])
+def test_a_manifest_naming_files_outside_its_directory_is_not_valid(tmp_path, reference, name):
+    """The probe: a manifest listing ../../../../secret.txt and /etc/hostname (with their
+    true sizes and hashes) was reported complete, and export torch.load-ed them."""
+    directory = save(tmp_path / "run", 100, reference)
+    outside = tmp_path / "secret.txt"
+    outside.write_bytes(b"not a shard")
+    manifest = json.loads((directory / "manifest.json").read_text())
+    target = {"../../../../secret.txt": outside, "/etc/hostname": outside}.get(name, outside)
+    manifest["files"][name] = {"nbytes": target.stat().st_size,
+                               "sha256": hashlib.sha256(target.read_bytes()).hexdigest()}
+    (directory / "manifest.json").write_text(json.dumps(manifest))
+    problems = ckpt.verify(directory)
+    assert problems == [f"manifest.json lists files outside the checkpoint directory: {name!r} (not valid)"]
+    with pytest.raises(ValueError, match="plain names inside its directory"):
+        ckpt.read_manifest(directory)
+    with pytest.raises(ValueError, match="not a complete checkpoint"):
+        ckpt.load_full(directory)
+    with pytest.raises(ValueError, match="plain names"):
+        ckpt.load_full(directory, check_files=False)  # the loader itself never opens such a name
+    assert ckpt.latest_complete(tmp_path / "run", log=None) is None
+    with pytest.raises(ValueError, match="not a complete checkpoint"):
+        ckpt.export(directory, tmp_path / "model.pt", log=None)
+
+
+def test_a_shard_that_is_a_symlink_leading_out_is_not_valid(tmp_path, reference):
+    directory = save(tmp_path / "run", 100, reference)
+    real = tmp_path / "elsewhere.pt"
+    (directory / "tp0-pp0.pt").rename(real)  # same bytes, same hash: only the link is wrong
+    (directory / "tp0-pp0.pt").symlink_to(real)
+    assert ckpt.verify(directory) == ["tp0-pp0.pt is a symbolic link (a checkpoint's files are regular files "
+                                      "inside it)"]
+    (directory / "tp0-pp0.pt").unlink()
+    real.rename(directory / "tp0-pp0.pt")
+    assert ckpt.verify(directory) == []
+    manifest = directory / "manifest.json"
+    (tmp_path / "manifest.json").write_bytes(manifest.read_bytes())
+    manifest.unlink()
+    manifest.symlink_to(tmp_path / "manifest.json")
+    assert ckpt.verify(directory) == ["manifest.json is a symbolic link (a checkpoint's files are regular files "
+                                      "inside it)"]
+
+
+# ----------------------------------------------------------------------------- a full disk
+@pytest.fixture
+def tiny_disk(tmp_path):
+    """A 512 KiB tmpfs: a real filesystem that fills up (mounting needs root / CAP_SYS_ADMIN)."""
+    mount_point = tmp_path / "tiny"
+    mount_point.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=512k", "tmpfs", str(mount_point)],
+                             capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"mounting a small tmpfs needs root (CAP_SYS_ADMIN): {mounted.stderr.strip()}")
+    try:
+        yield mount_point
+    finally:
+        subprocess.run(["umount", "-l", str(mount_point)], check=False)
+
+
+def test_a_full_disk_is_named_with_the_path_and_the_bytes_needed(tiny_disk):
+    """Before: torch.save's "unexpected pos 64 vs 0". Now: no space left on device, the
+    path, the bytes needed and free; no temporary file left; nothing counted complete."""
+    payload = {"format": 1, "tp_rank": 0, "tp_size": 1, "pp_rank": 0, "pp_size": 1,
+               "model": {"w": torch.zeros(1 << 18)}, "specs": {"w": None}}  # 1 MiB of weights
+    directory = tiny_disk / "step_00000001"
+    with pytest.raises(OSError) as full:
+        ckpt.write_shard(directory, "tp0-pp0.pt", payload)
+    assert full.value.errno == errno.ENOSPC
+    message = str(full.value)
+    assert "no space left on device writing" in message and str(directory / "tp0-pp0.pt") in message
+    assert f"needs about {(1 << 20) + (1 << 16):,} bytes" in message and "bytes are free" in message
+    assert list(directory.iterdir()) == []
+    assert ckpt.verify(directory) == ["no manifest.json (partial: the save did not finish)"]
+
+
+def test_a_write_that_outgrows_its_estimate_still_says_disk_full(tiny_disk):
+    """The free-space check passed (the estimate was low); the write itself hits ENOSPC."""
+    target = tiny_disk / "big.bin"
+    with pytest.raises(OSError, match="no space left on device writing .*big.bin") as full:
+        ckpt._atomic_write(target, lambda temp: ckpt._torch_save({"w": torch.zeros(1 << 18)}, temp), nbytes=1024)
+    assert full.value.errno == errno.ENOSPC
+    assert list(tiny_disk.iterdir()) == []

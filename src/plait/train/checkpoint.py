@@ -107,13 +107,22 @@ def check_free_space(path: Path, nbytes: int) -> None:
         raise DiskFull(path, nbytes)
 
 
-def _disk_full(error: BaseException) -> bool:
-    return isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT)
+def _disk_full(error: BaseException | None) -> bool:
+    """ENOSPC or EDQUOT anywhere in the chain (torch.save's writer may raise its own
+    RuntimeError while closing, with the OSError as its context)."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return False
 
 
 def _torch_save(value, path: str) -> None:
-    """torch.save through a Python file, so a full disk raises OSError(ENOSPC) (given a
-    path, torch reports it as a bare RuntimeError "unexpected pos")."""
+    """torch.save through a Python file, so a full disk surfaces as OSError(ENOSPC), at
+    least in the exception chain (given a path, torch's C++ writer reports only
+    "unexpected pos")."""
     with open(path, "wb") as file:
         torch.save(value, file)
 
