@@ -24,8 +24,10 @@ ALL_COMPRESSIONS = ("none", "fp16", "topk:0.01+ef", "randomk:0.01+ef", "sign+ef"
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
-    parser = subparsers.add_parser("bench-dp", prog="plait bench dp", help=argparse.SUPPRESS,
-                                   description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    # No help=: `plait bench dp` is reached through plait bench (plait.cli.main rewrites it to bench-dp),
+    # so it is listed in plait bench --help, not as a command of its own.
+    parser = subparsers.add_parser("bench-dp", prog="plait bench dp", description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nprocs", "-n", type=int, default=None,
                         help="spawn this many local processes (default: the torchrun world, else 2)")
     parser.add_argument("--model", default="mlp-large", choices=sorted(MODELS),

@@ -20,7 +20,8 @@ def _ints(text: str) -> tuple[int, ...]:
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
-    parser = subparsers.add_parser("bench-pp", help=argparse.SUPPRESS, description=__doc__,
+    # No help=: listed in plait bench --help (see plait.cli.bench_dp)
+    parser = subparsers.add_parser("bench-pp", prog="plait bench pp", description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
     defaults = PpBenchConfig()
     parser.add_argument("--stages", type=_ints, default=defaults.stages, help="pipeline sizes p (default 2,4)")

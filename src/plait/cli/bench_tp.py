@@ -35,8 +35,9 @@ def _degrees(text: str) -> tuple[int, ...]:
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
-    parser = subparsers.add_parser("bench-tp", prog="plait bench tp", help=argparse.SUPPRESS,
-                                   description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    # No help=: listed in plait bench --help (see plait.cli.bench_dp)
+    parser = subparsers.add_parser("bench-tp", prog="plait bench tp", description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
     defaults = TpBenchConfig()
     parser.add_argument("--tp", type=_degrees, default=defaults.tp, metavar="P,P,...",
                         help="tensor-parallel degrees, each a fresh world of P processes (default 1,2,4)")
