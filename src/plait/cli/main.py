@@ -9,9 +9,15 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
+import select
 import sys
 
 from plait import __version__
+
+# A reader that stops early (plait ... | head -1) ends plait quietly with this status: 128 + 13
+# (SIGPIPE), what a shell reports for a process that SIGPIPE killed, as it would kill a C tool.
+EXIT_BROKEN_PIPE = 141
 
 SUBCOMMANDS = ("train", "bench", "bench_dp", "bench_tp", "bench_pp", "schedule", "cost", "tune", "calibrate",
                "simulate", "checkpoint", "plan")
@@ -30,7 +36,22 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run `plait ARGV...`; returns the exit status (argparse errors give 2)."""
+    """Run `plait ARGV...`; returns the exit status (argparse errors give 2; a reader that
+    closed the pipe early, as `plait ... | head -1` does, gives EXIT_BROKEN_PIPE)."""
+    try:
+        status = _run_command(argv)
+        # Flush inside the try: a closed pipe must surface here, not as "Exception
+        # ignored ... BrokenPipeError" when the interpreter flushes stdout at exit.
+        sys.stdout.flush()
+        return status
+    except BrokenPipeError:
+        if not (_reader_gone(sys.stdout) or _reader_gone(sys.stderr)):
+            raise  # some other pipe (a worker's, say): a real error
+        _discard_output()
+        return EXIT_BROKEN_PIPE
+
+
+def _run_command(argv: list[str] | None) -> int:
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:2] == ["bench", "dp"]:  # `plait bench dp` has its own flags (plait.cli.bench_dp)
@@ -50,6 +71,30 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"plait {args.command.replace('-', ' ')}: interrupted", file=sys.stderr)
         return 130
+
+
+def _reader_gone(stream) -> bool:
+    """Whether ``stream`` is a pipe or socket whose reading end was closed (poll reports
+    an error or hang-up on it), i.e. where a BrokenPipeError can have come from."""
+    try:
+        fd = stream.fileno()
+        poller = select.poll()
+    except (AttributeError, OSError, ValueError):  # no file descriptor (e.g. captured), or no poll()
+        return False
+    poller.register(fd, select.POLLOUT)
+    return any(events & (select.POLLERR | select.POLLHUP) for _, events in poller.poll(0))
+
+
+def _discard_output() -> None:
+    """Point stdout and stderr at /dev/null where their reader is gone, so the interpreter's
+    last flush of what is still buffered succeeds silently."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        for stream in (sys.stdout, sys.stderr):
+            if _reader_gone(stream):
+                os.dup2(devnull, stream.fileno())
+    finally:
+        os.close(devnull)
 
 
 if __name__ == "__main__":
