@@ -26,6 +26,7 @@ from plait.bench.collectives import (BenchConfig, BenchRow, accepted_algorithms,
 from plait.bench.launch import (WorkerError, choose_backend, in_torchrun, run_in_current_world,
                                 spawn_and_run)
 from plait.bench import report
+from plait.cli.output_paths import output_file, prepare_output_paths
 
 _SIZE_PATTERN = re.compile(r"^\s*(\d+(?:\.\d*)?)\s*([kmgt]?)(?:i?b)?\s*$", re.IGNORECASE)
 _SIZE_SCALES = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
@@ -164,6 +165,8 @@ def run(args: argparse.Namespace) -> int:
     predictor = None
     if args.predict:
         predictor, config = _predictor(args, config, backend, nprocs)
+    prepare_output_paths(output_file("--json", args.json, stdout_allowed=True), output_file("--csv", args.csv),
+                         output_file("--plot", args.plot))
     printer = report.Printer(stream, predictor)
     if is_reporter:
         printer.write(report.format_header(config, nprocs=nprocs, backend=backend,

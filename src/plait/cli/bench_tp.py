@@ -23,6 +23,7 @@ import torch
 from plait.bench.launch import in_torchrun, run_in_fresh_worlds
 from plait.bench.report import write_json_document
 from plait.bench.tp import COUNTED, PHASES, TpBenchConfig, run_tp_bench
+from plait.cli.output_paths import output_file, prepare_output_paths
 
 _SHORT = {"all_reduce": "AR", "all_gather": "AG", "reduce_scatter": "RS"}
 
@@ -136,6 +137,7 @@ def run(args: argparse.Namespace) -> int:
     if in_torchrun():
         raise ValueError("plait bench tp starts its own world of tp processes for each --tp value: "
                          "run it directly, not under torchrun")
+    prepare_output_paths(output_file("--json", args.json, stdout_allowed=True))
     stream = sys.stderr if args.json == "-" else sys.stdout
 
     def write(line: str) -> None:
