@@ -52,12 +52,18 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run_command(argv: list[str] | None) -> int:
-    parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:2] == ["bench", "dp"]:  # `plait bench dp` has its own flags (plait.cli.bench_dp)
         argv = ["bench-dp"] + argv[2:]
     elif argv[:2] in (["bench", "tp"], ["bench", "pp"]):  # so do `bench tp` and `bench pp`
         argv = [f"bench-{argv[1]}"] + argv[2:]
+    environment_error = _comm_environment_error()
+    if environment_error is not None:  # before anything else, --help included: nothing runs on bad settings
+        command = argv[0] if argv and argv[0] in {name.replace("_", "-") for name in SUBCOMMANDS} else None
+        prog = "plait" if command is None else f"plait {command.replace('-', ' ')}"
+        print(f"{prog}: error: {environment_error}", file=sys.stderr)
+        return 2
+    parser = build_parser()
     try:
         args = parser.parse_args(argv)
     except SystemExit as exit_request:  # --help, --version or a usage error
@@ -71,6 +77,17 @@ def _run_command(argv: list[str] | None) -> int:
     except KeyboardInterrupt:
         print(f"plait {args.command.replace('-', ' ')}: interrupted", file=sys.stderr)
         return 130
+
+
+def _comm_environment_error() -> ValueError | None:
+    """The error of a bad PLAIT_COMM_TIMEOUT_S, PLAIT_COMM_CHECK, PLAIT_COMM_SEGMENT_BYTES or
+    PLAIT_ALGORITHMS, or None. plait.comm checks them once, when it is first imported (it is
+    imported by the parsers of several commands, and by every run that trains or measures)."""
+    try:
+        importlib.import_module("plait.comm.engine")
+    except ValueError as error:
+        return error
+    return None
 
 
 def _reader_gone(stream) -> bool:
