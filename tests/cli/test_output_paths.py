@@ -144,3 +144,12 @@ def test_bench_dp_plot_without_compression_is_refused_before_the_work(tmp_path, 
     monkeypatch.setattr("plait.cli.bench_dp.spawn_and_run", refuse_work)
     error = refused(capsys, ["bench", "dp", "--nprocs", "2", "--plot", str(tmp_path / "loss.png")])
     assert "--plot draws the loss curves of the compression runs: add --compression" in error
+
+
+def test_calibrate_checks_its_default_profile_path_too(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr("plait.cli.calibrate.spawn_and_run", refuse_work)
+    cache = tmp_path / "cache-is-a-file"
+    cache.write_text("")
+    monkeypatch.setenv("PLAIT_CACHE_DIR", str(cache))
+    error = refused(capsys, ["calibrate", "--nprocs", "2"])
+    assert f"--output (default) {cache / 'profile-gloo.json'}: {cache} is a file, not a directory" in error

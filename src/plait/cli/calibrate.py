@@ -153,8 +153,10 @@ def run(args: argparse.Namespace) -> int:
     if nprocs < 2:
         raise ValueError(f"calibration needs >= 2 processes, got {nprocs}: use --nprocs 2 or more")
     if is_reporter:  # the profile's path, given or default, before minutes of measuring
-        output = args.output if args.output is not None else str(default_profile_path(backend))
-        prepare_output_paths(output_file("--output", output))
+        if args.output is not None:
+            prepare_output_paths(output_file("--output", args.output))
+        else:
+            prepare_output_paths(output_file("--output (default)", str(default_profile_path(backend))))
 
     def on_event(kind: str, payload) -> None:
         if kind == "progress":
