@@ -14,6 +14,8 @@ import pytest
 
 import plait
 
+pytestmark = pytest.mark.slow  # real plait processes, about 1.3 s each
+
 EXIT_BROKEN_PIPE = 141
 SOURCE_DIR = str(Path(plait.__file__).resolve().parents[1])
 
