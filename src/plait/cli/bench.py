@@ -5,6 +5,12 @@
 With --nprocs N (default 4 outside torchrun) it spawns N local gloo workers; under
 torchrun (RANK and WORLD_SIZE set, no --nprocs) it runs in that world (nccl when
 CUDA is available). Measurement: plait.bench.collectives; output: plait.bench.report.
+
+Training benchmarks, each with its own flags (e.g. plait bench dp --help):
+
+    plait bench dp    data parallelism: plait's DataParallel vs torch DDP, gradient compressors
+    plait bench tp    Megatron tensor parallelism on a small GPT, at several tp
+    plait bench pp    pipeline schedules: bubble and activation memory, measured vs theory
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from plait.bench.collectives import (BenchConfig, BenchRow, accepted_algorithms,
 from plait.bench.launch import (WorkerError, choose_backend, in_torchrun, run_in_current_world,
                                 spawn_and_run)
 from plait.bench import report
+from plait.cli.output_paths import output_file, prepare_output_paths
 
 _SIZE_PATTERN = re.compile(r"^\s*(\d+(?:\.\d*)?)\s*([kmgt]?)(?:i?b)?\s*$", re.IGNORECASE)
 _SIZE_SCALES = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
@@ -79,11 +86,12 @@ def _dtype(text: str) -> str:
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
-        "bench", help="benchmark a collective (nccl-tests format), torch vs plait algorithms",
+        "bench", help="benchmark a collective (nccl-tests format), torch vs plait algorithms; "
+                      "bench dp, bench tp, bench pp: data, tensor and pipeline parallel training",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("collective", type=parse_collective, metavar="COLLECTIVE",
-                        help=f"one of: {', '.join(COLLECTIVES)}; or 'dp' for the data-parallel training "
-                             "benchmark (plait bench dp --help)")
+                        help=f"one of: {', '.join(COLLECTIVES)}; or dp, tp, pp for the training "
+                             "benchmarks below (plait bench dp --help)")
     parser.add_argument("--nprocs", "-n", type=_positive_int, default=None,
                         help="spawn this many local processes (default: the torchrun world "
                              "if RANK/WORLD_SIZE are set, else 4)")
@@ -157,6 +165,8 @@ def run(args: argparse.Namespace) -> int:
     predictor = None
     if args.predict:
         predictor, config = _predictor(args, config, backend, nprocs)
+    prepare_output_paths(output_file("--json", args.json, stdout_allowed=True), output_file("--csv", args.csv),
+                         output_file("--plot", args.plot))
     printer = report.Printer(stream, predictor)
     if is_reporter:
         printer.write(report.format_header(config, nprocs=nprocs, backend=backend,

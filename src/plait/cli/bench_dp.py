@@ -18,14 +18,17 @@ import sys
 from plait.bench.dp import DpBenchConfig, median_by_mode, run_dp_bench, summary_numbers
 from plait.bench.launch import Job, WorkerError, choose_backend, in_torchrun, run_in_current_world, spawn_and_run
 from plait.bench.report import write_json_document
+from plait.cli.output_paths import output_file, prepare_output_paths
 from plait.models.mlp import MODELS
 
 ALL_COMPRESSIONS = ("none", "fp16", "topk:0.01+ef", "randomk:0.01+ef", "sign+ef", "qsgd:4", "powersgd:2")
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
-    parser = subparsers.add_parser("bench-dp", prog="plait bench dp", help=argparse.SUPPRESS,
-                                   description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    # No help=: `plait bench dp` is reached through plait bench (plait.cli.main rewrites it to bench-dp),
+    # so it is listed in plait bench --help, not as a command of its own.
+    parser = subparsers.add_parser("bench-dp", prog="plait bench dp", description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nprocs", "-n", type=int, default=None,
                         help="spawn this many local processes (default: the torchrun world, else 2)")
     parser.add_argument("--model", default="mlp-large", choices=sorted(MODELS),
@@ -100,6 +103,9 @@ def run(args: argparse.Namespace) -> int:
         nprocs, backend, is_reporter = args.nprocs or 2, choose_backend(args.backend, spawned=True), True
     if nprocs < 2:
         raise ValueError(f"--nprocs {nprocs}: data parallelism needs >= 2 processes")
+    if args.plot and not config.compressions:
+        raise ValueError("--plot draws the loss curves of the compression runs: add --compression")
+    prepare_output_paths(output_file("--json", args.json, stdout_allowed=True), output_file("--plot", args.plot))
     state = {"baseline": None, "throughput_header": False, "compression_header": False}
 
     def write(line: str) -> None:
@@ -160,8 +166,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _plot(rows: list[dict], path: str, config: DpBenchConfig) -> None:
-    if not rows:
-        raise ValueError("--plot draws the loss curves of the compression runs: add --compression")
     import matplotlib
 
     matplotlib.use("Agg")

@@ -9,6 +9,7 @@ import os
 from plait.bench.launch import in_torchrun, run_in_fresh_worlds
 from plait.bench.pp import SCHEDULE_NAMES, PpBenchConfig, run_pp_bench
 from plait.bench.report import write_json_document
+from plait.cli.output_paths import output_directory, output_file, prepare_output_paths
 from plait.parallel.pipeline import Interval, Timeline, timeline_to_json
 
 
@@ -20,7 +21,8 @@ def _ints(text: str) -> tuple[int, ...]:
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
-    parser = subparsers.add_parser("bench-pp", help=argparse.SUPPRESS, description=__doc__,
+    # No help=: listed in plait bench --help (see plait.cli.bench_dp)
+    parser = subparsers.add_parser("bench-pp", prog="plait bench pp", description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
     defaults = PpBenchConfig()
     parser.add_argument("--stages", type=_ints, default=defaults.stages, help="pipeline sizes p (default 2,4)")
@@ -45,6 +47,8 @@ def run(args) -> int:
     config = PpBenchConfig(stages=args.stages, schedules=args.schedules, microbatches=args.microbatches,
                            virtual=args.virtual, layers=args.layers, width=args.width, batch=args.batch,
                            steps=args.steps, warmup=args.warmup)
+    prepare_output_paths(output_file("--json", args.json, stdout_allowed=True),
+                         output_directory("--timeline-out", args.timeline_out))
     print(f"# plait bench pp: MLP {config.layers} x Linear({config.width},{config.width})+Tanh, batch "
           f"{config.batch} in m={config.microbatches} micro-batches, float32, SGD; v={config.virtual} for "
           f"interleaved; {config.steps} timed steps after {config.warmup} warm-up, the median step's timeline")
@@ -63,7 +67,6 @@ def run(args) -> int:
               f"  {_kib(row['peak_bytes']):<24}{_kib(row['predicted_bytes']):<24}"
               f"{'/'.join(map(str, row['in_flight']))} ({formula})", flush=True)
         if args.timeline_out:
-            os.makedirs(args.timeline_out, exist_ok=True)
             path = os.path.join(args.timeline_out, f"{row['schedule']}-p{row['p']}.json")
             timeline = Timeline(ranks=row["p"], source="measured",
                                 intervals=tuple(Interval(*fields) for fields in row["timeline"]))

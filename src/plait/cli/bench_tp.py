@@ -23,6 +23,7 @@ import torch
 from plait.bench.launch import in_torchrun, run_in_fresh_worlds
 from plait.bench.report import write_json_document
 from plait.bench.tp import COUNTED, PHASES, TpBenchConfig, run_tp_bench
+from plait.cli.output_paths import output_file, prepare_output_paths
 
 _SHORT = {"all_reduce": "AR", "all_gather": "AG", "reduce_scatter": "RS"}
 
@@ -35,8 +36,9 @@ def _degrees(text: str) -> tuple[int, ...]:
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
-    parser = subparsers.add_parser("bench-tp", prog="plait bench tp", help=argparse.SUPPRESS,
-                                   description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    # No help=: listed in plait bench --help (see plait.cli.bench_dp)
+    parser = subparsers.add_parser("bench-tp", prog="plait bench tp", description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
     defaults = TpBenchConfig()
     parser.add_argument("--tp", type=_degrees, default=defaults.tp, metavar="P,P,...",
                         help="tensor-parallel degrees, each a fresh world of P processes (default 1,2,4)")
@@ -135,6 +137,7 @@ def run(args: argparse.Namespace) -> int:
     if in_torchrun():
         raise ValueError("plait bench tp starts its own world of tp processes for each --tp value: "
                          "run it directly, not under torchrun")
+    prepare_output_paths(output_file("--json", args.json, stdout_allowed=True))
     stream = sys.stderr if args.json == "-" else sys.stdout
 
     def write(line: str) -> None:

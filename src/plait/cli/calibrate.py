@@ -27,8 +27,9 @@ import time
 from plait.bench.calibrate import CalibrateConfig, describe_device, run_calibration
 from plait.bench.launch import Job, WorkerError, choose_backend, in_torchrun, run_in_current_world, spawn_and_run
 from plait.cli.bench import parse_nbytes
+from plait.cli.output_paths import output_file, prepare_output_paths
 from plait.cost.calibration import CalibrationReport, make_profile
-from plait.cost.profile import Profile, save_profile
+from plait.cost.profile import Profile, default_profile_path, save_profile
 
 
 def _positive_int(text: str) -> int:
@@ -151,6 +152,11 @@ def run(args: argparse.Namespace) -> int:
         nprocs, backend = args.nprocs or 4, choose_backend(args.backend, spawned=True)
     if nprocs < 2:
         raise ValueError(f"calibration needs >= 2 processes, got {nprocs}: use --nprocs 2 or more")
+    if is_reporter:  # the profile's path, given or default, before minutes of measuring
+        if args.output is not None:
+            prepare_output_paths(output_file("--output", args.output))
+        else:
+            prepare_output_paths(output_file("--output (default)", str(default_profile_path(backend))))
 
     def on_event(kind: str, payload) -> None:
         if kind == "progress":

@@ -9,9 +9,15 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
+import select
 import sys
 
 from plait import __version__
+
+# A reader that stops early (plait ... | head -1) ends plait quietly with this status: 128 + 13
+# (SIGPIPE), what a shell reports for a process that SIGPIPE killed, as it would kill a C tool.
+EXIT_BROKEN_PIPE = 141
 
 SUBCOMMANDS = ("train", "bench", "bench_dp", "bench_tp", "bench_pp", "schedule", "cost", "tune", "calibrate",
                "simulate", "checkpoint", "plan")
@@ -30,13 +36,34 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run `plait ARGV...`; returns the exit status (argparse errors give 2)."""
-    parser = build_parser()
+    """Run `plait ARGV...`; returns the exit status (argparse errors give 2; a reader that
+    closed the pipe early, as `plait ... | head -1` does, gives EXIT_BROKEN_PIPE)."""
+    try:
+        status = _run_command(argv)
+        # Flush inside the try: a closed pipe must surface here, not as "Exception
+        # ignored ... BrokenPipeError" when the interpreter flushes stdout at exit.
+        sys.stdout.flush()
+        return status
+    except BrokenPipeError:
+        if not (_reader_gone(sys.stdout) or _reader_gone(sys.stderr)):
+            raise  # some other pipe (a worker's, say): a real error
+        _discard_output()
+        return EXIT_BROKEN_PIPE
+
+
+def _run_command(argv: list[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:2] == ["bench", "dp"]:  # `plait bench dp` has its own flags (plait.cli.bench_dp)
         argv = ["bench-dp"] + argv[2:]
     elif argv[:2] in (["bench", "tp"], ["bench", "pp"]):  # so do `bench tp` and `bench pp`
         argv = [f"bench-{argv[1]}"] + argv[2:]
+    environment_error = _comm_environment_error()
+    if environment_error is not None:  # before anything else, --help included: nothing runs on bad settings
+        command = argv[0] if argv and argv[0] in {name.replace("_", "-") for name in SUBCOMMANDS} else None
+        prog = "plait" if command is None else f"plait {command.replace('-', ' ')}"
+        print(f"{prog}: error: {environment_error}", file=sys.stderr)
+        return 2
+    parser = build_parser()
     try:
         args = parser.parse_args(argv)
     except SystemExit as exit_request:  # --help, --version or a usage error
@@ -50,6 +77,41 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"plait {args.command.replace('-', ' ')}: interrupted", file=sys.stderr)
         return 130
+
+
+def _comm_environment_error() -> ValueError | None:
+    """The error of a bad PLAIT_COMM_TIMEOUT_S, PLAIT_COMM_CHECK, PLAIT_COMM_SEGMENT_BYTES or
+    PLAIT_ALGORITHMS, or None. plait.comm checks them once, when it is first imported (it is
+    imported by the parsers of several commands, and by every run that trains or measures)."""
+    try:
+        importlib.import_module("plait.comm.engine")
+    except ValueError as error:
+        return error
+    return None
+
+
+def _reader_gone(stream) -> bool:
+    """Whether ``stream`` is a pipe or socket whose reading end was closed (poll reports
+    an error or hang-up on it), i.e. where a BrokenPipeError can have come from."""
+    try:
+        fd = stream.fileno()
+        poller = select.poll()
+    except (AttributeError, OSError, ValueError):  # no file descriptor (e.g. captured), or no poll()
+        return False
+    poller.register(fd, select.POLLOUT)
+    return any(events & (select.POLLERR | select.POLLHUP) for _, events in poller.poll(0))
+
+
+def _discard_output() -> None:
+    """Point stdout and stderr at /dev/null where their reader is gone, so the interpreter's
+    last flush of what is still buffered succeeds silently."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        for stream in (sys.stdout, sys.stderr):
+            if _reader_gone(stream):
+                os.dup2(devnull, stream.fileno())
+    finally:
+        os.close(devnull)
 
 
 if __name__ == "__main__":

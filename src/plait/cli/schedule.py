@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 
+from plait.cli.output_paths import output_file, prepare_output_paths
 from plait.comm.algorithms import COLLECTIVES, ROOTED, build_schedule, describe
 from plait.comm.algorithms.hierarchical import parse_hierarchy
 from plait.parallel.pipeline.schedules import SCHEDULES
@@ -143,6 +144,7 @@ def run_pipeline(args) -> int:
         raise ValueError(f"--width {args.width}: give the ASCII chart's time columns, an int >= 1 (e.g. --width 80)")
     if args.out is not None and not args.out.lower().endswith(".png"):
         raise ValueError(f"--out {args.out}: the Gantt chart is written as PNG; use a path ending in .png")
+    prepare_output_paths(output_file("--out", args.out))
     schedule = None
     if args.timeline is not None:
         timeline, meta = _load_timeline(args.timeline)

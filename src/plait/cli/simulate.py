@@ -16,6 +16,7 @@ import argparse
 import json
 import time
 
+from plait.cli.output_paths import output_file, prepare_output_paths
 from plait.comm.algorithms import COLLECTIVES, ROOTED, algorithms_for, build_schedule
 
 DEFAULT_ALGORITHMS = "ring,halving_doubling,hierarchical"
@@ -242,6 +243,7 @@ def run(args) -> int:
     topology = topology_from_args(args)
     if args.collective in ROOTED and not 0 <= args.root < topology.world_size:
         raise ValueError(f"--root {args.root} must be in [0, {topology.world_size})")
+    prepare_output_paths(output_file("--plot", args.plot), output_file("--save-topology", args.save_topology))
     if args.save_topology:
         save_topology(topology, args.save_topology)
     rows, results = [], {}

@@ -11,7 +11,6 @@ collectives in program order, as torch requires, so messages always match.
 
 from __future__ import annotations
 
-import os
 import queue
 import threading
 import time
@@ -19,22 +18,13 @@ from dataclasses import dataclass, field
 
 from plait.comm.errors import CommError
 from plait.comm.executor import Executor
-
-
-def _env_float(name: str, default: float) -> float:
-    text = os.environ.get(name)
-    if not text:
-        return default
-    try:
-        value = float(text)
-    except ValueError:
-        raise ValueError(f"{name}={text!r} is not a number of seconds/bytes") from None
-    return value
+from plait.comm.settings import checked_setting, from_environment
 
 
 @dataclass
 class CommConfig:
-    """Process-wide defaults (set with :func:`configure`; env vars give the start values).
+    """Process-wide defaults (set with :func:`configure`; env vars give the start values,
+    checked as configure() checks its arguments: plait.comm.settings).
 
     timeout_s: how long a collective may wait for a peer (PLAIT_COMM_TIMEOUT_S, 300).
     check_args: exchange sizes/dtypes/op/root/algorithm before each collective and raise
@@ -50,21 +40,13 @@ class CommConfig:
         "all_reduce=ring,broadcast=tree").
     """
 
-    timeout_s: float = field(default_factory=lambda: _env_float("PLAIT_COMM_TIMEOUT_S", 300.0))
-    check_args: bool = field(default_factory=lambda: os.environ.get("PLAIT_COMM_CHECK", "1") not in ("0", "false"))
-    segment_bytes: int = field(default_factory=lambda: int(_env_float("PLAIT_COMM_SEGMENT_BYTES", 4 << 20)))
+    timeout_s: float = field(default_factory=lambda: from_environment("PLAIT_COMM_TIMEOUT_S", "timeout_s", 300.0))
+    check_args: bool = field(default_factory=lambda: from_environment("PLAIT_COMM_CHECK", "check_args", True))
+    segment_bytes: int = field(
+        default_factory=lambda: from_environment("PLAIT_COMM_SEGMENT_BYTES", "segment_bytes", 4 << 20))
     pipeline_segment_bytes: int = 256 << 10
-    hierarchy: object = field(default_factory=lambda: os.environ.get("PLAIT_HIERARCHY") or None)
-    algorithms: dict = field(default_factory=lambda: _env_overrides("PLAIT_ALGORITHMS"))
-
-
-def _env_overrides(name: str) -> dict:
-    from plait.comm.tuner import parse_overrides
-
-    try:
-        return parse_overrides(os.environ.get(name))
-    except (ValueError, TypeError) as error:
-        raise ValueError(f"{name}: {error}") from None
+    hierarchy: object = field(default_factory=lambda: from_environment("PLAIT_HIERARCHY", "hierarchy", None))
+    algorithms: dict = field(default_factory=lambda: from_environment("PLAIT_ALGORITHMS", "algorithms", {}))
 
 
 CONFIG = CommConfig()
@@ -76,7 +58,9 @@ _KEEP = object()
 def configure(*, timeout_s=None, check_args=None, segment_bytes=None, pipeline_segment_bytes=None,
               hierarchy=_KEEP, algorithms=None):
     """Change process-wide comm defaults (arguments left out stay as they are);
-    returns the previous values, so ``configure(**previous)`` restores them."""
+    returns the previous values, so ``configure(**previous)`` restores them. Values are
+    checked as the PLAIT_* variables are (plait.comm.settings): a ValueError names the
+    keyword, the value and the valid range."""
     previous = dict(
         timeout_s=CONFIG.timeout_s,
         check_args=CONFIG.check_args,
@@ -85,26 +69,18 @@ def configure(*, timeout_s=None, check_args=None, segment_bytes=None, pipeline_s
         hierarchy=CONFIG.hierarchy,
         algorithms=dict(CONFIG.algorithms),
     )
-    if timeout_s is not None:
-        if not timeout_s > 0:
-            raise ValueError(f"timeout_s must be > 0 seconds, got {timeout_s}")
-        CONFIG.timeout_s = float(timeout_s)
-    if check_args is not None:
-        CONFIG.check_args = bool(check_args)
-    if segment_bytes is not None:
-        if segment_bytes < 0:
-            raise ValueError(f"segment_bytes must be >= 0 (0 = never split), got {segment_bytes}")
-        CONFIG.segment_bytes = int(segment_bytes)
+    # every value is checked before any is set: a refused call changes nothing
+    checked = {name: checked_setting(name, value, name)
+               for name, value in dict(timeout_s=timeout_s, check_args=check_args, segment_bytes=segment_bytes,
+                                       algorithms=algorithms).items() if value is not None}
+    if hierarchy is not _KEEP:
+        checked["hierarchy"] = checked_setting("hierarchy", hierarchy, "hierarchy")
     if pipeline_segment_bytes is not None:
         if pipeline_segment_bytes <= 0:
             raise ValueError(f"pipeline_segment_bytes must be > 0, got {pipeline_segment_bytes}")
         CONFIG.pipeline_segment_bytes = int(pipeline_segment_bytes)
-    if hierarchy is not _KEEP:
-        CONFIG.hierarchy = hierarchy
-    if algorithms is not None:
-        from plait.comm.tuner import parse_overrides
-
-        CONFIG.algorithms = parse_overrides(algorithms)
+    for name, value in checked.items():
+        setattr(CONFIG, name, value)
     return previous
 
 

@@ -1,0 +1,110 @@
+"""The checks of plait.comm's process-wide settings, shared by ``configure()`` and the
+PLAIT_* environment variables that give CommConfig its start values, so the two
+cannot drift: the same value is accepted or refused, in the same words, either way.
+
+    timeout_s      PLAIT_COMM_TIMEOUT_S      finite seconds, 0 < t <= threading.TIMEOUT_MAX
+    check_args     PLAIT_COMM_CHECK          1/0, true/false, yes/no, on/off (any case)
+    segment_bytes  PLAIT_COMM_SEGMENT_BYTES  whole bytes, 0 (never split) .. 2**53
+    algorithms     PLAIT_ALGORITHMS          "all_reduce=ring,broadcast=tree"
+    hierarchy      PLAIT_HIERARCHY           not checked here: it needs the world size
+
+A variable that is unset or empty leaves the default. Errors are ValueErrors that
+begin ``NAME=value:`` (the variable, or configure()'s keyword) and give the valid range.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import os
+import threading
+
+MAX_TIMEOUT_S = threading.TIMEOUT_MAX  # the longest wait threading (and so the comm thread) can do
+MAX_SEGMENT_BYTES = 2**53  # byte counts stay exact as floats
+SWITCH_SPELLINGS = {"1": True, "true": True, "yes": True, "on": True,
+                    "0": False, "false": False, "no": False, "off": False}
+
+
+def checked_setting(name: str, value, source: str):
+    """``value`` for the CommConfig field ``name``, converted (text from the environment
+    included) and checked; ``source`` is what the error calls it (keyword or variable)."""
+    checks = {"timeout_s": _timeout_s, "check_args": _check_args, "segment_bytes": _segment_bytes,
+              "algorithms": _algorithms, "hierarchy": _hierarchy}
+    return checks[name](value, source)
+
+
+def from_environment(variable: str, name: str, default):
+    """The start value of field ``name``: $``variable`` checked, or ``default`` if unset/empty."""
+    text = os.environ.get(variable, "")
+    if not text.strip():
+        return default
+    return checked_setting(name, text, variable)
+
+
+def _number(value) -> float | None:
+    """``value`` as a float (from a number or its text), or None if it is neither."""
+    if isinstance(value, bool):
+        return None
+    try:
+        if isinstance(value, str):
+            return float(value.strip())
+        if isinstance(value, numbers.Real):
+            return float(value)
+    except (ValueError, OverflowError):
+        return None
+    return None
+
+
+def _timeout_s(value, source: str) -> float:
+    seconds = _number(value)
+    if seconds is None or not 0 < seconds <= MAX_TIMEOUT_S:  # nan fails both comparisons
+        raise ValueError(f"{source}={value!r}: the comm timeout must be a finite number of seconds > 0 and "
+                         f"<= {MAX_TIMEOUT_S:.0f}, e.g. 300 (every blocking wait needs a deadline)")
+    return seconds
+
+
+def _check_args(value, source: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, numbers.Integral) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.strip().lower() in SWITCH_SPELLINGS:
+        return SWITCH_SPELLINGS[value.strip().lower()]
+    raise ValueError(f"{source}={value!r}: the argument check must be one of 1/0, true/false, yes/no, on/off "
+                     "(any case)")
+
+
+def _segment_bytes(value, source: str) -> int:
+    nbytes = None
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        nbytes = int(value)
+    elif isinstance(value, str):
+        try:
+            nbytes = int(value)  # exact, however long
+        except ValueError:
+            pass
+    if nbytes is None:
+        number = _number(value)  # a float is fine when it is a whole number: 4e6, 1048576.0
+        if number is not None and math.isfinite(number) and number.is_integer():
+            nbytes = int(number)
+    if nbytes is None or not 0 <= nbytes <= MAX_SEGMENT_BYTES:
+        raise ValueError(f"{source}={value!r}: the segment size must be a whole number of bytes from 0 (never "
+                         f"split) to 2**53, e.g. {4 << 20} (4 MiB)")
+    return nbytes
+
+
+def _algorithms(value, source: str) -> dict:
+    from plait.comm.tuner import parse_overrides
+
+    try:
+        return parse_overrides(value)
+    except (ValueError, TypeError) as error:
+        raise type(error)(f"{source}={value!r}: {error}") from None
+
+
+def _hierarchy(value, source: str):
+    """Kept as given (a spec parse_hierarchy takes); checked when a collective uses it,
+    against that group's size. Empty text means none."""
+    if isinstance(value, str) and not value.strip():
+        return None
+    return value
