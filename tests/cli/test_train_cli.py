@@ -10,6 +10,7 @@ real checkpoint is trained once, in the harness's world_size-1 pool.
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import socket
@@ -26,6 +27,7 @@ from plait.train.config import TrainConfig
 # the layout take milliseconds.
 TINY = ["--layers", "2", "--hidden", "32", "--heads", "4", "--seq-len", "16", "--data-max-bytes", "60000",
         "--global-batch", "8", "--micro-batch", "2"]
+REAL_POPEN = subprocess.Popen  # the launcher fixture replaces subprocess.Popen in every test
 TINY_CONFIG = dict(layers=2, hidden=32, heads=4, seq_len=16, data_max_bytes=60_000, global_batch=8, micro_batch=2,
                    dp=1, tp=1, pp=1)
 SINGLE = ["--dp", "1", "--tp", "1", "--pp", "1"]
@@ -492,4 +494,142 @@ def test_out_of_range_port_exits_2(port, tmp_path, capsys, launcher):
     code, _, err = train([*TINY, *SINGLE, "--port", port, "--out", str(tmp_path)], capsys)
     assert code == 2
     assert f"--port {port}" in err
+    assert launcher.calls == []
+
+
+# --------------------------------------------------------------------------- bounds and errors before launch
+# Each was a probe that failed on the old code: found only after the ranks started (printed once per rank),
+# or eating the machine. Now each is refused by the launcher: exit 2, one line, no process started.
+@pytest.mark.parametrize("argv, expected", [
+    (["--hidden", "65536", "--heads", "4"], ["processes need at least", "GiB is available", "parameters on the "
+                                             "largest rank"]),
+    (["--layers", "100000"], ["processes need at least"]),
+    (["--seq-len", "200000", "--global-batch", "2", "--micro-batch", "1", "--pp", "1", "--eval-interval", "0",
+      "--data-max-bytes", "1000000"], ["activations for one micro-batch"]),
+    (["--global-batch", "100000000"], ["= 12500000 exceeds the limit of 4096 micro-batches per step",
+                                       "use micro_batch >= 12500"]),
+    (["--global-batch", "1000000000000"], ["exceeds the limit of 4096 micro-batches per step"]),
+    (["--algorithm", "rign"], ["algorithm='rign' is not a plait algorithm: did you mean 'ring'?"]),
+    (["--algorithm", "bruck"], ["algorithm='bruck' has no all_reduce"]),
+    (["--compression", "topk:0.01", "--algorithm", "binary_tree"], ["has no all_gather (needed by compression"]),
+    (["--timeout-s", "inf"], ["timeout_s=inf"]),
+    (["--dp", "512", "--global-batch", "1024", "--micro-batch", "1", "--pp", "1"], ["512 processes need at least"]),
+])
+@pytest.mark.parametrize("dry_run", [True, False])
+def test_what_cannot_run_is_refused_before_any_process(argv, expected, dry_run, tmp_path, capsys, launcher):
+    code, _, err = train(["--out", str(tmp_path / "run"), *argv, *(["--dry-run"] if dry_run else [])], capsys)
+    assert code == 2, err
+    for text in expected:
+        assert text in err
+    assert err.count("error:") == 1 and "Traceback" not in err
+    assert launcher.calls == []
+    assert not (tmp_path / "run").exists()  # nothing written either
+
+
+def test_data_max_bytes_beyond_the_text_reads_the_text(tmp_path, capsys, launcher):
+    """--data-max-bytes 1e11 was a MemoryError (read(n) allocates n characters): the cap is a cap."""
+    text = tmp_path / "text.txt"
+    text.write_text("def f(x):\n    return x + 1\n" * 400)
+    code, out, err = train([*TINY, *SINGLE, "--data", str(text), "--data-max-bytes", str(10**11), "--dry-run"],
+                           capsys)
+    assert code == 0, err
+    assert f"(1 file, {len(text.read_text()) / 1e3:.1f} kB)" in out
+
+
+@pytest.mark.parametrize("make, expected", [
+    (lambda tmp: (tmp / "file").write_text("x") and tmp / "file", "is a file, not a directory"),
+    (lambda tmp: (tmp / "file").write_text("x") and tmp / "file" / "run", "is a file, so the run directory"),
+])
+def test_an_out_that_cannot_be_a_directory_is_refused(make, expected, tmp_path, capsys, launcher):
+    out = make(tmp_path)
+    for extra in ([], ["--dry-run"]):
+        code, _, err = train([*TINY, *SINGLE, "--out", str(out), *extra], capsys)
+        assert code == 2 and expected in err and "Traceback" not in err
+    assert launcher.calls == []
+
+
+@pytest.fixture
+def mount_tmpfs(tmp_path):
+    """mount_tmpfs(options) -> a fresh tmpfs (root / CAP_SYS_ADMIN only), unmounted at the end."""
+    mounted = []
+
+    def mount(options: str) -> Path:
+        point = tmp_path / f"mnt{len(mounted)}"
+        point.mkdir()
+        result = REAL_POPEN(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(point)], stderr=subprocess.PIPE,
+                            text=True)
+        _, error = result.communicate(timeout=30)
+        if result.returncode != 0:
+            pytest.skip(f"mounting a tmpfs needs root (CAP_SYS_ADMIN): {error.strip()}")
+        mounted.append(point)
+        return point
+
+    yield mount
+    for point in mounted:
+        REAL_POPEN(["umount", "-l", str(point)]).wait(timeout=30)
+
+
+def test_a_read_only_out_is_refused(mount_tmpfs, capsys, launcher):
+    read_only = mount_tmpfs("size=1m,ro")
+    code, _, err = train([*TINY, *SINGLE, "--out", str(read_only / "run")], capsys)
+    assert code == 2 and "is not writable (Read-only file system)" in err and "Traceback" not in err
+    assert launcher.calls == []
+
+
+def test_an_out_without_room_for_a_checkpoint_is_refused(mount_tmpfs, capsys, launcher):
+    small = mount_tmpfs("size=64k")
+    code, _, err = train([*TINY, *SINGLE, "--out", str(small / "run")], capsys)
+    assert code == 2
+    match = re.search(r"has ([\d,]+) bytes free but one checkpoint needs about ([\d,]+)", err)
+    assert match and int(match.group(1).replace(",", "")) < int(match.group(2).replace(",", ""))
+    assert launcher.calls == []
+
+
+def test_a_second_run_on_a_locked_out_is_refused_at_once(tmp_path, capsys, launcher):
+    from plait.train import runlock
+
+    with runlock.acquire(tmp_path / "run", "the-first-run"):
+        code, _, err = train([*TINY, *SINGLE, "--out", str(tmp_path / "run")], capsys)
+    assert code == 2
+    assert f"{tmp_path / 'run'} is in use by another plait train run: pid {os.getpid()}" in err
+    assert "(run the-first-run)" in err and "choose another --out" in err
+    assert launcher.calls == []
+    code, _, err = train([*TINY, *SINGLE, "--sample-chars", "0", "--out", str(tmp_path / "run")], capsys)
+    assert code == 0, err  # released: the next run goes ahead
+
+
+def test_the_launcher_holds_the_lock_while_the_agent_runs(tmp_path, capsys, launcher):
+    from plait.train import runlock
+
+    seen = []
+
+    class Agent:
+        pid = -1
+
+        def __init__(self, command, **kwargs):
+            seen.append((runlock.holder(tmp_path / "run"), kwargs.get("pass_fds"), kwargs.get("start_new_session")))
+
+        def wait(self, timeout=None):
+            return 0
+
+    subprocess.Popen = Agent
+    code, _, err = train([*TINY, *SINGLE, "--sample-chars", "0", "--out", str(tmp_path / "run")], capsys)
+    assert code == 0, err
+    ((holder, pass_fds, new_session),) = seen
+    assert holder is not None and holder.pid == os.getpid() and len(pass_fds) == 1 and new_session
+    assert runlock.holder(tmp_path / "run") is None
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--resume", "auto", "--force-fresh"], "--force-fresh replaces an earlier run, but --resume auto continues"),
+    (["--nnodes", "2"], "--nnodes 2 needs --rdzv-endpoint HOST:PORT"),
+    (["--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:29400", "--port", "5"], "--port is for one machine"),
+    (["--rdzv-endpoint", "127.0.0.1:29400"], "are for --nnodes > 1"),
+    (["--nnodes", "2", "--rdzv-endpoint", "nohost"], "must be HOST:PORT"),
+    (["--nnodes", "3"], "do not split over --nnodes 3"),
+    (["--run-id", "x"], "--run-id is set by plait train"),
+])
+def test_launcher_flag_errors(argv, expected, tmp_path, capsys, launcher):
+    code, _, err = train([*TINY, "--dp", "2", "--pp", "1", "--out", str(tmp_path / "run"), *argv], capsys)
+    assert code == 2 and expected in err, err
     assert launcher.calls == []
