@@ -103,7 +103,9 @@ def run(args) -> int:
     check_output_dir(out, budget.checkpoint_bytes(config, data))
     with runlock.acquire(out, run_id) as lock:
         check_resume_choice(config, args.resume, data, run_id=run_id, force_fresh=args.force_fresh)
-        launch_config = out / "launch-config.toml"
+        # several nodes may share --out: each launcher writes its own copy of the config it launches with
+        launch_config = out / ("launch-config.toml" if args.nnodes == 1
+                               else f"launch-config.{socket.gethostname()}.{os.getpid()}.toml")
         launch_config.write_text(config.to_toml())
         command = [sys.executable, "-m", "plait.train.agent", "--parent-pid", str(os.getpid()),
                    "--nnodes", str(args.nnodes), "--nproc-per-node", str(nprocs),

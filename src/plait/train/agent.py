@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import logging
 import os
 import signal
 import socket
@@ -189,13 +190,14 @@ def main(argv: list[str] | None = None) -> int:
         except lifeline.ParentGone as error:
             print(f"{PROG}: {error}: not starting", file=sys.stderr)
             return 1
-    # torchrun's own log lines (closing signals, its failure table) repeat what is reported below; its
-    # loggers take their level from LOGLEVEL when torch.distributed.elastic is imported
+    # torchrun's own log lines (closing signals, its failure table) repeat what is reported below: loggers
+    # made by its get_logger take their level from LOGLEVEL when imported, the others inherit the parent's
     os.environ.setdefault("LOGLEVEL", "CRITICAL")
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     register_backend()
     args = torchrun.parse_args(torchrun_argv)
     try:

@@ -101,6 +101,14 @@ class DiskFull(OSError):
                                        "there; free some space or give --out a filesystem with room")
 
 
+class CheckpointNotWritten(OSError):
+    """A save failed on some rank; every rank raises it, naming each failure."""
+
+    def __init__(self, step: int, failures: list[str]):
+        super().__init__(f"checkpoint at step {step} not written (the previous complete one stays): "
+                         + "; ".join(failures))
+
+
 def check_free_space(path: Path, nbytes: int) -> None:
     """Raise DiskFull unless ``path``'s filesystem has ``nbytes`` free."""
     if nbytes and shutil.disk_usage(path.parent).free < nbytes:

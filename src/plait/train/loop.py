@@ -306,8 +306,7 @@ class Trainer:
         dist.all_gather_object(entries, entry)
         failures = [e["error"] for e in entries if e is not None and "error" in e]
         if failures:
-            raise RuntimeError("checkpoint at step {} not written (the previous complete one stays): {}".format(
-                step, "; ".join(failures)))
+            raise ckpt.CheckpointNotWritten(step, failures)
         if self.rank == 0:
             manifest = {"step": step, "mesh": self._mesh_info(), "config": self.config.to_dict(),
                         "config_digest": self.config.digest(), "model": self.model_info,
