@@ -19,11 +19,12 @@ $(STAMP): pyproject.toml Makefile
 install: $(STAMP)
 
 # The main job: a small GPT on the standard library's source, dp=2 x pp=2 on 4 local
-# processes (plait train's defaults), then text sampled from it. Starts fresh each time.
+# processes (plait train's defaults), then text sampled from it. Starts fresh each time:
+# an earlier run is moved to $(RUN_OUT)/previous/<time>/ (never deleted; a run still
+# going holds the directory's lock, and this one is refused).
 RUN_OUT ?= runs/make-run
 run: $(STAMP)
-	rm -rf $(RUN_OUT)
-	OMP_NUM_THREADS=1 $(VENV)/bin/plait train --out $(RUN_OUT)
+	OMP_NUM_THREADS=1 $(VENV)/bin/plait train --out $(RUN_OUT) --resume never --force-fresh
 
 test: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q

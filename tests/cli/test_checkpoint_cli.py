@@ -101,3 +101,14 @@ def test_info_and_export_refuse_a_manifest_naming_files_outside(run_dir, tmp_pat
     assert main(["checkpoint", "info", str(run_dir)]) == 0
     captured = capsys.readouterr()
     assert "step_00000200: manifest.json lists files outside" in captured.err and "step 100," in captured.out
+
+
+def test_export_to_a_directory_or_under_a_file_is_refused_before_reading(run_dir, tmp_path, capsys):
+    (tmp_path / "taken.pt").mkdir()
+    (tmp_path / "file").write_text("x")
+    for out, reason in ((tmp_path / "taken.pt", "is a directory"), (tmp_path / "file" / "model.pt", "file")):
+        assert main(["checkpoint", "export", str(run_dir), "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert f"--out {out}" in err and reason in err and "Traceback" not in err
+    assert main(["checkpoint", "export", str(run_dir), "--out", str(tmp_path / "new" / "dir" / "model.pt")]) == 0
+    assert (tmp_path / "new" / "dir" / "model.pt").is_file()

@@ -17,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 
+from plait.cli.output_paths import output_file, prepare_output_paths
 from plait.train import checkpoint
 
 
@@ -88,6 +89,7 @@ def run_info(args: argparse.Namespace) -> int:
 
 def run_export(args: argparse.Namespace) -> int:
     fmt = checkpoint.export_format(args.out, args.format)  # a bad --out suffix fails before any reading
+    prepare_output_paths(output_file("--out", args.out))
     directory, verified = checkpoint.resolve(args.path, log=_note)
     out_path = checkpoint.export(directory, args.out, fmt, log=_note, check_files=not verified)
     manifest = checkpoint.read_manifest(directory)
