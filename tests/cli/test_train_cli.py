@@ -633,3 +633,45 @@ def test_launcher_flag_errors(argv, expected, tmp_path, capsys, launcher):
     code, _, err = train([*TINY, "--dp", "2", "--pp", "1", "--out", str(tmp_path / "run"), *argv], capsys)
     assert code == 2 and expected in err, err
     assert launcher.calls == []
+
+
+def _tree(root: Path) -> dict[str, bytes]:
+    """Every file's bytes, but .lock: the launcher decides under the lock, so it creates it."""
+    return {str(path.relative_to(root)): path.read_bytes() for path in sorted(root.rglob("*"))
+            if path.is_file() and path.name != ".lock"}
+
+
+@pytest.mark.slow
+def test_resume_auto_with_every_checkpoint_corrupt_is_refused_and_changes_nothing(run_dir, capsys, launcher):
+    """The probe: all checkpoints with one corrupt shard made --resume auto start from
+    step 0, rewrite metrics.jsonl and later delete the corrupt directories."""
+    for step in ("step_00000001", "step_00000002"):
+        _corrupt(run_dir / "checkpoints" / step / "tp0-pp0.pt")
+    before = _tree(run_dir)
+    code, _, err = train([*TINY, *SINGLE, "--out", str(run_dir)], capsys)
+    assert code == 2
+    assert "2 checkpoints, all corrupt or partial" in err and "nothing was changed" in err
+    assert launcher.calls == []
+    assert _tree(run_dir) == before
+
+
+def _start_trainer(rank, world_size, config, resume, run_id):
+    from plait.train.loop import Trainer
+
+    try:
+        Trainer(config, resume=resume, log=lambda _: None, run_id=run_id)
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+@pytest.mark.slow
+def test_checkpoints_vanished_after_the_launcher_looked_are_refused_by_rank_0(run_dir):
+    """The launcher saw checkpoints; by the time the ranks start, checkpoints/ is gone:
+    rank 0 refuses (every rank raises it) and the earlier run's metrics stay."""
+    shutil.rmtree(run_dir / "checkpoints")
+    before = _tree(run_dir)
+    config = TrainConfig(**TINY_CONFIG, out=str(run_dir), steps=4, timeout_s=60.0)
+    (message,) = run_distributed(_start_trainer, 1, config, "auto", "a-new-run", timeout_s=120)
+    assert message is not None and "found an earlier run" in message and "metrics.jsonl with 2 steps" in message
+    assert _tree(run_dir) == before
