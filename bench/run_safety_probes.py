@@ -17,81 +17,36 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib.util
 import json
 import os
 import resource
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
-from collections import defaultdict
 from pathlib import Path
 
+
+def _load_procfs():
+    """This checkout's /proc reader, loaded by path: the probes judge whichever plait is on
+    PYTHONPATH (an older one has no plait.testing.procfs) with the same independent eyes."""
+    path = Path(__file__).resolve().parents[1] / "src" / "plait" / "testing" / "procfs.py"
+    spec = importlib.util.spec_from_file_location("run_safety_procfs", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+procfs = _load_procfs()
+alive, cmdline, descendants, listening_sockets = procfs.alive, procfs.cmdline, procfs.descendants, \
+    procfs.listening_sockets
 TINY = ["--layers", "2", "--hidden", "32", "--heads", "4", "--seq-len", "16", "--data-max-bytes", "60000",
         "--global-batch", "8", "--micro-batch", "2", "--dp", "2", "--pp", "1", "--eval-interval", "0",
         "--sample-chars", "0", "--timeout-s", "60"]
 PLAIT = [sys.executable, "-m", "plait"]
-
-
-# ----------------------------------------------------------------------------- the kernel's view
-def _children() -> dict[int, list[int]]:
-    found = defaultdict(list)
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            found[int(stat.rsplit(")", 1)[1].split()[1])].append(int(entry))
-    return found
-
-
-def descendants(pid: int) -> list[int]:
-    tree, todo, found = _children(), [pid], []
-    while todo:
-        for child in tree.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
-
-
-def alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
-def cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-    except OSError:
-        return ""
-
-
-def listening(pids) -> list[str]:
-    inodes = set()
-    for pid in pids:
-        try:
-            for fd in os.listdir(f"/proc/{pid}/fd"):
-                link = os.readlink(f"/proc/{pid}/fd/{fd}")
-                if link.startswith("socket:["):
-                    inodes.add(int(link[8:-1]))
-        except OSError:
-            continue
-    found = []
-    for table, family in (("/proc/net/tcp", socket.AF_INET), ("/proc/net/tcp6", socket.AF_INET6)):
-        for line in Path(table).read_text().splitlines()[1:]:
-            fields = line.split()
-            if fields[3] == "0A" and int(fields[9]) in inodes:
-                address_hex, port_hex = fields[1].split(":")
-                raw = bytes.fromhex(address_hex)
-                raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
-                found.append(f"{socket.inet_ntop(family, raw)}:{int(port_hex, 16)}")
-    return found
 
 
 class Processes:
@@ -247,7 +202,7 @@ def probe_listening_sockets(work: Path, procs: Processes):
                 work / "run.log")
     if not wait_for(lambda: (out / "metrics.jsonl").exists() and (out / "metrics.jsonl").stat().st_size, 240):
         return False, "the run never trained a step"
-    sockets = listening(procs.note())
+    sockets = [f"{address}:{port}" for _, address, port in listening_sockets(procs.note())]
     exposed = [entry for entry in sockets if not entry.startswith("127.")]
     return bool(sockets) and not exposed, f"{len(sockets)} listening sockets; not on loopback: {exposed}"
 

@@ -28,6 +28,7 @@ from pathlib import Path
 import pytest
 
 from plait.testing import run_distributed
+from plait.testing.procfs import alive, cmdline, descendants, listening_sockets
 from plait.train import checkpoint as ckpt
 from plait.train import runlock
 from plait.train.config import TrainConfig
@@ -66,41 +67,6 @@ def wait_for(condition, timeout_s: float, what: str):
 
 
 # ----------------------------------------------------------------------------- what the kernel says
-def children() -> dict[int, list[int]]:
-    found = defaultdict(list)
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            found[int(stat.rsplit(")", 1)[1].split()[1])].append(int(entry))
-    return found
-
-
-def descendants(pid: int) -> list[int]:
-    tree, todo, found = children(), [pid], []
-    while todo:
-        for child in tree.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
-
-
-def alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
-def cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-    except OSError:
-        return ""
-
-
 def run_tree(launcher: subprocess.Popen, ranks: int) -> tuple[int, list[int]]:
     """(agent pid, rank pids) once all of them exist."""
     def found():
@@ -110,30 +76,6 @@ def run_tree(launcher: subprocess.Popen, ranks: int) -> tuple[int, list[int]]:
         return (agents[0], workers) if len(agents) == 1 and len(workers) == ranks else None
 
     return wait_for(found, 120, f"the agent and {ranks} ranks")
-
-
-def listening_sockets(pids) -> list[tuple[int, str, int]]:
-    """(pid, address, port) of every TCP socket in LISTEN state that ``pids`` hold."""
-    inodes = {}
-    for pid in pids:
-        try:
-            for fd in os.listdir(f"/proc/{pid}/fd"):
-                link = os.readlink(f"/proc/{pid}/fd/{fd}")
-                if link.startswith("socket:["):
-                    inodes[int(link[8:-1])] = pid
-        except OSError:
-            continue
-    found = []
-    for table, family in (("/proc/net/tcp", socket.AF_INET), ("/proc/net/tcp6", socket.AF_INET6)):
-        for line in Path(table).read_text().splitlines()[1:]:
-            fields = line.split()
-            address_hex, port_hex = fields[1].split(":")
-            if fields[3] != "0A" or int(fields[9]) not in inodes:  # 0A: TCP_LISTEN
-                continue
-            raw = bytes.fromhex(address_hex)  # 32-bit words in host (little-endian) order
-            raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
-            found.append((inodes[int(fields[9])], socket.inet_ntop(family, raw), int(port_hex, 16)))
-    return found
 
 
 def records(out: Path) -> list[dict]:
