@@ -213,10 +213,12 @@ def probe_manifest_traversal(work: Path, procs: Processes):
     secret = work / "secret.txt"
     secret.write_text("secret")
     manifest = json.loads((directory / "manifest.json").read_text())
-    for name, target in (("../../../../secret.txt", secret), ("/etc/hostname", Path("/etc/hostname"))):
+    # the forged names resolve to real files with the sizes and hashes the manifest claims:
+    # WORK/run/checkpoints/step_N/../../../secret.txt is WORK/secret.txt
+    for name, target in (("../../../secret.txt", secret), ("/etc/hostname", Path("/etc/hostname"))):
+        assert (directory / name).resolve() == target.resolve()
         data = target.read_bytes()
         manifest["files"][name] = {"nbytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-    # make the forged names resolve: ../../../../secret.txt from the checkpoint directory
     (directory / "manifest.json").write_text(json.dumps(manifest))
     info = plait("checkpoint", "info", str(directory))
     export = plait("checkpoint", "export", str(directory), "--out", str(work / "model.pt"))
@@ -410,6 +412,7 @@ def main(argv=None) -> int:
     for name in names:
         procs = Processes()
         with tempfile.TemporaryDirectory(prefix=f"probe-{name}-") as work:
+            os.environ["PLAIT_CACHE_DIR"] = str(Path(work) / "cache")  # no probe reads another's data cache
             started = time.monotonic()
             try:
                 ok, detail = PROBES[name](Path(work), procs)
