@@ -141,3 +141,19 @@ def test_the_budget_flag_prunes_and_json_stays_a_list(capsys):
     last = capsys.readouterr().out.splitlines()[-1]
     assert "budget max_layouts=200 cut the search" in last and "of 1,500 layouts not priced" in last
 
+
+@pytest.mark.parametrize("argv,message", [
+    (["--gpus", str(1 << 30)], "gpus=1,073,741,824 is above the limit of 16,777,216"),
+    (["--nodes", str(1 << 28)], "nodes=268,435,456 is above the limit of 2,097,152 (16,777,216 devices)"),
+    (["--gpus", "8", "--global-batch", str(1 << 40)],
+     "global_batch=1,099,511,627,776 is above the limit of 4,294,967,296"),
+    (["--gpus", "8", "--max-micro-batch", str(1 << 20)], "max_micro_batch=1,048,576 is above the limit of 65,536"),
+    (["--gpus", "8", "--top", str(10 ** 6)], "top=1,000,000 is above the limit of 10,000"),
+    (["--gpus", "8", "--max-layouts", "0"], "max_layouts=0 must be a whole number >= 1"),
+    (["--cluster", "local", "--nprocs", str(1 << 30)], "nprocs=1,073,741,824 is above the limit of 16,777,216"),
+])
+def test_absurd_values_are_clear_errors_before_any_work(capsys, argv, message):
+    assert main(["plan", "--global-batch", "64", *argv]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.startswith("plait plan: error: ") and message in captured.err
+    assert "measured this machine" not in captured.out  # refused before measuring anything

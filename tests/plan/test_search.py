@@ -228,3 +228,16 @@ def test_the_search_holds_only_the_top_plans_and_the_tallies(monkeypatch):
     assert result.feasible > 10 * held
     assert most[0] <= held, (most[0], held)
 
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(global_batch=1 << 40), "global_batch=1,099,511,627,776 is above the limit of 4,294,967,296"),
+    (dict(max_micro_batch=1 << 20), "max_micro_batch=1,048,576 is above the limit of 65,536"),
+    (dict(top=10 ** 6), "top=1,000,000 is above the limit of 10,000: ask for at most 10,000 plans"),
+    (dict(max_layouts=0), "max_layouts=0 must be a whole number >= 1"),
+    (dict(max_layouts=-5), "max_layouts=-5 must be a whole number >= 1"),
+])
+def test_absurd_requests_are_refused_naming_the_limit(kwargs, message):
+    from plait.plan import PlanRequest
+
+    with pytest.raises(ValueError, match=message):
+        PlanRequest(**{"global_batch": 64, **kwargs})

@@ -237,26 +237,30 @@ def _check_flag_combinations(args, local: bool) -> None:
 
 def run(args) -> int:
     from plait.plan import PlanRequest, TransformerModel, cluster_preset, explain, search, table
+    from plait.plan.cluster import MAX_DEVICES, check_count
 
     emit = (lambda text: print(text, file=sys.stderr)) if args.json else print
     local = args.cluster == "local"
     precision = args.precision or ("fp32" if local else "bf16-mixed")
     accounting = args.accounting or ("plait" if local else "megatron")
     _check_flag_combinations(args, local)
+    # the request is checked before any work (tracing a module, measuring this machine)
     request = PlanRequest(
         global_batch=args.global_batch, tp=args.tp, pp=args.pp, dp=args.dp, micro_batch=args.micro_batch,
         schedule=args.schedule, virtual=args.virtual, recompute=args.recompute, zero_stage=args.zero_stage,
         sequence_parallel=args.sequence_parallel, precision=precision, accounting=accounting,
         memory_limit_bytes=None if args.memory_limit_gib is None else args.memory_limit_gib * GIB,
         max_micro_batch=args.max_micro_batch, top=args.top, max_layouts=args.max_layouts)
+    processes = args.nprocs if args.nprocs is not None else args.gpus
+    if local and processes is not None:
+        check_count("nprocs", processes, most=MAX_DEVICES)
+    cluster = None if local else cluster_preset(args.cluster, gpus=args.gpus, nodes=args.nodes)
     if args.module:
         model = _module_model(args.module)
     else:
         model = TransformerModel(_transformer(args))
     if local:
         cluster = _local_cluster(args, precision, emit, model)
-    else:
-        cluster = cluster_preset(args.cluster, gpus=args.gpus, nodes=args.nodes)
     result = search(model, cluster, request)
     if args.json:
         print(json.dumps(result.as_json(), indent=2))

@@ -31,7 +31,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field, replace
 
-from plait.plan.cluster import Cluster
+from plait.plan.cluster import MAX_DEVICES, Cluster
 from plait.plan.estimate import (PRECISIONS, SCHEDULES, Estimate, Layout, alpa_split, combine, estimate,
                                  layout_problems, split_groups, summarize)
 from plait.plan.grid import (DEFAULT_MAX_LAYOUTS, Family, Pruning, divisors, enumerate_families, fit_budget,
@@ -41,6 +41,11 @@ from plait.plan.transformer import ACCOUNTINGS
 __all__ = ["PlanRequest", "PlanResult", "PlanError", "search", "DIMENSIONS"]
 
 GIB = 1 << 30
+# Beyond these a request is a mistake, not a plan: the search enumerates the divisors of
+# the global batch, and keeps and prints ``top`` plans.
+MAX_GLOBAL_BATCH = 1 << 32
+MAX_MICRO_BATCH = 1 << 16
+MAX_TOP = 10_000
 DIMENSIONS = ("tp", "pp", "dp", "micro_batch", "schedule", "recompute", "zero_stage", "sequence_parallel")
 
 
@@ -86,11 +91,19 @@ class PlanRequest:
             if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
                 problems.append(f"{key}={value!r} must be a whole number >= {minimum}")
 
+        def at_most(key, value, most, fix):
+            if isinstance(value, int) and not isinstance(value, bool) and value > most:
+                problems.append(f"{key}={value:,} is above the limit of {most:,}: {fix}")
+
         whole("global_batch", self.global_batch, allow_none=False)
+        at_most("global_batch", self.global_batch, MAX_GLOBAL_BATCH,
+                "give the sequences per optimizer step (GPT-3 used 1,536)")
         for key in ("tp", "pp", "dp", "micro_batch", "virtual"):
             whole(key, getattr(self, key))
         whole("max_micro_batch", self.max_micro_batch, allow_none=False)
+        at_most("max_micro_batch", self.max_micro_batch, MAX_MICRO_BATCH, f"use at most {MAX_MICRO_BATCH:,}")
         whole("top", self.top, allow_none=False)
+        at_most("top", self.top, MAX_TOP, f"ask for at most {MAX_TOP:,} plans")
         whole("max_layouts", self.max_layouts, allow_none=False)
         if self.zero_stage is not None and self.zero_stage not in (0, 1, 2, 3):
             problems.append(f"zero_stage={self.zero_stage!r} must be 0, 1, 2 or 3")
@@ -399,7 +412,11 @@ def _what_would_fit(model, cluster: Cluster, request: PlanRequest) -> str:
     layout fits the same global batch."""
     if cluster.name == "local":
         return "give the processes more memory, or a smaller model"
+    tried = 1
     for factor in (2, 4, 8, 16, 32, 64):
+        if cluster.world_size * factor > MAX_DEVICES:
+            break
+        tried = factor
         bigger = replace(cluster, nodes=cluster.nodes * factor, _cache={})
         try:
             result = search(model, bigger, replace(request, top=1, dp=None), suggest=False)
@@ -407,4 +424,4 @@ def _what_would_fit(model, cluster: Cluster, request: PlanRequest) -> str:
             continue
         return (f"{bigger.world_size} devices ({bigger.nodes} nodes) would fit it, e.g. "
                 f"{result.best.layout.text()} at {result.best.memory_per_gpu_bytes / GIB:.1f} GiB per device")
-    return f"not even 64x the devices fit it: use a smaller model or devices with more memory"
+    return f"not even {tried}x the devices fit it: use a smaller model or devices with more memory"
