@@ -383,18 +383,19 @@ def _no_plan_message(model, cluster: Cluster, request: PlanRequest, tallies, eli
     if pruning is None or not pruning.pruned:
         return _no_plan_reason(model, cluster, request, tallies, eliminated, limit, considered, suggest)
     # the budget left layouts unpriced: one of them may fit here, so no bigger cluster is suggested
-    message = _no_plan_reason(model, cluster, request, tallies, eliminated, limit, considered, False)
-    return message.replace("no layout of", "no priced layout of", 1) + f" ({pruning.text()})"
+    return (_no_plan_reason(model, cluster, request, tallies, eliminated, limit, considered, False, priced_only=True)
+            + f" ({pruning.text()})")
 
 
 def _no_plan_reason(model, cluster: Cluster, request: PlanRequest, tallies, eliminated: Counter, limit: float,
-                    considered: int, suggest: bool) -> str:
+                    considered: int, suggest: bool, priced_only: bool = False) -> str:
     closest = None
     for entry in tallies.values():
         if entry.closest is not None and (closest is None or
                                           entry.closest.memory_per_gpu_bytes < closest.memory_per_gpu_bytes):
             closest = entry.closest
-    head = f"no layout of {model.describe()} runs on {cluster.describe()} with global batch {request.global_batch}"
+    head = (f"no {'priced ' if priced_only else ''}layout of {model.describe()} runs on {cluster.describe()} "
+            f"with global batch {request.global_batch}")
     if closest is None:
         reasons = "; ".join(f"{count} x {reason}" for reason, count in eliminated.most_common())
         return f"{head}: all {considered} layouts break a rule ({reasons})"
@@ -424,4 +425,7 @@ def _what_would_fit(model, cluster: Cluster, request: PlanRequest) -> str:
             continue
         return (f"{bigger.world_size} devices ({bigger.nodes} nodes) would fit it, e.g. "
                 f"{result.best.layout.text()} at {result.best.memory_per_gpu_bytes / GIB:.1f} GiB per device")
+    if tried == 1:
+        return (f"no bigger cluster is within the {MAX_DEVICES:,}-device limit: use a smaller model or devices "
+                "with more memory")
     return f"not even {tried}x the devices fit it: use a smaller model or devices with more memory"
