@@ -88,3 +88,72 @@ def test_bad_input_is_a_clear_error(capsys, argv, message):
 def test_module_and_flag_mistakes_are_clear_errors(capsys, argv, message):
     assert main(["plan", "--gpus", "8", "--global-batch", "64", *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+_BOUNDED_RUN = """
+import contextlib, io, json, resource, sys
+resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))  # 2 GiB of address space, all told
+from plait.cli.main import main
+out, err = io.StringIO(), io.StringIO()
+with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+    code = main(["plan", "--gpus", "1048576", "--global-batch", "2097152", *sys.argv[1:]])
+print(json.dumps({"code": code, "out": out.getvalue(), "err": err.getvalue()}))
+"""
+
+
+def _bounded_plan(*argv: str) -> dict:
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _BOUNDED_RUN, *argv], capture_output=True, text=True,
+                          timeout=300)  # a hang guard only
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout)
+
+
+def test_a_million_gpus_are_planned_in_bounded_memory():
+    """gpt-1.3b on 2^20 A100s, batch 2^21, in 2 GiB of address space: a plan comes
+    back (the data-parallel collectives over 2^18 ranks were priced by walking every
+    rank, which ran out of memory), and a budget that cuts the search says so."""
+    full = _bounded_plan("--json")
+    assert full["code"] == 0, full["err"]
+    plans = json.loads(full["out"])
+    assert plans and plans[0]["rank"] == 1 and plans[0]["tp"] * plans[0]["pp"] * plans[0]["dp"] == 1 << 20
+    assert "cut the search" not in full["err"]  # the grid (2,832 layouts) fits the default budget
+    cut = _bounded_plan("--max-layouts", "1000", "--top", "3")
+    assert cut["code"] == 0, cut["err"]
+    rows = [line for line in cut["out"].splitlines() if line[:2].strip().isdigit()]
+    assert len(rows) == 3 and "best: tp=" in cut["out"]
+    last = cut["out"].splitlines()[-1]
+    assert last.startswith("searched ") and "budget max_layouts=1,000 cut the search: micro-batch sizes" in last
+    assert "of 2,832 layouts not priced" in last
+
+
+def test_the_budget_flag_prunes_and_json_stays_a_list(capsys):
+    argv = ["plan", "--model", "gpt-1.3b", "--gpus", "16", "--global-batch", "128", "--max-layouts", "200"]
+    assert main([*argv, "--json"]) == 0
+    captured = capsys.readouterr()
+    plans = json.loads(captured.out)
+    assert isinstance(plans, list) and plans and set(plans[0]) >= {"rank", "tp", "pp", "dp", "step_time_s"}
+    assert captured.err.startswith("plait plan: budget max_layouts=200 cut the search:")
+    assert "of 1,500 layouts not priced" in captured.err
+    assert main(argv) == 0
+    last = capsys.readouterr().out.splitlines()[-1]
+    assert "budget max_layouts=200 cut the search" in last and "of 1,500 layouts not priced" in last
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--gpus", str(1 << 30)], "gpus=1,073,741,824 is above the limit of 16,777,216"),
+    (["--nodes", str(1 << 28)], "nodes=268,435,456 is above the limit of 2,097,152 (16,777,216 devices)"),
+    (["--gpus", "8", "--global-batch", str(1 << 40)],
+     "global_batch=1,099,511,627,776 is above the limit of 4,294,967,296"),
+    (["--gpus", "8", "--max-micro-batch", str(1 << 20)], "max_micro_batch=1,048,576 is above the limit of 65,536"),
+    (["--gpus", "8", "--top", str(10 ** 6)], "top=1,000,000 is above the limit of 10,000"),
+    (["--gpus", "8", "--max-layouts", "0"], "max_layouts=0 must be a whole number >= 1"),
+    (["--cluster", "local", "--nprocs", str(1 << 30)], "nprocs=1,073,741,824 is above the limit of 16,777,216"),
+])
+def test_absurd_values_are_clear_errors_before_any_work(capsys, argv, message):
+    assert main(["plan", "--global-batch", "64", *argv]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.startswith("plait plan: error: ") and message in captured.err
+    assert "measured this machine" not in captured.out  # refused before measuring anything

@@ -189,3 +189,61 @@ def test_shared_host_model_prices_total_work_over_the_ranks_sharing():
     assert shared_host_terms(star, ITEMSIZE, p).time_s(link) == pytest.approx(expected, rel=1e-12)
     with pytest.raises(ValueError, match="ranks_sharing=0"):
         shared_host_terms(star, ITEMSIZE, 0)
+
+
+def _walk_every_rank(p: int, trees, segments: int) -> CostTerms:
+    """The pipelined trees' terms walking all p ranks (the count before it walked one
+    rank per role): trees are (positions of ranks 0..p-1, bytes)."""
+    from plait.cost.alpha_beta import _binary_tree_activity
+
+    per_step: dict = {}
+    for positions, nbytes in trees:
+        segment = nbytes / segments
+        for rank, position in enumerate(positions):
+            for step, (sent, received, reduced) in _binary_tree_activity(p, position, segments).items():
+                entry = per_step.setdefault(step, {}).setdefault(rank, [0.0, 0.0, 0.0])
+                entry[0] += sent * segment
+                entry[1] += received * segment
+                entry[2] += reduced * segment
+    rounds = beta_bytes = gamma_bytes = 0.0
+    for ranks in per_step.values():
+        rounds += 1
+        beta_bytes += max(max(sent, received) for sent, received, _ in ranks.values())
+        gamma_bytes += max(reduced for _, _, reduced in ranks.values())
+    return CostTerms(rounds, beta_bytes, gamma_bytes)
+
+
+def test_tree_terms_walk_one_rank_per_role_and_equal_the_walk_over_every_rank():
+    """The binary trees' terms walk the first rank of each run of ranks with the same
+    role in every tree: bit for bit what walking all p ranks gives, from O(lg p) ranks."""
+    from plait.cost.alpha_beta import _representative_ranks
+
+    for p in list(range(1, 40)) + [63, 64, 65, 127, 128, 129, 383, 384, 385]:
+        for segments in (1, 3, 8, 64) if p < 130 else (1, 3, 8):
+            for nbytes in (12345.0, 2.0 ** 40 + 6):
+                half = math.floor(nbytes / 2)
+                single = _walk_every_rank(p, [(list(range(p)), nbytes)], segments)
+                double = _walk_every_rank(p, [(list(range(p)), half), (list(range(p))[::-1], nbytes - half)],
+                                          segments)
+                assert cost_terms("all_reduce", "binary_tree", nbytes, p, segments=segments) == single
+                assert cost_terms("all_reduce", "double_binary_tree", nbytes, p, segments=segments) == double
+        walked = _representative_ranks(p, [(False, 1.0), (True, 1.0)])
+        assert len(walked) <= 4 * max(1, p.bit_length()) + 4, (p, len(walked))
+
+
+def test_tree_terms_for_a_million_ranks_take_little_memory():
+    """Pricing the double binary tree over 2^20 ranks (a data-parallel group of the
+    largest plans) holds O(lg p · S) entries: walking every rank held ~p · S of them,
+    gigabytes at this size (a 4,096-rank walk already needs ~100 MB)."""
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        small = cost_terms("all_reduce", "double_binary_tree", 2.0 ** 30, 4096, segments=64)
+        large = cost_terms("all_reduce", "double_binary_tree", 2.0 ** 30, 1 << 20, segments=64)
+        _, peak_bytes = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak_bytes < 4 << 20, peak_bytes
+    # 2 floor(lg p) + S - 1 rounds per tree; the reversed tree's steps line up with the first's
+    assert small.rounds == 2 * 12 + 64 - 1 and large.rounds == 2 * 20 + 64 - 1

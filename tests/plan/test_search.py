@@ -202,3 +202,42 @@ def test_a_traced_model_is_priced_in_the_planned_precision():
     half = model.groups(4, 1, False, PRECISIONS["bf16-mixed"], "plait")[0][0].cost
     assert (half.activation_bytes, half.output_bytes, half.forward_bytes) == (400.0, 40.0, 80.0)  # x2 batch, /2 dtype
     assert half.forward_flops == 20.0
+
+
+def test_the_search_holds_only_the_top_plans_and_the_tallies(monkeypatch):
+    """Every priced layout is dropped unless it is among the ``top`` best or some
+    dimension value's best or closest: the search never keeps all feasible estimates."""
+    import sys
+    import weakref
+
+    search_module = sys.modules["plait.plan.search"]  # plait.plan.search is also the function
+
+    alive, most = [], [0]
+    price = search_module.estimate
+
+    def tracked(*args, **kwargs):
+        result = price(*args, **kwargs)
+        alive[:] = [ref for ref in alive if ref() is not None]
+        most[0] = max(most[0], len(alive))
+        alive.append(weakref.ref(result))
+        return result
+
+    monkeypatch.setattr(search_module, "estimate", tracked)
+    result = plan("gpt-1.3b", "dgx-a100", gpus=16, global_batch=128, top=3)
+    held = result.request.top + 2 * len(result.tallies)
+    assert result.feasible > 10 * held
+    assert most[0] <= held, (most[0], held)
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(global_batch=1 << 40), "global_batch=1,099,511,627,776 is above the limit of 4,294,967,296"),
+    (dict(max_micro_batch=1 << 20), "max_micro_batch=1,048,576 is above the limit of 65,536"),
+    (dict(top=10 ** 6), "top=1,000,000 is above the limit of 10,000: ask for at most 10,000 plans"),
+    (dict(max_layouts=0), "max_layouts=0 must be a whole number >= 1"),
+    (dict(max_layouts=-5), "max_layouts=-5 must be a whole number >= 1"),
+])
+def test_absurd_requests_are_refused_naming_the_limit(kwargs, message):
+    from plait.plan import PlanRequest
+
+    with pytest.raises(ValueError, match=message):
+        PlanRequest(**{"global_batch": 64, **kwargs})

@@ -8,7 +8,10 @@
 Without degrees it searches every layout and prints the best ones, the winner's time
 and memory and, per choice, why; any of --tp --pp --dp --micro-batch --schedule
 --virtual --recompute --zero-stage --sequence-parallel fixes that choice and the rest
-are searched. ``--json`` prints the ranked list (keys in the README) and nothing else.
+are searched. ``--json`` prints the ranked list (keys in the README) and nothing else
+on stdout. The search prices at most ``--max-layouts`` layouts; when that budget cuts
+it, the last line (on stderr with --json) says what was thinned and how many layouts
+were not priced.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ def _bool_flag(parser, name: str, help: str) -> None:
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     from plait.plan import CLUSTER_PRESETS, MODEL_PRESETS, PRECISIONS
+    from plait.plan.grid import DEFAULT_MAX_LAYOUTS
 
     parser = subparsers.add_parser(
         "plan", help="choose dp, tp, pp, micro-batching, schedule and memory options for a model on a cluster",
@@ -72,6 +76,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         help="activation accounting: megatron's fused kernels (default on GPUs) or plait's "
                              "eager GPT (default local)")
     layout.add_argument("--max-micro-batch", type=int, default=32, help="largest micro-batch searched")
+    layout.add_argument("--max-layouts", type=int, default=DEFAULT_MAX_LAYOUTS, metavar="N",
+                        help=f"search budget: price at most N layouts (default {DEFAULT_MAX_LAYOUTS:,}, every preset "
+                             "search in full); beyond it the micro-batch sizes and pp degrees, then the tp degrees, "
+                             "are thinned to geometric ladders and the output says what was not priced")
     out = parser.add_argument_group("output")
     out.add_argument("--top", type=int, default=5, help="plans to list")
     out.add_argument("--json", action="store_true", help="print the ranked plans as JSON only")
@@ -229,29 +237,35 @@ def _check_flag_combinations(args, local: bool) -> None:
 
 def run(args) -> int:
     from plait.plan import PlanRequest, TransformerModel, cluster_preset, explain, search, table
+    from plait.plan.cluster import MAX_DEVICES, check_count
 
     emit = (lambda text: print(text, file=sys.stderr)) if args.json else print
     local = args.cluster == "local"
     precision = args.precision or ("fp32" if local else "bf16-mixed")
     accounting = args.accounting or ("plait" if local else "megatron")
     _check_flag_combinations(args, local)
+    # the request is checked before any work (tracing a module, measuring this machine)
+    request = PlanRequest(
+        global_batch=args.global_batch, tp=args.tp, pp=args.pp, dp=args.dp, micro_batch=args.micro_batch,
+        schedule=args.schedule, virtual=args.virtual, recompute=args.recompute, zero_stage=args.zero_stage,
+        sequence_parallel=args.sequence_parallel, precision=precision, accounting=accounting,
+        memory_limit_bytes=None if args.memory_limit_gib is None else args.memory_limit_gib * GIB,
+        max_micro_batch=args.max_micro_batch, top=args.top, max_layouts=args.max_layouts)
+    processes = args.nprocs if args.nprocs is not None else args.gpus
+    if local and processes is not None:
+        check_count("nprocs", processes, most=MAX_DEVICES)
+    cluster = None if local else cluster_preset(args.cluster, gpus=args.gpus, nodes=args.nodes)
     if args.module:
         model = _module_model(args.module)
     else:
         model = TransformerModel(_transformer(args))
     if local:
         cluster = _local_cluster(args, precision, emit, model)
-    else:
-        cluster = cluster_preset(args.cluster, gpus=args.gpus, nodes=args.nodes)
-    request = PlanRequest(
-        global_batch=args.global_batch, tp=args.tp, pp=args.pp, dp=args.dp, micro_batch=args.micro_batch,
-        schedule=args.schedule, virtual=args.virtual, recompute=args.recompute, zero_stage=args.zero_stage,
-        sequence_parallel=args.sequence_parallel, precision=precision, accounting=accounting,
-        memory_limit_bytes=None if args.memory_limit_gib is None else args.memory_limit_gib * GIB,
-        max_micro_batch=args.max_micro_batch, top=args.top)
     result = search(model, cluster, request)
     if args.json:
         print(json.dumps(result.as_json(), indent=2))
+        if result.pruning is not None and result.pruning.pruned:
+            emit(f"plait plan: {result.pruning.text()}")
         return 0
     print(f"model: {result.model_description}")
     print(f"cluster: {result.cluster_description} [{cluster.link_source or 'given links'}]")

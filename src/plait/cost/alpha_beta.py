@@ -178,42 +178,69 @@ def _binary_tree_activity(q: int, position: int, segments: int) -> dict[int, lis
     return steps
 
 
-def _pipelined_trees_terms(p: int, trees: list[tuple[list[int], float]], segments: int) -> CostTerms:
+def _role_starts(q: int) -> list[int]:
+    """Heap positions where a node's (depth, children) may change: 2^d - 1 (a new
+    depth) and q//2 - 1, q//2 (the last node with two children, with one, the first
+    leaf). Between two consecutive starts every position has the same role."""
+    starts = {0, max(0, q // 2 - 1), q // 2}
+    power = 1
+    while power - 1 < q:
+        starts.add(power - 1)
+        power <<= 1
+    return sorted(s for s in starts if s < q)
+
+
+def _representative_ranks(p: int, trees: list[tuple[bool, float]]) -> list[int]:
+    """The first rank of each run of ranks with the same role in every tree (tree
+    positions are r, or p - 1 - r when reversed): O(lg p) ranks whose activities are
+    all the activities the p ranks have."""
+    starts = {0}
+    for reversed_order, _ in trees:
+        for position in _role_starts(p):
+            # positions [a, b) map to ranks (p - b, p - a] when reversed: a run starts at p - b
+            starts.add(p - position if reversed_order and position > 0 else position)
+    return sorted(s for s in starts if s < p)
+
+
+def _pipelined_trees_terms(p: int, trees: list[tuple[bool, float]], segments: int) -> CostTerms:
     """Sum over steps of the busiest port, for binary trees run side by side.
 
-    Each tree is (positions of rank 0..p-1 in its heap, bytes it carries). The
-    per-step maximum depends on which ranks are interior in which tree, so the
-    count walks the p ranks (O(p (lg p + S)), no schedule is built).
+    Each tree is (rank order reversed?, bytes it carries): rank r sits at heap position
+    r, or p - 1 - r. A rank's traffic per step depends only on its (depth, children)
+    in each tree, which is constant on O(lg p) runs of consecutive ranks, so only the
+    first rank of each run is walked: O(lg p (lg p + S)) for any p (walking all p
+    ranks took O(p (lg p + S)) time and memory). The walk visits ranks in increasing
+    order, so steps are summed in the order a walk over every rank would meet them.
     """
+    ranks = _representative_ranks(p, trees)
     per_step: dict[int, dict[int, list[float]]] = {}
-    for positions, nbytes in trees:
+    for reversed_order, nbytes in trees:
         segment = nbytes / segments
-        for rank, position in enumerate(positions):
+        for rank in ranks:
+            position = p - 1 - rank if reversed_order else rank
             for step, (sent, received, reduced) in _binary_tree_activity(p, position, segments).items():
                 entry = per_step.setdefault(step, {}).setdefault(rank, [0.0, 0.0, 0.0])
                 entry[0] += sent * segment
                 entry[1] += received * segment
                 entry[2] += reduced * segment
     rounds = beta_bytes = gamma_bytes = 0.0
-    for ranks in per_step.values():
+    for by_rank in per_step.values():
         rounds += 1
-        beta_bytes += max(max(sent, received) for sent, received, _ in ranks.values())
-        gamma_bytes += max(reduced for _, _, reduced in ranks.values())
+        beta_bytes += max(max(sent, received) for sent, received, _ in by_rank.values())
+        gamma_bytes += max(reduced for _, _, reduced in by_rank.values())
     return CostTerms(rounds, beta_bytes, gamma_bytes)
 
 
 def _binary_tree(collective: str, p: int, n: float, segments: int) -> CostTerms:
     """Pipelined binary tree: 2 floor(lg p) + S - 1 steps of n/S, interior nodes
     moving two segments per step (one per child)."""
-    return _pipelined_trees_terms(p, [(list(range(p)), n)], segments)
+    return _pipelined_trees_terms(p, [(False, n)], segments)
 
 
 def _double_binary_tree(collective: str, p: int, n: float, segments: int) -> CostTerms:
     """Two binary trees carrying n/2 each, the second in reverse rank order."""
     half = math.floor(n / 2)
-    return _pipelined_trees_terms(
-        p, [(list(range(p)), half), ([p - 1 - r for r in range(p)], n - half)], segments
-    )
+    return _pipelined_trees_terms(p, [(False, half), (True, n - half)], segments)
 
 
 # ----- butterflies and Bruck --------------------------------------------------------------------

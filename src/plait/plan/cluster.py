@@ -25,7 +25,11 @@ from plait.cost import LinkModel
 from plait.cost.alpha_beta import closed_form_algorithms, level_terms, pipeline_segments
 from plait.plan.device import DeviceSpec, device_preset
 
-__all__ = ["Cluster", "CLUSTER_PRESETS", "cluster_preset", "GroupShape"]
+__all__ = ["Cluster", "CLUSTER_PRESETS", "cluster_preset", "GroupShape", "MAX_DEVICES", "check_count"]
+
+# The most devices a cluster may have: 16x the largest cluster built so far, and where the
+# search's divisor enumeration (O(sqrt devices)) still takes milliseconds.
+MAX_DEVICES = 1 << 24
 
 # algorithms priced for each collective: plait's own with a closed form, less the naive
 # direct and star exchanges and the single binary tree (the double binary tree, as NCCL
@@ -69,6 +73,10 @@ class Cluster:
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{key}={value!r} must be a whole number >= 1")
+        if self.world_size > MAX_DEVICES:
+            raise ValueError(f"nodes({self.nodes:,}) * devices_per_node({self.devices_per_node}) = "
+                             f"{self.world_size:,} devices is above the limit of {MAX_DEVICES:,}: plan a part of "
+                             "the cluster (the same layout repeats over identical parts)")
 
     @property
     def world_size(self) -> int:
@@ -84,7 +92,11 @@ class Cluster:
         cluster (ranks base + i·stride, the way plait.parallel.mesh builds a tp, dp or pp
         group): the group spanning the most nodes, and the fewest of its ranks on one
         node; ``per_node`` is 1 when its ranks are not spread evenly over its nodes (no
-        uniform hierarchy then: it is priced flat on the slowest link)."""
+        uniform hierarchy then: it is priced flat on the slowest link).
+
+        Moving a base by whole nodes moves every rank's node alike, so a group's
+        footprint depends on its base only modulo the node size: one group per residue
+        is measured (``_footprint``, O(node size) each), never all the world's ranks."""
         if size == 1:
             return GroupShape(1, 1, 1)
         key = ("shape", size, stride)
@@ -93,21 +105,26 @@ class Cluster:
             return hit
         worst = GroupShape(size, size, 1)
         world, slots = self.world_size, self.devices_per_node
-        if size * stride <= world and world % (size * stride) == 0:
-            bases = [block + offset for block in range(0, world, size * stride) for offset in range(stride)]
+        if self.nodes == 1:
+            residues = [0]  # every group sits on the one node
+        elif size * stride <= world and world % (size * stride) == 0:
+            residues = _base_residues(world // (size * stride), size * stride, stride, slots)
         else:  # not a tiling of this cluster: the first group alone
-            bases = [0]
-        for base in bases:
-            counts: dict[int, int] = {}
-            for i in range(size):
-                node = (base + i * stride) // slots
-                counts[node] = counts.get(node, 0) + 1
-            even = len(set(counts.values())) == 1
-            shape = GroupShape(size, min(counts.values()) if even else 1, len(counts))
+            residues = [0]
+        for base in residues:
+            nodes, per_node, even = _footprint(base, size, stride, slots)
+            shape = GroupShape(size, per_node if even else 1, nodes)
             if (shape.nodes, -shape.per_node) > (worst.nodes, -worst.per_node):
                 worst = shape
-        self._cache[key] = worst
+        self._remember(key, worst)
         return worst
+
+    def _remember(self, key, value) -> None:
+        """Cache ``value``; beyond ``_CACHE_ENTRIES`` the oldest entry goes, so a long
+        search holds a bounded cache (what it evicts is only recomputed)."""
+        if len(self._cache) >= _CACHE_ENTRIES:
+            self._cache.pop(next(iter(self._cache)))
+        self._cache[key] = value
 
     def collective_time_s(self, collective: str, nbytes: float, size: int, stride: int) -> tuple[float, str]:
         """(seconds, algorithm) of the cheapest plait algorithm for ``collective`` on
@@ -135,7 +152,7 @@ class Cluster:
             if seconds < best[0]:
                 best = (seconds, algorithm)
         result = (best[0] + self.call_overhead_s, best[1])
-        self._cache[key] = result
+        self._remember(key, result)
         return result
 
     def p2p_time_s(self, nbytes: float, crosses_node: bool) -> float:
@@ -144,6 +161,48 @@ class Cluster:
             return 0.0
         link = self.inter_link if crosses_node else self.intra_link
         return link.alpha_s + nbytes * link.beta_s_per_byte + self.call_overhead_s
+
+
+# priced collectives and group shapes one Cluster keeps (a few hundred bytes each)
+_CACHE_ENTRIES = 1 << 14
+
+
+def _base_residues(blocks: int, block_ranks: int, stride: int, slots: int) -> list[int]:
+    """The residues modulo ``slots`` of the group bases block·block_ranks + offset
+    (block < ``blocks``, offset < ``stride``). block·block_ranks mod slots repeats
+    with a period of at most ``slots`` blocks, an offset's residue is the offset's own
+    below ``slots``: O(slots²) at most, whatever the world size."""
+    block_residues = {block * block_ranks % slots for block in range(min(blocks, slots))}
+    if stride >= slots:
+        return list(range(slots))
+    residues: set[int] = set()
+    for first in sorted(block_residues):
+        residues.update((first + offset) % slots for offset in range(stride))
+        if len(residues) == slots:
+            break
+    return sorted(residues)
+
+
+def _footprint(base: int, size: int, stride: int, slots: int) -> tuple[int, int, bool]:
+    """(nodes, fewest ranks on one of them, all nodes equal?) of the ranks base +
+    i·stride, i < size, on nodes of ``slots`` ranks. With stride >= slots each rank has
+    a node of its own. Otherwise every node from the first to the last holds some, and
+    a node n holds the i with n·slots <= base + i·stride < (n+1)·slots; between the two
+    ends that count repeats every lcm(slots, stride) / slots nodes (< stride), so the
+    ends and one period of the middle are all the counts there are."""
+    if stride >= slots:
+        return size, 1, True
+    first, last = base // slots, (base + (size - 1) * stride) // slots
+    span = size * stride
+
+    def held(node: int) -> int:
+        low = max(node * slots - base, 0)
+        high = min((node + 1) * slots - base, span)
+        return -(-high // stride) - -(-low // stride)
+
+    period = math.lcm(slots, stride) // slots
+    counts = {held(first), held(last)} | {held(node) for node in range(first + 1, min(first + period, last - 1) + 1)}
+    return last - first + 1, min(counts), len(counts) == 1
 
 
 @lru_cache(maxsize=4096)
@@ -205,7 +264,7 @@ def cluster_preset(name: str, *, gpus: int | None = None, nodes: int | None = No
         count = nprocs if nprocs is not None else gpus
         if count is None:
             raise ValueError("cluster 'local' needs --nprocs N (processes on this machine)")
-        _check_whole("nprocs", count)
+        check_count("nprocs", count, most=MAX_DEVICES)
         if device is None or local_link is None:
             raise ValueError("cluster 'local' needs a measured device and a link (plait.plan.local_cluster builds both)")
         return Cluster(name="local", nodes=1, devices_per_node=count, device=device, intra_link=local_link,
@@ -215,14 +274,14 @@ def cluster_preset(name: str, *, gpus: int | None = None, nodes: int | None = No
     if gpus is None and nodes is None:
         raise ValueError(f"cluster {name!r} needs --gpus N (a multiple of {per_node}) or --nodes N")
     if gpus is not None:
-        _check_whole("gpus", gpus)
+        check_count("gpus", gpus, most=MAX_DEVICES)
         if gpus % per_node and gpus > per_node:
             raise ValueError(f"gpus={gpus} is not a whole number of {name} nodes ({per_node} GPUs each): use "
                              f"{gpus // per_node * per_node} or {(gpus // per_node + 1) * per_node}")
         if nodes is not None and nodes * per_node != gpus:
             raise ValueError(f"gpus={gpus} and nodes={nodes} disagree: {nodes} {name} nodes hold {nodes * per_node} GPUs")
     if nodes is not None:
-        _check_whole("nodes", nodes)
+        check_count("nodes", nodes, most=MAX_DEVICES // per_node)
     within, between, source = _preset_links(topology)
     spec = device or device_preset(device_name)
     if gpus is not None and gpus < per_node:  # part of one node
@@ -233,6 +292,10 @@ def cluster_preset(name: str, *, gpus: int | None = None, nodes: int | None = No
                    inter_link=between, call_overhead_s=call_overhead_s, link_source=source)
 
 
-def _check_whole(name: str, value) -> None:
+def check_count(name: str, value, most: int | None = None) -> None:
+    """A count of devices, nodes or processes: a whole number in [1, ``most``]."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name}={value!r} must be a whole number >= 1")
+    if most is not None and value > most:
+        raise ValueError(f"{name}={value:,} is above the limit of {most:,} ({MAX_DEVICES:,} devices): plan a part "
+                         "of the cluster (the same layout repeats over identical parts)")

@@ -131,6 +131,8 @@ def explain(result: PlanResult) -> list[str]:
         head = f"  {_LABELS[dimension]} = {_value_text(chosen)}" + (" (fixed by the request)" if fixed else "")
         lines.append(head + (" -- " + "; ".join(notes) if notes else " (the only option)"))
     eliminated = ", ".join(f"{count} {reason}" for reason, count in result.eliminated.most_common())
+    pruning = result.pruning
     lines.append(f"searched {result.considered} layouts in {result.search_time_s:.2f} s: {result.feasible} fit"
-                 + (f"; eliminated: {eliminated}" if eliminated else ""))
+                 + (f"; eliminated: {eliminated}" if eliminated else "")
+                 + (f"; {pruning.text()}" if pruning is not None and pruning.pruned else ""))
     return lines

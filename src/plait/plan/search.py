@@ -13,23 +13,39 @@ of the winner, what the best alternative value costs or which constraint removed
 Stages: a transformer's blocks are alike, so its chunks are the min-max split of the
 layer times; an uneven model (a traced module) with one chunk per rank is split by
 Alpa's DP on the very objective the estimate prices, Σ t_s + (m-1)·max t_s.
+
+Bounds: the grid of (tp, pp) families and their micro-batch sizes is counted before
+anything is priced; beyond ``max_layouts`` priced layouts ``plait.plan.grid`` thins
+it in a fixed order and ``PlanResult.pruning`` says what went and how many layouts
+were not priced. Only the ``top`` best plans are held (a heap), with the tallies (one
+per value of each dimension); the caches live per tp. One layout's price is bounded
+by the model's layers (pipeline time in closed form, collectives priced per group
+footprint, never per rank), not by the micro-batch count or the device count.
 """
 
 from __future__ import annotations
 
+import heapq
 import math
 import time
 from collections import Counter
 from dataclasses import dataclass, field, replace
 
-from plait.plan.cluster import Cluster
+from plait.plan.cluster import MAX_DEVICES, Cluster
 from plait.plan.estimate import (PRECISIONS, SCHEDULES, Estimate, Layout, alpa_split, combine, estimate,
                                  layout_problems, split_groups, summarize)
+from plait.plan.grid import (DEFAULT_MAX_LAYOUTS, Family, Pruning, divisors, enumerate_families, fit_budget,
+                             variant_choices)
 from plait.plan.transformer import ACCOUNTINGS
 
 __all__ = ["PlanRequest", "PlanResult", "PlanError", "search", "DIMENSIONS"]
 
 GIB = 1 << 30
+# Beyond these a request is a mistake, not a plan: the search enumerates the divisors of
+# the global batch, and keeps and prints ``top`` plans.
+MAX_GLOBAL_BATCH = 1 << 32
+MAX_MICRO_BATCH = 1 << 16
+MAX_TOP = 10_000
 DIMENSIONS = ("tp", "pp", "dp", "micro_batch", "schedule", "recompute", "zero_stage", "sequence_parallel")
 
 
@@ -43,7 +59,9 @@ class PlanRequest:
     choices. ``None`` means search it. The memory limit is ``memory_limit_bytes``, by
     default the device's memory less ``memory_reserve_fraction`` (10%: the CUDA
     context, communication buffers, allocator fragmentation and transient tensors the
-    accounting leaves out). ``virtual`` alone implies the interleaved schedule."""
+    accounting leaves out). ``virtual`` alone implies the interleaved schedule.
+    ``max_layouts`` is the search budget: the most layouts priced (``plait.plan.grid``
+    says what is cut beyond it; the default prices every preset search in full)."""
 
     global_batch: int
     tp: int | None = None
@@ -62,6 +80,7 @@ class PlanRequest:
     max_micro_batch: int = 32
     virtual_choices: tuple[int, ...] = (2, 4, 8)
     top: int = 5
+    max_layouts: int = DEFAULT_MAX_LAYOUTS
 
     def __post_init__(self) -> None:
         problems = []
@@ -72,11 +91,20 @@ class PlanRequest:
             if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
                 problems.append(f"{key}={value!r} must be a whole number >= {minimum}")
 
+        def at_most(key, value, most, fix):
+            if isinstance(value, int) and not isinstance(value, bool) and value > most:
+                problems.append(f"{key}={value:,} is above the limit of {most:,}: {fix}")
+
         whole("global_batch", self.global_batch, allow_none=False)
+        at_most("global_batch", self.global_batch, MAX_GLOBAL_BATCH,
+                "give the sequences per optimizer step (GPT-3 used 1,536)")
         for key in ("tp", "pp", "dp", "micro_batch", "virtual"):
             whole(key, getattr(self, key))
         whole("max_micro_batch", self.max_micro_batch, allow_none=False)
+        at_most("max_micro_batch", self.max_micro_batch, MAX_MICRO_BATCH, f"use at most {MAX_MICRO_BATCH:,}")
         whole("top", self.top, allow_none=False)
+        at_most("top", self.top, MAX_TOP, f"ask for at most {MAX_TOP:,} plans")
+        whole("max_layouts", self.max_layouts, allow_none=False)
         if self.zero_stage is not None and self.zero_stage not in (0, 1, 2, 3):
             problems.append(f"zero_stage={self.zero_stage!r} must be 0, 1, 2 or 3")
         if self.schedule is not None and self.schedule not in SCHEDULES:
@@ -121,6 +149,8 @@ class PlanResult:
     eliminated: Counter
     tallies: dict[tuple[str, object], _Tally]
     search_time_s: float
+    priced: int = 0                  # layouts priced (feasible + over memory)
+    pruning: Pruning | None = None   # what the budget cut (pruning.pruned: something was)
 
     @property
     def best(self) -> Estimate:
@@ -137,18 +167,12 @@ def dimension_value(layout: Layout, dimension: str):
     return getattr(layout, dimension)
 
 
-def _divisors(n: int) -> list[int]:
-    small = [d for d in range(1, int(math.isqrt(n)) + 1) if n % d == 0]
-    return sorted(set(small + [n // d for d in small]))
-
-
-def _choices(fixed, options):
-    return [fixed] if fixed is not None else list(options)
-
-
 def search(model, cluster: Cluster, request: PlanRequest, *, suggest: bool = True) -> PlanResult:
     """Every layout of ``model`` on ``cluster`` for ``request``, ranked (see the module
-    docstring). Raises PlanError when none is valid or none fits in memory (with
+    docstring), or, beyond ``request.max_layouts``, the thinned grid ``plait.plan.grid``
+    chooses (``PlanResult.pruning`` says what was cut). Holds the ``request.top`` best
+    plans and, per value of each dimension, its best and closest layout: never every
+    priced one. Raises PlanError when none is valid or none fits in memory (with
     ``suggest``, naming the smallest bigger cluster that would fit)."""
     started = time.perf_counter()
     world = cluster.world_size
@@ -156,11 +180,12 @@ def search(model, cluster: Cluster, request: PlanRequest, *, suggest: bool = Tru
     limit = request.memory_limit_bytes or cluster.device.memory_bytes * (1 - request.memory_reserve_fraction)
     batch = request.global_batch
     _check_fixed(model, world, request)
+    families, pruning = fit_budget(enumerate_families(model, world, request), request.max_layouts)
 
     tallies: dict[tuple[str, object], _Tally] = {}
     eliminated: Counter = Counter()
-    feasible: list[Estimate] = []
-    considered = 0
+    best = _TopPlans(request.top)
+    considered = priced = 0
 
     def tally(layout: Layout, dimensions=DIMENSIONS) -> list[_Tally]:
         return [tallies.setdefault((d, dimension_value(layout, d)), _Tally()) for d in dimensions]
@@ -170,102 +195,115 @@ def search(model, cluster: Cluster, request: PlanRequest, *, suggest: bool = Tru
         for entry in tally(layout, dimensions):
             entry.failures[reason] += 1
 
+    # both keyed by tp first and the families come in tp order: a tp's entries are dropped with it
     groups_cache: dict = {}
     split_cache: dict = {}
     flops = {rc: (model.training_flops(batch, False), model.training_flops(batch, rc)) for rc in (False, True)}
-    for tp in _choices(request.tp, _divisors(world)):
-        for pp in _choices(request.pp, _divisors(world // tp) if world % tp == 0 else []):
-            if world % (tp * pp):
-                continue
-            dp = world // (tp * pp)
-            if request.dp is not None and dp != request.dp:
-                continue
-            shell = Layout(tp=tp, pp=pp, dp=dp, schedule="none" if pp == 1 else "1f1b")
-            structural = [p for p in (model.tensor_parallel_problem(tp),) if p]
-            if pp > model.num_groups:
-                structural.append(f"pp={pp} exceeds the model's {model.num_groups} layers")
-            if batch % dp:
-                structural.append(f"global batch {batch} is not divisible by dp={dp}")
-            if structural:
+
+    def price_family(family: Family) -> bool:
+        """Price (or reject) every layout of ``family``; False once the budget's stop is reached."""
+        nonlocal considered, priced
+        tp, pp, dp = family.tp, family.pp, family.dp
+        shell = Layout(tp=tp, pp=pp, dp=dp, schedule="none" if pp == 1 else "1f1b")
+        if family.structural is not None:
+            considered += 1
+            reject(shell, _kind(family.structural), ("tp", "pp", "dp"))
+            return True
+        per_replica = batch // dp
+        for mb in family.micro_batches:
+            if per_replica % mb:
                 considered += 1
-                reject(shell, _kind(structural[0]), ("tp", "pp", "dp"))
+                reject(replace(shell, micro_batch=mb), "micro-batch does not divide the per-replica batch",
+                       ("tp", "pp", "dp", "micro_batch"))
                 continue
-            per_replica = batch // dp
-            micro_batches = [b for b in _divisors(per_replica) if b <= request.max_micro_batch]
-            for mb in _choices(request.micro_batch, micro_batches):
-                if per_replica % mb:
-                    considered += 1
-                    reject(replace(shell, micro_batch=mb), "micro-batch does not divide the per-replica batch",
-                           ("tp", "pp", "dp", "micro_batch"))
-                    continue
-                m = per_replica // mb
-                for sp in _choices(request.sequence_parallel, (False, True) if tp > 1 else (False,)):
-                    for rc in _choices(request.recompute, (False, True)):
-                        key = (tp, mb, sp)
-                        if key not in groups_cache:
-                            groups_cache[key] = model.groups(mb, tp, sp, precision, request.accounting)
-                        groups = groups_cache[key]
-                        algorithms: dict = {}
-                        summaries = summarize(groups, tp=tp, recompute=rc, cluster=cluster, dtype=precision.dtype,
-                                              algorithms=algorithms)
-                        for schedule, virtual in _schedules(pp, request):
-                            zeros = [0] if dp == 1 else ([0, 1] if pp > 1 else [0, 1, 2, 3])
-                            for zero in _choices(request.zero_stage, zeros):
-                                layout = Layout(tp=tp, pp=pp, dp=dp, micro_batch=mb, num_microbatches=m,
-                                                schedule=schedule, virtual=virtual, recompute=rc, zero_stage=zero,
-                                                sequence_parallel=sp)
-                                considered += 1
-                                problems = layout_problems(layout, num_groups=model.num_groups, world_size=world,
-                                                           global_batch=batch, tp_problem=None,
-                                                           seq_len=getattr(model, "seq_len", None))
-                                if problems:
-                                    reject(layout, _kind(problems[0]))
-                                    continue
-                                uneven = getattr(model, "uneven", False) and virtual == 1 and pp > 1
-                                split_key = (tp, mb, sp, rc, pp, virtual, m if uneven else None)
-                                if split_key not in split_cache:
-                                    split = (alpa_split(summaries, layout, cluster) if uneven
-                                             else split_groups(summaries, pp * virtual, pp))
-                                    split_cache[split_key] = (split, [combine([summaries[g] for g in indices])
-                                                                      for indices in split])
-                                result = estimate(groups, layout, cluster, precision, model_flops=flops[rc][0],
-                                                  hardware_flops=flops[rc][1],
-                                                  tied_embedding_params=model.tied_embedding_params(tp),
-                                                  summaries=summaries, split=split_cache[split_key][0],
-                                                  chunks=split_cache[split_key][1], algorithms=algorithms)
-                                if result.memory_per_gpu_bytes > limit:
-                                    reject(layout, "exceeds memory")
-                                    for entry in tally(layout):
-                                        if entry.closest is None or \
-                                                result.memory_per_gpu_bytes < entry.closest.memory_per_gpu_bytes:
-                                            entry.closest = result
-                                    continue
-                                feasible.append(result)
+            m = per_replica // mb
+            sps, rcs, schedules, zeros = variant_choices(tp, pp, dp, request)
+            for sp in sps:
+                for rc in rcs:
+                    key = (tp, mb, sp)
+                    if key not in groups_cache:
+                        groups_cache[key] = model.groups(mb, tp, sp, precision, request.accounting)
+                    groups = groups_cache[key]
+                    algorithms: dict = {}
+                    summaries = summarize(groups, tp=tp, recompute=rc, cluster=cluster, dtype=precision.dtype,
+                                          algorithms=algorithms)
+                    for schedule, virtual in schedules:
+                        for zero in zeros:
+                            layout = Layout(tp=tp, pp=pp, dp=dp, micro_batch=mb, num_microbatches=m,
+                                            schedule=schedule, virtual=virtual, recompute=rc, zero_stage=zero,
+                                            sequence_parallel=sp)
+                            problems = layout_problems(layout, num_groups=model.num_groups, world_size=world,
+                                                       global_batch=batch, tp_problem=None,
+                                                       seq_len=getattr(model, "seq_len", None))
+                            if not problems and pruning.stop_after is not None and priced >= pruning.stop_after:
+                                return False
+                            considered += 1
+                            if problems:
+                                reject(layout, _kind(problems[0]))
+                                continue
+                            priced += 1
+                            uneven = getattr(model, "uneven", False) and virtual == 1 and pp > 1
+                            split_key = (tp, mb, sp, rc, pp, virtual, m if uneven else None)
+                            if split_key not in split_cache:
+                                split = (alpa_split(summaries, layout, cluster) if uneven
+                                         else split_groups(summaries, pp * virtual, pp))
+                                split_cache[split_key] = (split, [combine([summaries[g] for g in indices])
+                                                                  for indices in split])
+                            result = estimate(groups, layout, cluster, precision, model_flops=flops[rc][0],
+                                              hardware_flops=flops[rc][1],
+                                              tied_embedding_params=model.tied_embedding_params(tp),
+                                              summaries=summaries, split=split_cache[split_key][0],
+                                              chunks=split_cache[split_key][1], algorithms=algorithms)
+                            if result.memory_per_gpu_bytes > limit:
+                                reject(layout, "exceeds memory")
                                 for entry in tally(layout):
-                                    if entry.best is None or result.step_time_s < entry.best.step_time_s:
-                                        entry.best = result
+                                    if entry.closest is None or \
+                                            result.memory_per_gpu_bytes < entry.closest.memory_per_gpu_bytes:
+                                        entry.closest = result
+                                continue
+                            best.add(result)
+                            for entry in tally(layout):
+                                if entry.best is None or result.step_time_s < entry.best.step_time_s:
+                                    entry.best = result
+        return True
+
+    current_tp = None
+    for family in families:
+        if family.tp != current_tp:
+            groups_cache.clear()
+            split_cache.clear()
+            current_tp = family.tp
+        if not price_family(family):
+            break
     elapsed = time.perf_counter() - started
-    if not feasible:
-        raise PlanError(_no_plan_message(model, cluster, request, tallies, eliminated, limit, considered, suggest))
-    feasible.sort(key=lambda e: (e.step_time_s, e.memory_per_gpu_bytes))
-    return PlanResult(plans=feasible[:request.top], model_description=model.describe(),
+    if not best.count:
+        raise PlanError(_no_plan_message(model, cluster, request, tallies, eliminated, limit, considered, suggest,
+                                         pruning))
+    return PlanResult(plans=best.ranked(), model_description=model.describe(),
                       cluster_description=cluster.describe(), request=request, memory_limit_bytes=limit,
                       peak_flops_per_s=cluster.device.peak(precision.dtype), considered=considered,
-                      feasible=len(feasible), eliminated=eliminated, tallies=tallies, search_time_s=elapsed)
+                      feasible=best.count, eliminated=eliminated, tallies=tallies, search_time_s=elapsed,
+                      priced=priced, pruning=pruning)
 
 
-def _schedules(pp: int, request: PlanRequest) -> list[tuple[str, int]]:
-    if pp == 1:
-        options = [("none", 1)]
-    else:
-        options = [("1f1b", 1), ("gpipe", 1)] + [("interleaved", v) for v in request.virtual_choices]
-    schedule = request.schedule or ("interleaved" if request.virtual is not None else None)
-    if schedule is not None:
-        options = [o for o in options if o[0] == schedule] or [(schedule, request.virtual or 1)]
-    if request.virtual is not None:
-        options = [(s, request.virtual if s == "interleaved" else v) for s, v in options]
-        options = list(dict.fromkeys(options))
-    return options
+class _TopPlans:
+    """The ``top`` fastest estimates seen (ties: less memory, then the first seen),
+    in a heap of at most ``top``, and how many were offered."""
+
+    def __init__(self, top: int) -> None:
+        self.top, self.count, self._heap = top, 0, []
+
+    def add(self, result: Estimate) -> None:
+        # the heap's root is the worst kept: the slowest, then the most memory, then the latest
+        item = (-result.step_time_s, -result.memory_per_gpu_bytes, -self.count, result)
+        self.count += 1
+        if len(self._heap) < self.top:
+            heapq.heappush(self._heap, item)
+        else:
+            heapq.heappushpop(self._heap, item)
+
+    def ranked(self) -> list[Estimate]:
+        return [item[3] for item in sorted(self._heap, key=lambda item: (-item[0], -item[1], -item[2]))]
 
 
 def _kind(problem: str) -> str:
@@ -292,7 +330,7 @@ def _check_fixed(model, world: int, request: PlanRequest) -> None:
         value = getattr(request, key)
         if value is not None and world % value:
             problems.append(f"{key}={value} does not divide the {world} devices (valid {key}: "
-                            f"{', '.join(map(str, _divisors(world)))})")
+                            f"{', '.join(map(str, divisors(world)))})")
     fixed = {k: getattr(request, k) for k in ("tp", "pp", "dp") if getattr(request, k) is not None}
     product = math.prod(fixed.values())
     if len(fixed) == 3 and product != world:
@@ -328,10 +366,10 @@ def _check_fixed(model, world: int, request: PlanRequest) -> None:
     if request.schedule == "interleaved" and request.pp == 1:
         problems.append("schedule='interleaved' needs pp > 1")
     if request.micro_batch is not None:
-        dps = [request.dp] if request.dp is not None else [d for d in _divisors(world)
+        dps = [request.dp] if request.dp is not None else [d for d in divisors(world)
                                                          if request.global_batch % d == 0]
         if not any(request.global_batch % (d * request.micro_batch) == 0 for d in dps):
-            valid = sorted({b for d in dps for b in _divisors(request.global_batch // d)})
+            valid = sorted({b for d in dps for b in divisors(request.global_batch // d)})
             problems.append(f"micro_batch={request.micro_batch} divides no per-replica batch (global batch "
                             f"{request.global_batch} / dp); valid micro-batches: {', '.join(map(str, valid))}")
     if request.sequence_parallel and request.tp == 1:
@@ -341,13 +379,23 @@ def _check_fixed(model, world: int, request: PlanRequest) -> None:
 
 
 def _no_plan_message(model, cluster: Cluster, request: PlanRequest, tallies, eliminated: Counter, limit: float,
-                     considered: int, suggest: bool) -> str:
+                     considered: int, suggest: bool, pruning: Pruning | None = None) -> str:
+    if pruning is None or not pruning.pruned:
+        return _no_plan_reason(model, cluster, request, tallies, eliminated, limit, considered, suggest)
+    # the budget left layouts unpriced: one of them may fit here, so no bigger cluster is suggested
+    return (_no_plan_reason(model, cluster, request, tallies, eliminated, limit, considered, False, priced_only=True)
+            + f" ({pruning.text()})")
+
+
+def _no_plan_reason(model, cluster: Cluster, request: PlanRequest, tallies, eliminated: Counter, limit: float,
+                    considered: int, suggest: bool, priced_only: bool = False) -> str:
     closest = None
     for entry in tallies.values():
         if entry.closest is not None and (closest is None or
                                           entry.closest.memory_per_gpu_bytes < closest.memory_per_gpu_bytes):
             closest = entry.closest
-    head = f"no layout of {model.describe()} runs on {cluster.describe()} with global batch {request.global_batch}"
+    head = (f"no {'priced ' if priced_only else ''}layout of {model.describe()} runs on {cluster.describe()} "
+            f"with global batch {request.global_batch}")
     if closest is None:
         reasons = "; ".join(f"{count} x {reason}" for reason, count in eliminated.most_common())
         return f"{head}: all {considered} layouts break a rule ({reasons})"
@@ -365,7 +413,11 @@ def _what_would_fit(model, cluster: Cluster, request: PlanRequest) -> str:
     layout fits the same global batch."""
     if cluster.name == "local":
         return "give the processes more memory, or a smaller model"
+    tried = 1
     for factor in (2, 4, 8, 16, 32, 64):
+        if cluster.world_size * factor > MAX_DEVICES:
+            break
+        tried = factor
         bigger = replace(cluster, nodes=cluster.nodes * factor, _cache={})
         try:
             result = search(model, bigger, replace(request, top=1, dp=None), suggest=False)
@@ -373,4 +425,7 @@ def _what_would_fit(model, cluster: Cluster, request: PlanRequest) -> str:
             continue
         return (f"{bigger.world_size} devices ({bigger.nodes} nodes) would fit it, e.g. "
                 f"{result.best.layout.text()} at {result.best.memory_per_gpu_bytes / GIB:.1f} GiB per device")
-    return "not even 64x the devices fit it: use a smaller model or devices with more memory"
+    if tried == 1:
+        return (f"no bigger cluster is within the {MAX_DEVICES:,}-device limit: use a smaller model or devices "
+                "with more memory")
+    return f"not even {tried}x the devices fit it: use a smaller model or devices with more memory"
