@@ -241,3 +241,13 @@ def test_absurd_requests_are_refused_naming_the_limit(kwargs, message):
 
     with pytest.raises(ValueError, match=message):
         PlanRequest(**{"global_batch": 64, **kwargs})
+
+
+def test_a_model_with_absurdly_many_layers_is_refused_before_any_pricing():
+    """--layers 100000000 ran out of memory building per-layer costs."""
+    from plait.plan import PlanError, PlanRequest, TransformerModel, TransformerSpec, cluster_preset
+    from plait.plan.search import MAX_LAYER_GROUPS, search
+
+    model = TransformerModel(TransformerSpec(layers=100_000_000, hidden=1024, heads=16, seq_len=2048, vocab=51200))
+    with pytest.raises(PlanError, match=f"100,000,000 layers are above the planner's limit of {MAX_LAYER_GROUPS:,}"):
+        search(model, cluster_preset("dgx-a100", gpus=8), PlanRequest(global_batch=8))

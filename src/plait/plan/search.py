@@ -46,6 +46,8 @@ GIB = 1 << 30
 MAX_GLOBAL_BATCH = 1 << 32
 MAX_MICRO_BATCH = 1 << 16
 MAX_TOP = 10_000
+# The search prices every layer (group) of the model per layout family; real models have a few hundred.
+MAX_LAYER_GROUPS = 1 << 16
 DIMENSIONS = ("tp", "pp", "dp", "micro_batch", "schedule", "recompute", "zero_stage", "sequence_parallel")
 
 
@@ -179,6 +181,10 @@ def search(model, cluster: Cluster, request: PlanRequest, *, suggest: bool = Tru
     precision = PRECISIONS[request.precision]
     limit = request.memory_limit_bytes or cluster.device.memory_bytes * (1 - request.memory_reserve_fraction)
     batch = request.global_batch
+    if model.num_groups > MAX_LAYER_GROUPS:
+        raise PlanError(f"{model.num_groups:,} layers are above the planner's limit of {MAX_LAYER_GROUPS:,} (it "
+                        f"prices every layer of every layout; the model: {model.describe()}): plan a model of at "
+                        f"most {MAX_LAYER_GROUPS:,} layers")
     _check_fixed(model, world, request)
     families, pruning = fit_budget(enumerate_families(model, world, request), request.max_layouts)
 
