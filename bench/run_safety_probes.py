@@ -183,8 +183,10 @@ def _signal_probe(target: str, number: signal.Signals):
         out = work / "run"
         launcher = procs.start([*PLAIT, "train", *TINY, "--steps", "100000", "--checkpoint-interval", "2",
                                 "--out", str(out)], work / "run.log")
-        if not wait_for(lambda: (out / "checkpoints" / "step_00000002" / "manifest.json").exists(), 240):
-            return False, "the run never wrote a checkpoint"
+        # any complete checkpoint: a given step may be pruned (keep 3) before a poll sees it
+        if not wait_for(lambda: any((out / "checkpoints").glob("step_*/manifest.json"))
+                        or launcher.poll() is not None, 240) or launcher.poll() is not None:
+            return False, f"the run wrote no checkpoint (exit {launcher.poll()}): {_last_line(work / 'run.log')}"
         everyone = procs.note()
         agent = [pid for pid in everyone if ("torch.distributed.run" in cmdline(pid)
                                              or "plait.train.agent" in cmdline(pid))]
@@ -194,6 +196,11 @@ def _signal_probe(target: str, number: signal.Signals):
         return not survivors, f"{len(everyone)} processes; alive 10 s after {number.name}: {len(survivors)}"
 
     return probe
+
+
+def _last_line(log: Path) -> str:
+    lines = log.read_text().strip().splitlines() if log.exists() else []
+    return lines[-1][:150] if lines else "(no output)"
 
 
 def probe_listening_sockets(work: Path, procs: Processes):
