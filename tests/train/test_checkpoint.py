@@ -14,7 +14,9 @@ import torch
 
 from plait.models import GPT, GPTConfig
 from plait.parallel.tensor.sharding import shard_spec, shard_tensor
+from plait.train import atomic_files
 from plait.train import checkpoint as ckpt
+from plait.train import export as export_file
 
 CONFIG = GPTConfig(layers=2, hidden=16, heads=4, seq_len=8, vocab=13, tied_head=False)
 
@@ -347,9 +349,9 @@ def test_export_loads_into_gpt_strictly(tmp_path, reference, suffix, fmt):
     newest = save(tmp_path, 200, reference)
     _flip_byte(newest / "tp1-pp1.pt")
     lines = []
-    out = ckpt.export(tmp_path, tmp_path / f"model{suffix}", fmt, log=lines.append)  # a run dir: step 100
+    out = export_file.export(tmp_path, tmp_path / f"model{suffix}", fmt, log=lines.append)  # a run dir: step 100
     assert lines == ["step_00000200: tp1-pp1.pt sha256 mismatch (corrupt): using step_00000100"]
-    if (fmt or ckpt.export_format(out)) == "safetensors":
+    if (fmt or export_file.export_format(out)) == "safetensors":
         from safetensors import safe_open
         from safetensors.torch import load_file
 
@@ -366,11 +368,11 @@ def test_export_loads_into_gpt_strictly(tmp_path, reference, suffix, fmt):
 
 def test_export_format_errors(tmp_path):
     with pytest.raises(ValueError, match="cannot tell the format of .*model.bin2"):
-        ckpt.export_format(tmp_path / "model.bin2")
+        export_file.export_format(tmp_path / "model.bin2")
     with pytest.raises(ValueError, match="format 'onnx' is not one of"):
-        ckpt.export_format(tmp_path / "model.pt", "onnx")
+        export_file.export_format(tmp_path / "model.pt", "onnx")
     with pytest.raises(ValueError, match="neither a checkpoint directory"):
-        ckpt.export(tmp_path, tmp_path / "model.pt")
+        export_file.export(tmp_path, tmp_path / "model.pt")
 
 
 # ----------------------------------------------------------------------------- confinement
@@ -396,7 +398,7 @@ def test_a_manifest_naming_files_outside_its_directory_is_not_valid(tmp_path, re
         ckpt.load_full(directory, check_files=False)  # the loader itself never opens such a name
     assert ckpt.latest_complete(tmp_path / "run", log=None) is None
     with pytest.raises(ValueError, match="not a complete checkpoint"):
-        ckpt.export(directory, tmp_path / "model.pt", log=None)
+        export_file.export(directory, tmp_path / "model.pt", log=None)
 
 
 def test_a_shard_that_is_a_symlink_leading_out_is_not_valid(tmp_path, reference):
@@ -453,6 +455,7 @@ def test_a_write_that_outgrows_its_estimate_still_says_disk_full(tiny_disk):
     """The free-space check passed (the estimate was low); the write itself hits ENOSPC."""
     target = tiny_disk / "big.bin"
     with pytest.raises(OSError, match="no space left on device writing .*big.bin") as full:
-        ckpt._atomic_write(target, lambda temp: ckpt._torch_save({"w": torch.zeros(1 << 18)}, temp), nbytes=1024)
+        atomic_files.atomic_write(target, lambda temp: atomic_files.torch_save({"w": torch.zeros(1 << 18)}, temp),
+                                  nbytes=1024)
     assert full.value.errno == errno.ENOSPC
     assert list(tiny_disk.iterdir()) == []

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from plait.cli.output_paths import output_file, prepare_output_paths
 from plait.train import checkpoint
+from plait.train import export as export_file
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -35,7 +36,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     export.add_argument("path", metavar="PATH", help="a run directory (its latest complete checkpoint) or a "
                                                      "checkpoints/step_* directory")
     export.add_argument("--out", required=True, metavar="FILE", help="output file: .safetensors or .pt")
-    export.add_argument("--format", choices=checkpoint.EXPORT_FORMATS, default=None,
+    export.add_argument("--format", choices=export_file.EXPORT_FORMATS, default=None,
                         help="default: from the --out suffix (.safetensors -> safetensors, .pt/.pth/.bin -> torch)")
     export.set_defaults(run=run_export)
     return parser
@@ -88,10 +89,10 @@ def run_info(args: argparse.Namespace) -> int:
 
 
 def run_export(args: argparse.Namespace) -> int:
-    fmt = checkpoint.export_format(args.out, args.format)  # a bad --out suffix fails before any reading
+    fmt = export_file.export_format(args.out, args.format)  # a bad --out suffix fails before any reading
     prepare_output_paths(output_file("--out", args.out))
     directory, verified = checkpoint.resolve(args.path, log=_note)
-    out_path = checkpoint.export(directory, args.out, fmt, log=_note, check_files=not verified)
+    out_path = export_file.export(directory, args.out, fmt, log=_note, check_files=not verified)
     manifest = checkpoint.read_manifest(directory)
     print(f"exported step {manifest.get('step')} of {directory} ({len(manifest['files'])} shards) to {out_path} "
           f"({fmt}, {_nbytes_text(out_path.stat().st_size)})")

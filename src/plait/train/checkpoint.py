@@ -25,25 +25,22 @@ each parameter and its optimizer state once per (tp, pp) shard, about
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import json
 import os
 import re
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Callable
 
 import torch
 
 from plait.parallel.tensor.sharding import ShardSpec, shard_tensor
+from plait.train.atomic_files import atomic_write, torch_save
 
 FORMAT = 1
 MANIFEST_NAME = "manifest.json"
-EXPORT_FORMATS = ("safetensors", "torch")
 _STEP_DIR = re.compile(r"^step_(\d{8,})$")
-_SUFFIX_FORMATS = {".safetensors": "safetensors", ".pt": "torch", ".pth": "torch", ".bin": "torch"}
 
 
 def checkpoint_dir(run_dir: str | os.PathLike, step: int) -> Path:
@@ -60,79 +57,12 @@ def shard_name(tp_rank: int, pp_rank: int) -> str:
 
 # ----------------------------------------------------------------------------- writing
 
-def _fsync_dir(directory: Path) -> None:
-    """Make a rename in ``directory`` durable (the entry lives in the directory)."""
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _atomic_write(path: Path, write: Callable[[str], None], nbytes: int = 0) -> None:
-    """``write(temp_name)`` writes a temporary file next to ``path``; fsync it, rename
-    it over ``path``, fsync the directory: readers see the old file or the whole new one.
-    ``nbytes``, the expected size, is checked against the free space first, and a write
-    that fails on a full disk raises DiskFull, naming the path and the bytes needed."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    check_free_space(path, nbytes)
-    fd, temp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        write(temp_name)
-        with open(temp_name, "rb+") as file:
-            os.fsync(file.fileno())
-        os.replace(temp_name, path)
-    except BaseException as error:
-        Path(temp_name).unlink(missing_ok=True)
-        if _disk_full(error):
-            raise DiskFull(path, nbytes) from None
-        raise
-    _fsync_dir(path.parent)
-
-
-class DiskFull(OSError):
-    """A checkpoint file does not fit on its filesystem."""
-
-    def __init__(self, path: Path, nbytes: int):
-        free = shutil.disk_usage(path.parent).free
-        need = f"it needs about {nbytes:,} bytes" if nbytes else "it needs more room"
-        super().__init__(errno.ENOSPC, f"no space left on device writing {path}: {need} and {free:,} bytes are free "
-                                       "there; free some space or give --out a filesystem with room")
-
-
 class CheckpointNotWritten(OSError):
     """A save failed on some rank; every rank raises it, naming each failure."""
 
     def __init__(self, step: int, failures: list[str]):
         super().__init__(f"checkpoint at step {step} not written (the previous complete one stays): "
                          + "; ".join(failures))
-
-
-def check_free_space(path: Path, nbytes: int) -> None:
-    """Raise DiskFull unless ``path``'s filesystem has ``nbytes`` free."""
-    if nbytes and shutil.disk_usage(path.parent).free < nbytes:
-        raise DiskFull(path, nbytes)
-
-
-def _disk_full(error: BaseException | None) -> bool:
-    """ENOSPC or EDQUOT anywhere in the chain (torch.save's writer may raise its own
-    RuntimeError while closing, with the OSError as its context)."""
-    seen = set()
-    while error is not None and id(error) not in seen:
-        if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
-            return True
-        seen.add(id(error))
-        error = error.__cause__ or error.__context__
-    return False
-
-
-def _torch_save(value, path: str) -> None:
-    """torch.save through a Python file, so a full disk surfaces as OSError(ENOSPC), at
-    least in the exception chain (given a path, torch's C++ writer reports only
-    "unexpected pos")."""
-    with open(path, "wb") as file:
-        torch.save(value, file)
 
 
 def payload_nbytes(value) -> int:
@@ -247,7 +177,7 @@ def write_shard(directory: str | os.PathLike, name: str, payload: dict) -> dict:
     _check_loadable(payload, "payload")
     payload = _compact(payload)
     path = directory / name
-    _atomic_write(path, lambda temp: _torch_save(payload, temp), nbytes=payload_nbytes(payload) + (1 << 16))
+    atomic_write(path, lambda temp: torch_save(payload, temp), nbytes=payload_nbytes(payload) + (1 << 16))
     return _file_entry(path)
 
 
@@ -275,7 +205,7 @@ def write_manifest(directory: str | os.PathLike, manifest: dict, files: list[dic
     document = {**manifest, "format": FORMAT, "files": entries}
     text = json.dumps(document, indent=2) + "\n"  # a TypeError here names the value that is not JSON
     path = directory / MANIFEST_NAME
-    _atomic_write(path, lambda temp: Path(temp).write_text(text), nbytes=len(text.encode()))
+    atomic_write(path, lambda temp: Path(temp).write_text(text), nbytes=len(text.encode()))
     return path
 
 
@@ -601,41 +531,3 @@ def set_aside(path: Path, reason: str) -> Path:
         target = path.with_name(f"{path.name}.{reason}.{index}")
     path.rename(target)
     return target
-
-
-# ----------------------------------------------------------------------------- export
-
-def export_format(out_path: str | os.PathLike, fmt: str | None = None) -> str:
-    """"safetensors" or "torch": ``fmt`` if given, else from the file suffix."""
-    if fmt is not None:
-        if fmt not in EXPORT_FORMATS:
-            raise ValueError(f"format {fmt!r} is not one of {list(EXPORT_FORMATS)}")
-        return fmt
-    suffix = Path(out_path).suffix.lower()
-    if suffix not in _SUFFIX_FORMATS:
-        raise ValueError(f"cannot tell the format of {str(out_path)!r} from its suffix: name it .safetensors or "
-                         ".pt, or give the format (--format safetensors|torch)")
-    return _SUFFIX_FORMATS[suffix]
-
-
-def export(directory: str | os.PathLike, out_path: str | os.PathLike, fmt: str | None = None,
-           log: Callable[[str], None] | None = print, *, check_files: bool = True) -> Path:
-    """Write the unsharded model state dict (GPT names, contiguous tensors) of a
-    checkpoint, or of a run directory's latest complete one, as .safetensors (with
-    the GPTConfig and step as metadata) or a torch.save'd dict of tensors; both load
-    into GPT(GPTConfig(**manifest["model"])) with strict=True. The checkpoint is
-    verified first unless ``check_files`` is False (or it was found via a run dir)."""
-    out_path = Path(out_path)
-    fmt = export_format(out_path, fmt)
-    directory, verified = resolve(directory, log=log)
-    manifest, model, _, _ = load_full(directory, check_files=check_files and not verified)
-    state = {name: tensor.contiguous() for name, tensor in model.items()}
-    if fmt == "safetensors":
-        from safetensors.torch import save_file
-
-        metadata = {"format": "plait", "step": str(manifest.get("step")),
-                    "model": json.dumps(manifest.get("model", {}), sort_keys=True)}
-        _atomic_write(out_path, lambda temp: save_file(state, temp, metadata=metadata))
-    else:
-        _atomic_write(out_path, lambda temp: _torch_save(state, temp))
-    return out_path

@@ -1,0 +1,55 @@
+"""One unsharded model file from a sharded checkpoint: ``plait checkpoint export``.
+
+The state dict has the unsharded GPT's parameter names and contiguous tensors, as
+.safetensors (with the GPTConfig and step as metadata) or a torch.save'd dict of
+tensors; both load into ``GPT(GPTConfig(**manifest["model"]))`` with strict=True.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Callable
+
+from plait.train.atomic_files import atomic_write, torch_save
+from plait.train.checkpoint import load_full, resolve
+
+EXPORT_FORMATS = ("safetensors", "torch")
+_SUFFIX_FORMATS = {".safetensors": "safetensors", ".pt": "torch", ".pth": "torch", ".bin": "torch"}
+
+
+def export_format(out_path: str | os.PathLike, fmt: str | None = None) -> str:
+    """"safetensors" or "torch": ``fmt`` if given, else from the file suffix."""
+    if fmt is not None:
+        if fmt not in EXPORT_FORMATS:
+            raise ValueError(f"format {fmt!r} is not one of {list(EXPORT_FORMATS)}")
+        return fmt
+    suffix = Path(out_path).suffix.lower()
+    if suffix not in _SUFFIX_FORMATS:
+        raise ValueError(f"cannot tell the format of {str(out_path)!r} from its suffix: name it .safetensors or "
+                         ".pt, or give the format (--format safetensors|torch)")
+    return _SUFFIX_FORMATS[suffix]
+
+
+def export(directory: str | os.PathLike, out_path: str | os.PathLike, fmt: str | None = None,
+           log: Callable[[str], None] | None = print, *, check_files: bool = True) -> Path:
+    """Write the unsharded model state dict (GPT names, contiguous tensors) of a
+    checkpoint, or of a run directory's latest complete one, as .safetensors (with
+    the GPTConfig and step as metadata) or a torch.save'd dict of tensors; both load
+    into GPT(GPTConfig(**manifest["model"])) with strict=True. The checkpoint is
+    verified first unless ``check_files`` is False (or it was found via a run dir)."""
+    out_path = Path(out_path)
+    fmt = export_format(out_path, fmt)
+    directory, verified = resolve(directory, log=log)
+    manifest, model, _, _ = load_full(directory, check_files=check_files and not verified)
+    state = {name: tensor.contiguous() for name, tensor in model.items()}
+    if fmt == "safetensors":
+        from safetensors.torch import save_file
+
+        metadata = {"format": "plait", "step": str(manifest.get("step")),
+                    "model": json.dumps(manifest.get("model", {}), sort_keys=True)}
+        atomic_write(out_path, lambda temp: save_file(state, temp, metadata=metadata))
+    else:
+        atomic_write(out_path, lambda temp: torch_save(state, temp))
+    return out_path
