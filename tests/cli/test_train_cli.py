@@ -516,6 +516,7 @@ def test_out_of_range_port_exits_2(port, tmp_path, capsys, launcher):
     (["--dp", "512", "--global-batch", "1024", "--micro-batch", "1", "--pp", "1"], ["512 processes need at least"]),
 ])
 @pytest.mark.parametrize("dry_run", [True, False])
+@pytest.mark.filterwarnings("ignore:512 processes on")  # the 512-process case also warns of oversubscription
 def test_what_cannot_run_is_refused_before_any_process(argv, expected, dry_run, tmp_path, capsys, launcher):
     code, _, err = train(["--out", str(tmp_path / "run"), *argv, *(["--dry-run"] if dry_run else [])], capsys)
     assert code == 2, err
