@@ -66,7 +66,7 @@ def test_output_has_one_block_per_algorithm(all_reduce_run):
             assert busbw == pytest.approx(algbw, abs=2e-3)  # 2(p-1)/p = 1 for p = 2
             assert fields[8] == "0", f"{algorithm} computed wrong values: {fields}"
     assert "# plait bench all_reduce: nprocs 2  backend gloo" in text
-    assert "check_args=False" in text
+    assert "# plait's argument check: inband" in text
     if len(algorithms) > 1:
         assert "# Best plait vs torch, all sizes:" in text
 

@@ -103,7 +103,7 @@ def check_collective(rank, p, collective, dtype_name, sizes, ops=None):
 
 def _segments(numel, dtype):
     nbytes = numel * torch.empty((), dtype=dtype).element_size()
-    return max(1, min(64, nbytes // comm.CONFIG.pipeline_segment_bytes))
+    return max(1, min(64, nbytes // comm.communicator_for(None).config.pipeline_segment_bytes))
 
 
 def _hierarchy(p):

@@ -57,14 +57,13 @@ def sub_group(rank, p):
 
 
 def stats_count(rank, p):
-    comm.reset_stats()
+    communicator = comm.init_communicator(None, comm.CommConfig(check="off"))
     x = torch.ones(1000)
-    comm.configure(check_args=False)
     try:
         comm.all_reduce(x, algorithm="ring")
     finally:
-        comm.configure(check_args=True)
-    s = comm.stats()["all_reduce"]
+        comm.init_communicator(None)
+    s = communicator.stats()["all_reduce"]
     schedule = build_schedule("all_reduce", "ring", p, 1000)
     return s["calls"], s["bytes_sent"], schedule.sent_numel(rank) * 4, s["messages"], s["time_s"] > 0
 
@@ -72,6 +71,8 @@ def stats_count(rank, p):
 def expect_error(rank, p, case):
     """Run one bad call; return (exception type, message)."""
     x = torch.ones(8)
+    if case in DEEP_CASES:  # a check before any message: the pooled group stays usable
+        comm.init_communicator(None, comm.CommConfig(check="deep"))
     try:
         if case == "unknown_algorithm":
             comm.all_reduce(x, algorithm="ringg")
@@ -93,23 +94,25 @@ def expect_error(rank, p, case):
             comm.broadcast(x, src=p + 3, algorithm="tree")
         elif case == "uneven_all_to_all":
             comm.all_to_all_single(torch.empty(p + 1), torch.ones(p + 1), algorithm="direct")
-        elif case == "segment_mismatch":
-            previous = comm.configure(segment_bytes=4096 * (rank + 1))
-            try:
-                comm.all_reduce(x, algorithm="ring")
-            finally:
-                comm.configure(**previous)
+        elif case == "segment_mismatch":  # refused when the communicator is created
+            comm.init_communicator(None, comm.CommConfig(segment_bytes=4096 * (rank + 1)))
         elif case == "bad_hierarchy":
             comm.all_reduce(x, algorithm="hierarchical", hierarchy=[[0], [1, 1]])
         else:
             raise AssertionError(case)
     except Exception as error:  # noqa: BLE001 - the test inspects it
         return type(error).__name__, str(error)
+    finally:
+        if case in DEEP_CASES:
+            comm.init_communicator(None)
     return None, None
 
 
+DEEP_CASES = ("size_mismatch", "dtype_mismatch", "algorithm_mismatch")
+
+
 def peer_never_arrives(rank, p, check):
-    comm.configure(timeout_s=2.0, check_args=check)
+    comm.init_communicator(None, comm.CommConfig(timeout_s=2.0, check=check))
     if rank == 1:
         time.sleep(3.5)  # never calls the collective
         return None
@@ -128,7 +131,7 @@ def peer_never_arrives(rank, p, check):
 
 
 def peer_dies(rank, p):
-    comm.configure(timeout_s=20.0, check_args=False)
+    comm.init_communicator(None, comm.CommConfig(timeout_s=20.0, check="off"))
     if rank == 1:
         dist.destroy_process_group()  # its connections close, as when a process dies
         time.sleep(1.0)
@@ -173,7 +176,7 @@ ERRORS = {
     "bad_root": ("ValueError", ["src=6", "not a rank"]),
     "uneven_all_to_all": ("ValueError", ["equal chunks", "algorithm='torch'"]),
     "bad_hierarchy": ("ValueError", ["exactly once", "missing [2]"]),
-    "segment_mismatch": ("MismatchError", ["segment_bytes: rank 0=4096, rank 1=8192, rank 2=12288"]),
+    "segment_mismatch": ("MismatchError", ["group ranks 1, 2 asked for a different CommConfig"]),
 }
 
 
@@ -186,14 +189,14 @@ def test_bad_input_gets_a_clear_error(case):
             assert fragment in message, (rank, fragment, message)
 
 
-@pytest.mark.parametrize("check", [False, True])
+@pytest.mark.parametrize("check", ["off", "inband", "deep"])
 def test_peer_that_never_arrives_times_out_naming_it(check):
     message, after = run_fresh_world(peer_never_arrives, 2, check, timeout_s=60)[0]
     next_message, elapsed_s = after
     assert "not run: an earlier collective" in next_message and elapsed_s < 1.0, after
     assert "rank 0" in message and "all_reduce" in message and "peer 1" in message, message
     assert "timed out after 2s" in message and "step 0" in message, message
-    if check:
+    if check == "deep":
         assert "argument check" in message
 
 
@@ -214,14 +217,14 @@ def segmented_and_pipelined(rank, p):
     match the virtual executor bit for bit (gloo_checks compares)."""
     from tests.comm.gloo_checks import check_collective
 
-    previous = comm.configure(segment_bytes=256, pipeline_segment_bytes=512)
+    comm.init_communicator(None, comm.CommConfig(segment_bytes=256, pipeline_segment_bytes=512))
     try:
         failures = []
         for collective in ("all_reduce", "reduce_scatter", "broadcast", "reduce", "all_gather"):
             failures += check_collective(rank, p, collective, "float32", [1031], ["sum", "max"])
         return failures
     finally:
-        comm.configure(**{k: v for k, v in previous.items() if v is not None})
+        comm.init_communicator(None)
 
 
 def test_segmented_messages_and_pipelines_on_real_ranks():
@@ -243,7 +246,7 @@ def large_exchange(rank, p, algorithm):
     """Algorithms that send and reduce the same region in one step (recursive doubling,
     the fold steps) must not overwrite data a send is still reading; large segmented
     messages give a send time to be in flight."""
-    previous = comm.configure(segment_bytes=64 * 1024, check_args=False)
+    comm.init_communicator(None, comm.CommConfig(segment_bytes=64 * 1024, check="off"))
     try:
         inputs = [torch.randn(1 << 20, generator=torch.Generator().manual_seed(r), dtype=torch.float64)
                   for r in range(p)]
@@ -253,7 +256,7 @@ def large_exchange(rank, p, algorithm):
 
         return torch.equal(out, simulate("all_reduce", algorithm, inputs)[rank])
     finally:
-        comm.configure(**{k: v for k, v in previous.items() if v is not None})
+        comm.init_communicator(None)
 
 
 @pytest.mark.parametrize("algorithm", ["recursive_doubling", "halving_doubling", "direct", "star"])
@@ -284,7 +287,7 @@ def test_parameters_and_uneven_all_to_all():
 
 def async_failure_surfaces(rank, p):
     """A failed async collective whose handle nobody waits for is re-raised by synchronize()."""
-    comm.configure(timeout_s=1.5, check_args=False)
+    comm.init_communicator(None, comm.CommConfig(timeout_s=1.5, check="off"))
     if rank == 1:
         time.sleep(2.5)
         return "idle"

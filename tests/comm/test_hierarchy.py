@@ -43,9 +43,21 @@ def test_build_schedule_refuses_a_hierarchy_that_misses_ranks():
     assert build_schedule("all_reduce", "hierarchical", 4, 8, hierarchy=[[0, 1], [2, 3]]).num_steps == 4
 
 
-def test_configure_restores_every_field():
-    from plait.comm import CONFIG, configure
+def test_commconfig_replace_changes_only_what_it_names():
+    """configure() and its restore are gone (a frozen CommConfig per communicator);
+    replace() must keep every field it is not given: all of them are compared."""
+    import dataclasses
 
-    previous = configure(hierarchy="2x2", segment_bytes=123)
-    configure(**previous)
-    assert CONFIG.hierarchy == previous["hierarchy"] and CONFIG.segment_bytes == previous["segment_bytes"]
+    from plait.comm import CommConfig
+    from plait.comm.tuner import Tuner
+    from plait.cost import LinkModel
+
+    base = CommConfig(timeout_s=9.0, check="deep", segment_bytes=123, pipeline_segment_bytes=456, hierarchy="2x2",
+                      algorithms={"all_reduce": "ring"}, tuner=Tuner(LinkModel(1e-3, 1e-9)))
+    names = [field.name for field in dataclasses.fields(CommConfig)]
+    assert len(names) == 7
+    for name in names:
+        changed = base.replace(**{name: getattr(CommConfig(), name)})
+        for other in names:
+            if other != name:
+                assert getattr(changed, other) == getattr(base, other), (name, other)

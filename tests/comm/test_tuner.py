@@ -7,7 +7,7 @@ import torch
 
 import plait.comm as comm
 from plait.comm.collectives import auto_algorithm, default_algorithm
-from plait.comm.tuner import Tuner, parse_overrides, set_tuner, size_bucket
+from plait.comm.tuner import Tuner, parse_overrides, size_bucket
 from plait.cost import LinkModel
 from plait.cost.alpha_beta import predict_time_s
 from plait.testing import run_distributed
@@ -76,34 +76,26 @@ def test_overrides_parse_and_reject_bad_names():
 
 
 def test_auto_follows_override_then_tuner_then_table():
-    previous = comm.configure(algorithms={"all_reduce": "tree"})
-    try:
-        assert auto_algorithm("all_reduce", 1 << 24, 8) == "tree"
-    finally:
-        comm.configure(**previous)
-    try:
-        set_tuner(Tuner(LATENCY_BOUND))
-        assert auto_algorithm("all_reduce", 1024, 8) == "direct"
-    finally:
-        set_tuner(None)
-    # the test session has an empty profile cache, so the table decides
-    assert auto_algorithm("all_reduce", 1 << 24, 8) == default_algorithm("all_reduce", 1 << 24, 8)
+    tuned = comm.CommConfig(algorithms={"all_reduce": "tree"}, tuner=Tuner(LATENCY_BOUND))
+    assert auto_algorithm("all_reduce", 1 << 24, 8, tuned) == "tree"
+    assert auto_algorithm("all_reduce", 1024, 8, tuned.replace(algorithms={})) == "direct"
+    # no tuner in the config: the table decides, whatever profile a cache may hold
+    assert auto_algorithm("all_reduce", 1 << 24, 8, comm.CommConfig()) == default_algorithm("all_reduce", 1 << 24, 8)
 
 
 def auto_runs_the_tuners_choice(rank, p):
-    set_tuner(Tuner(LATENCY_BOUND))
-    comm.reset_stats()
+    communicator = comm.init_communicator(None, comm.CommConfig(tuner=Tuner(LATENCY_BOUND, source="test link")))
     x = torch.full((256,), float(rank))
     comm.all_reduce(x, algorithm="auto")
-    used = comm.stats()["all_reduce"]["algorithms"]
-    set_tuner(None)
-    return used, bool(torch.all(x == sum(range(p))))
+    used = communicator.stats()["all_reduce"]["algorithms"]
+    comm.init_communicator(None)  # back to the defaults for later tests in this pooled worker
+    return used, bool(torch.all(x == sum(range(p)))), communicator.tuner_used
 
 
 @pytest.mark.slow
 def test_auto_runs_the_tuners_choice_on_real_ranks():
-    for used, correct in run_distributed(auto_runs_the_tuners_choice, 3, timeout_s=60):
-        assert used == {"direct": 1} and correct
+    for used, correct, source in run_distributed(auto_runs_the_tuners_choice, 3, timeout_s=60):
+        assert used == {"direct": 1} and correct and source == "test link"
 
 
 def test_shared_host_tuner_prices_schedules_with_the_shared_model():

@@ -220,7 +220,7 @@ def test_bad_arguments_name_the_value():
 
 
 def peer_dies_mid_step(rank, world_size):
-    comm.configure(timeout_s=10.0)
+    comm.init_communicator(None, comm.CommConfig(timeout_s=10.0))
     train, _ = load_digits()
     model = DataParallel(build_model("mlp", seed=1), algorithm="direct")
     inputs, labels = rank_batch(train, 0, GLOBAL_BATCH, rank, world_size)

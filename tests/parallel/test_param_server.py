@@ -323,7 +323,7 @@ def test_sync_with_compression_matches_the_compressed_math(compressor):
 def lose_a_worker_rank(rank: int, world_size: int, how: str, mode: str) -> str:
     """Worker 1 stops after 2 steps: returning ends its process (its connections
     close: a death as its peers see it) or it hangs. The others must raise, naming it."""
-    comm.configure(timeout_s=2.0)
+    comm.init_communicator(None, comm.CommConfig(timeout_s=2.0))
     model = build_model("mlp", seed=0, dtype=torch.float64)
     ps = ParameterServer(model, make_optimizer("sgd"), mode=mode, max_staleness=1 if mode == "async" else 0)
     if ps.is_server:

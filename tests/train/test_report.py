@@ -191,7 +191,7 @@ def test_report_collective_bytes(written):
     _, report = written
     total = report["collectives"]["total"]
     assert total["dp.all_reduce"] == {"calls": 40, "bytes_sent": (1 + 2 + 3 + 4) * 3 * 2**20, "time_s": 4.0,
-                                      "ranks": 4}
+                                      "ranks": 4, "algorithms": {}}
     assert total["pp.send"]["bytes_sent"] == 2 * 2**19 and total["pp.send"]["calls"] == 160
     assert report["collectives"]["per_rank"]["2"]["dp.all_reduce"]["bytes_sent"] == 9 * 2**20
 
@@ -200,7 +200,7 @@ def test_report_markdown(written):
     out_dir, report = written
     md = (out_dir / "report.md").read_text()
     assert "| 3 (slowest) | 1 | 0 | 1 | 10 | 8.000 | 4.000 (50.0%) | 1.500 (18.8%) | 2.000 (25.0%) | 0.500 (6.2%) |" in md
-    assert "| dp.all_reduce | 4 | 40 | 30.000 | 4.000 |" in md  # 30 MiB summed over ranks
+    assert "| dp.all_reduce | 4 | 40 | 30.000 | 4.000 |  |" in md  # 30 MiB summed over ranks
     assert "| 2 | dp.all_reduce | 10 | 9.000 | 1.000 |" in md
     assert "MFU = flops_per_step × steps_run / (wall_s × world_size × peak_flops_per_s)" in md
     assert "= 1.56%" in md

@@ -34,8 +34,9 @@ import torch
 import torch.distributed as dist
 
 from plait.bench.collectives import message_sizes
-from plait.comm.engine import CONFIG, configure, engine
-from plait.comm.executor import Transport
+from plait.comm.communicator import Communicator, init_communicator
+from plait.comm.config import CommConfig
+from plait.comm.executor import Call
 from plait.comm.ops import COMBINE
 from plait.comm.schedule import Schedule, Step, Transfer, make_schedule
 from plait.cost.profile import Sample
@@ -137,18 +138,19 @@ def calls_per_rep(call: Callable[[], None], config: CalibrateConfig, device: tor
     return max(1, min(config.max_calls_per_rep, calls))
 
 
-def _shift_call(schedule: Schedule, buffer: torch.Tensor, rank: int, group, device, timeout_s: float):
-    """One call as plait.comm's collectives make it: a transport, then the schedule
-    on the engine (inline) with the configured segment size."""
-    comm_engine = engine()
-    segment_numel = CONFIG.segment_bytes // buffer.element_size() if CONFIG.segment_bytes else 0
+def _shift_call(schedule: Schedule, buffer: torch.Tensor, communicator: Communicator):
+    """One call as plait.comm's collectives make it: the schedule on the group's comm
+    engine (inline), over its transport, with its segment size (no argument check:
+    the raw messages are what is measured)."""
+    config = communicator.config
+    segment_numel = config.segment_bytes // buffer.element_size() if config.segment_bytes else 0
 
     def job():
-        transport = Transport(group, device)
-        comm_engine.executor.run(schedule, buffer, rank, transport, COMBINE["sum"], timeout_s=timeout_s,
-                                 segment_numel=segment_numel, label="calibrate shift")
+        call = Call(schedule, communicator.rank, communicator.transport, config.timeout_s, label="calibrate shift",
+                    grouped=buffer.device.type != "cpu")
+        communicator.executor.run(call, buffer, COMBINE["sum"], segment_numel=segment_numel)
 
-    return lambda: comm_engine.submit(job, "calibrate shift", async_op=False)
+    return lambda: communicator.engine.submit(job, "calibrate shift", async_op=False)
 
 
 def _ping_pong_call(buffer: torch.Tensor, rank: int, group):
@@ -201,7 +203,7 @@ def run_calibration(config: CalibrateConfig, *, group=None, device: torch.device
     world_size, rank = dist.get_world_size(group), dist.get_rank(group)
     if world_size < 2:
         raise ValueError("calibration needs >= 2 ranks (it measures messages between them): use --nprocs 2 or more")
-    configure(timeout_s=config.timeout_s)
+    communicator = init_communicator(group, CommConfig(timeout_s=config.timeout_s, check="off"))
     emit = emit or (lambda kind, payload: None)
     plan = measurement_plan(config)
     calls: dict[tuple, int] = {}
@@ -219,7 +221,7 @@ def run_calibration(config: CalibrateConfig, *, group=None, device: torch.device
                 if kind == "shift":
                     if key not in schedules:
                         schedules[key] = shift_schedule(world_size, numel, steps, reduce)
-                    call = _shift_call(schedules[key], buffer, rank, group, device, config.timeout_s)
+                    call = _shift_call(schedules[key], buffer, communicator)
                 else:
                     call = _ping_pong_call(buffer[:numel], rank, group)
                 if key not in calls:
@@ -230,7 +232,7 @@ def run_calibration(config: CalibrateConfig, *, group=None, device: torch.device
             del buffer
         for key, time_s in zip(plan, _max_over_ranks(local_s, device, group)):
             times_s[key].append(time_s)
-    engine().executor.release()
+    communicator.executor.release()
     samples = [_sample(*key, times_s[key]) for key in plan]
     for sample in samples:
         emit("row", sample)

@@ -137,6 +137,7 @@ class BenchConfig:
     seed: int = 1234
     rounds: int = 1
     profile_path: str | None = None  # algorithm="auto" follows this calibration profile
+    arg_check: str = "inband"  # plait's argument check: inband (the default users run), deep or off
 
     def __post_init__(self) -> None:
         problems = []
@@ -254,17 +255,18 @@ def _configure_plait(config: BenchConfig) -> None:
         return
     import plait.comm as comm
 
-    # Time plait algorithms without the per-call cross-rank argument check:
-    # torch.distributed does no such check, so this keeps the comparison fair.
-    comm.configure(check_args=False, timeout_s=config.timeout_s)
+    # the world's communicator, with the argument check asked for (the default, in-band,
+    # is what users run; --check off times the bare messages)
+    tuner = None
     if config.profile_path is not None:
-        from plait.comm.tuner import set_tuner, tuner_from_profile
+        from plait.comm.tuner import tuner_from_profile
         from plait.cost.profile import load_profile
 
         profile = load_profile(config.profile_path)
         if profile is None:
             raise ValueError(f"no calibration profile at {config.profile_path}")
-        set_tuner(tuner_from_profile(profile, source=config.profile_path))
+        tuner = tuner_from_profile(profile, source=config.profile_path)
+    comm.init_communicator(None, comm.CommConfig(timeout_s=config.timeout_s, check=config.arg_check, tuner=tuner))
 
 
 def measure_one(config: BenchConfig, algorithm: str, count: int, size_bytes: int, *,

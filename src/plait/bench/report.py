@@ -88,8 +88,8 @@ def format_header(config: BenchConfig, *, nprocs: int, backend: str, device: str
         f"# {budget}",
         "# time = max over ranks of elapsed/iters of back-to-back calls after a barrier; "
         f"GB = 1e9 B; busbw = algbw x {BUSBW_FORMULAS[config.collective]} = {factor:.4g}",
-        "# plait algorithms run with comm.configure(check_args=False): no cross-rank "
-        "argument check, like torch",
+        f"# plait's argument check: {config.arg_check} (inband: a header in each call's first message "
+        "per peer; off: none, like torch)",
         f"# algorithms: {' '.join(config.algorithms)}",
         "#",
     ]

@@ -164,9 +164,10 @@ def call_bytes_sent(collective: str, algorithm: str, world_size: int, numel: int
     nbytes = numel * itemsize
     if algorithm == TORCH:
         return float(nbytes)
-    segments = pipeline_segments(nbytes, comm.CONFIG.pipeline_segment_bytes)
+    defaults = comm.CommConfig()  # the tensor-parallel group's communicator runs with these
+    segments = pipeline_segments(nbytes, defaults.pipeline_segment_bytes)
     # as plait.comm.collectives does for a group that is not WORLD (a tensor-parallel group)
-    hierarchy = parse_hierarchy(comm.CONFIG.hierarchy, world_size, 1) if algorithm == "hierarchical" else None
+    hierarchy = parse_hierarchy(defaults.hierarchy, world_size, 1) if algorithm == "hierarchical" else None
     schedule = build_schedule(collective, algorithm, world_size, numel, None, segments, hierarchy)
     return sum(schedule.sent_numel(rank) for rank in range(world_size)) * itemsize / world_size
 
@@ -181,7 +182,7 @@ def predict_layer(config: TpBenchConfig, tp_size: int, ran: dict[str, dict]) -> 
             counts = ran.get(phase, {}).get(collective, {}).get("algorithms") or {}
             algorithm = max(counts, key=counts.get) if counts else config.algorithm
             if algorithm in DEFAULT_NAMES:
-                algorithm = auto_algorithm(collective, numel * config.itemsize, tp_size, "gloo")
+                algorithm = auto_algorithm(collective, numel * config.itemsize, tp_size)
             priced.append({"collective": collective, "numel": numel, "algorithm": algorithm,
                            "bytes_sent": call_bytes_sent(collective, algorithm, tp_size, numel, config.itemsize)})
         result[phase] = priced

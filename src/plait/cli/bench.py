@@ -123,6 +123,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         help="check results against a local oracle; fills #wrong")
     parser.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"),
                         help="auto: gloo for spawned workers, nccl under torchrun with CUDA")
+    parser.add_argument("--arg-check", choices=("inband", "deep", "off"), default="inband",
+                        help="plait's argument check: inband (default: a header in each call's first message "
+                             "per peer), deep (an agreement all-gather per call) or off")
     parser.add_argument("--timeout", type=float, default=120.0, metavar="SECONDS",
                         help="per-collective timeout (default 120)")
     parser.add_argument("--seed", type=int, default=1234, help="seed of the --check inputs")
@@ -145,7 +148,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         collective=args.collective, algorithms=resolve_algorithms(args.algorithms, args.collective),
         min_nbytes=args.min_bytes, max_nbytes=args.max_bytes, factor=args.factor, iters=args.iters,
         warmup=args.warmup, op=args.op, dtype=args.dtype, root=args.root, check=args.check,
-        time_budget_s=args.time_budget, timeout_s=args.timeout, seed=args.seed,
+        time_budget_s=args.time_budget, timeout_s=args.timeout, seed=args.seed, arg_check=args.arg_check,
         rounds=args.rounds, profile_path=args.profile)
 
 

@@ -80,11 +80,11 @@ def _run_command(argv: list[str] | None) -> int:
 
 
 def _comm_environment_error() -> ValueError | None:
-    """The error of a bad PLAIT_COMM_TIMEOUT_S, PLAIT_COMM_CHECK, PLAIT_COMM_SEGMENT_BYTES or
-    PLAIT_ALGORITHMS, or None. plait.comm checks them once, when it is first imported (it is
-    imported by the parsers of several commands, and by every run that trains or measures)."""
+    """The error of a bad PLAIT_COMM_TIMEOUT_S, PLAIT_COMM_CHECK, PLAIT_COMM_SEGMENT_BYTES,
+    PLAIT_HIERARCHY or PLAIT_ALGORITHMS, or None. The CLI reads them (the library never
+    does) and passes the CommConfig they make down to the runs that train or measure."""
     try:
-        importlib.import_module("plait.comm.engine")
+        importlib.import_module("plait.comm.config").config_from_environment()
     except ValueError as error:
         return error
     return None

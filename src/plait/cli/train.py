@@ -146,6 +146,7 @@ def _run_rank(args, config) -> int:
     own torchrun they are raised as usual."""
     from plait.train import lifeline
     from plait.train.agent import record_rank_error
+    from plait.comm.config import config_from_environment
     from plait.train.loop import run as run_rank
 
     if "TORCHELASTIC_RUN_ID" in os.environ and lifeline.supported():
@@ -157,7 +158,8 @@ def _run_rank(args, config) -> int:
     run_id = args.run_id or (f"torchrun:{os.environ.get('TORCHELASTIC_RUN_ID', 'none')}@"
                              f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}")
     try:
-        run_rank(config, run_id=run_id, resume=args.resume, force_fresh=args.force_fresh)
+        run_rank(config, run_id=run_id, resume=args.resume, force_fresh=args.force_fresh,
+                 comm_environment=config_from_environment())
     except Exception as error:
         if record_rank_error(error) and args.run_id is not None:
             return 1

@@ -15,7 +15,7 @@ import json
 
 from plait.comm.algorithms import COLLECTIVES
 from plait.comm.collectives import default_algorithm
-from plait.comm.engine import CONFIG
+from plait.comm.config import config_from_environment
 from plait.comm.tuner import Tuner, size_ranges
 
 
@@ -99,10 +99,10 @@ def run(args) -> int:
     source = tuner.source if tuner is not None else "the default table (no calibration profile: run plait calibrate)"
     out = []
     for collective in collectives:
-        override = CONFIG.algorithms.get(collective)
+        override = config_from_environment().algorithms.get(collective)
         if override:
             ranges = [(max(1, args.min_bytes), args.max_bytes + 1, override)]
-            how = "override (PLAIT_ALGORITHMS / configure)"
+            how = "override (PLAIT_ALGORITHMS, CommConfig.algorithms)"
         elif tuner is not None:
             ranges = tuner.switch_points(collective, args.world_size, args.min_bytes, args.max_bytes)
             how = source

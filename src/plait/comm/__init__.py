@@ -2,8 +2,10 @@
 
 Schedules are data (``plait.comm.schedule``), built by the algorithms in
 ``plait.comm.algorithms``, run by the virtual executor (``plait.comm.virtual``) in
-tests and by the torch executor on real ranks. The collectives below mirror
-torch.distributed's signatures and add ``algorithm=``.
+tests and by the torch executor on real ranks. Each process group has its own
+:class:`Communicator` (configuration, comm thread, counters). The collectives below
+mirror torch.distributed's signatures and add ``algorithm=``; their ``group=`` is a
+process group (None: the world) or a Communicator.
 """
 
 from plait.comm.algorithms import ALGORITHMS, COLLECTIVES, algorithms_for, build_schedule, describe
@@ -13,26 +15,34 @@ from plait.comm.collectives import (
     all_gather_single,
     all_reduce,
     all_to_all_single,
+    auto_algorithm,
     barrier,
     broadcast,
     default_algorithm,
     default_device,
+    enqueue,
     gather,
     reduce,
     reduce_scatter_single,
     reduce_scatter_tensor,
+    reset_stats,
     scatter,
+    stats,
     synchronize,
 )
-from plait.comm.engine import CONFIG, Handle, configure, enqueue, reset_stats, stats, unchecked
+from plait.comm.communicator import Communicator, all_communicators, communicator_for, init_communicator
+from plait.comm.config import CommConfig, config_from_environment
+from plait.comm.engine import Handle
 from plait.comm.errors import CommError, CommTimeoutError, MismatchError
-from plait.comm.p2p import Message, irecv, isend, recv, send
+from plait.comm.p2p import Message, P2POp, batch_isend_irecv, irecv, isend, recv, send
 from plait.comm.schedule import Schedule, Step, Transfer
 
 __all__ = [
-    "ALGORITHMS", "COLLECTIVES", "CONFIG", "CommError", "CommTimeoutError", "Handle", "MismatchError",
-    "ReduceOp", "Schedule", "Step", "Transfer", "algorithms_for", "all_gather_into_tensor",
-    "all_gather_single", "all_reduce", "all_to_all_single", "barrier", "broadcast", "build_schedule",
-    "configure", "default_algorithm", "default_device", "describe", "enqueue", "gather", "irecv", "isend", "Message", "recv", "reduce", "reduce_scatter_single",
-    "reduce_scatter_tensor", "reset_stats", "scatter", "send", "stats", "synchronize", "unchecked",
+    "ALGORITHMS", "COLLECTIVES", "CommConfig", "CommError", "CommTimeoutError", "Communicator", "Handle",
+    "Message", "MismatchError", "P2POp", "ReduceOp", "Schedule", "Step", "Transfer", "algorithms_for",
+    "all_communicators", "all_gather_into_tensor", "all_gather_single", "all_reduce", "all_to_all_single",
+    "auto_algorithm", "barrier", "batch_isend_irecv", "broadcast", "build_schedule", "communicator_for",
+    "config_from_environment", "default_algorithm", "default_device", "describe", "enqueue", "gather",
+    "init_communicator", "irecv", "isend", "recv", "reduce", "reduce_scatter_single", "reduce_scatter_tensor",
+    "reset_stats", "scatter", "send", "stats", "synchronize",
 ]

@@ -1,11 +1,27 @@
 """plait's collectives: torch.distributed's signatures plus ``algorithm=``.
 
-Each call validates its arguments on this rank, lays its tensors out in one flat
-buffer (``plait.comm.layout``), optionally checks with the other ranks that they
-agree on sizes, dtype, op, root and algorithm, then runs the algorithm's schedule on
-the communication engine (inline, or on the background thread with ``async_op=True``).
-``algorithm="torch"`` runs torch.distributed's own collective through the same engine,
-so plait and torch calls stay in program order.
+The life of an all_reduce. ``all_reduce(t, op, group, async_op, algorithm=...)``:
+
+1. finds the group's :class:`~plait.comm.communicator.Communicator` (``group=None``:
+   the world; a Communicator may be passed as the group), whose frozen ``CommConfig``
+   holds the deadline, check mode, segment sizes and algorithm choice;
+2. checks this rank's arguments as torch does (dtype, op, sizes) and resolves
+   ``algorithm`` ("auto": the config's override, else its tuner, else the measured
+   default table below);
+3. lays the tensors out in one flat buffer (``plait.comm.layout``; a view of ``t``
+   when it is contiguous, so results land in place);
+4. submits a job to the communicator's own comm thread (inline when nothing is queued
+   on the group and ``async_op`` is False), which numbers the call on the group;
+5. the job builds the algorithm's schedule (``plait.comm.algorithms``: plain data,
+   cached) and runs this rank's part of it with the executor
+   (``plait.comm.executor``): over gloo as a dataflow of single messages, each first
+   message to a peer carrying the in-band header (``plait.comm.inband``) that the peer
+   checks against its own call; over NCCL as one grouped post per step;
+6. copies results back if the buffer was not a view, records the call's bytes,
+   messages, time and algorithm, and completes the Handle.
+
+``algorithm="torch"`` runs torch.distributed's own collective through the same comm
+thread, so plait and torch calls on a group stay in program order.
 """
 
 from __future__ import annotations
@@ -20,11 +36,12 @@ import torch.distributed as dist
 from plait.comm import layout
 from plait.comm.algorithms import DEFAULT_NAMES, REDUCING, TORCH, build_schedule, builder
 from plait.comm.algorithms.hierarchical import parse_hierarchy
-from plait.comm.engine import CONFIG, check_enabled, engine, record
+from plait.comm.communicator import Communicator, all_communicators, communicator_for
+from plait.comm.engine import merge_stats
 from plait.comm.errors import CommError, CommTimeoutError, MismatchError
-from plait.comm.executor import Transport
+from plait.comm.executor import Call
+from plait.comm.inband import INLINE_BYTES, CallSignature, InbandCall
 from plait.comm.ops import COMBINE, check_reducible, op_name
-from plait.comm.tuner import active_tuner
 from plait.cost.alpha_beta import pipeline_segments
 
 ReduceOp = dist.ReduceOp
@@ -36,9 +53,9 @@ _DTYPE_CODES = {
          torch.int16, torch.int32, torch.int64, torch.bool, torch.complex64, torch.complex128]
     )
 }
-_OP_CODES = {"none": 0, "sum": 1, "avg": 2, "min": 3, "max": 4, "prod": 5}
+_OP_CODES = {"none": 0, "sum": 1, "avg": 2, "min": 3, "max": 4, "prod": 5, "band": 6, "bor": 7, "bxor": 8}
 _TORCH_OPS = {"sum": ReduceOp.SUM, "avg": ReduceOp.SUM, "min": ReduceOp.MIN, "max": ReduceOp.MAX,
-              "prod": ReduceOp.PRODUCT}
+              "prod": ReduceOp.PRODUCT, "band": ReduceOp.BAND, "bor": ReduceOp.BOR, "bxor": ReduceOp.BXOR}
 
 
 def default_algorithm(collective: str, nbytes: int, world_size: int) -> str:
@@ -70,52 +87,46 @@ def default_algorithm(collective: str, nbytes: int, world_size: int) -> str:
     return "bruck"  # barrier: dissemination
 
 
-def _resolve_group(group):
-    if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError(
-            "plait.comm needs a process group: call torch.distributed.init_process_group(...) first "
-            "(or launch with torchrun / plait.testing)"
-        )
-    if group is None:
-        group = dist.group.WORLD
-    if group == dist.GroupMember.NON_GROUP_MEMBER:
-        return None, -1, 0
-    rank = dist.get_rank(group)
-    if rank < 0:
-        return None, -1, 0
-    return group, rank, dist.get_world_size(group)
-
-
-def _group_root(group, root: int, world_size: int, name: str) -> int:
-    """torch takes global ranks for src/dst; schedules use group ranks."""
-    if not isinstance(root, int):
+def _group_root(communicator: Communicator, global_root, group_root, name: str) -> int:
+    """The group rank of a rooted collective's root: torch's ``src``/``dst`` are global
+    ranks, ``group_src``/``group_dst`` group ranks (give one of them)."""
+    if global_root is not None and group_root is not None:
+        raise ValueError(f"{name}={global_root} and group_{name}={group_root} both given: pass the global rank as "
+                         f"{name} or the group rank as group_{name}, not both")
+    if group_root is not None:
+        if isinstance(group_root, bool) or not isinstance(group_root, int):
+            raise TypeError(f"group_{name} must be an int group rank, got {type(group_root).__name__}")
+        if not 0 <= group_root < communicator.size:
+            raise ValueError(f"group_{name}={group_root} is not a rank of this group of {communicator.size} ranks "
+                             f"(0..{communicator.size - 1})")
+        return group_root
+    root = 0 if global_root is None else global_root
+    if isinstance(root, bool) or not isinstance(root, int):
         raise TypeError(f"{name} must be an int rank, got {type(root).__name__}")
-    if group is dist.group.WORLD:
-        if not 0 <= root < world_size:
-            raise ValueError(f"{name}={root} is not a rank of this group of {world_size} ranks")
-        return root
-    try:
-        return dist.get_group_rank(group, root)
-    except (ValueError, RuntimeError):
-        raise ValueError(f"{name}={root} (a global rank) is not a member of this group") from None
+    if root not in communicator.ranks:
+        raise ValueError(f"{name}={root} (a global rank) is not a member of this {communicator.describe()}; "
+                         f"pass one of its global ranks, or its group rank as group_{name}=")
+    return communicator.ranks.index(root)
 
 
-def auto_algorithm(collective: str, nbytes: int, world_size: int, backend: str = "gloo") -> str:
-    """What algorithm="auto" runs: the configured override for the collective, else
-    the tuner's choice (calibrated profile), else the default table."""
-    override = CONFIG.algorithms.get(collective)
-    if override:
-        return override
-    tuner = active_tuner(backend)
-    if tuner is not None:
-        return tuner.choose(collective, nbytes, world_size)
+def auto_algorithm(collective: str, nbytes: int, world_size: int, config=None) -> str:
+    """What algorithm="auto" runs under ``config`` (a CommConfig; None: the defaults):
+    its override for the collective, else its tuner's choice, else the default table."""
+    if config is not None:
+        override = config.algorithms.get(collective)
+        if override:
+            return override
+        if config.tuner is not None:
+            return config.tuner.choose(collective, nbytes, world_size)
     return default_algorithm(collective, nbytes, world_size)
 
 
-def _resolve_algorithm(algorithm, collective: str, nbytes: int, world_size: int, group=None) -> str:
+def _resolve_algorithm(algorithm, collective: str, nbytes: int, communicator: Communicator) -> str:
     if algorithm in DEFAULT_NAMES:
-        backend = dist.get_backend(group) if group is not None and world_size > 1 else "gloo"
-        return auto_algorithm(collective, nbytes, world_size, str(backend))
+        config = communicator.config
+        if config.tuner is not None and collective not in config.algorithms:
+            communicator.tuner_used = getattr(config.tuner, "source", "a tuner")
+        return auto_algorithm(collective, nbytes, communicator.size, config)
     if not isinstance(algorithm, str):
         raise TypeError(f"algorithm must be a string, got {type(algorithm).__name__}")
     if algorithm != TORCH:
@@ -131,20 +142,21 @@ _CHECK_FIELDS = ("collective", "algorithm", "elements", "dtype", "op", "root", "
                  "segment_bytes", "pipeline_segment_bytes")
 
 
-def _check_agreement(collective, algorithm, transport, rank, p, numel, device, dtype, op, root, hierarchy):
-    """Exchange what must agree across ranks (collective, algorithm, the tensor's
-    elements and dtype, op, root, hierarchy, and the segment sizes that shape the
-    messages) over a Bruck all-gather; every rank raises the same MismatchError if
-    they differ. ``numel`` < 0 leaves sizes out (uneven all-to-all)."""
-    mine = [_code(collective), _code(algorithm), numel, _DTYPE_CODES.get(dtype, 99), _OP_CODES[op],
-            -1 if root is None else root, _code(repr(hierarchy)), CONFIG.segment_bytes,
-            CONFIG.pipeline_segment_bytes]
+def _deep_check(communicator: Communicator, signature: CallSignature, device) -> None:
+    """The "deep" check: exchange the call's signature over a Bruck all-gather before
+    any of its messages; every rank raises the same MismatchError if they differ."""
+    p, rank, config = communicator.size, communicator.rank, communicator.config
+    mine = [_code(signature.collective), _code(signature.algorithm), signature.elements,
+            _DTYPE_CODES.get(signature.dtype, 99), _OP_CODES[signature.op],
+            -1 if signature.root is None else signature.root, signature.hierarchy, config.segment_bytes,
+            config.pipeline_segment_bytes]
     k = len(mine)
     table = torch.zeros(p * k, dtype=torch.int64, device=device)
     table[rank * k : (rank + 1) * k] = torch.tensor(mine, dtype=torch.int64)
     schedule = build_schedule("all_gather", "bruck", p, p * k)
-    engine().executor.run(schedule, table, rank, transport, COMBINE["sum"], timeout_s=CONFIG.timeout_s,
-                          label=f"{collective} argument check")
+    call = Call(schedule, rank, communicator.transport, config.timeout_s,
+                label=f"{signature.collective} argument check", grouped=_grouped(table))
+    communicator.executor.run(call, table, COMBINE["sum"])
     rows = table.view(p, k).tolist()
     bad = [i for i in range(k) if len({row[i] for row in rows}) > 1]
     if not bad:
@@ -159,107 +171,117 @@ def _check_agreement(collective, algorithm, transport, rank, p, numel, device, d
                 groups.setdefault(row[i], []).append(r)
             parts.append(f"{_CHECK_FIELDS[i]} differs between ranks {list(groups.values())}")
     raise MismatchError(
-        f"{collective}: ranks disagree ({'; '.join(parts)}); every rank must call the same collective "
-        f"with the same algorithm, op, root, tensor size and dtype, and plait.comm.configure segment "
-        f"sizes (this rank {rank}: {numel} elements of {dtype})"
-    )
+        f"{signature.collective}: ranks disagree ({'; '.join(parts)}); every rank must call the same collective "
+        f"with the same algorithm, op, root, tensor size and dtype, and the same CommConfig segment sizes "
+        f"(this rank {rank}: {signature.describe()})", before_any_message=True)
 
 
-def _torch_wait(work, collective: str, rank: int) -> None:
+def _grouped(tensor) -> bool:
+    return tensor.device.type != "cpu"
+
+
+def _torch_wait(work, collective: str, communicator: Communicator) -> None:
     """Wait for torch's own collective with plait's deadline, naming what hung."""
     if work is None:
         return
+    timeout_s = communicator.config.timeout_s
     try:
-        work.wait(timedelta(seconds=CONFIG.timeout_s))
+        work.wait(timedelta(seconds=timeout_s))
     except RuntimeError as error:
         reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
-        kwargs = dict(rank=rank, collective=collective, algorithm=TORCH, step="torch", peer="?", reason=reason)
+        kwargs = dict(rank=communicator.rank, collective=collective, algorithm=TORCH, step="torch", peer="?",
+                      reason=reason)
         if "timed out" in reason.lower() or "timeout" in reason.lower():
-            raise CommTimeoutError(timeout_s=CONFIG.timeout_s, **kwargs) from error
+            raise CommTimeoutError(timeout_s=timeout_s, **kwargs) from error
         raise CommError(**kwargs) from error
 
 
 def default_device(group=None):
     """Where a collective's own small tensors go (a barrier's token, an agreement
     check): the current GPU for NCCL, else the CPU."""
+    if isinstance(group, Communicator):
+        group = group.group
     if group is None:
         group = dist.group.WORLD
     return torch.device("cuda") if "nccl" in str(dist.get_backend(group)) else torch.device("cpu")
 
 
-def _launch(collective, group, async_op, algorithm, prepare, *, tensor, nbytes, op="none", root=None,
+def _launch(collective, communicator, async_op, algorithm, prepare, *, tensor, nbytes, op="none", root=None,
             torch_call=None, hierarchy=None, check_numel=None):
     """Common path of every collective; returns None or a Handle.
 
     ``tensor`` is the rank's data tensor (its elements, dtype and device go into the
     check), ``nbytes`` the collective's size as nccl-tests counts it (it picks the
     default algorithm). ``prepare(rank, p)`` validates and lays out plait's buffer;
-    ``torch_call(rank, p)`` runs torch's collective and waits for it with ``_torch_wait``.
+    ``torch_call(communicator)`` runs torch's collective and waits with ``_torch_wait``.
     """
-    group, rank, p = _resolve_group(group)
-    if group is None:
+    if communicator is None:
         return None  # this rank is not in the group, as torch does
+    rank, p, config = communicator.rank, communicator.size, communicator.config
     dtype = tensor.dtype
     if collective in REDUCING:
         check_reducible(dtype, op, collective)
-    algorithm = _resolve_algorithm(algorithm, collective, nbytes, p, group)
+    algorithm = _resolve_algorithm(algorithm, collective, nbytes, communicator)
     prepared = prepare(rank, p) if algorithm != TORCH else None  # validates this rank's arguments now
     tree = None
     if algorithm == "hierarchical":
-        spec = hierarchy if hierarchy is not None else CONFIG.hierarchy
-        world = group is dist.group.WORLD
+        spec = hierarchy if hierarchy is not None else config.hierarchy
+        world = communicator.group is dist.group.WORLD
         tree = parse_hierarchy(spec, p, None if world else 1)
-    check = check_enabled() and p > 1
-    numel = tensor.numel() if check_numel is None else check_numel
+    signature = CallSignature(collective, algorithm, tensor.numel() if check_numel is None else check_numel, dtype,
+                              op, root, 0 if tree is None else _code(repr(tree)), config.segment_bytes,
+                              config.pipeline_segment_bytes)
+    grouped = _grouped(tensor)
+    check = "off" if p == 1 else ("deep" if config.check == "inband" and grouped else config.check)
 
-    def job():
-        transport = Transport(group, tensor.device) if p > 1 else None
-        if check:
-            _check_agreement(collective, algorithm, transport, rank, p, numel, tensor.device, dtype, op, root, tree)
+    def job(seq):
+        if check == "deep":
+            _deep_check(communicator, signature, tensor.device)
         start = time.perf_counter()
         if algorithm == TORCH:
-            torch_call(rank, p)  # waits with plait's deadline (_torch_wait)
-            record(collective, TORCH, nbytes, 0, time.perf_counter() - start)
+            torch_call(communicator)  # waits with plait's deadline (_torch_wait)
+            communicator.record(collective, TORCH, nbytes, 0, time.perf_counter() - start)
             return nbytes
         buffer = prepared.build()  # reads the inputs now, after earlier queued collectives
         sent = messages = 0
         if p > 1:
-            segments = pipeline_segments(nbytes, CONFIG.pipeline_segment_bytes)
+            segments = pipeline_segments(nbytes, config.pipeline_segment_bytes)
             schedule = build_schedule(collective, algorithm, p, prepared.numel, root, segments, tree)
-            segment_numel = CONFIG.segment_bytes // buffer.element_size() if CONFIG.segment_bytes else 0
-            sent, messages = engine().executor.run(
-                schedule, buffer, rank, transport, COMBINE[op if op != "none" else "sum"],
-                timeout_s=CONFIG.timeout_s, segment_numel=segment_numel, label=collective,
-            )
+            transport = communicator.transport
+            if check == "inband":
+                small = buffer.numel() * buffer.element_size() <= INLINE_BYTES
+                transport = InbandCall(transport, signature, seq, rank, collective, communicator.known_calls(), small)
+            segment_numel = config.segment_bytes // buffer.element_size() if config.segment_bytes else 0
+            call = Call(schedule, rank, transport, config.timeout_s, label=collective, grouped=grouped)
+            sent, messages = communicator.executor.run(call, buffer, COMBINE[op if op != "none" else "sum"],
+                                                       segment_numel=segment_numel)
         prepared.finish(buffer)
-        record(collective, algorithm, sent, messages, time.perf_counter() - start)
+        communicator.record(collective, algorithm, sent, messages, time.perf_counter() - start)
         return sent
 
-    return engine().submit(job, f"{collective}(algorithm={algorithm})", async_op)
+    return communicator.submit(job, signature, async_op)
 
 
 # ----- the public collectives ------------------------------------------------------------
+# ``group`` is a process group (None: the world) or a Communicator; torch's collective
+# under algorithm="torch" runs on ``communicator.group``.
 def _nbytes(tensor) -> int:
     return tensor.numel() * tensor.element_size()
-
-
-def _world_size(group) -> int:
-    resolved, _, p = _resolve_group(group)
-    return p if resolved is not None else 1
 
 
 def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op=False, *, algorithm=None, hierarchy=None):
     """All-reduce ``tensor`` in place across the group (see plait.comm.algorithms for
     each algorithm's steps and cost). ``hierarchy`` only matters for "hierarchical"."""
     name = op_name(op)
+    communicator = communicator_for(group)
 
-    def torch_call(rank, p):
+    def torch_call(comm):
         data = tensor.detach()
-        _torch_wait(dist.all_reduce(data, _TORCH_OPS[name], group=group, async_op=True), "all_reduce", rank)
+        _torch_wait(dist.all_reduce(data, _TORCH_OPS[name], group=comm.group, async_op=True), "all_reduce", comm)
         if name == "avg":  # gloo has no AVG
-            data.div_(p)
+            data.div_(comm.size)
 
-    return _launch("all_reduce", group, async_op, algorithm,
+    return _launch("all_reduce", communicator, async_op, algorithm,
                    lambda rank, p: layout.prepare_all_reduce(tensor, rank, p, name),
                    tensor=tensor, nbytes=_nbytes(tensor), op=name, torch_call=torch_call, hierarchy=hierarchy)
 
@@ -267,27 +289,29 @@ def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op=False, *, algorithm
 def reduce_scatter_single(output, input, op=ReduceOp.SUM, group=None, async_op=False, *, algorithm=None):
     """Reduce ``input`` (p equal chunks) across ranks; rank r gets chunk r in ``output``."""
     name = op_name(op)
+    communicator = communicator_for(group)
 
-    def torch_call(rank, p):
+    def torch_call(comm):
         out = output.detach()
-        work = dist.reduce_scatter_tensor(out, input.detach(), _TORCH_OPS[name], group=group, async_op=True)
-        _torch_wait(work, "reduce_scatter", rank)
+        work = dist.reduce_scatter_tensor(out, input.detach(), _TORCH_OPS[name], group=comm.group, async_op=True)
+        _torch_wait(work, "reduce_scatter", comm)
         if name == "avg":
-            out.div_(p)
+            out.div_(comm.size)
 
-    return _launch("reduce_scatter", group, async_op, algorithm,
+    return _launch("reduce_scatter", communicator, async_op, algorithm,
                    lambda rank, p: layout.prepare_reduce_scatter(output, input, rank, p, name),
                    tensor=input, nbytes=_nbytes(input), op=name, torch_call=torch_call)
 
 
 def all_gather_single(output, input, group=None, async_op=False, *, algorithm=None):
     """Gather every rank's ``input`` into ``output`` (p * input elements), rank order."""
+    communicator = communicator_for(group)
 
-    def torch_call(rank, p):
-        work = dist.all_gather_into_tensor(output.detach(), input.detach(), group=group, async_op=True)
-        _torch_wait(work, "all_gather", rank)
+    def torch_call(comm):
+        work = dist.all_gather_into_tensor(output.detach(), input.detach(), group=comm.group, async_op=True)
+        _torch_wait(work, "all_gather", comm)
 
-    return _launch("all_gather", group, async_op, algorithm,
+    return _launch("all_gather", communicator, async_op, algorithm,
                    lambda rank, p: layout.prepare_all_gather(output, input, rank, p),
                    tensor=input, nbytes=_nbytes(output), torch_call=torch_call)
 
@@ -296,65 +320,83 @@ reduce_scatter_tensor = reduce_scatter_single
 all_gather_into_tensor = all_gather_single
 
 
-def _rooted(collective, group, async_op, algorithm, root, root_name, prepare, torch_call, **kwargs):
-    """Rooted collectives: torch takes a global rank; schedules take the group rank."""
-    resolved, _, p = _resolve_group(group)
-    if resolved is None:
+def _rooted(collective, communicator, async_op, algorithm, root, prepare, torch_call, **kwargs):
+    """Rooted collectives: ``root`` is the group rank (from torch's global ``src``/``dst``
+    or ``group_src``/``group_dst``); torch's own call takes the global rank."""
+    return _launch(collective, communicator, async_op, algorithm,
+                   lambda rank, p: prepare(rank, p, root),
+                   root=root, torch_call=lambda comm: torch_call(comm, comm.ranks[root]), **kwargs)
+
+
+def broadcast(tensor, src=None, group=None, async_op=False, group_src=None, *, algorithm=None):
+    """Copy ``tensor`` from rank ``src`` (a global rank, as in torch; or ``group_src``, a
+    group rank; default global rank 0) to every rank."""
+    communicator = communicator_for(group)
+    if communicator is None:
         return None
-    group_root = _group_root(resolved, root, p, root_name)
-    return _launch(collective, group, async_op, algorithm,
-                   lambda rank, p: prepare(rank, p, group_root),
-                   root=group_root, torch_call=lambda rank, p: torch_call(rank, p, group_root), **kwargs)
+    root = _group_root(communicator, src, group_src, "src")
 
+    def torch_call(comm, global_root):
+        _torch_wait(dist.broadcast(tensor.detach(), global_root, group=comm.group, async_op=True), "broadcast", comm)
 
-def broadcast(tensor, src=0, group=None, async_op=False, *, algorithm=None):
-    """Copy ``tensor`` from rank ``src`` (a global rank, as in torch) to every rank."""
-
-    def torch_call(rank, p, root):
-        _torch_wait(dist.broadcast(tensor.detach(), src, group=group, async_op=True), "broadcast", rank)
-
-    return _rooted("broadcast", group, async_op, algorithm, src, "src",
+    return _rooted("broadcast", communicator, async_op, algorithm, root,
                    lambda rank, p, root: layout.prepare_broadcast(tensor, rank, p, root),
                    torch_call, tensor=tensor, nbytes=_nbytes(tensor))
 
 
-def reduce(tensor, dst=0, op=ReduceOp.SUM, group=None, async_op=False, *, algorithm=None):
-    """Reduce every rank's ``tensor`` into rank ``dst``'s (others are left unchanged)."""
+def reduce(tensor, dst=None, op=ReduceOp.SUM, group=None, async_op=False, group_dst=None, *, algorithm=None):
+    """Reduce every rank's ``tensor`` into rank ``dst``'s (a global rank; or ``group_dst``;
+    others are left unchanged)."""
     name = op_name(op)
+    communicator = communicator_for(group)
+    if communicator is None:
+        return None
+    root = _group_root(communicator, dst, group_dst, "dst")
 
-    def torch_call(rank, p, root):
-        data = tensor.detach() if rank == root else tensor.detach().clone()
-        _torch_wait(dist.reduce(data, dst, _TORCH_OPS[name], group=group, async_op=True), "reduce", rank)
-        if rank == root and name == "avg":
-            data.div_(p)
+    def torch_call(comm, global_root):
+        data = tensor.detach() if comm.rank == root else tensor.detach().clone()
+        _torch_wait(dist.reduce(data, global_root, _TORCH_OPS[name], group=comm.group, async_op=True), "reduce", comm)
+        if comm.rank == root and name == "avg":
+            data.div_(comm.size)
 
-    return _rooted("reduce", group, async_op, algorithm, dst, "dst",
+    return _rooted("reduce", communicator, async_op, algorithm, root,
                    lambda rank, p, root: layout.prepare_reduce(tensor, rank, p, root, name),
                    torch_call, tensor=tensor, nbytes=_nbytes(tensor), op=name)
 
 
-def gather(tensor, gather_list=None, dst=0, group=None, async_op=False, *, algorithm=None):
-    """Gather every rank's ``tensor`` into ``gather_list`` on rank ``dst``."""
+def gather(tensor, gather_list=None, dst=None, group=None, async_op=False, group_dst=None, *, algorithm=None):
+    """Gather every rank's ``tensor`` into ``gather_list`` on rank ``dst`` (global; or ``group_dst``)."""
+    communicator = communicator_for(group)
+    if communicator is None:
+        return None
+    root = _group_root(communicator, dst, group_dst, "dst")
 
-    def torch_call(rank, p, root):
-        targets = [t.detach() for t in gather_list] if rank == root else None
-        _torch_wait(dist.gather(tensor.detach(), targets, dst, group=group, async_op=True), "gather", rank)
+    def torch_call(comm, global_root):
+        targets = [t.detach() for t in gather_list] if comm.rank == root else None
+        _torch_wait(dist.gather(tensor.detach(), targets, global_root, group=comm.group, async_op=True), "gather",
+                    comm)
 
-    return _rooted("gather", group, async_op, algorithm, dst, "dst",
+    return _rooted("gather", communicator, async_op, algorithm, root,
                    lambda rank, p, root: layout.prepare_gather(tensor, gather_list, rank, p, root),
-                   torch_call, tensor=tensor, nbytes=_nbytes(tensor) * _world_size(group))
+                   torch_call, tensor=tensor, nbytes=_nbytes(tensor) * communicator.size)
 
 
-def scatter(tensor, scatter_list=None, src=0, group=None, async_op=False, *, algorithm=None):
-    """Rank ``src`` sends ``scatter_list[r]`` to rank r, which receives it in ``tensor``."""
+def scatter(tensor, scatter_list=None, src=None, group=None, async_op=False, group_src=None, *, algorithm=None):
+    """Rank ``src`` (global; or ``group_src``) sends ``scatter_list[r]`` to rank r, which
+    receives it in ``tensor``."""
+    communicator = communicator_for(group)
+    if communicator is None:
+        return None
+    root = _group_root(communicator, src, group_src, "src")
 
-    def torch_call(rank, p, root):
-        sources = [t.detach() for t in scatter_list] if rank == root else None
-        _torch_wait(dist.scatter(tensor.detach(), sources, src, group=group, async_op=True), "scatter", rank)
+    def torch_call(comm, global_root):
+        sources = [t.detach() for t in scatter_list] if comm.rank == root else None
+        _torch_wait(dist.scatter(tensor.detach(), sources, global_root, group=comm.group, async_op=True), "scatter",
+                    comm)
 
-    return _rooted("scatter", group, async_op, algorithm, src, "src",
+    return _rooted("scatter", communicator, async_op, algorithm, root,
                    lambda rank, p, root: layout.prepare_scatter(tensor, scatter_list, rank, p, root),
-                   torch_call, tensor=tensor, nbytes=_nbytes(tensor) * _world_size(group))
+                   torch_call, tensor=tensor, nbytes=_nbytes(tensor) * communicator.size)
 
 
 def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, group=None,
@@ -370,12 +412,12 @@ def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=
             )
         algorithm = TORCH
 
-    def torch_call(rank, p):
+    def torch_call(comm):
         work = dist.all_to_all_single(output.detach(), input.detach(), output_split_sizes, input_split_sizes,
-                                      group=group, async_op=True)
-        _torch_wait(work, "all_to_all", rank)
+                                      group=comm.group, async_op=True)
+        _torch_wait(work, "all_to_all", comm)
 
-    return _launch("all_to_all", group, async_op, algorithm,
+    return _launch("all_to_all", communicator_for(group), async_op, algorithm,
                    lambda rank, p: layout.prepare_all_to_all(output, input, rank, p),
                    tensor=input, nbytes=_nbytes(input), torch_call=torch_call,
                    check_numel=-1 if uneven else None)
@@ -383,17 +425,48 @@ def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=
 
 def barrier(group=None, async_op=False, *, algorithm=None, device=None):
     """Block until every rank of the group has reached the barrier."""
-    resolved, _, _ = _resolve_group(group)
-    if resolved is None:
+    communicator = communicator_for(group)
+    if communicator is None:
         return None
-    token = torch.zeros(1, dtype=torch.int32, device=device or default_device(resolved))
-    return _launch("barrier", group, async_op, algorithm,
+    token = torch.zeros(1, dtype=torch.int32, device=device or default_device(communicator.group))
+    return _launch("barrier", communicator, async_op, algorithm,
                    lambda rank, p: layout.prepare_barrier(token.device),
                    tensor=token, nbytes=0,
-                   torch_call=lambda rank, p: _torch_wait(dist.barrier(group=group, async_op=True), "barrier", rank))
+                   torch_call=lambda comm: _torch_wait(dist.barrier(group=comm.group, async_op=True), "barrier",
+                                                       comm))
 
 
-def synchronize() -> None:
-    """Wait for every collective this process queued with async_op=True; re-raises
-    the first failure among them."""
-    engine().synchronize()
+def synchronize(group=None) -> None:
+    """Wait for every collective queued with async_op=True on ``group`` (None: on every
+    communicator of this process); re-raises the first failure among them."""
+    targets = all_communicators() if group is None else [communicator_for(group)]
+    for communicator in targets:
+        if communicator is not None:
+            communicator.synchronize()
+
+
+def enqueue(job, description: str, group=None):
+    """Run ``job()`` on ``group``'s comm thread after every collective queued on it
+    (see Communicator.enqueue); returns its Handle."""
+    communicator = communicator_for(group)
+    if communicator is None:
+        raise ValueError(f"enqueue({description!r}): this rank is not a member of the group it was given")
+    return communicator.enqueue(job, description)
+
+
+def stats(group=None) -> dict[str, dict]:
+    """Per collective on this rank: calls, bytes_sent, messages, time_s, and calls per
+    algorithm, of ``group``'s communicator, or (None) of every communicator added up.
+    (For algorithm="torch", bytes are what the call moves, as torch does not report
+    its own traffic.)"""
+    if group is not None:
+        communicator = communicator_for(group)
+        return {} if communicator is None else communicator.stats()
+    return merge_stats(communicator.stats() for communicator in all_communicators())
+
+
+def reset_stats(group=None) -> None:
+    targets = all_communicators() if group is None else [communicator_for(group)]
+    for communicator in targets:
+        if communicator is not None:
+            communicator.reset_stats()

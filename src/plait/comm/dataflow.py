@@ -102,9 +102,10 @@ class ScratchPool:
         self._held_bytes = 0
 
 
-def run_streaming(executor, plans, schedule, buffer, rank, transport, combine, deadline, timeout_s, label,
-                  max_scratch_numel: int) -> tuple[int, int]:
-    """Run ``plans`` (from ``plan_rank``) as a dataflow; returns (bytes sent, messages)."""
+def run_streaming(executor, plans, buffer, call, combine, max_scratch_numel: int) -> tuple[int, int]:
+    """Run ``plans`` (from ``plan_rank``) as a dataflow for ``call`` (plait.comm.executor.Call,
+    which posts and waits with the deadline); returns (bytes sent, messages)."""
+    rank, transport = call.rank, call.transport
     pool: ScratchPool = executor.pool
     posted: deque[_Unit] = deque()  # receives not yet landed, in posting order
     sends: list = []  # (lo, hi, work, peer, step): sends not yet known complete
@@ -113,7 +114,7 @@ def run_streaming(executor, plans, schedule, buffer, rank, transport, combine, d
     messages = 0
 
     def wait(work, step, peer):
-        executor._wait(work, deadline, schedule, rank, step, transport.describe(peer), timeout_s, label)
+        call.wait(work, step, transport.describe(peer))
 
     def settle(lo, hi):
         """Wait for earlier sends that read [lo, hi)."""
@@ -178,13 +179,11 @@ def run_streaming(executor, plans, schedule, buffer, rank, transport, combine, d
                     target, offset = pool.take(transfer.numel, buffer), transfer.dst_offset
                     unit.payloads.append(target)
                 for peer, lo, hi, tag in msgs:
-                    unit.works.append(executor._post(transport, "recv", target[lo - offset : hi - offset], peer,
-                                                     tag, schedule, rank, plan.index, timeout_s, label))
+                    unit.works.append(call.recv(target[lo - offset : hi - offset], peer, tag, plan.index))
             posted.append(unit)
         for peer, lo, hi, tag in plan.sends:
             land_overlapping(lo, hi, plan.index)
-            work = executor._post(transport, "send", buffer[lo:hi], peer, tag, schedule, rank, plan.index,
-                                  timeout_s, label)
+            work = call.send(buffer[lo:hi], peer, tag, plan.index)
             sends.append((lo, hi, work, peer, plan.index))
             sent_numel += hi - lo
             messages += 1

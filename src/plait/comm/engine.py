@@ -1,12 +1,15 @@
-"""The communication engine: one background thread per process that runs
-collectives in the order they were called, plus the process-wide config and the
-per-collective counters.
+"""The comm thread of one communicator: runs its group's collectives in the order
+they were called, and counts them.
 
-``async_op=True`` queues the collective and returns a :class:`Handle` at once, so
-the caller computes while the schedule runs (the comm thread spends its time in
-gloo/NCCL waits, which release the GIL). A synchronous call runs inline when nothing
-is queued, else it queues behind the pending ones and waits: every rank issues
-collectives in program order, as torch requires, so messages always match.
+Each :class:`~plait.comm.communicator.Communicator` owns one :class:`Engine`, so
+collectives on different groups never wait for each other (as in torch, where every
+process group has its own queue): threads may call on any groups in any interleaving
+that torch.distributed completes. ``async_op=True`` queues the collective and returns
+a :class:`Handle` at once, so the caller computes while the schedule runs (the comm
+thread spends its time in gloo/NCCL waits, which release the GIL). A synchronous call
+runs inline when nothing is queued on its group, else it queues behind the pending
+ones and waits: every rank issues a group's collectives in program order, as torch
+requires, so messages always match.
 """
 
 from __future__ import annotations
@@ -14,104 +17,49 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
 
-from plait.comm.errors import CommError
-from plait.comm.executor import Executor
-from plait.comm.settings import checked_setting, from_environment
+from plait.comm.errors import CommError, MismatchError
 
 
-@dataclass
-class CommConfig:
-    """Process-wide defaults (set with :func:`configure`; env vars give the start values,
-    checked as configure() checks its arguments: plait.comm.settings).
+class Stats:
+    """Per collective: calls, bytes_sent, messages, time_s, and calls per algorithm."""
 
-    timeout_s: how long a collective may wait for a peer (PLAIT_COMM_TIMEOUT_S, 300).
-    check_args: exchange sizes/dtypes/op/root/algorithm before each collective and raise
-        on a mismatch (PLAIT_COMM_CHECK, on); costs one small all-gather per call.
-    segment_bytes: messages above this are split so reductions stream
-        (PLAIT_COMM_SEGMENT_BYTES, 4 MiB); every rank must use the same value.
-        Measured on gloo/loopback: 4 MiB beat 256 KiB-2 MiB and no splitting for
-        16-64 MB all-reduces (each message costs ~0.1-0.2 ms to post there).
-    pipeline_segment_bytes: segment size of pipelined chains and binary trees (256 KiB).
-    hierarchy: default hierarchy for algorithm="hierarchical" (PLAIT_HIERARCHY).
-    algorithms: per-collective algorithm that algorithm="auto" (and None) runs instead
-        of the tuner's choice, e.g. {"all_reduce": "ring"} (PLAIT_ALGORITHMS,
-        "all_reduce=ring,broadcast=tree").
-    """
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._entries: dict[str, dict] = {}
 
-    timeout_s: float = field(default_factory=lambda: from_environment("PLAIT_COMM_TIMEOUT_S", "timeout_s", 300.0))
-    check_args: bool = field(default_factory=lambda: from_environment("PLAIT_COMM_CHECK", "check_args", True))
-    segment_bytes: int = field(
-        default_factory=lambda: from_environment("PLAIT_COMM_SEGMENT_BYTES", "segment_bytes", 4 << 20))
-    pipeline_segment_bytes: int = 256 << 10
-    hierarchy: object = field(default_factory=lambda: from_environment("PLAIT_HIERARCHY", "hierarchy", None))
-    algorithms: dict = field(default_factory=lambda: from_environment("PLAIT_ALGORITHMS", "algorithms", {}))
+    def record(self, collective: str, algorithm: str, bytes_sent: int, messages: int, time_s: float) -> None:
+        with self._lock:
+            entry = self._entries.setdefault(
+                collective, {"calls": 0, "bytes_sent": 0, "messages": 0, "time_s": 0.0, "algorithms": {}}
+            )
+            entry["calls"] += 1
+            entry["bytes_sent"] += bytes_sent
+            entry["messages"] += messages
+            entry["time_s"] += time_s
+            entry["algorithms"][algorithm] = entry["algorithms"].get(algorithm, 0) + 1
 
+    def snapshot(self) -> dict[str, dict]:
+        with self._lock:
+            return {name: {**entry, "algorithms": dict(entry["algorithms"])} for name, entry in self._entries.items()}
 
-CONFIG = CommConfig()
+    def reset(self) -> None:
+        with self._lock:
+            self._entries.clear()
 
 
-_KEEP = object()
-
-
-def configure(*, timeout_s=None, check_args=None, segment_bytes=None, pipeline_segment_bytes=None,
-              hierarchy=_KEEP, algorithms=None):
-    """Change process-wide comm defaults (arguments left out stay as they are);
-    returns the previous values, so ``configure(**previous)`` restores them. Values are
-    checked as the PLAIT_* variables are (plait.comm.settings): a ValueError names the
-    keyword, the value and the valid range."""
-    previous = dict(
-        timeout_s=CONFIG.timeout_s,
-        check_args=CONFIG.check_args,
-        segment_bytes=CONFIG.segment_bytes,
-        pipeline_segment_bytes=CONFIG.pipeline_segment_bytes,
-        hierarchy=CONFIG.hierarchy,
-        algorithms=dict(CONFIG.algorithms),
-    )
-    # every value is checked before any is set: a refused call changes nothing
-    checked = {name: checked_setting(name, value, name)
-               for name, value in dict(timeout_s=timeout_s, check_args=check_args, segment_bytes=segment_bytes,
-                                       algorithms=algorithms).items() if value is not None}
-    if hierarchy is not _KEEP:
-        checked["hierarchy"] = checked_setting("hierarchy", hierarchy, "hierarchy")
-    if pipeline_segment_bytes is not None:
-        if pipeline_segment_bytes <= 0:
-            raise ValueError(f"pipeline_segment_bytes must be > 0, got {pipeline_segment_bytes}")
-        CONFIG.pipeline_segment_bytes = int(pipeline_segment_bytes)
-    for name, value in checked.items():
-        setattr(CONFIG, name, value)
-    return previous
-
-
-# ----- counters ----------------------------------------------------------------------------
-_STATS_LOCK = threading.Lock()
-_STATS: dict[str, dict] = {}
-
-
-def record(collective: str, algorithm: str, bytes_sent: int, messages: int, time_s: float) -> None:
-    with _STATS_LOCK:
-        entry = _STATS.setdefault(
-            collective, {"calls": 0, "bytes_sent": 0, "messages": 0, "time_s": 0.0, "algorithms": {}}
-        )
-        entry["calls"] += 1
-        entry["bytes_sent"] += bytes_sent
-        entry["messages"] += messages
-        entry["time_s"] += time_s
-        entry["algorithms"][algorithm] = entry["algorithms"].get(algorithm, 0) + 1
-
-
-def stats() -> dict[str, dict]:
-    """Per collective on this rank: calls, bytes_sent, messages, time_s, and calls per
-    algorithm. (For algorithm="torch", bytes are what the call moves, as torch does
-    not report its own traffic.)"""
-    with _STATS_LOCK:
-        return {name: {**entry, "algorithms": dict(entry["algorithms"])} for name, entry in _STATS.items()}
-
-
-def reset_stats() -> None:
-    with _STATS_LOCK:
-        _STATS.clear()
+def merge_stats(snapshots) -> dict[str, dict]:
+    """Several communicators' ``Stats.snapshot()``s added up per collective."""
+    total: dict[str, dict] = {}
+    for snapshot in snapshots:
+        for name, entry in snapshot.items():
+            into = total.setdefault(name, {"calls": 0, "bytes_sent": 0, "messages": 0, "time_s": 0.0,
+                                           "algorithms": {}})
+            for key in ("calls", "bytes_sent", "messages", "time_s"):
+                into[key] += entry[key]
+            for algorithm, calls in entry["algorithms"].items():
+                into["algorithms"][algorithm] = into["algorithms"].get(algorithm, 0) + calls
+    return total
 
 
 # ----- handles and the thread ------------------------------------------------------------
@@ -153,15 +101,16 @@ class Handle:
 class Engine:
     """Runs jobs in submission order on one daemon thread (started on first async use).
 
-    After a collective fails with a CommError (a peer died or timed out), messages of
-    it may still be in flight, so the group can no longer be trusted: every later
-    collective on this process fails at once with an error naming the first failure,
-    instead of each waiting out its timeout. Argument errors (MismatchError,
-    ValueError) do not poison anything: every rank raises them before sending.
+    After a collective fails with a CommError (a peer died or timed out) or an in-band
+    MismatchError (ranks' calls differ), messages of it may still be in flight, so
+    the group can no longer be trusted: every later collective on this group fails at
+    once with an error naming the first failure, instead of each waiting out its
+    timeout. Argument errors raised before any message (ValueError, a "deep" check's
+    MismatchError) poison nothing.
     """
 
-    def __init__(self):
-        self.executor = Executor()
+    def __init__(self, name: str = "plait-comm"):
+        self.name = name
         self._queue: queue.Queue = queue.Queue()
         self._lock = threading.Lock()  # guards _pending and the inline fast path
         self._run_lock = threading.Lock()  # one job at a time
@@ -180,7 +129,9 @@ class Engine:
             )
         try:
             return job()
-        except CommError as error:
+        except (CommError, MismatchError) as error:
+            if isinstance(error, MismatchError) and error.before_any_message:
+                raise  # every rank raised it before sending: the group is still in step
             self._broken = (description, error)
             raise
 
@@ -212,7 +163,7 @@ class Engine:
             self._pending += 1
             self._queue.put((job, handle))
             if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._loop, name="plait-comm", daemon=True)
+                self._thread = threading.Thread(target=self._loop, name=self.name, daemon=True)
                 self._thread.start()
         if async_op:
             return handle
@@ -252,54 +203,3 @@ class Engine:
             raise RuntimeError(
                 f"{first.description} (queued with async_op=True) failed: {first._error}"
             ) from first._error
-
-
-_ENGINE: Engine | None = None
-_ENGINE_LOCK = threading.Lock()
-
-
-def engine() -> Engine:
-    global _ENGINE
-    with _ENGINE_LOCK:
-        if _ENGINE is None:
-            _ENGINE = Engine()
-        return _ENGINE
-
-
-def enqueue(job, description: str) -> Handle:
-    """Run ``job()`` on the comm thread after every collective queued before it, and
-    return its Handle at once (``handle.result`` is what the job returned).
-
-    For composite communication (compress, all-gather, decompress) that must stay in
-    program order with the other collectives: collectives the job calls run inline
-    on the comm thread. Every rank must enqueue the same jobs in the same order."""
-    return engine().submit(job, description, async_op=True)
-
-
-_LOCAL = threading.local()
-
-
-class unchecked:
-    """``with unchecked():`` collectives launched by this thread skip the argument
-    check (``CommConfig.check_args``): for callers that verified sizes and order once
-    up front (DataParallel's buckets) and call the same collectives every step."""
-
-    def __enter__(self):
-        self._previous = getattr(_LOCAL, "skip_check", False)
-        _LOCAL.skip_check = True
-        return self
-
-    def __exit__(self, *exc):
-        _LOCAL.skip_check = self._previous
-        return False
-
-
-def check_enabled() -> bool:
-    return CONFIG.check_args and not getattr(_LOCAL, "skip_check", False)
-
-
-def timed(collective: str, algorithm: str, run):
-    """Run ``run() -> (bytes_sent, messages)`` and record it."""
-    start = time.perf_counter()
-    bytes_sent, messages = run()
-    record(collective, algorithm, bytes_sent, messages, time.perf_counter() - start)

@@ -36,9 +36,17 @@ class CommTimeoutError(CommError, TimeoutError):
             f"rank {self.rank}: {self.collective} (algorithm={self.algorithm}) timed out after "
             f"{self.timeout_s:g}s at step {self.step} waiting for peer {self.peer} ({self.reason}); "
             "check that every rank calls the same collectives in the same order and that no rank "
-            "has died; raise the limit with plait.comm.configure(timeout_s=...) or PLAIT_COMM_TIMEOUT_S"
+            "has died; raise the limit with the group's CommConfig(timeout_s=...) "
+            "(plait.comm.init_communicator) or, from the plait CLI, PLAIT_COMM_TIMEOUT_S"
         )
 
 
 class MismatchError(ValueError):
-    """Ranks called a collective with different sizes, dtypes, ops, roots or algorithms."""
+    """Ranks called a collective with different sizes, dtypes, ops, roots or
+    algorithms, or issued their calls on a group in different orders.
+    ``before_any_message``: raised by every rank before sending (the "deep" check),
+    so the group is still usable."""
+
+    def __init__(self, message: str, *, before_any_message: bool = False):
+        self.before_any_message = before_any_message
+        super().__init__(message)

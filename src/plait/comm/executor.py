@@ -9,21 +9,27 @@ combined segment by segment as it arrives. Receives land with
 ``ops.apply_receives`` (the virtual executor's function), so results are
 bit-identical to the virtual executor's.
 
-On gloo (CPU tensors) each message is posted with the process group's own
-``send``/``recv`` (the least Python per message) and the steps run as a dataflow
-(``plait.comm.dataflow``). On accelerators (NCCL) each step is posted as one
-``batch_isend_irecv`` group, so a pair that sends and receives in one step cannot
-deadlock, and the steps run one after the other. No ``torch.cuda`` here.
+One step semantics, two ways to run it. A step's sends read the buffer as it was
+when the step began; its receives land after them, in the order the schedule lists
+them (reductions into one region in rank order). The lock-step path below (NCCL's
+grouped posts) does exactly that, step after step. The streaming path
+(``plait.comm.dataflow``, gloo: messages complete one by one) lets a message of a
+later step leave as soon as the regions it reads have landed; its ordering rules
+make every result bit-identical to the lock-step order (and to the virtual
+executor). No ``torch.cuda`` here.
+
+Every wait goes through the :class:`Call` (one collective as it runs on this
+rank), which owns the deadline and turns a transport failure into a CommError that
+names the rank, collective, algorithm, step and peer.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
-import torch.distributed as dist
 
 from plait.comm.errors import CommError, CommTimeoutError
 from plait.comm.dataflow import ScratchPool, run_streaming
@@ -67,10 +73,10 @@ def plan_rank(schedule: Schedule, rank: int, segment_numel: int) -> list[_StepPl
     for index, (sends, recvs) in enumerate(schedule.rank_steps(rank)):
         if not sends and not recvs:
             continue
-        # tags: the step (mod 2^14) in the high bits, the message's index between this
+        # tags: the step (mod 2^13) in the high bits, the message's index between this
         # pair in this step in the low 16; sends of a step may still be in flight
         # when the next step's are posted
-        base = (index % 16384) << 16
+        base = (index % 8192) << 16  # tags < 2^29 (plait.comm.tags)
         tags: dict[int, int] = {}
         send_msgs = []
         for t in sends:
@@ -108,41 +114,52 @@ def plan_rank(schedule: Schedule, rank: int, segment_numel: int) -> list[_StepPl
     return plans
 
 
-class Transport:
-    """Posts point-to-point messages on one process group (group-local peer ranks).
+@dataclass
+class Call:
+    """One collective as it runs on this rank: its schedule, the transport its
+    messages use (plain, or with in-band headers), its label and its deadline."""
 
-    CPU tensors go one message at a time through the group's own ``send``/``recv``
-    (gloo; the least Python per message, and each message can be waited for on its
-    own). Tensors on an accelerator go through ``batch_isend_irecv``, which NCCL
-    runs as one group per step, so a pair that sends and receives in one step
-    cannot deadlock; that path is ``grouped``: its works complete together.
-    """
+    schedule: Schedule
+    rank: int
+    transport: object  # plait.comm.transport.Transport or plait.comm.inband.InbandCall
+    timeout_s: float
+    label: str | None = None
+    grouped: bool = False  # one batch_isend_irecv per step (tensors on an accelerator: NCCL)
+    deadline: float = field(default=0.0)
 
-    def __init__(self, group, device):
-        self.group = group
-        self.grouped = torch.device(device).type != "cpu"
-        self._global: dict[int, int] = {}
+    def __post_init__(self):
+        self.deadline = time.monotonic() + self.timeout_s
 
-    def global_rank(self, peer: int) -> int:
-        if peer not in self._global:
-            self._global[peer] = dist.get_global_rank(self.group, peer)
-        return self._global[peer]
+    @property
+    def collective(self) -> str:
+        return self.label or self.schedule.collective
 
-    def post(self, recvs, sends):
-        """Grouped path: recvs/sends are lists of (tensor, peer, tag), posted as one
-        ``batch_isend_irecv``; returns its works (they complete together)."""
-        ops = [dist.P2POp(dist.irecv, t, self.global_rank(peer), self.group, tag) for t, peer, tag in recvs]
-        ops += [dist.P2POp(dist.isend, t, self.global_rank(peer), self.group, tag) for t, peer, tag in sends]
-        return dist.batch_isend_irecv(ops)
-
-    def describe(self, peer) -> str:
-        """'3', or '3 (global rank 5)' when the group is not the world."""
-        if not isinstance(peer, int) or self.group is dist.group.WORLD:
-            return str(peer)
+    def send(self, tensor, peer: int, tag: int, step):
         try:
-            return f"{peer} (global rank {self.global_rank(peer)})"
-        except (RuntimeError, ValueError):
-            return str(peer)
+            return self.transport.send(tensor, peer, tag)
+        except RuntimeError as error:
+            raise self.error(error, step, self.transport.describe(peer)) from error
+
+    def recv(self, tensor, peer: int, tag: int, step):
+        try:
+            return self.transport.recv(tensor, peer, tag)
+        except RuntimeError as error:
+            raise self.error(error, step, self.transport.describe(peer)) from error
+
+    def wait(self, work, step, peer: str) -> None:
+        remaining = max(self.deadline - time.monotonic(), 0.001)
+        try:
+            work.wait(timedelta(seconds=remaining))
+        except RuntimeError as error:
+            raise self.error(error, step, peer) from error
+
+    def error(self, error, step, peer) -> CommError:
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        kwargs = dict(rank=self.rank, collective=self.collective, algorithm=self.schedule.algorithm, step=step,
+                      peer=peer)
+        if "timed out" in reason.lower() or "timeout" in reason.lower():
+            return CommTimeoutError(timeout_s=self.timeout_s, reason=reason, **kwargs)
+        return CommError(reason=reason, **kwargs)
 
 
 class Executor:
@@ -164,27 +181,23 @@ class Executor:
         self._scratch.clear()
         self.pool.clear()
 
-    def run(
-        self,
-        schedule: Schedule,
-        buffer: torch.Tensor,
-        rank: int,
-        transport: Transport,
-        combine,
-        *,
-        timeout_s: float,
-        segment_numel: int = 0,
-        label: str | None = None,
-    ) -> tuple[int, int]:
-        """Run ``rank``'s part of ``schedule`` on ``buffer``; returns (bytes sent, messages).
-
-        Message-by-message transports (gloo) run as a dataflow (``plait.comm.dataflow``);
-        grouped ones (NCCL) step by step."""
+    def run(self, call: Call, buffer: torch.Tensor, combine, *, segment_numel: int = 0) -> tuple[int, int]:
+        """Run ``call.rank``'s part of ``call.schedule`` on ``buffer``; returns (bytes
+        sent, messages). Message-by-message transports (gloo) run as a dataflow
+        (``plait.comm.dataflow``); grouped ones (NCCL) step by step."""
+        schedule, rank = call.schedule, call.rank
         plans = plan_rank(schedule, rank, segment_numel)
-        deadline = time.monotonic() + timeout_s
-        if not transport.grouped:
-            return run_streaming(self, plans, schedule, buffer, rank, transport, combine, deadline, timeout_s,
-                                 label, max_scratch_numel=2 * buffer.numel() + 1)
+        try:
+            if not call.grouped:
+                return run_streaming(self, plans, buffer, call, combine, max_scratch_numel=2 * buffer.numel() + 1)
+            return self._run_grouped(plans, buffer, call, combine)
+        except BaseException:
+            # receives of the failed step may still land later, so the scratch buffers
+            # are dropped rather than reused
+            self.release()
+            raise
+
+    def _run_grouped(self, plans, buffer, call: Call, combine) -> tuple[int, int]:
         sent_numel = 0
         messages = 0
         for plan in plans:
@@ -201,11 +214,11 @@ class Executor:
             send_posts = [(buffer[lo:hi], peer, tag) for peer, lo, hi, tag in plan.sends]
             peers = f"one of {sorted({peer for _, peer, _ in recv_posts + send_posts})}"
             try:
-                works = transport.post(recv_posts, send_posts)
+                works = call.transport.post(recv_posts, send_posts)
             except RuntimeError as error:  # the grouped path posts a step at once
-                raise self._fail(error, schedule, rank, plan.index, peers, timeout_s, label) from error
+                raise call.error(error, plan.index, peers) from error
             for work in works:  # they complete together: wait for all, then land
-                self._wait(work, deadline, schedule, rank, plan.index, peers, timeout_s, label)
+                call.wait(work, plan.index, peers)
             landed = []
             for recv in plan.recvs:
                 if recv.scratch_lo is None:
@@ -213,36 +226,7 @@ class Executor:
                 else:
                     landed.append((recv.transfer, scratch[recv.scratch_lo : recv.scratch_lo + recv.transfer.numel]))
             if landed:
-                apply_receives(buffer, rank, landed, combine)
+                apply_receives(buffer, call.rank, landed, combine)
             messages += len(send_posts)
             sent_numel += sum(hi - lo for _, lo, hi, _ in plan.sends)
         return sent_numel * buffer.element_size(), messages
-
-    def _post(self, transport, kind, tensor, peer, tag, schedule, rank, step, timeout_s, label):
-        """Post one message (message-by-message transports)."""
-        try:
-            return getattr(transport.group, kind)([tensor], peer, tag)
-        except RuntimeError as error:
-            raise self._fail(error, schedule, rank, step, transport.describe(peer), timeout_s, label) from error
-
-    def _wait(self, work, deadline, schedule, rank, step, peer, timeout_s, label):
-        remaining = max(deadline - time.monotonic(), 0.001)
-        try:
-            work.wait(timedelta(seconds=remaining))
-        except RuntimeError as error:
-            raise self._fail(error, schedule, rank, step, peer, timeout_s, label) from error
-
-    def _fail(self, error, schedule, rank, step, peer, timeout_s, label):
-        """The CommError to raise. Receives of the failed step may still land later,
-        so the scratch buffers are dropped rather than reused."""
-        self.release()
-        return self._error(error, schedule, rank, step, peer, timeout_s, label)
-
-    @staticmethod
-    def _error(error, schedule, rank, step, peer, timeout_s, label):
-        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        collective = label or schedule.collective
-        kwargs = dict(rank=rank, collective=collective, algorithm=schedule.algorithm, step=step, peer=peer)
-        if "timed out" in reason.lower() or "timeout" in reason.lower():
-            return CommTimeoutError(timeout_s=timeout_s, reason=reason, **kwargs)
-        return CommError(reason=reason, **kwargs)

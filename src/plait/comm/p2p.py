@@ -1,13 +1,15 @@
-"""Point-to-point messages with plait's deadline: ``send``, ``recv`` (also from any
-source), and their non-blocking forms.
+"""Point-to-point messages with torch.distributed's semantics and plait's deadline:
+``send``, ``recv`` (also from any source), ``isend``, ``irecv`` and
+``batch_isend_irecv`` with ``P2POp``.
 
-For protocols that are not collectives (the parameter server's pushes and pulls).
-Each wait is bounded by ``CONFIG.timeout_s`` (or the call's ``timeout_s``) and a
-failure raises :class:`CommError` / :class:`CommTimeoutError` naming this rank, the
-message's label and the peer, so a dead peer never leaves a rank hanging. Peers are
-group-local ranks, as in the collectives. These run on the calling thread, not the
-comm engine's queue: do not interleave them with async collectives on the same
-peers unless both sides do so in the same order.
+As in torch, ``dst``/``src`` are global ranks and ``group_dst``/``group_src`` ranks
+within ``group`` (give one of them); ``recv`` returns the sender's global rank.
+Each wait is bounded by the call's ``timeout_s`` (default: the group's communicator's
+``CommConfig.timeout_s``, or 300 s) and a failure raises :class:`CommError` /
+:class:`CommTimeoutError` naming this rank, the message's label and the peer, so a
+dead peer never leaves a rank hanging. These run on the calling thread, not on the
+group's comm thread: p2p and collectives on one group must use different tags
+(``plait.comm.tags``).
 """
 
 from __future__ import annotations
@@ -19,13 +21,55 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from plait.comm.engine import CONFIG
+from plait.comm.communicator import REGISTRY, group_ranks
+from plait.comm.config import CommConfig
 from plait.comm.errors import CommError, CommTimeoutError
+
+_DEFAULT_TIMEOUT_S = CommConfig().timeout_s
 
 
 def _group_rank(group) -> tuple[object, int]:
     group = dist.group.WORLD if group is None else group
+    if hasattr(group, "group") and hasattr(group, "config"):  # a plait Communicator
+        group = group.group
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError("plait.comm point-to-point needs torch.distributed.init_process_group(...) first")
     return group, dist.get_rank(group)
+
+
+def _timeout_s(group, timeout_s) -> float:
+    if timeout_s is not None:
+        return timeout_s
+    communicator = REGISTRY.lookup(group)
+    return communicator.config.timeout_s if communicator is not None else _DEFAULT_TIMEOUT_S
+
+
+def _peer(group, rank: int, global_peer, group_peer, name: str, *, allow_none: bool = False) -> int | None:
+    """The group rank of a message's peer, from torch's global ``dst``/``src`` or the
+    group rank ``group_dst``/``group_src``."""
+    if global_peer is not None and group_peer is not None:
+        raise ValueError(f"{name}={global_peer} and group_{name}={group_peer} both given: pass the global rank as "
+                         f"{name} or the group rank as group_{name}, not both")
+    if global_peer is None and group_peer is None:
+        if allow_none:
+            return None
+        raise ValueError(f"give the peer: {name}= (a global rank) or group_{name}= (a rank of the group)")
+    ranks = group_ranks(group)
+    if group_peer is not None:
+        if isinstance(group_peer, bool) or not isinstance(group_peer, int) or not 0 <= group_peer < len(ranks):
+            raise ValueError(f"group_{name}={group_peer!r} is not a rank of this group of {len(ranks)} ranks "
+                             f"(0..{len(ranks) - 1}; its global ranks are {ranks})")
+        peer = group_peer
+    else:
+        if isinstance(global_peer, bool) or not isinstance(global_peer, int):
+            raise TypeError(f"{name} must be an int global rank, got {type(global_peer).__name__}")
+        if global_peer not in ranks:
+            raise ValueError(f"{name}={global_peer} (a global rank) is not a member of this group (global ranks "
+                             f"{ranks}); pass one of them, or a rank within the group as group_{name}=")
+        peer = ranks.index(global_peer)
+    if peer == rank:
+        raise ValueError(f"{name}: this rank (group rank {rank}) cannot send to or receive from itself")
+    return peer
 
 
 def _global(group, peer: int) -> int:
@@ -51,7 +95,8 @@ def _error(error: BaseException, rank: int, label: str, peer: str, timeout_s: fl
 @dataclass
 class Message:
     """A posted send or receive; ``wait()`` blocks with the deadline and returns the
-    sender's group rank (receives) or the destination (sends)."""
+    peer's rank within the group (the sender's, for a receive from any rank);
+    ``is_completed()`` polls; ``global_peer()`` is the peer's global rank."""
 
     work: object
     group: object
@@ -69,45 +114,91 @@ class Message:
             raise _error(error, self.rank, self.label, _describe(self.group, self.peer), self.timeout_s) from error
         if self.peer is not None:
             return self.peer
-        return self.work._source_rank()  # the process group's own (group-local) rank
+        self.peer = self.work._source_rank()  # the process group's own (group-local) rank
+        return self.peer
+
+    def is_completed(self) -> bool:
+        return self.work.is_completed()
+
+    def global_peer(self) -> int | None:
+        return None if self.peer is None else _global(self.group, self.peer)
 
 
-def isend(tensor: torch.Tensor, dst: int, group=None, tag: int = 0, *, label: str = "send",
-          timeout_s: float | None = None) -> Message:
-    """Post ``tensor`` to group rank ``dst``; ``wait()`` the returned message before
-    changing the tensor."""
+def isend(tensor: torch.Tensor, dst: int | None = None, group=None, tag: int = 0, group_dst: int | None = None, *,
+          label: str = "send", timeout_s: float | None = None) -> Message:
+    """Post ``tensor`` to global rank ``dst`` (or group rank ``group_dst``); ``wait()``
+    the returned message before changing the tensor."""
     group, rank = _group_rank(group)
-    timeout_s = CONFIG.timeout_s if timeout_s is None else timeout_s
+    peer = _peer(group, rank, dst, group_dst, "dst")
+    timeout_s = _timeout_s(group, timeout_s)
     try:
-        work = group.send([tensor], dst, tag)
+        work = group.send([tensor], peer, tag)
     except RuntimeError as error:
-        raise _error(error, rank, label, _describe(group, dst), timeout_s) from error
-    return Message(work, group, rank, dst, label, timeout_s, time.monotonic())
+        raise _error(error, rank, label, _describe(group, peer), timeout_s) from error
+    return Message(work, group, rank, peer, label, timeout_s, time.monotonic())
 
 
-def irecv(tensor: torch.Tensor, src: int | None = None, group=None, tag: int = 0, *, label: str = "recv",
-          timeout_s: float | None = None) -> Message:
-    """Post a receive into ``tensor`` from group rank ``src`` (None: from any rank of
-    the group; ``wait()`` returns who sent it)."""
+def irecv(tensor: torch.Tensor, src: int | None = None, group=None, tag: int = 0, group_src: int | None = None, *,
+          label: str = "recv", timeout_s: float | None = None) -> Message:
+    """Post a receive into ``tensor`` from global rank ``src`` (or group rank
+    ``group_src``; neither: from any rank of the group, ``wait()`` returns who sent it)."""
     group, rank = _group_rank(group)
-    timeout_s = CONFIG.timeout_s if timeout_s is None else timeout_s
+    peer = _peer(group, rank, src, group_src, "src", allow_none=True)
+    timeout_s = _timeout_s(group, timeout_s)
     try:
-        if src is None:
+        if peer is None:
             work = group.recv_anysource([tensor], tag)
         else:
-            work = group.recv([tensor], src, tag)
+            work = group.recv([tensor], peer, tag)
     except RuntimeError as error:
-        raise _error(error, rank, label, _describe(group, src), timeout_s) from error
-    return Message(work, group, rank, src, label, timeout_s, time.monotonic())
+        raise _error(error, rank, label, _describe(group, peer), timeout_s) from error
+    return Message(work, group, rank, peer, label, timeout_s, time.monotonic())
 
 
-def send(tensor: torch.Tensor, dst: int, group=None, tag: int = 0, *, label: str = "send",
-         timeout_s: float | None = None) -> None:
+def send(tensor: torch.Tensor, dst: int | None = None, group=None, tag: int = 0, group_dst: int | None = None, *,
+         label: str = "send", timeout_s: float | None = None) -> None:
     """Blocking :func:`isend`."""
-    isend(tensor, dst, group, tag, label=label, timeout_s=timeout_s).wait()
+    isend(tensor, dst, group, tag, group_dst, label=label, timeout_s=timeout_s).wait()
 
 
-def recv(tensor: torch.Tensor, src: int | None = None, group=None, tag: int = 0, *, label: str = "recv",
-         timeout_s: float | None = None) -> int:
-    """Blocking :func:`irecv`; returns the sender's group rank."""
-    return irecv(tensor, src, group, tag, label=label, timeout_s=timeout_s).wait()
+def recv(tensor: torch.Tensor, src: int | None = None, group=None, tag: int = 0, group_src: int | None = None, *,
+         label: str = "recv", timeout_s: float | None = None) -> int:
+    """Blocking :func:`irecv`; returns the sender's global rank, as torch does."""
+    message = irecv(tensor, src, group, tag, group_src, label=label, timeout_s=timeout_s)
+    message.wait()
+    return message.global_peer()
+
+
+@dataclass(frozen=True)
+class P2POp:
+    """One message of :func:`batch_isend_irecv`: ``op`` is plait.comm.isend / irecv (or
+    torch.distributed's), ``peer`` a global rank or ``group_peer`` a group rank."""
+
+    op: object
+    tensor: torch.Tensor
+    peer: int | None = None
+    group: object = None
+    tag: int = 0
+    group_peer: int | None = None
+
+
+def batch_isend_irecv(p2p_op_list) -> list[Message]:
+    """Post every op of ``p2p_op_list`` at once and return their messages (wait for
+    each). All are posted before any is waited for, so pairs that send to each other
+    in one batch cannot deadlock."""
+    if not isinstance(p2p_op_list, (list, tuple)) or not p2p_op_list:
+        raise ValueError("batch_isend_irecv takes a non-empty list of P2POp")
+    posts = []
+    for op in p2p_op_list:
+        if not isinstance(op, (P2POp, dist.P2POp)):
+            raise TypeError(f"batch_isend_irecv takes P2POp items, got {type(op).__name__}")
+        sending = op.op in (isend, dist.isend)
+        if not sending and op.op not in (irecv, dist.irecv):
+            raise ValueError(f"P2POp.op must be isend or irecv, got {op.op!r}")
+        group_peer = getattr(op, "group_peer", None)
+        if sending:
+            posts.append(isend(op.tensor, op.peer, op.group, op.tag, group_peer, label="batch_isend_irecv send"))
+        else:
+            posts.append(irecv(op.tensor, op.peer if op.peer is not None or group_peer is not None else None,
+                               op.group, op.tag, group_peer, label="batch_isend_irecv recv"))
+    return posts

@@ -94,7 +94,7 @@ def _segment_bytes(value, source: str) -> int:
 
 
 def _algorithms(value, source: str) -> dict:
-    from plait.comm.tuner import parse_overrides
+    from plait.comm.tuner import parse_overrides  # noqa: PLC0415 - tuner imports the algorithms, which import settings users
 
     try:
         return parse_overrides(value)

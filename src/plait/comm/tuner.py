@@ -1,14 +1,15 @@
 """The tuner: ``algorithm="auto"`` runs the algorithm with the lowest predicted time.
 
 Predictions are the alpha-beta-gamma closed forms of ``plait.cost.alpha_beta`` on a
-link model: the profile ``plait calibrate`` saved for the backend, or one you give
-(``set_tuner(Tuner(link))``). A choice is made once per (collective, world size,
+link model: a calibration profile named by the caller (``tuner_from_profile``) or a
+link you give (``Tuner(link)``), passed in as ``CommConfig(tuner=...)``: nothing is
+read behind the caller's back. A choice is made once per (collective, world size,
 power-of-two size bucket) at the bucket's geometric middle and cached, so every
 rank picks the same algorithm whatever order its calls come in. Without a profile
 the measured default table (``plait.comm.collectives.default_algorithm``) decides.
 
-Overrides beat both: ``plait.comm.configure(algorithms={"all_reduce": "ring"})`` or
-``PLAIT_ALGORITHMS="all_reduce=ring,broadcast=tree"``.
+Overrides beat both: ``CommConfig(algorithms={"all_reduce": "ring"})`` (the CLI takes
+``PLAIT_ALGORITHMS="all_reduce=ring,broadcast=tree"``).
 
 Every rank must see the same profile (the same file, or copies): ranks that pick
 different algorithms are stopped by the argument check (``check_args``) with a
@@ -18,9 +19,7 @@ MismatchError naming the algorithms.
 from __future__ import annotations
 
 import math
-import os
 import threading
-import warnings
 from typing import Sequence
 
 from plait.comm.algorithms import COLLECTIVES, ROOTED, TORCH, algorithms_for, build_schedule, builder
@@ -28,7 +27,7 @@ from plait.comm.algorithms.hierarchical import parse_hierarchy
 from plait.cost import LinkModel
 from plait.cost.alpha_beta import pipeline_segments, predict_time_s, shared_host_terms, uniform_hierarchy_dims
 
-__all__ = ["Tuner", "active_tuner", "set_tuner", "tuner_from_profile", "parse_overrides", "size_bucket", "size_ranges"]
+__all__ = ["Tuner", "tuner_from_profile", "parse_overrides", "size_bucket", "size_ranges"]
 
 
 def size_bucket(nbytes: int) -> tuple[int, int, int]:
@@ -182,58 +181,15 @@ class Tuner:
         return size_ranges(lambda nbytes: self.choose(collective, nbytes, world_size), min_nbytes, max_nbytes)
 
 
-# ----- the process's tuner -------------------------------------------------------------------------
-_ACTIVE: dict[str, Tuner | None] = {}
-_EXPLICIT: list[Tuner | None] = []  # set_tuner's value, when called
-_LOCK = threading.Lock()
-
-
-def tuner_from_profile(profile, *, source: str = "calibration profile", shared_host: bool | None = None) -> Tuner:
-    """A tuner on a calibration profile's link and call overhead (hierarchical a
-    candidate when PLAIT_HIERARCHY names equal groups).
-
-    ``shared_host`` (default: the profile was measured on CPU and this run's ranks all
-    live on one host, i.e. LOCAL_WORLD_SIZE is unset or equals WORLD_SIZE) prices
-    schedules with the shared-host model over the profile's world size; otherwise
-    the one-port closed forms.
-    """
+# ----- a tuner from a calibration profile ---------------------------------------------------------
+def tuner_from_profile(profile, *, source: str = "calibration profile", shared_host: bool | None = None,
+                       hierarchy=None) -> Tuner:
+    """A tuner on a calibration profile's link and call overhead, for a
+    ``CommConfig(tuner=...)``. ``hierarchy`` (equal groups) makes "hierarchical" a
+    candidate. ``shared_host`` (default: the profile was measured on CPU, where the
+    ranks share one host's cores) prices schedules with the shared-host model over the
+    profile's world size; otherwise the one-port closed forms."""
     if shared_host is None:
-        local, world = os.environ.get("LOCAL_WORLD_SIZE"), os.environ.get("WORLD_SIZE")
-        shared_host = getattr(profile, "device", "") == "cpu" and (local is None or local == world)
-    return Tuner(profile.link, call_overhead_s=profile.call_overhead_s,
-                 hierarchy=os.environ.get("PLAIT_HIERARCHY") or None, source=source,
+        shared_host = getattr(profile, "device", "") == "cpu"
+    return Tuner(profile.link, call_overhead_s=profile.call_overhead_s, hierarchy=hierarchy, source=source,
                  shared_host_ranks=profile.world_size if shared_host else None)
-
-
-def set_tuner(tuner: Tuner | None, *, backend: str | None = None) -> None:
-    """Use ``tuner`` for algorithm="auto" (None: back to the saved profile / table)."""
-    with _LOCK:
-        _EXPLICIT.clear()
-        _ACTIVE.clear()
-        if tuner is not None:
-            _EXPLICIT.append(tuner)
-
-
-def active_tuner(backend: str = "gloo") -> Tuner | None:
-    """The tuner for ``backend``: set_tuner's, else one built from the calibration
-    profile saved for the backend (warning if it was measured elsewhere), else None."""
-    with _LOCK:
-        if _EXPLICIT:
-            return _EXPLICIT[0]
-        if backend in _ACTIVE:
-            return _ACTIVE[backend]
-    from plait.cost.profile import load_profile
-
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            profile = load_profile(backend=backend)
-        for warning in caught:  # say it once per process, not once per call
-            warnings.warn(warning.message, stacklevel=3)
-    except ValueError as error:
-        warnings.warn(f"plait: ignoring the calibration profile: {error}", stacklevel=3)
-        profile = None
-    tuner = None if profile is None else tuner_from_profile(profile, source=f"profile saved for {backend}")
-    with _LOCK:
-        _ACTIVE[backend] = tuner
-    return tuner

@@ -130,7 +130,10 @@ def accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def group_rank_and_size(group) -> tuple[int, int]:
-    """(this rank in ``group``, the group's size); (0, 1) without a process group."""
+    """(this rank in ``group``, the group's size); (0, 1) without a process group.
+    ``group`` may be a process group (None: the world) or a plait.comm.Communicator."""
+    if isinstance(group, comm.Communicator):
+        return group.rank, group.size
     if group is None and (not dist.is_available() or not dist.is_initialized()):
         return 0, 1
     return dist.get_rank(group), dist.get_world_size(group)

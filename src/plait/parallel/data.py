@@ -260,24 +260,22 @@ class DataParallel(nn.Module):
             self._next_launch += 1
 
     def _launch(self, bucket: Bucket):
-        # the comm layer checks sizes and order with the peers on the first step only;
-        # after that the bucket layout is trusted (the check costs an all-gather per call)
-        first = self.step_count == 0
+        # the comm layer checks sizes and order in-band, in the call's own messages
         if self.compression is None:
-            with contextlib.nullcontext() if first else comm.unchecked():
-                return comm.all_reduce(bucket.buffer, op=comm.ReduceOp.AVG, group=self.group, async_op=True,
-                                       algorithm=self.algorithm)
+            return comm.all_reduce(bucket.buffer, op=comm.ReduceOp.AVG, group=self.group, async_op=True,
+                                   algorithm=self.algorithm)
         grad_bucket = bucket.as_grad_bucket(self.step_count)
         compressor, group, algorithm = self.compression, self.group, self._compress_algorithm
 
-        def job():  # on the comm thread, after every collective queued before it
-            before = sum(entry["bytes_sent"] for entry in comm.stats().values())
-            with contextlib.nullcontext() if first else comm.unchecked():
-                payload = compressor.reduce(grad_bucket, group, algorithm=algorithm)
-            sent = sum(entry["bytes_sent"] for entry in comm.stats().values()) - before
+        communicator = comm.communicator_for(group)
+
+        def job():  # on the group's comm thread, after every collective queued on it before
+            before = sum(entry["bytes_sent"] for entry in communicator.stats().values())
+            payload = compressor.reduce(grad_bucket, communicator, algorithm=algorithm)
+            sent = sum(entry["bytes_sent"] for entry in communicator.stats().values()) - before
             return sent, payload
 
-        return comm.enqueue(job, f"DataParallel bucket {bucket.index} ({compressor.describe()})")
+        return communicator.enqueue(job, f"DataParallel bucket {bucket.index} ({compressor.describe()})")
 
     def _finish_backward(self) -> None:
         """Runs once at the end of backward: launch what is left, wait, expose .grad."""

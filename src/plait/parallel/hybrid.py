@@ -279,14 +279,14 @@ def _send_activation(x, group, peer, stage, timeout_s):
     x = x.contiguous()
     header = torch.tensor([_DTYPES.index(x.dtype), x.dim(), *x.shape] + [0] * (6 - x.dim()), dtype=torch.int64,
                           device=x.device)
-    comm.send(header, peer, group, _EVAL_TAG + 2 * stage, label="evaluation activation header", timeout_s=timeout_s)
-    comm.send(x, peer, group, _EVAL_TAG + 2 * stage + 1, label="evaluation activation", timeout_s=timeout_s)
+    comm.send(header, group=group, tag=_EVAL_TAG + 2 * stage, group_dst=peer, label="evaluation activation header", timeout_s=timeout_s)
+    comm.send(x, group=group, tag=_EVAL_TAG + 2 * stage + 1, group_dst=peer, label="evaluation activation", timeout_s=timeout_s)
 
 
 def _receive_activation(group, peer, stage, device, timeout_s):
     header = torch.empty(8, dtype=torch.int64, device=device)
-    comm.recv(header, peer, group, _EVAL_TAG + 2 * stage, label="evaluation activation header", timeout_s=timeout_s)
+    comm.recv(header, group=group, tag=_EVAL_TAG + 2 * stage, group_src=peer, label="evaluation activation header", timeout_s=timeout_s)
     dims = [int(d) for d in header[2:2 + int(header[1])]]
     x = torch.empty(dims, dtype=_DTYPES[int(header[0])], device=device)
-    comm.recv(x, peer, group, _EVAL_TAG + 2 * stage + 1, label="evaluation activation", timeout_s=timeout_s)
+    comm.recv(x, group=group, tag=_EVAL_TAG + 2 * stage + 1, group_src=peer, label="evaluation activation", timeout_s=timeout_s)
     return x

@@ -37,7 +37,7 @@ bytes) followed by the payload's tensors (one message each, in name order), CLOS
 (done), ABORT (the worker raised). Server -> worker: REPLY (a = server version,
 b = steps ahead of the slowest) followed by the shard's flat parameters, or ABORT
 (a = reason, b = timeout in ms, mask = the culprit worker ranks). A server that loses
-a worker (dead connection, no push within ``comm.CONFIG.timeout_s``, or an ABORT)
+a worker (dead connection, no push within the group's ``CommConfig.timeout_s``, or an ABORT)
 tells every other open worker who it was and raises; workers wait for replies up to
 twice the deadline, so that message, naming the culprit, arrives before they time
 out on their own. The server enforces its deadline itself (the gloo wait runs on a
@@ -117,6 +117,7 @@ class ParameterServer(ServerLoop):
                   numel=sum(named[i][1].numel() for i in indices),
                   nbytes=sum(named[i][1].numel() * named[i][1].element_size() for i in indices))
             for server, indices in zip(self.server_ranks, owned))
+        self.timeout_s = comm.communicator_for(group).config.timeout_s  # the group's deadline (creates it: all ranks)
         self._broadcast_state(self.server_ranks[0])
         self._bytes_sent = self._bytes_received = 0
         self._wait_time_s = 0.0
@@ -179,11 +180,11 @@ class ParameterServer(ServerLoop):
 
     def _send(self, tensor: torch.Tensor, dst: int, tag: int, label: str, timeout_s=None) -> comm.Message:
         self._bytes_sent += tensor.numel() * tensor.element_size()
-        return comm.isend(tensor, dst, self.group, tag, label=label, timeout_s=timeout_s)
+        return comm.isend(tensor, group=self.group, tag=tag, group_dst=dst, label=label, timeout_s=timeout_s)
 
     def _recv(self, tensor: torch.Tensor, src, tag: int, label: str, timeout_s=None) -> comm.Message:
         self._bytes_received += tensor.numel() * tensor.element_size()
-        return comm.irecv(tensor, src, self.group, tag, label=label, timeout_s=timeout_s)
+        return comm.irecv(tensor, group=self.group, tag=tag, group_src=src, label=label, timeout_s=timeout_s)
 
     def _wait(self, message: comm.Message, deadline_s: float | None = None) -> int:
         """``message.wait()``; with ``deadline_s`` the wait runs on a helper thread and
@@ -219,8 +220,8 @@ class ParameterServer(ServerLoop):
 
     def _recv_push(self, tensor: torch.Tensor, src, tag: int, label: str) -> comm.Message:
         """A server's receive from a worker: gloo's own deadline is a late fallback
-        (see :meth:`_wait`); :meth:`_guarded_wait` enforces ``comm.CONFIG.timeout_s``."""
-        return self._recv(tensor, src, tag, label, _GLOO_FALLBACK_FACTOR * comm.CONFIG.timeout_s)
+        (see :meth:`_wait`); :meth:`_guarded_wait` enforces ``self.timeout_s``."""
+        return self._recv(tensor, src, tag, label, _GLOO_FALLBACK_FACTOR * self.timeout_s)
 
     def _payload_buffers(self, index: int):
         """(payload object or None, its tensors in wire order) to receive a push into."""
@@ -276,7 +277,7 @@ class ParameterServer(ServerLoop):
             sends += [self._send(t, shard.server, _DATA_TAG + i, label) for i, t in enumerate(tensors)]
         # The server may itself wait timeout_s for the slowest worker before it replies
         # or aborts, so a worker waits twice as long: the abort naming the culprit wins.
-        reply_timeout_s = 2 * comm.CONFIG.timeout_s
+        reply_timeout_s = 2 * self.timeout_s
         headers = [self._header(_REPLY, 0) for _ in self.shards]
         posted = [self._recv(h, s.server, _REPLY_TAG, f"parameter-server reply to step {step} from server",
                              reply_timeout_s) for h, s in zip(headers, self.shards)]
@@ -348,6 +349,6 @@ class ParameterServer(ServerLoop):
         for shard in self.shards:
             try:
                 self._wait(self._send(self._header(_ABORT, self._step, _RAISED), shard.server, _PUSH_TAG,
-                                      "parameter-server abort to server", min(comm.CONFIG.timeout_s, 5.0)))
+                                      "parameter-server abort to server", min(self.timeout_s, 5.0)))
             except comm.CommError:
                 pass

@@ -129,7 +129,7 @@ class ServerLoop:
     def _guarded_wait(self, message, worker, step, open_workers, culprits=None) -> int:
         """Wait for a worker's message; on failure tell the other workers who failed, then raise."""
         try:
-            return self._wait(message, comm.CONFIG.timeout_s)
+            return self._wait(message, self.timeout_s)
         except comm.CommError as error:
             culprits = [worker] if worker is not None else list(culprits or open_workers)
             timed_out = isinstance(error, comm.CommTimeoutError)
@@ -144,7 +144,7 @@ class ServerLoop:
 
     def _abort_workers(self, open_workers, culprits, reason: int, step) -> None:
         """Best effort ABORT (naming ``culprits``) to every other open worker, bounded by the deadline."""
-        header = self._header(_ABORT, -1 if step is None else step, reason, int(comm.CONFIG.timeout_s * 1000), culprits)
+        header = self._header(_ABORT, -1 if step is None else step, reason, int(self.timeout_s * 1000), culprits)
         sends = []
         for worker in open_workers:
             if worker not in culprits:

@@ -109,6 +109,8 @@ class TrainConfig:
     seed: int = _field(0, "run", "seed for initialisation, data order and dropout")
     out: str = _field("runs/gpt-small", "run", "run directory: checkpoints, metrics, config")
     timeout_s: float = _field(300.0, "run", "deadline in seconds for any collective or p2p wait")
+    comm_profile: str = _field("", "run", "calibration profile (plait calibrate --output) whose tuner picks "
+                                          "algorithm=auto's collectives; empty: the measured default table")
 
     def __post_init__(self):
         problems = [problem for name in FIELD_NAMES if (problem := _type_problem(name, getattr(self, name)))]

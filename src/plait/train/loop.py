@@ -158,7 +158,7 @@ class Trainer:
     """One rank's training state (see the module docstring)."""
 
     def __init__(self, config: TrainConfig, *, resume: str = "auto", log=print, data=None, run_id: str | None = None,
-                 force_fresh: bool = False):
+                 force_fresh: bool = False, comm_environment: comm.CommConfig | None = None):
         self.config, self.log = config, log
         self.run_id, self.force_fresh = run_id, force_fresh
         self.started_s = float(os.environ.get("PLAIT_LAUNCH_TIME", time.time()))
@@ -172,8 +172,10 @@ class Trainer:
         self.data = load_data(config) if data is None else data
         self.model_info = model_description(config, self.data)
         self._check_agreement()
-        self._comm_defaults = comm.configure(timeout_s=config.timeout_s)  # restored when train() ends
-        model, layers, loss_fn = build_model(config, self.data, self.mesh.group["tp"] if config.tp > 1 else None)
+        self.comm_config = comm_config(config, comm_environment)
+        for group in (None, *self.mesh.group.values()):  # every group this rank talks on, one config
+            comm.init_communicator(group, self.comm_config)
+        model, layers, loss_fn = build_model(config, self.data, self.mesh.group["tp"])
         self.hybrid: HybridModel = build_hybrid(
             model, layers, self.mesh, loss_fn, schedule=config.schedule, microbatches=config.microbatches,
             virtual=config.virtual, algorithm=config.algorithm, compression=config.compression,
@@ -347,7 +349,6 @@ class Trainer:
             if self.rank == 0:
                 self.log(f"{self.out} is already trained to step {self.start_step} of {config.steps}: nothing to do "
                          f"(raise --steps to train on, or use a new --out)")
-            comm.configure(timeout_s=self._comm_defaults["timeout_s"])
             return None
         metrics_path = self.out / "metrics.jsonl"
         records = []
@@ -395,7 +396,6 @@ class Trainer:
                     if self.rank == 0:
                         progress.log(f"checkpoint {path}")
         finally:
-            comm.configure(timeout_s=self._comm_defaults["timeout_s"])
             if metrics_file is not None:
                 metrics_file.close()
             if progress is not None:
@@ -407,8 +407,10 @@ class Trainer:
 
         peak_flops_per_s = self.peak_flops_per_process(measure_peak_flops)
         mine = {"rank": self.rank, "coords": dict(self.coords), "steps": steps_run, **self.times,
-                "collectives": {name: {key: entry[key] for key in ("calls", "bytes_sent", "time_s")}
-                                for name, entry in comm.stats().items()}}
+                "collectives": {name: {key: entry[key] for key in ("calls", "bytes_sent", "time_s", "algorithms")}
+                                for name, entry in comm.stats().items()},
+                "comm": {"config": self.comm_config.describe(),
+                         "tuner": getattr(self.comm_config.tuner, "source", None) or "none: the default table"}}
         everyone = [None] * self.world_size
         dist.all_gather_object(everyone, mine)
         if self.rank != 0:
@@ -467,12 +469,30 @@ def _write_metrics(path: Path, records: list[dict]) -> None:
     os.replace(temporary, path)
 
 
+def comm_config(config: TrainConfig, base: comm.CommConfig | None = None) -> comm.CommConfig:
+    """The CommConfig of every group of a run: ``base`` (the CLI's, from PLAIT_COMM_*;
+    default CommConfig()) with the run's timeout and, with ``comm_profile``, a tuner
+    on that calibration profile."""
+    tuner = None
+    if config.comm_profile:
+        from plait.comm.tuner import tuner_from_profile
+        from plait.cost.profile import load_profile
+
+        profile = load_profile(config.comm_profile)
+        if profile is None:
+            raise ValueError(f"comm_profile={config.comm_profile!r}: no such file; run plait calibrate --output "
+                             f"{config.comm_profile} first, or leave comm_profile empty for the default table")
+        tuner = tuner_from_profile(profile, source=f"profile {config.comm_profile}")
+    return (base or comm.CommConfig()).replace(timeout_s=config.timeout_s, tuner=tuner)
+
+
 def run(config: TrainConfig, *, run_id: str, resume: str = "auto", force_fresh: bool = False, log=print,
-        until: int | None = None) -> dict | None:
+        until: int | None = None, comm_environment: comm.CommConfig | None = None) -> dict | None:
     """Train on this rank of the torchrun world; rank 0 returns the report. The run
     directory's lock is held (or shared with the run's launcher) throughout."""
     with runlock.acquire(config.out, run_id):
-        trainer = Trainer(config, resume=resume, log=log, run_id=run_id, force_fresh=force_fresh)
+        trainer = Trainer(config, resume=resume, log=log, run_id=run_id, force_fresh=force_fresh,
+                          comm_environment=comm_environment)
         try:
             return trainer.train(until=until)
         finally:

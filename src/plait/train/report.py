@@ -212,13 +212,18 @@ def _collectives(ranks: list[dict]) -> dict:
     for rank in sorted(ranks, key=lambda r: r["rank"]):
         for name, stats in sorted((rank.get("collectives") or {}).items()):
             entry = {"calls": int(stats.get("calls", 0)), "bytes_sent": int(stats.get("bytes_sent", 0)),
-                     "time_s": float(stats.get("time_s", 0.0))}
+                     "time_s": float(stats.get("time_s", 0.0)),
+                     "algorithms": {str(k): int(v) for k, v in (stats.get("algorithms") or {}).items()}}
             per_rank.setdefault(str(rank["rank"]), {})[name] = entry
-            summed = total.setdefault(name, {"calls": 0, "bytes_sent": 0, "time_s": 0.0, "ranks": 0})
+            summed = total.setdefault(name, {"calls": 0, "bytes_sent": 0, "time_s": 0.0, "ranks": 0,
+                                             "algorithms": {}})
             for key in ("calls", "bytes_sent", "time_s"):
                 summed[key] += entry[key]
+            for algorithm, calls in entry["algorithms"].items():
+                summed["algorithms"][algorithm] = summed["algorithms"].get(algorithm, 0) + calls
             summed["ranks"] += 1
-    return {"total": dict(sorted(total.items())), "per_rank": per_rank}
+    comm = next((rank.get("comm") for rank in ranks if rank.get("comm")), None)
+    return {"total": dict(sorted(total.items())), "per_rank": per_rank, "comm": comm}
 
 
 def _mesh_shape(ranks: list[dict], run: dict) -> dict:
@@ -416,11 +421,16 @@ def render_markdown(report: dict) -> str:
               "Calls, data sent (MiB = 2^20 bytes) and time inside each plait collective. "
               "Summed over ranks: a collective that every rank joins is counted once per rank.", ""]
     collectives = report["collectives"]
+    comm = collectives.get("comm")
+    if comm:
+        lines += [f"Communicators: {comm['config']}; algorithm=auto chosen by: {comm['tuner']}.", ""]
     if collectives["total"]:
-        lines += ["| collective | ranks | calls | MiB sent | time s |", "|---|---:|---:|---:|---:|"]
+        lines += ["| collective | ranks | calls | MiB sent | time s | algorithms (calls) |",
+                  "|---|---:|---:|---:|---:|---|"]
         for name, stats in collectives["total"].items():
+            algorithms = ", ".join(f"{k} {v}" for k, v in sorted(stats.get("algorithms", {}).items()))
             lines.append(f"| {name} | {stats['ranks']} | {stats['calls']} | {stats['bytes_sent'] / MIB:.3f} | "
-                         f"{stats['time_s']:.3f} |")
+                         f"{stats['time_s']:.3f} | {algorithms} |")
         lines += ["", "Per rank:", "", "| rank | collective | calls | MiB sent | time s |",
                   "|---:|---|---:|---:|---:|"]
         for rank, by_name in collectives["per_rank"].items():

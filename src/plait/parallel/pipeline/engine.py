@@ -129,10 +129,10 @@ class PipelineEngine:
         tag = self._tag(action.kind, action.microbatch, action.stage)
         label = f"pipeline {action.kind} micro-batch {action.microbatch} stage {action.stage}"
         try:
-            pending.append((comm.isend(header, action.peer, self.group, tag, label=label,
+            pending.append((comm.isend(header, group=self.group, tag=tag, group_dst=action.peer, label=label,
                                        timeout_s=self.timeout_s), header))
             if tensor is not None:
-                pending.append((comm.isend(tensor, action.peer, self.group, tag + 1, label=label,
+                pending.append((comm.isend(tensor, group=self.group, tag=tag + 1, group_dst=action.peer, label=label,
                                            timeout_s=self.timeout_s), tensor))
         except CommError as error:
             what = "activation" if action.kind == SEND_ACT else "gradient"
@@ -146,12 +146,14 @@ class PipelineEngine:
         tag = self._tag(action.kind, action.microbatch, action.stage)
         header = torch.empty(_HEADER, dtype=torch.int64, device=self.device)
         try:
-            comm.recv(header, action.peer, self.group, tag, label=f"pipeline {what}", timeout_s=self.timeout_s)
+            comm.recv(header, group=self.group, tag=tag, group_src=action.peer, label=f"pipeline {what}",
+                      timeout_s=self.timeout_s)
             if header[0] == _ABORT:
                 raise PipelineError(f"{waited}: that rank failed (see its error) and aborted the step")
             shape = tuple(int(d) for d in header[3:3 + int(header[2])])
             tensor = torch.empty(shape, dtype=_DTYPES[int(header[1])], device=self.device)
-            comm.recv(tensor, action.peer, self.group, tag + 1, label=f"pipeline {what}", timeout_s=self.timeout_s)
+            comm.recv(tensor, group=self.group, tag=tag + 1, group_src=action.peer, label=f"pipeline {what}",
+                      timeout_s=self.timeout_s)
         except CommError as error:
             raise PipelineError(f"{waited}: {error}") from error
         return tensor
@@ -324,9 +326,9 @@ class PipelineEngine:
                           torch.zeros(param.numel(), dtype=param.dtype, device=param.device) for param in params])
         theirs = torch.empty_like(flat)
         try:
-            sent = comm.isend(flat, partner, self.group, tag=_REPLICA_TAG, label="chimera replica gradients",
+            sent = comm.isend(flat, group=self.group, tag=_REPLICA_TAG, group_dst=partner, label="chimera replica gradients",
                               timeout_s=self.timeout_s)
-            comm.recv(theirs, partner, self.group, tag=_REPLICA_TAG, label="chimera replica gradients",
+            comm.recv(theirs, group=self.group, tag=_REPLICA_TAG, group_src=partner, label="chimera replica gradients",
                       timeout_s=self.timeout_s)
             sent.wait()
         except CommError as error:

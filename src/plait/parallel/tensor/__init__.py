@@ -13,7 +13,7 @@
 
 from plait.parallel.tensor.cross_entropy import gather_logits, vocab_parallel_cross_entropy
 from plait.parallel.tensor.dropout import ConsistentDropout
-from plait.parallel.tensor.group import UNSHARDED, TensorParallel, new_tensor_parallel
+from plait.parallel.tensor.group import LOCAL, UNSHARDED, TensorParallel, new_tensor_parallel
 from plait.parallel.tensor.layers import (
     ColumnParallelLinear,
     ParallelAttention,
@@ -46,7 +46,7 @@ from plait.parallel.tensor.sharding import (
 )
 
 __all__ = [
-    "UNSHARDED", "ColumnParallelLinear", "ConsistentDropout", "ParallelAttention", "ParallelMLP",
+    "LOCAL", "UNSHARDED", "ColumnParallelLinear", "ConsistentDropout", "ParallelAttention", "ParallelMLP",
     "RowParallelLinear", "ShardSpec", "TensorParallel", "VocabParallelEmbedding", "check_tp_divides",
     "copy_to_region", "gather_from_region", "gather_from_sequence", "gather_grads", "gather_logits",
     "gather_state_dict", "init_from_full", "new_tensor_parallel", "parallel_input", "parallel_logits",

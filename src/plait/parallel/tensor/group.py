@@ -2,13 +2,15 @@
 
 ``TensorParallel`` carries the process group, the collective algorithm its
 mappings use, whether sequence parallelism is on and whether the comm layer
-checks each call's arguments. ``group=None`` means a group of one: no
-communication at all, the unsharded model.
+checks each call's arguments. ``group=None`` means the world, as everywhere in
+plait and torch; tensor parallelism of degree 1 holds a real group of one
+(``new_tensor_parallel(1)``, or the mesh's tp group), where every collective is a
+no-op. ``UNSHARDED`` is the one exception: a model built with no process group at all
+(``LOCAL``), for single-process use.
 """
 
 from __future__ import annotations
 
-import contextlib
 import zlib
 from dataclasses import dataclass
 
@@ -16,7 +18,16 @@ import torch
 import torch.distributed as dist
 
 from plait import comm
-from plait.comm import unchecked
+
+
+class _Local:
+    """No process group: the unsharded model in one process (``UNSHARDED``)."""
+
+    def __repr__(self) -> str:
+        return "LOCAL"
+
+
+LOCAL = _Local()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -25,9 +36,10 @@ class TensorParallel:
     layer. ``algorithm`` picks the plait.comm algorithm of every mapping ("auto",
     "ring", "torch", ...). ``sequence_parallel`` shards the LayerNorm/dropout regions
     along the sequence (Korthikanti et al. 2022): the all-reduces become
-    reduce-scatter + all-gather pairs. ``check_args=False`` skips the comm layer's
-    per-call agreement check (one small all-gather per collective) once the caller
-    trusts its shapes."""
+    reduce-scatter + all-gather pairs. ``group``: the process group (None: the world;
+    ``LOCAL``: none, one process). ``check_args=False``: ``new_tensor_parallel``
+    creates the group's communicator with ``CommConfig(check="off")`` (the default
+    in-band check costs no extra message, so there is little to gain)."""
 
     group: object = None
     algorithm: str = "auto"
@@ -37,22 +49,25 @@ class TensorParallel:
     def __post_init__(self):
         if not isinstance(self.algorithm, str):
             raise TypeError(f"algorithm must be a string such as 'auto' or 'ring', got {self.algorithm!r}")
-        if self.group is not None and not (dist.is_available() and dist.is_initialized()):
-            raise RuntimeError("TensorParallel(group=...) needs torch.distributed initialised first")
-        if self.group is not None and dist.get_rank(self.group) < 0:
+        if self.group is LOCAL:
+            return
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError("TensorParallel(group=...) needs torch.distributed initialised first (group=None "
+                               "means the world); use UNSHARDED for a model in one process")
+        if dist.get_rank(self._process_group) < 0:
             raise ValueError("this rank is not a member of the tensor-parallel group it was given")
 
     @property
+    def _process_group(self):
+        return dist.group.WORLD if self.group is None else self.group
+
+    @property
     def size(self) -> int:
-        return 1 if self.group is None else dist.get_world_size(self.group)
+        return 1 if self.group is LOCAL else dist.get_world_size(self._process_group)
 
     @property
     def rank(self) -> int:
-        return 0 if self.group is None else dist.get_rank(self.group)
-
-    def comm_scope(self):
-        """The context the mappings run their collectives in."""
-        return contextlib.nullcontext() if self.check_args else unchecked()
+        return 0 if self.group is LOCAL else dist.get_rank(self._process_group)
 
     def agreement_fields(self) -> dict[str, int]:
         """What every rank of the group must agree on, as ints (see check_agreement)."""
@@ -64,7 +79,7 @@ class TensorParallel:
         return f"tp={self.size} (rank {self.rank}, algorithm={self.algorithm}{sp})"
 
 
-UNSHARDED = TensorParallel()
+UNSHARDED = TensorParallel(group=LOCAL)
 
 
 def name_code(text: str) -> int:
@@ -115,14 +130,14 @@ def new_tensor_parallel(tp: int, *, algorithm: str = "auto", sequence_parallel: 
     if world_size % tp:
         valid = [d for d in range(1, world_size + 1) if world_size % d == 0]
         raise ValueError(f"tp={tp} does not divide the world size {world_size}; valid tp values: {valid}")
-    if tp == 1:  # a group of one is the unsharded model: no collectives at all
-        return TensorParallel(algorithm=algorithm, sequence_parallel=sequence_parallel, check_args=check_args)
     rank = dist.get_rank()
     mine = None
-    for start in range(0, world_size, tp):
+    for start in range(0, world_size, tp):  # tp = 1: real groups of one, where every collective is a no-op
         ranks = list(range(start, start + tp))
         group = dist.new_group(ranks)
         if rank in ranks:
             mine = group
+    if not check_args and tp > 1:
+        comm.init_communicator(mine, comm.CommConfig(check="off"))
     return TensorParallel(group=mine, algorithm=algorithm, sequence_parallel=sequence_parallel,
                           check_args=check_args)

@@ -39,8 +39,7 @@ def all_reduced_copy(tensor: torch.Tensor, tp: TensorParallel, op: str = "sum") 
     out = _fresh(tensor)
     if tp.size > 1:
         reduce_op = {"sum": comm.ReduceOp.SUM, "max": comm.ReduceOp.MAX}[op]
-        with tp.comm_scope():
-            comm.all_reduce(out, reduce_op, group=tp.group, algorithm=tp.algorithm)
+        comm.all_reduce(out, reduce_op, group=tp.group, algorithm=tp.algorithm)
     return out
 
 
@@ -48,8 +47,7 @@ def _all_gather_dim0(tensor: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
     """(n, ...) on each rank -> (p*n, ...) in rank order."""
     local = tensor.contiguous()
     out = torch.empty((tp.size * local.shape[0], *local.shape[1:]), dtype=local.dtype, device=local.device)
-    with tp.comm_scope():
-        comm.all_gather_single(out, local, group=tp.group, algorithm=tp.algorithm)
+    comm.all_gather_single(out, local, group=tp.group, algorithm=tp.algorithm)
     return out
 
 
@@ -61,8 +59,7 @@ def _reduce_scatter_dim0(tensor: torch.Tensor, tp: TensorParallel) -> torch.Tens
         raise ValueError(f"sequence length {rows} is not divisible by tp={tp.size}: with sequence parallelism "
                          f"use a sequence length that is a multiple of {tp.size}")
     out = torch.empty((rows // tp.size, *full.shape[1:]), dtype=full.dtype, device=full.device)
-    with tp.comm_scope():
-        comm.reduce_scatter_single(out, full, group=tp.group, algorithm=tp.algorithm)
+    comm.reduce_scatter_single(out, full, group=tp.group, algorithm=tp.algorithm)
     return out
 
 

@@ -1,0 +1,293 @@
+"""One Communicator per process group: its configuration, its own comm thread and call
+counter, its transport and its counters.
+
+Groups progress independently, as in torch: a collective on one group never waits
+for another group's queue, so any threads may call on any groups in any
+interleaving that torch.distributed completes (calls on one group in the same order
+on all its ranks, as torch requires).
+
+A communicator is created by all ranks of its group together: the creation is one
+small exchange with the group's rank 0 that checks every rank asks for the same
+``CommConfig`` (what shapes the messages) and names the ranks that never came
+(rather than leaving the first collective to time out). It runs as the first job of
+the group's comm thread: creating communicators never blocks the caller, so groups
+first used in different orders on different ranks cannot deadlock; its failure fails
+the group's calls, naming it. ``init_communicator(group,
+config)`` creates one explicitly; the collectives' ``group=`` also takes a
+Communicator; a group used without one gets ``CommConfig()``'s defaults on its first
+collective (every rank makes that call, so every rank creates it).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import zlib
+from collections import OrderedDict
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from plait.comm.config import CommConfig
+from plait.comm.engine import Engine, Handle, Stats
+from plait.comm.errors import CommTimeoutError, MismatchError
+from plait.comm.executor import Executor
+from plait.comm.transport import Transport
+
+CREATE_TAG = 0x7FFF_0001  # see plait.comm.tags
+CREATE_REPLY_TAG = 0x7FFF_0002
+_HISTORY = 32  # recent calls kept to say "issued in different orders"
+
+
+def _require_initialized() -> None:
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            "plait.comm needs a process group: call torch.distributed.init_process_group(...) first "
+            "(or launch with torchrun / plait.testing)"
+        )
+
+
+def group_ranks(group) -> list[int]:
+    """The global ranks of ``group`` in group-rank order."""
+    if group is dist.group.WORLD:
+        return list(range(dist.get_world_size()))
+    return dist.get_process_group_ranks(group)
+
+
+class Communicator:
+    """The collectives of one process group on this rank.
+
+    ``config``: a frozen :class:`CommConfig`. ``rank``/``size``: this rank in the group
+    and the group's size. ``stats()``: per collective calls, bytes, messages, time and
+    algorithms; ``transport.bytes_sent``: the bytes handed to torch.distributed (headers
+    included), counted independently of the schedules.
+    """
+
+    def __init__(self, group=None, config: CommConfig | None = None):
+        _require_initialized()
+        if isinstance(group, Communicator):
+            raise TypeError("Communicator(group=...) takes a process group, not a Communicator")
+        self.group = dist.group.WORLD if group is None else group
+        self.rank = dist.get_rank(self.group)
+        if self.rank < 0:
+            raise ValueError(f"this rank (global rank {dist.get_rank()}) is not a member of the group it was given "
+                             f"(global ranks {group_ranks(self.group)})")
+        self.size = dist.get_world_size(self.group)
+        self.ranks = group_ranks(self.group)
+        self.config = CommConfig() if config is None else config
+        if not isinstance(self.config, CommConfig):
+            raise TypeError(f"config must be a plait.comm.CommConfig, got {type(self.config).__name__}")
+        self.backend = str(dist.get_backend(self.group))
+        self.transport = Transport(self.group)
+        self.executor = Executor()
+        self.engine = Engine(name=f"plait-comm{self.ranks if len(self.ranks) <= 8 else ''}")
+        self._stats = Stats()
+        self._seq = 0  # calls run so far on this group (the in-band header's call number)
+        self._history: OrderedDict[int, object] = OrderedDict()
+        self._queued: list = []  # signatures of calls submitted but not yet running, in order
+        self._lock = threading.Lock()
+        self.tuner_used = None  # the tuner's source, once algorithm="auto" consulted it
+        # the creation exchange is the group's first job on its own comm thread, so a rank
+        # creating communicators for several groups in any order never waits here
+        self.created = self.engine.submit(self._agree if self.size > 1 else (lambda: None),
+                                          f"creating the communicator of the {self.describe()}", async_op=True)
+
+    def describe(self) -> str:
+        return f"group of global ranks {self.ranks}" if len(self.ranks) <= 16 else f"group of {self.size} ranks"
+
+    # ----- creation ------------------------------------------------------------------------
+    def _agree(self) -> None:
+        """Every rank sends its config key to group rank 0, which waits for all of them
+        (one deadline) and answers each: all here and agreeing, or who differs / who
+        never came. Tags of their own, so it cannot meet other traffic."""
+        key = zlib.crc32(repr(self.config.agreement_key()).encode())  # the same on every process
+        timeout_s = self.config.timeout_s
+        deadline = time.monotonic() + timeout_s
+        mine = torch.tensor([key, self.rank], dtype=torch.int64)
+        where = f"creating the communicator of the {self.describe()}"
+        if self.rank != 0:
+            sent = self.transport.send(mine, 0, CREATE_TAG)
+            reply = torch.zeros(2 + self.size, dtype=torch.int64)
+            work = self.transport.recv(reply, 0, CREATE_REPLY_TAG)
+            # rank 0 answers by its own deadline: wait for its answer twice as long
+            self._wait_create(work, deadline + timeout_s, 2 * timeout_s, where, 0,
+                              "group rank 0 never answered: has it created this communicator (its first collective "
+                              "on this group, or init_communicator) yet?")
+            sent.wait()  # answered, so delivered
+            self._raise_create(reply.tolist(), where)
+            return
+        rows = {0: key}
+        works = {}
+        for peer in range(1, self.size):
+            buffer = torch.zeros(2, dtype=torch.int64)
+            works[peer] = (buffer, self.transport.recv(buffer, peer, CREATE_TAG))
+        # each receive is waited for on a thread of its own, without a gloo timeout: one
+        # would close the connections over which the ranks that came are told who is missing
+        arrived: dict[int, threading.Event] = {peer: threading.Event() for peer in works}
+
+        def wait_for(peer):
+            try:
+                works[peer][1].wait()
+                arrived[peer].set()
+            except RuntimeError:
+                pass
+
+        for peer in works:
+            threading.Thread(target=wait_for, args=(peer,), daemon=True, name=f"plait-create-{peer}").start()
+        for peer, event in arrived.items():
+            if event.wait(max(deadline - time.monotonic(), 0.0)):
+                rows[peer] = int(works[peer][0][0])
+        missing = sorted(peer for peer, event in arrived.items() if not event.is_set())
+        differ = [peer for peer, value in rows.items() if value != key]
+        status = 2 if missing else (1 if differ else 0)
+        listed = missing if missing else differ
+        reply = torch.tensor([status, len(listed)] + listed + [0] * (self.size - len(listed)), dtype=torch.int64)
+        for peer in rows:
+            if peer != 0:
+                try:
+                    self.transport.send_detached(reply, peer, CREATE_REPLY_TAG)
+                except RuntimeError:
+                    pass  # that rank is gone since it checked in; it will not need the answer
+        self._raise_create(reply.tolist(), where)
+
+    def _wait_create(self, work, deadline, timeout_s, where, peer, reason):
+        try:
+            work.wait(timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
+        except RuntimeError as error:
+            raise CommTimeoutError(timeout_s=timeout_s, rank=self.rank, collective=where, algorithm="-",
+                                   step="create", peer=self.transport.describe(peer), reason=reason) from error
+
+    def _raise_create(self, reply, where):
+        status, count = reply[0], reply[1]
+        listed = [self.transport.describe(peer) for peer in reply[2 : 2 + count]]
+        if status == 2:
+            raise CommTimeoutError(timeout_s=self.config.timeout_s, rank=self.rank, collective=where, algorithm="-",
+                                   step="create", peer=", ".join(listed),
+                                   reason=f"group ranks {', '.join(listed)} never created their communicator")
+        if status == 1:
+            raise MismatchError(  # the group cannot run calls with these configs: it stays broken
+                f"{where}: group ranks {', '.join(listed)} asked for a different CommConfig from group rank 0's (check mode, "
+                f"segment sizes, hierarchy or algorithm overrides); this rank {self.rank}: "
+                f"{self.config.describe()}. Every rank of a group must pass the same configuration")
+
+    # ----- running calls -------------------------------------------------------------------
+    def submit(self, job, signature, async_op: bool):
+        """Queue or run ``job(seq)`` (seq: its call number on this group, given when it
+        starts) in program order; returns None or a Handle."""
+        with self._lock:
+            self._queued.append(signature)
+
+        def numbered():
+            with self._lock:
+                self._queued.remove(signature)
+                self._seq += 1
+                seq = self._seq
+                self._history[seq] = signature
+                while len(self._history) > _HISTORY:
+                    self._history.popitem(last=False)
+            return job(seq)
+
+        return self.engine.submit(numbered, signature.describe(), async_op)
+
+    def known_calls(self) -> dict[int, object]:
+        """This rank's recent calls and the ones queued after the running one, by
+        call number (for naming calls issued in different orders)."""
+        with self._lock:
+            calls = dict(self._history)
+            for offset, signature in enumerate(self._queued, start=1):
+                calls[self._seq + offset] = signature
+        return calls
+
+    def enqueue(self, job, description: str) -> Handle:
+        """Run ``job()`` on this group's comm thread after every collective queued before
+        it, and return its Handle at once (``handle.result`` is what it returned).
+
+        For composite communication (compress, all-gather, decompress) that must stay
+        in program order with the group's other collectives: collectives on this group
+        that the job calls run inline on the comm thread. Every rank must enqueue the
+        same jobs in the same order."""
+        return self.engine.submit(job, description, async_op=True)
+
+    def synchronize(self) -> None:
+        """Wait for every collective queued on this group; re-raise the first failure
+        among them that no handle's wait() raised."""
+        self.engine.synchronize()
+
+    def record(self, collective: str, algorithm: str, bytes_sent: int, messages: int, time_s: float) -> None:
+        self._stats.record(collective, algorithm, bytes_sent, messages, time_s)
+
+    def stats(self) -> dict[str, dict]:
+        return self._stats.snapshot()
+
+    def reset_stats(self) -> None:
+        self._stats.reset()
+
+
+# ----- which communicator a group= means ------------------------------------------------------
+class _Registry:
+    """The communicator of each process group of this process (created on first use,
+    or by init_communicator). Holds the group objects, so an id is never reused."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._by_group: dict[int, tuple[object, Communicator]] = {}
+
+    def get(self, group) -> Communicator:
+        with self._lock:  # creating one is local: its exchange with the peers is queued on its thread
+            entry = self._by_group.get(id(group))
+            if entry is None or entry[0] is not group:
+                entry = (group, Communicator(group, None))
+                self._by_group[id(group)] = entry
+            return entry[1]
+
+    def create(self, group, config) -> Communicator:
+        old = self.lookup(group)
+        if old is not None:
+            old.synchronize()
+        communicator = Communicator(group, config)
+        communicator.created.wait()  # raises what the creation exchange found
+        with self._lock:
+            self._by_group[id(group)] = (group, communicator)
+        return communicator
+
+    def lookup(self, group) -> Communicator | None:
+        with self._lock:
+            entry = self._by_group.get(id(group))
+        return entry[1] if entry is not None and entry[0] is group else None
+
+    def all(self) -> list[Communicator]:
+        with self._lock:
+            return [communicator for _, communicator in self._by_group.values()]
+
+
+REGISTRY = _Registry()
+
+
+def communicator_for(group) -> Communicator | None:
+    """The communicator ``group=`` means: a Communicator itself; None (the world) or a
+    process group's registered one, created with the defaults if it has none; None
+    when this rank is not in the group (the call is then a no-op, as in torch)."""
+    if isinstance(group, Communicator):
+        return group
+    _require_initialized()
+    group = dist.group.WORLD if group is None else group
+    if group == dist.GroupMember.NON_GROUP_MEMBER or dist.get_rank(group) < 0:
+        return None
+    return REGISTRY.get(group)
+
+
+def init_communicator(group=None, config: CommConfig | None = None) -> Communicator:
+    """Create the communicator of ``group`` (None: the world) with ``config``; every rank
+    of the group must call it. It replaces the group's earlier one (after its queued
+    collectives finish), so the collectives' ``group=`` then use this configuration."""
+    _require_initialized()
+    group = dist.group.WORLD if group is None else group
+    return REGISTRY.create(group, config)
+
+
+def all_communicators() -> list[Communicator]:
+    return REGISTRY.all()
+
+
+__all__ = ["Communicator", "all_communicators", "communicator_for", "group_ranks", "init_communicator"]

@@ -1,0 +1,120 @@
+"""A communicator's configuration: frozen, passed in, never read from the environment.
+
+Every value that steers a collective (its deadline, how its arguments are checked,
+how its messages are cut, which algorithm ``algorithm="auto"`` runs) lives here, on
+the :class:`~plait.comm.communicator.Communicator` of one process group. The CLI may
+build one from flags and ``PLAIT_COMM_*`` variables (:func:`config_from_environment`);
+the library never does.
+
+    timeout_s               how long a collective may wait for a peer (300 s)
+    check                   "inband": each call's first message to every peer carries a
+                            header (call number, collective, algorithm, elements, dtype,
+                            op, root) checked by the receiver, no extra message on small
+                            calls; "deep": a separate agreement all-gather before each
+                            call (debugging; also what NCCL's grouped steps use);
+                            "off": no check
+    segment_bytes           messages above this are split so reductions stream (4 MiB;
+                            0 never splits); every rank of the group must agree
+    pipeline_segment_bytes  segment size of pipelined chains and binary trees (256 KiB)
+    hierarchy               default hierarchy of algorithm="hierarchical"
+    algorithms              per-collective algorithm that algorithm="auto" runs instead
+                            of the tuner's choice, e.g. {"all_reduce": "ring"}
+    tuner                   a plait.comm.tuner.Tuner (built from a named calibration
+                            profile) that prices algorithm="auto"; None: the default table
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, replace
+from types import MappingProxyType
+
+from plait.comm.settings import checked_setting, from_environment
+
+CHECK_MODES = ("inband", "deep", "off")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CommConfig:
+    """What one communicator does; see the module docstring for each field."""
+
+    timeout_s: float = 300.0
+    check: str = "inband"
+    segment_bytes: int = 4 << 20
+    pipeline_segment_bytes: int = 256 << 10
+    hierarchy: object = None
+    algorithms: MappingProxyType = field(default_factory=lambda: MappingProxyType({}))
+    tuner: object = None
+
+    def __post_init__(self):
+        problems = []
+        checked = {}
+        for name in ("timeout_s", "segment_bytes", "algorithms", "hierarchy"):
+            value = getattr(self, name)
+            if name == "algorithms" and isinstance(value, MappingProxyType):
+                value = dict(value)
+            try:
+                checked[name] = checked_setting(name, value, name)
+            except (TypeError, ValueError) as error:
+                problems.append(str(error))
+        if self.check not in CHECK_MODES:
+            problems.append(f"check={self.check!r}: must be one of {', '.join(map(repr, CHECK_MODES))}")
+        if (isinstance(self.pipeline_segment_bytes, bool) or not isinstance(self.pipeline_segment_bytes, int)
+                or self.pipeline_segment_bytes <= 0):
+            problems.append(f"pipeline_segment_bytes={self.pipeline_segment_bytes!r}: must be a whole number of "
+                            "bytes > 0, e.g. 262144")
+        if self.tuner is not None and not callable(getattr(self.tuner, "choose", None)):
+            problems.append(f"tuner={self.tuner!r}: must be a plait.comm.tuner.Tuner (or None for the default "
+                            "table)")
+        if problems:
+            raise ValueError("CommConfig: " + "; ".join(problems))
+        for name, value in checked.items():
+            if name == "algorithms":
+                value = MappingProxyType(dict(value))
+            object.__setattr__(self, name, value)
+
+    def replace(self, **changes) -> CommConfig:
+        """A copy with ``changes`` (checked again)."""
+        if "algorithms" in changes and changes["algorithms"] is not None:
+            changes["algorithms"] = dict(changes["algorithms"])
+        return replace(self, **changes)
+
+    def describe(self) -> str:
+        overrides = ",".join(f"{k}={v}" for k, v in sorted(self.algorithms.items())) or "none"
+        tuner = getattr(self.tuner, "source", None) or "default table"
+        return (f"timeout {self.timeout_s:g}s, check {self.check}, segments {self.segment_bytes} B, "
+                f"overrides {overrides}, auto from {tuner}")
+
+    def agreement_key(self) -> tuple:
+        """What every rank of a group must agree on (the messages' shapes and the check)."""
+        return (self.check, self.segment_bytes, self.pipeline_segment_bytes, repr(self.hierarchy),
+                tuple(sorted(self.algorithms.items())))
+
+
+ENVIRONMENT = {"timeout_s": "PLAIT_COMM_TIMEOUT_S", "check": "PLAIT_COMM_CHECK",
+               "segment_bytes": "PLAIT_COMM_SEGMENT_BYTES", "hierarchy": "PLAIT_HIERARCHY",
+               "algorithms": "PLAIT_ALGORITHMS"}
+
+
+def config_from_environment(base: CommConfig | None = None) -> CommConfig:
+    """``base`` (default CommConfig()) with the PLAIT_* variables that are set applied,
+    each checked (errors name the variable, the value and the valid range). For the
+    CLI only: the library takes its CommConfig as an argument."""
+    base = base or CommConfig()
+    changes = {}
+    for name, variable in ENVIRONMENT.items():
+        text = os.environ.get(variable, "").strip()
+        if name == "check" and text.lower() in CHECK_MODES:
+            changes[name] = text.lower()
+            continue
+        default = object()
+        value = from_environment(variable, "check_args" if name == "check" else name, default)
+        if value is default:
+            continue
+        if name == "check" and isinstance(value, bool):  # PLAIT_COMM_CHECK=1/0 (as before): in-band or off
+            value = "inband" if value else "off"
+        changes[name] = value
+    return base.replace(**changes) if changes else base
+
+
+__all__ = ["CHECK_MODES", "CommConfig", "ENVIRONMENT", "config_from_environment"]

@@ -1,0 +1,241 @@
+"""In-band argument checks: a collective's messages carry a header that the receiver
+checks against its own call, so ranks that disagree are named without an extra
+collective.
+
+The header (``HEADER_FIELDS``, int64 each) holds the call's sequence number on the
+group, the collective, algorithm, element count, dtype, op, root, hierarchy and the
+segment sizes that shape the messages. Two forms, chosen by the call's size:
+
+- **small calls** (a buffer of at most ``INLINE_BYTES``, every latency-bound call):
+  every message travels as ``[header | payload]`` in one message (a copy of a small
+  payload, no extra message: the 1 KB latency stays), its receive posted
+  ``HEADER_BYTES + INLINE_BYTES`` long, which holds any such message (gloo accepts a
+  shorter message into a longer receive but aborts the process on a longer one). The
+  first message to each peer goes on ``HEADER_TAG``, the others on their schedule tag
+  + ``PACKED_TAG_OFFSET``: every message is checked, and none can overflow.
+- **larger calls**: the first message to each peer is preceded by the header alone on
+  ``HEADER_TAG`` (one small message per peer per call); payloads travel as they are,
+  their receives posted at once (posting them only after the check would let two
+  ranks wait on each other's sends). A mismatch is named when the header is read; a
+  peer whose mismatched payload is longer than the receive can still stop the process
+  with gloo's own "collective mismatch" error first: ``CommConfig(check="deep")``
+  names every mismatch before any message.
+
+Both forms meet on ``HEADER_TAG``, so a small call on one rank and a large one on
+another are named too. A mismatch raises :class:`MismatchError` on the receiver,
+naming both ranks and both calls (and "issued in different orders" when the peer's
+call is one this rank made or queued under another number); the receiver then sends
+its own header back, so the peer, waiting for it, names the mismatch too. Calls that
+only receive from each other first (a star all-reduce's root against a broadcast's
+leaf) exchange no header and time out naming the peer and the call.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+
+from plait.comm.algorithms import ALGORITHMS, COLLECTIVES, TORCH
+from plait.comm.errors import MismatchError
+
+HEADER_TAG = 0x7FFF_0000  # see plait.comm.tags
+PACKED_TAG_OFFSET = 1 << 29  # schedule tags are below 2^29
+MAGIC = 0x504C_4149  # "PLAI"
+HEADER_FIELDS = ("magic", "seq", "collective", "algorithm", "elements", "dtype", "op", "root", "hierarchy",
+                 "segment_bytes", "pipeline_segment_bytes", "payload_bytes")
+HEADER_BYTES = 8 * len(HEADER_FIELDS)
+INLINE_BYTES = 64 << 10
+
+_DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8, torch.uint8, torch.int16,
+           torch.int32, torch.int64, torch.bool, torch.complex64, torch.complex128]
+_OPS = ["none", "sum", "avg", "min", "max", "prod", "band", "bor", "bxor"]
+_ALGORITHMS = sorted({name for name in ALGORITHMS} | {TORCH})
+_COLLECTIVES = list(COLLECTIVES)
+
+
+def _index(items, value) -> int:
+    try:
+        return items.index(value)
+    except ValueError:
+        return len(items) + (hash(str(value)) & 0xFFFF)
+
+
+def _name(items, code: int) -> str:
+    return str(items[code]) if 0 <= code < len(items) else f"code {code}"
+
+
+@dataclass(frozen=True)
+class CallSignature:
+    """What every rank's part of one collective call must agree on."""
+
+    collective: str
+    algorithm: str
+    elements: int  # -1: not compared (uneven all-to-all)
+    dtype: torch.dtype
+    op: str
+    root: int | None
+    hierarchy: int  # crc of the hierarchy spec, 0 for none
+    segment_bytes: int
+    pipeline_segment_bytes: int
+
+    def codes(self, seq: int) -> list[int]:
+        return [MAGIC, seq, _index(_COLLECTIVES, self.collective), _index(_ALGORITHMS, self.algorithm),
+                self.elements, _index(_DTYPES, self.dtype), _index(_OPS, self.op),
+                -1 if self.root is None else self.root, self.hierarchy, self.segment_bytes,
+                self.pipeline_segment_bytes]
+
+    def describe(self) -> str:
+        parts = [f"algorithm={self.algorithm}", f"{self.elements} elements of {str(self.dtype).replace('torch.', '')}"]
+        if self.op != "none":
+            parts.append(f"op={self.op}")
+        if self.root is not None:
+            parts.append(f"root={self.root}")
+        return f"{self.collective}({', '.join(parts)})"
+
+
+def describe_codes(codes: list[int]) -> str:
+    """A received header as the call it describes."""
+    fields = dict(zip(HEADER_FIELDS, codes))
+    parts = [f"algorithm={_name(_ALGORITHMS, fields['algorithm'])}",
+             f"{fields['elements']} elements of {_name(_DTYPES, fields['dtype']).replace('torch.', '')}"]
+    if fields["op"] != 0:
+        parts.append(f"op={_name(_OPS, fields['op'])}")
+    if fields["root"] >= 0:
+        parts.append(f"root={fields['root']}")
+    return f"{_name(_COLLECTIVES, fields['collective'])}({', '.join(parts)})"
+
+
+class InbandCall:
+    """One call's messages with headers, over a :class:`~plait.comm.transport.Transport`
+    (same ``send``/``recv``/``describe`` interface, so the executors do not know).
+    ``small``: every message of the call fits ``INLINE_BYTES`` (the packed form)."""
+
+    def __init__(self, transport, signature: CallSignature, seq: int, rank: int, label: str, history, small: bool):
+        self.transport = transport
+        self.signature = signature
+        self.seq = seq
+        self.rank = rank
+        self.label = label
+        self.history = history  # seq -> CallSignature of this rank's recent and queued calls
+        self.small = small
+        self._codes = signature.codes(seq)
+        self._sent_to: set[int] = set()
+        self._received_from: set[int] = set()
+
+    def describe(self, peer) -> str:
+        return self.transport.describe(peer)
+
+    def _header(self, payload_bytes: int) -> torch.Tensor:
+        return torch.tensor(self._codes + [payload_bytes], dtype=torch.int64)
+
+    def send(self, tensor: torch.Tensor, peer: int, tag: int):
+        first = peer not in self._sent_to
+        self._sent_to.add(peer)
+        nbytes = tensor.numel() * tensor.element_size()
+        if self.small:
+            packed = torch.empty(HEADER_BYTES + nbytes, dtype=torch.uint8)
+            packed[:HEADER_BYTES].copy_(self._header(nbytes).view(torch.uint8))
+            packed[HEADER_BYTES:].copy_(tensor.reshape(-1).view(torch.uint8))
+            return _Sent([self.transport.send(packed, peer, HEADER_TAG if first else tag + PACKED_TAG_OFFSET)], packed)
+        if not first:
+            return self.transport.send(tensor, peer, tag)
+        header = self._header(-1)
+        return _Sent([self.transport.send(header, peer, HEADER_TAG), self.transport.send(tensor, peer, tag)], header)
+
+    def recv(self, tensor: torch.Tensor, peer: int, tag: int):
+        first = peer not in self._received_from
+        self._received_from.add(peer)
+        if self.small:
+            return _CheckedRecv(self, tensor, peer, HEADER_TAG if first else tag + PACKED_TAG_OFFSET, None)
+        if not first:
+            return self.transport.recv(tensor, peer, tag)
+        return _CheckedRecv(self, tensor, peer, HEADER_TAG, self.transport.recv(tensor, peer, tag))
+
+    def _verify(self, peer: int, codes: list[int]) -> None:
+        if codes[: len(self._codes)] == self._codes:
+            return
+        if peer not in self._sent_to:  # let the peer, maybe waiting for our header, name it too
+            self._sent_to.add(peer)
+            self.transport.send_detached(self._header(-1), peer, HEADER_TAG)
+        raise self._mismatch(peer, codes)
+
+    def _mismatch(self, peer: int, codes: list[int]) -> MismatchError:
+        who = self.transport.describe(peer)
+        if codes[0] != MAGIC:
+            return MismatchError(
+                f"{self.label}: rank {self.rank} got a message from rank {who} that is not a plait collective "
+                f"header while running its call {self.seq}, {self.signature.describe()}: the ranks' calls on this "
+                "group differ (or other traffic uses plait's header tag)")
+        theirs, their_seq = describe_codes(codes), codes[1]
+        order = ""
+        for seq, signature in list(self.history.items()):
+            if seq != their_seq and signature.describe() == theirs:
+                order = (f"; rank {who}'s call {their_seq} is this rank's call {seq}: the ranks issued their calls "
+                         "on this group in different orders")
+                break
+        if not order and their_seq != self.seq:
+            order = (f"; the ranks are at different calls ({self.seq} here, {their_seq} on rank {who}): one of them "
+                     "skipped or added a call")
+        elif not order and codes[2] != self._codes[2]:
+            order = ("; the ranks issued different collectives as the same call: different calls, or the same calls "
+                     "issued in different orders on different ranks")
+        differing = [name for name, a, b in zip(HEADER_FIELDS[1:-1], self._codes[1:], codes[1:-1]) if a != b]
+        return MismatchError(
+            f"{self.label}: rank {self.rank} is running call {self.seq} on this group, "
+            f"{self.signature.describe()}, but rank {who} sent call {their_seq}, {theirs} "
+            f"(they differ in {', '.join(differing)}){order}. Every rank of a group must issue the same "
+            "collectives, with the same sizes, dtype, op, root and algorithm, in the same order")
+
+
+class _Sent:
+    """A send of one or two messages (header, payload), and the tensors they read."""
+
+    def __init__(self, works, keep):
+        self.works = works
+        self._keep = keep
+
+    def wait(self, timeout=None):
+        for work in self.works:
+            work.wait(timeout) if timeout is not None else work.wait()
+        return True
+
+
+def _remaining(timeout, start_s):
+    if timeout is None:
+        return None
+    return timedelta(seconds=max(timeout.total_seconds() - (time.monotonic() - start_s), 0.001))
+
+
+class _CheckedRecv:
+    """A receive whose message carries a header: into a staging buffer long enough for
+    any header message; waiting checks the header, then lands the payload (packed in
+    the same message, or ``payload``: the raw payload's own receive, posted already)."""
+
+    def __init__(self, call: InbandCall, target: torch.Tensor, peer: int, tag: int, payload):
+        self.call, self.target, self.peer, self.payload = call, target, peer, payload
+        self.staging = torch.empty(HEADER_BYTES + INLINE_BYTES, dtype=torch.uint8)
+        self.work = call.transport.recv(self.staging, peer, tag)
+        self.done = False
+
+    def wait(self, timeout=None):
+        if self.done:
+            return True
+        start_s = time.monotonic()
+        self.work.wait(timeout) if timeout is not None else self.work.wait()
+        codes = self.staging[:HEADER_BYTES].view(torch.int64).tolist()
+        self.call._verify(self.peer, codes)
+        payload_bytes = codes[-1]
+        if payload_bytes >= 0:
+            self.target.reshape(-1).view(torch.uint8).copy_(self.staging[HEADER_BYTES : HEADER_BYTES + payload_bytes])
+        else:
+            self.payload.wait(_remaining(timeout, start_s)) if timeout is not None else self.payload.wait()
+        self.done = True
+        self.staging = None
+        return True
+
+
+__all__ = ["CallSignature", "HEADER_BYTES", "HEADER_FIELDS", "HEADER_TAG", "INLINE_BYTES", "InbandCall",
+           "PACKED_TAG_OFFSET"]
