@@ -151,6 +151,42 @@ def test_shape_change_between_microbatches_is_named_and_aborts_the_peer():
                       "(stage 0): that rank failed (see its error) and aborted the step")
 
 
+class Pair(nn.Module):
+    """Returns (activation, extra): a tuple, not one tensor (or a dict when ``as_dict``)."""
+
+    def __init__(self, as_dict=False):
+        super().__init__()
+        self.as_dict = as_dict
+        self.linear = nn.Linear(FEATURES, 16).double()
+
+    def forward(self, x):
+        y = self.linear(x)
+        return {"hidden": y, "extra": y.sum()} if self.as_dict else (y, y.sum())
+
+
+def multiple_outputs(rank, world_size, as_dict):
+    schedule = build("gpipe", 2, 2)
+    module = Pair(as_dict) if rank == 0 else nn.Sequential(nn.Linear(16, CLASSES)).double()
+    engine = PipelineEngine(schedule, {rank: module}, F.cross_entropy, timeout_s=20)
+    inputs, targets = _batch(0, 4)
+    try:
+        engine.train_step(inputs, targets)
+    except (TypeError, PipelineError) as error:
+        return f"{type(error).__name__}: {error}"
+    return None
+
+
+@pytest.mark.parametrize("as_dict", [False, True])
+def test_a_stage_returning_a_tuple_or_dict_is_refused_naming_the_stage_and_type(as_dict):
+    first, second = run_fresh_world(multiple_outputs, 2, as_dict, timeout_s=60)
+    kind = "dict" if as_dict else "tuple"
+    assert first == (f"TypeError: stage 0 (Pair) returned a {kind} for micro-batch 0: a pipeline stage before the "
+                     "last must return one tensor, the activation stage 1 receives; return a single tensor (e.g. "
+                     "keep the first element, or move the extra outputs into a later stage)")
+    assert second == ("PipelineError: rank 1 (stage 1) waited for the activation of micro-batch 0 from rank 0 "
+                      "(stage 0): that rank failed (see its error) and aborted the step")
+
+
 def dying_rank(rank, world_size):
     import torch.distributed as dist
 

@@ -368,6 +368,11 @@ class PipelineEngine:
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
             out = self.stages[s](x)
+            if s != self.last and not isinstance(out, torch.Tensor):
+                raise TypeError(f"stage {s} ({type(self.stages[s]).__name__}) returned a {type(out).__name__} for "
+                                f"micro-batch {mb}: a pipeline stage before the last must return one tensor, the "
+                                f"activation stage {s + 1} receives; return a single tensor (e.g. keep the first "
+                                "element, or move the extra outputs into a later stage)")
             if s == self.last:
                 loss = self.loss_fn(out, micro_targets[mb])
                 state.loss_sum += float(loss.detach())
