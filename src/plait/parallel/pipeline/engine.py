@@ -327,15 +327,15 @@ class PipelineEngine:
         elif action.kind == FORWARD:
             t0 = time.perf_counter()
             self._forward(mb, s, state, micro_inputs, micro_targets)
-            record.intervals.append(Interval(self.rank, action.text(), FORWARD, mb, t0, time.perf_counter()))
+            record.intervals.append(Interval(self.rank, action.label(), FORWARD, mb, t0, time.perf_counter()))
         elif action.kind == BACKWARD:
             t0 = time.perf_counter()
             self._backward(mb, s, state)
-            record.intervals.append(Interval(self.rank, action.text(), BACKWARD, mb, t0, time.perf_counter()))
+            record.intervals.append(Interval(self.rank, action.label(), BACKWARD, mb, t0, time.perf_counter()))
         elif action.kind == WEIGHT:
             t0 = time.perf_counter()
             self._weight(mb, s, state)
-            record.intervals.append(Interval(self.rank, action.text(), WEIGHT, mb, t0, time.perf_counter()))
+            record.intervals.append(Interval(self.rank, action.label(), WEIGHT, mb, t0, time.perf_counter()))
         elif action.kind == ALL_REDUCE:
             self._sum_replicas()
         else:
