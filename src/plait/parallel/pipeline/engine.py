@@ -26,8 +26,9 @@ model chunks (``stage_modules[s]`` for every stage s the schedule places here) a
 Sends never block and receives block, as the replay assumes. The engine records a
 timeline of its computations (``plait.parallel.pipeline.replay.Timeline``) and the
 activation memory it holds: bytes of the tensors autograd saves for backward
-(each once, parameters excluded) plus the stage input, per micro-batch from its
-forward to its backward.
+(each once, parameters and the caller's batch excluded) plus the stage input, per
+micro-batch from its forward to its backward. That is bookkeeping, not a
+measurement: ``plait.bench.saved_memory`` measures live storages independently.
 """
 
 from __future__ import annotations
@@ -258,6 +259,8 @@ class PipelineEngine:
         for module in self.stages.values():
             module.zero_grad(set_to_none=True)
         state = _StepState()
+        state.batch_storages = {batch.untyped_storage().data_ptr() for batch in (inputs, targets)
+                                if isinstance(batch, torch.Tensor)}
         pending: list = []
         actions = self.schedule.actions[self.rank]
         # checked before any message, so ranks given the same bad batch all raise alike
@@ -358,10 +361,13 @@ class PipelineEngine:
             x = _as_leaf(state.outputs[(mb, s - 1)].detach())
             state.inputs[(mb, s)] = x
         saved, counted = [0], set()  # activations only: each tensor (view) once, never a parameter
+        # nor the caller's batch (a micro-batch is a view of it: memory the caller holds anyway)
+        batch_storages = state.batch_storages
 
         def pack(tensor):
             key = (tensor.data_ptr(), tensor.numel() * tensor.element_size())
-            if key not in counted and tensor.untyped_storage().data_ptr() not in self._parameter_storages:
+            storage = tensor.untyped_storage().data_ptr()
+            if key not in counted and storage not in self._parameter_storages and storage not in batch_storages:
                 counted.add(key)
                 saved[0] += key[1]
             return tensor
@@ -452,6 +458,7 @@ class _StepState:
     shapes: dict = field(default_factory=dict)
     stage_bytes: dict = field(default_factory=dict)
     weight_grads: dict = field(default_factory=dict)  # (mb, stage) -> output gradient kept for W
+    batch_storages: set = field(default_factory=set)  # storages of the caller's inputs and targets
     loss_sum: float = 0.0
     peak_bytes: int = 0
     position: int = 0
