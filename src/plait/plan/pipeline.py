@@ -5,7 +5,7 @@ micro-batches in flight.
 
 Costs. One rank's work for one micro-batch is 1 unit, split as the planner's per-stage
 estimate splits it: forward f, backward b (input gradient) and, for a split backward
-(zero_bubble), weight gradient w; f + b + w = 1, each rounded to 1/64 (so a search
+(zero_bubble), weight gradient w; f + b + w = 1, each rounded to 1/24 (so a search
 replays a schedule for few cost ratios). An interleaved rank's chunk costs 1/v of that;
 a Chimera rank runs a whole stage per micro-batch on one of its two replicas. Sends cost
 nothing and never block, a receive waits for its send (the replay's semantics,
@@ -56,9 +56,9 @@ BUILDER_NAMES = {"gpipe": "gpipe", "1f1b": "1f1b", "interleaved": "interleaved_1
                  "zero_bubble": "zero_bubble"}
 LIST_SCHEDULED = ("chimera", "zero_bubble")
 MAX_LIST_SCHEDULED_PP = 8
-MAX_CHIMERA_COMPUTE = 512  # 2·m·p: Chimera is replayed at m itself (its order is not periodic in m)
-REPLAY_COMPUTE_LIMIT = 8192  # computations (F, B, W over all ranks) of the largest schedule replayed
-RATIO_STEPS = 64
+MAX_CHIMERA_COMPUTE = 256  # 2·m·p: Chimera is replayed at m itself (its order is not periodic in m)
+REPLAY_COMPUTE_LIMIT = 1024  # computations (F, B, W over all ranks) of the largest schedule replayed
+RATIO_STEPS = 24  # 1/2, 1/3, 1/4, 1/6, 1/8 exact
 
 _MATCH = {RECV_ACT: SEND_ACT, RECV_GRAD: SEND_GRAD}
 _COUNTS = {"builds": 0, "replays": 0}
@@ -150,7 +150,8 @@ def _compiled(name: str, p: int, m: int, v: int):
     return tuple(ranks), tuple(chunks), one_pipeline, schedule.split_backward
 
 
-def _replay(name: str, p: int, m: int, v: int, units: tuple[int, int, int]) -> tuple[float, list, list]:
+@lru_cache(maxsize=4096)
+def _replay(name: str, p: int, m: int, v: int, units: tuple[int, int, int]) -> tuple[float, tuple, tuple]:
     """(makespan in units, per-rank peak chunk-micro-batches, per-rank per-chunk peaks)."""
     ranks, chunks, one_pipeline, split = _compiled(name, p, m, v)
     _COUNTS["replays"] += 1
@@ -193,8 +194,8 @@ def _replay(name: str, p: int, m: int, v: int, units: tuple[int, int, int]) -> t
             peak = max(peak, alive)
             chunk_peak[chunk] = max(chunk_peak[chunk], chunk_alive[chunk])
         peaks.append(peak)
-        per_chunk.append(chunk_peak)
-    return max(clock) / RATIO_STEPS, peaks, per_chunk
+        per_chunk.append(tuple(chunk_peak))
+    return max(clock) / RATIO_STEPS, tuple(peaks), tuple(per_chunk)
 
 
 def _closed_form(name: str, p: int, m: int, v: int) -> SchedulePrice:
@@ -211,7 +212,7 @@ def _closed_form(name: str, p: int, m: int, v: int) -> SchedulePrice:
 
 
 @lru_cache(maxsize=8192)
-def price_schedule(name: str, p: int, m: int, v: int = 1, units: tuple[int, int, int] = (21, 43, 0)) -> SchedulePrice:
+def price_schedule(name: str, p: int, m: int, v: int = 1, units: tuple[int, int, int] = (8, 16, 0)) -> SchedulePrice:
     """The schedule ``name`` (a planner name: gpipe, 1f1b, interleaved, chimera,
     zero_bubble) at p ranks, m micro-batches, v chunks per rank, priced with cost
     ``units`` (``cost_units``); see the module docstring."""
