@@ -1,5 +1,5 @@
 """`plait bench pp` end to end on a spawned world of 2 ranks (a tiny MLP): one row
-per schedule, the replay and formula bubbles, the measured peak activation bytes
+per schedule, the replay and formula bubbles, the measured peak activation bytes (live saved storages)
 equal to the schedule's prediction; user errors."""
 
 import io
@@ -25,7 +25,7 @@ def test_bench_pp_rows(tmp_path):
     assert sorted(rows) == ["1f1b", "chimera", "gpipe", "interleaved_1f1b", "zero_bubble"]
     for name, row in rows.items():
         assert row["bubble_unit_replay"] == pytest.approx(row["bubble_formula"], abs=1e-12)  # p = 2, m = 4
-        assert row["peak_bytes"] == row["predicted_bytes"]  # activations freed where the schedule says
+        assert row["measured_bytes"] == row["predicted_bytes"]  # live saved storages freed where the schedule says
         assert 0.0 <= row["bubble_measured"] < 1.0
         assert (tmp_path / "timelines" / f"{name}-p2.json").exists()
     assert rows["gpipe"]["in_flight"] == [4, 4] and rows["1f1b"]["in_flight"] == [2, 1]

@@ -151,6 +151,42 @@ def test_shape_change_between_microbatches_is_named_and_aborts_the_peer():
                       "(stage 0): that rank failed (see its error) and aborted the step")
 
 
+class Pair(nn.Module):
+    """Returns (activation, extra): a tuple, not one tensor (or a dict when ``as_dict``)."""
+
+    def __init__(self, as_dict=False):
+        super().__init__()
+        self.as_dict = as_dict
+        self.linear = nn.Linear(FEATURES, 16).double()
+
+    def forward(self, x):
+        y = self.linear(x)
+        return {"hidden": y, "extra": y.sum()} if self.as_dict else (y, y.sum())
+
+
+def multiple_outputs(rank, world_size, as_dict):
+    schedule = build("gpipe", 2, 2)
+    module = Pair(as_dict) if rank == 0 else nn.Sequential(nn.Linear(16, CLASSES)).double()
+    engine = PipelineEngine(schedule, {rank: module}, F.cross_entropy, timeout_s=20)
+    inputs, targets = _batch(0, 4)
+    try:
+        engine.train_step(inputs, targets)
+    except (TypeError, PipelineError) as error:
+        return f"{type(error).__name__}: {error}"
+    return None
+
+
+@pytest.mark.parametrize("as_dict", [False, True])
+def test_a_stage_returning_a_tuple_or_dict_is_refused_naming_the_stage_and_type(as_dict):
+    first, second = run_fresh_world(multiple_outputs, 2, as_dict, timeout_s=60)
+    kind = "dict" if as_dict else "tuple"
+    assert first == (f"TypeError: stage 0 (Pair) returned a {kind} for micro-batch 0: a pipeline stage before the "
+                     "last must return one tensor, the activation stage 1 receives; return a single tensor (e.g. "
+                     "keep the first element, or move the extra outputs into a later stage)")
+    assert second == ("PipelineError: rank 1 (stage 1) waited for the activation of micro-batch 0 from rank 0 "
+                      "(stage 0): that rank failed (see its error) and aborted the step")
+
+
 def dying_rank(rank, world_size):
     import torch.distributed as dist
 
@@ -279,3 +315,96 @@ def test_a_hung_stage_times_out_naming_the_stage_and_the_action():
                             "(stage 1): "), first
     assert "timed out" in first or "Timeout" in first, first
     assert second is not None and second.startswith("PipelineError: rank 1 (stage 1)"), second
+
+
+# ----- a weight shared by the first and last stage (tied embedding and head) ----------------
+# Hugging Face GPT-2 style: the output head multiplies by the embedding matrix. The first
+# stage and the last each hold that one weight; only the sum of both stages' gradients is
+# the model's gradient. Tolerance 1e-10 in float64, as above: the same terms summed in
+# another order (per micro-batch, then over the holders), a few ulps over a few steps;
+# a missing sum is off by the whole of one stage's gradient, ~1e-2 here.
+VOCAB, WIDTH, TIED_STEPS = 11, 8, 4
+
+
+class TiedEmbedding(nn.Module):
+    """tokens (b, s) -> (b, s, h): the embedding rows."""
+
+    def __init__(self, embedding):
+        super().__init__()
+        self.embedding = embedding
+
+    def forward(self, tokens):
+        return self.embedding(tokens)
+
+
+class TiedHead(nn.Module):
+    """(b, s, h) -> logits (b, s, V) = x Eᵀ with the embedding's own weight E (V, h)."""
+
+    def __init__(self, embedding):
+        super().__init__()
+        self.embedding = embedding
+
+    def forward(self, x):
+        return x @ self.embedding.weight.t()
+
+
+def _tied_model():
+    torch.manual_seed(3)
+    embedding = nn.Embedding(VOCAB, WIDTH)
+    layers = [TiedEmbedding(embedding)]
+    for _ in range(3):
+        layers += [nn.Linear(WIDTH, WIDTH), nn.Tanh()]
+    return nn.Sequential(*layers, TiedHead(embedding)).double()  # 8 layers, one weight at both ends
+
+
+def _tied_loss(logits, targets):
+    return F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
+
+
+def train_tied(rank, world_size, name, microbatches, virtual, find_shared=True):
+    schedule = build(name, world_size, microbatches, virtual)
+    reference, pipelined = _tied_model(), _tied_model()
+    chunks = _chunks(pipelined, schedule.stages)
+    engine = PipelineEngine(schedule, {s: chunks[s] for _, s in schedule.stages_of(rank)}, _tied_loss,
+                            timeout_s=60, model=pipelined if find_shared else None)
+    optimizer = torch.optim.SGD(engine.parameters(), lr=0.5, momentum=0.9)
+    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.5, momentum=0.9)
+    loss_error, steps = 0.0, 0
+    for step in range(TIED_STEPS):
+        tokens = torch.randint(0, VOCAB, (2 * microbatches, 7), generator=torch.Generator().manual_seed(step))
+        loss = engine.train_step(tokens[:, :-1], tokens[:, 1:], optimizer)
+        reference_optimizer.zero_grad()
+        want = _tied_loss(reference(tokens[:, :-1]), tokens[:, 1:])
+        want.backward()
+        reference_optimizer.step()
+        loss_error = max(loss_error, abs(loss - want.item()))
+        steps += 1
+    held = {id(param) for param in engine.parameters()}
+    theirs = dict(reference.named_parameters())
+    param_error = max((param - theirs[key]).abs().max().item()
+                      for key, param in pipelined.named_parameters() if id(param) in held)
+    return steps, loss_error, param_error, engine.shared_parameters
+
+
+TIED_CASES = [("1f1b", 2, 4, None), ("1f1b", 3, 3, None), ("gpipe", 3, 3, None), ("interleaved_1f1b", 2, 4, 2),
+              ("chimera", 2, 4, None), ("zero_bubble", 2, 4, None)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,world_size,microbatches,virtual", TIED_CASES)
+def test_tied_embedding_and_head_train_as_one_process(name, world_size, microbatches, virtual):
+    results = run_distributed(train_tied, world_size, name, microbatches, virtual)
+    for rank, (steps, loss_error, param_error, shared) in enumerate(results):
+        assert steps == TIED_STEPS
+        assert loss_error < 1e-10 and param_error < 1e-10, (rank, loss_error, param_error)
+        if name == "chimera":  # both replicas of both ends live on ranks 0 and 1: the replica exchange sums it
+            assert shared == {}
+        else:
+            assert shared == {"0.embedding.weight": (0, world_size - 1)}
+
+
+@pytest.mark.slow
+def test_tied_weight_without_the_model_trains_wrong():
+    """Without model= nothing is found and each end steps its own part: the check above can fail."""
+    results = run_distributed(train_tied, 2, "1f1b", 4, None, False)
+    assert max(param_error for _, _, param_error, _ in results) > 1e-4

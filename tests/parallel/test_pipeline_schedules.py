@@ -170,3 +170,45 @@ def test_validator_catches_broken_schedules():
     wait_first = [a for a in order0 if a.kind == "RECV_GRAD" and a.microbatch == 0]
     with pytest.raises(ScheduleError, match=r"deadlock: rank 0 waits at rg0<1; rank 1 waits at ra0<0"):
         replay(_with(good, 0, wait_first + [a for a in order0 if a not in wait_first]))
+
+
+# ----- Action: an enum kind, None for absent fields, text() / parse() -------------------------
+ROUND_TRIP = [(name, p, m) for name in ("gpipe", "1f1b", "zero_bubble") for p, m in ((1, 1), (2, 3), (3, 5), (4, 8))]
+ROUND_TRIP += [("interleaved_1f1b", p, m) for p, m in ((2, 4), (3, 6), (4, 8))]
+ROUND_TRIP += [("chimera", p, m) for p, m in ((2, 2), (2, 4), (4, 8))]
+
+
+@pytest.mark.parametrize("name,p,m", ROUND_TRIP)
+def test_every_action_of_every_schedule_reads_back_from_its_text(name, p, m):
+    from plait.parallel.pipeline.schedules import COMPUTE, MESSAGES, ActionKind
+
+    schedule = build(name, p, m)
+    actions = [action for rank_actions in schedule.actions for action in rank_actions]
+    texts = [action.text() for action in actions]
+    assert [Action.parse(text) for text in texts] == actions
+    assert len(set(texts)) == len(set(actions))  # lossless: distinct actions, distinct texts
+    for action in actions:
+        assert isinstance(action.kind, ActionKind)
+        if action.kind in COMPUTE:
+            assert action.peer is None and action.microbatch is not None and action.stage is not None
+        elif action.kind not in MESSAGES:  # AR, STEP
+            assert (action.microbatch, action.stage, action.peer) == (None, None, None)
+    kinds = {action.kind for action in actions}
+    assert ActionKind.STEP in kinds and (ActionKind.ALL_REDUCE in kinds) == (name == "chimera")
+
+
+def test_action_fields_and_text_are_checked():
+    from plait.parallel.pipeline.schedules import ActionKind
+
+    assert Action("F", 3, 2) == Action(ActionKind.FORWARD, 3, 2)  # the enum is a str enum
+    assert Action.parse("sg1@0>2").text() == "sg1@0>2"
+    assert Action(ActionKind.SEND_ACT, 3, 2, 1).label() == "sa3>1"
+    for bad in ("F3", "sa3@2", "sa3@2<1", "ra3@2>1", "X1@0", "F3@2>1", ""):
+        with pytest.raises(ValueError, match="cannot read pipeline action"):
+            Action.parse(bad)
+    with pytest.raises(ValueError, match="a STEP action has no microbatch"):
+        Action(ActionKind.STEP, 0)
+    with pytest.raises(ValueError, match="a FORWARD action needs stage"):
+        Action(ActionKind.FORWARD, 0)
+    with pytest.raises(ValueError, match="unknown action kind 'Q'"):
+        Action("Q")

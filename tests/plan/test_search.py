@@ -31,11 +31,16 @@ def _brute_force(spec, cluster, batch, limit):
         for mb in _divisors(batch // dp):
             m = batch // (dp * mb)
             schedules = [("none", 1)] if pp == 1 else [("1f1b", 1), ("gpipe", 1), ("interleaved", 2),
-                                                       ("interleaved", 4), ("interleaved", 8)]
+                                                       ("interleaved", 4), ("interleaved", 8),
+                                                       ("zero_bubble", 1), ("chimera", 1)]
             zeros = [0] if dp == 1 else ([0, 1] if pp > 1 else [0, 1, 2, 3])
             for (schedule, v), rc, zero, sp in itertools.product(schedules, (False, True), zeros,
                                                                  (False, True) if tp > 1 else (False,)):
                 if schedule == "interleaved" and (m % pp or pp * v > spec.layers):
+                    continue
+                if schedule in ("zero_bubble", "chimera") and pp > 8:
+                    continue
+                if schedule == "chimera" and (pp % 2 or m % 2 or 2 * m * pp > 256):
                     continue
                 layout = Layout(tp=tp, pp=pp, dp=dp, micro_batch=mb, num_microbatches=m, schedule=schedule,
                                 virtual=v, recompute=rc, zero_stage=zero, sequence_parallel=sp)

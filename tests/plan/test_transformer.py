@@ -174,3 +174,14 @@ def test_bad_shapes_and_degrees_are_named():
     assert "valid tp: 1, 2, 3, 6" in spec.tensor_parallel_problem(4)
     with pytest.raises(ValueError, match="unknown model preset 'gpt-9z'.*gpt-175b"):
         model_preset("gpt-9z")
+
+
+def test_the_planner_and_the_pipeline_schedules_import_without_torch_distributed():
+    """DESIGN.md section 2: plan/ may import the pipeline schedules (plain data), never torch.distributed."""
+    import subprocess
+    import sys
+
+    code = ("import sys, plait.plan, plait.plan.search, plait.parallel.pipeline.schedules, "
+            "plait.parallel.pipeline.replay; print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert result.stdout.strip() == "[]", result.stdout

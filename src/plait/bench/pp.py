@@ -13,11 +13,15 @@ SGD steps on batches of ``batch`` rows in m micro-batches. Reported per schedule
   schedule (forward 1, backward 2) and the closed form: (p-1)/(m+p-1) for GPipe and
   1F1B, ((p-1)/v)/(m+(p-1)/v) interleaved, (p-2)/(2m+p-2) Chimera, (p-1)/(3m+p-1)
   zero bubble (its unit replay splits the backward into B and W of 1 each);
-- activation memory: the peak bytes each rank held (saved for backward plus stage
-  inputs, per micro-batch from forward to backward) against the schedule's
-  prediction: walk the rank's compute order adding each forward's measured
-  per-micro-batch bytes and removing them at its backward; and the in-flight
-  count formula (GPipe m, 1F1B p - r on rank r).
+- activation memory, measured: in one extra step, the peak over the step of the
+  bytes of distinct storages autograd holds for backward, alive at once
+  (``plait.bench.saved_memory``: saved-tensor hooks around every stage and the
+  loss, a weakref.finalize per saved tensor; parameters and the batch excluded).
+  Nothing in it knows the schedule or reads the engine's bookkeeping;
+- predicted: walk the rank's compute order adding each forward's per-micro-batch
+  bytes (the engine's count at that forward) and removing them at its backward (at
+  W when split); ``engine_bytes`` is the engine's own running peak of the same
+  bookkeeping; and the in-flight count formula (GPipe m, 1F1B p - r on rank r).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from plait.bench.saved_memory import SavedTensorMeter
 from plait.parallel.pipeline import build, peak_in_flight, replay
 from plait.parallel.pipeline.engine import PipelineEngine, gather_timeline
 from plait.parallel.pipeline.partition import build_stage, split_layers
@@ -117,14 +122,19 @@ def _mlp(config: PpBenchConfig) -> list[nn.Module]:
     return layers
 
 
-def _one_schedule(config: PpBenchConfig, name: str, rank: int, p: int) -> dict:
+def _mse(out, target):
+    return F.mse_loss(out, target)
+
+
+def _one_schedule(config: PpBenchConfig, name: str, rank: int, p: int, layers: list[nn.Module] | None = None) -> dict:
+    """``layers``: the model's layers (default the config's MLP), each mapping (b, width) to (b, width)."""
     v = config.virtual if name == "interleaved_1f1b" else 1
     schedule = build(name, p, config.microbatches, v if name == "interleaved_1f1b" else None)
-    layers = _mlp(config)
+    layers = _mlp(config) if layers is None else layers
     chunks = split_layers(layers, p, virtual=v)
-    modules = {s: build_stage(layers, chunks[s]) for _, s in schedule.stages_of(rank)}
-    engine = PipelineEngine(schedule, modules, lambda out, target: F.mse_loss(out, target),
-                            timeout_s=config.timeout_s)
+    meter = SavedTensorMeter()
+    modules = {s: meter.wrap(build_stage(layers, chunks[s])) for _, s in schedule.stages_of(rank)}
+    engine = PipelineEngine(schedule, modules, meter.wrap(_mse), timeout_s=config.timeout_s)
     optimizer = torch.optim.SGD(engine.parameters(), lr=1e-3)
     generator = torch.Generator().manual_seed(1)
     inputs = torch.randn(config.batch, config.width, generator=generator)
@@ -140,7 +150,15 @@ def _one_schedule(config: PpBenchConfig, name: str, rank: int, p: int) -> dict:
     median_step = config.warmup + slowest.index(sorted(slowest)[len(slowest) // 2])
     timeline = gather_timeline(engine, median_step)
     record = engine.history[median_step]
-    mine = {"peak_bytes": record.peak_activation_bytes,
+    # one more step, metered (the meter's hooks hide the stages from the engine's own)
+    dist.barrier()
+    meter.reset(exclude=[*engine.parameters(), inputs, targets])
+    meter.enabled = True
+    try:
+        engine.train_step(inputs, targets, optimizer)
+    finally:
+        meter.enabled = False
+    mine = {"engine_bytes": record.peak_activation_bytes, "measured_bytes": meter.peak_bytes,
             "predicted_bytes": predicted_peak_bytes(schedule, rank, record.stage_activation_bytes),
             "step_s": record.step_time_s}
     everyone: list = [None] * p
@@ -154,7 +172,8 @@ def _one_schedule(config: PpBenchConfig, name: str, rank: int, p: int) -> dict:
         "bubble_per_rank": [timeline.bubble_fraction(r) for r in range(p)],
         "bubble_unit_replay": unit.bubble_fraction(),
         "bubble_formula": formula_bubble(name, p, config.microbatches, v),
-        "peak_bytes": [row["peak_bytes"] for row in everyone],
+        "measured_bytes": [row["measured_bytes"] for row in everyone],
+        "engine_bytes": [row["engine_bytes"] for row in everyone],
         "predicted_bytes": [row["predicted_bytes"] for row in everyone],
         "in_flight": peak_in_flight(schedule),
         "in_flight_formula": [formula_in_flight(name, p, config.microbatches, r) for r in range(p)],

@@ -54,9 +54,10 @@ def run(args) -> int:
           f"interleaved; {config.steps} timed steps after {config.warmup} warm-up, the median step's timeline")
     print(f"# each p: a fresh world of p gloo processes on this machine ({os.cpu_count()} CPU cores), 1 thread each")
     print("# bubble: measured (mean over ranks of 1 - compute/step) | unit-cost replay | formula;  "
-          "activation KiB per rank: measured peak | predicted from the schedule and per-micro-batch bytes")
+          "activation KiB per rank: measured (peak of live storages saved for backward) | predicted from the "
+          "schedule and the engine's per-micro-batch bytes")
     print(f"{'p':>2} {'schedule':<17}{'step ms':>9}{'samples/s':>10}{'bubble':>8}{'replay':>8}{'formula':>8}"
-          f"  {'peak KiB / rank':<24}{'predicted':<24}in-flight (formula)")
+          f"  {'measured KiB / rank':<24}{'predicted':<24}in-flight (formula)")
 
     def on_event(kind, row):
         if kind != "row":
@@ -64,7 +65,7 @@ def run(args) -> int:
         formula = "/".join("-" if value is None else str(value) for value in row["in_flight_formula"])
         print(f"{row['p']:>2} {row['schedule']:<17}{row['step_ms']:>9.1f}{row['samples_per_s']:>10.0f}"
               f"{row['bubble_measured']:>8.3f}{row['bubble_unit_replay']:>8.3f}{row['bubble_formula']:>8.3f}"
-              f"  {_kib(row['peak_bytes']):<24}{_kib(row['predicted_bytes']):<24}"
+              f"  {_kib(row['measured_bytes']):<24}{_kib(row['predicted_bytes']):<24}"
               f"{'/'.join(map(str, row['in_flight']))} ({formula})", flush=True)
         if args.timeline_out:
             path = os.path.join(args.timeline_out, f"{row['schedule']}-p{row['p']}.json")

@@ -67,7 +67,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     layout.add_argument("--global-batch", type=int, required=True, help="sequences (samples) per optimizer step")
     for flag in ("tp", "pp", "dp", "micro-batch", "virtual", "zero-stage"):
         layout.add_argument(f"--{flag}", type=int, default=None)
-    layout.add_argument("--schedule", default=None, choices=("none", "gpipe", "1f1b", "interleaved"))
+    layout.add_argument("--schedule", default=None,
+                        choices=("none", "gpipe", "1f1b", "interleaved", "chimera", "zero_bubble"))
     _bool_flag(layout, "recompute", "full activation recomputation")
     _bool_flag(layout, "sequence-parallel", "sequence parallelism (tp > 1)")
     layout.add_argument("--precision", default=None, choices=tuple(PRECISIONS),

@@ -102,7 +102,7 @@ def _compute_text(schedule) -> list[str]:
     lines = []
     for rank in range(schedule.ranks):
         many = len(schedule.stages_of(rank)) > 1
-        words = [action.text(schedule.chunk_of(rank, action.microbatch, action.stage) if many else None)
+        words = [action.label(schedule.chunk_of(rank, action.microbatch, action.stage) if many else None)
                  for action in schedule.compute_order(rank)]
         lines.append(f"rank {rank}: " + " ".join(words))
     return lines

@@ -1,9 +1,31 @@
-"""plait.parallel: data parallelism (DataParallel, ParameterServer) and Megatron
-tensor parallelism (``plait.parallel.tensor``); pipeline and hybrid parallelism follow."""
+"""plait.parallel: data parallelism (DataParallel, ParameterServer), Megatron tensor
+parallelism (``plait.parallel.tensor``), pipeline (``plait.parallel.pipeline``) and
+hybrid parallelism.
 
-from plait.parallel.data import DataParallel, StepStats
-from plait.parallel.param_server import ParameterServer
-from plait.parallel.ps_config import ParameterServerConfig, ParameterServerStats, shard_by_size
+The names below load on first use (module ``__getattr__``), so importing a
+torch-free submodule, e.g. ``plait.parallel.pipeline.schedules`` from ``plait.plan``,
+does not import torch or torch.distributed."""
+
+from __future__ import annotations
+
+import importlib
+
+_LAZY = {"DataParallel": "plait.parallel.data", "StepStats": "plait.parallel.data",
+         "ParameterServer": "plait.parallel.param_server",
+         "ParameterServerConfig": "plait.parallel.ps_config", "ParameterServerStats": "plait.parallel.ps_config",
+         "shard_by_size": "plait.parallel.ps_config"}
 
 __all__ = ["DataParallel", "ParameterServer", "ParameterServerConfig", "ParameterServerStats", "StepStats",
            "shard_by_size"]
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

@@ -13,10 +13,19 @@ forward) of its layers plus their tensor-parallel collectives, all on the critic
 path; a pipeline rank's t_r adds one receive per chunk and direction (alpha + n·beta on
 the link between the neighbours).
 
-Pipeline (DESIGN §6). pp = 1: m·t. GPipe and 1F1B, one chunk per rank: the first
-micro-batch passes every stage and the slowest paces the other m-1 (Alpa, OSDI'22):
-T = Σ_r t_r + (m-1)·max_r t_r, which is (m + p - 1)·t for equal stages, a bubble of
-(p-1)/(m+p-1). Interleaved (Megatron-LM): T = (m + (p-1)/v)·max_r t_r.
+Pipeline. pp = 1: m·t. Otherwise priced from the schedule itself
+(``plait.plan.pipeline``): plait's builder makes the schedule for (p, m, v), a replay
+with the slowest rank's forward / backward (/ weight-gradient, zero_bubble) split gives
+its idle time in units of a rank's micro-batch time, and T = m·max_r t_r + idle·
+(Σ_r t_r - max_r t_r)/(p-1), the fill and drain passing the other stages. For GPipe
+and 1F1B idle = p-1: Alpa's (OSDI'22) T = Σ_r t_r + (m-1)·max_r t_r, (m + p - 1)·t for
+equal stages, a bubble of (p-1)/(m+p-1) (DESIGN §6); interleaved (Megatron-LM) gives
+idle (p-1)/v. Chimera (two opposite pipelines, rank r holding stages r and p-1-r) runs
+each micro-batch on one of its two replicas: t_r is their mean, it keeps both replicas'
+parameters, gradients and optimizer states, and all-reduces the replicas' gradients
+between ranks r and p-1-r after the data-parallel reduction. zero_bubble splits the
+backward: the weight gradient is half the backward's matmul time; a recomputed
+forward goes with the input gradient.
 
 Data parallelism after the pipeline flush (not overlapped, as plait train runs it):
 ZeRO 0 all-reduces the gradients, ZeRO 1 reduce-scatters them and all-gathers the
@@ -30,9 +39,11 @@ Memory per device (the worst pipeline rank): parameters, gradients and optimizer
 states (ZeRO 1 shards the optimizer states over dp, 2 also the gradients, 3 also the
 parameters) plus activations: per micro-batch in flight the chunk's saved tensors
 (with recomputation its layers' inputs, plus one layer's full activations while it is
-recomputed). In flight: 1 with pp = 1 (micro-batches run one at a time), m for GPipe,
-min(m, p - r) on rank r for 1F1B, and (p - r - 1)·2 + (v - 1)·p + 1 chunk-micro-batches
-for interleaved 1F1B (all m·v when m = p), as plait's schedules run them.
+recomputed). In flight: 1 with pp = 1 (micro-batches run one at a time), otherwise the
+schedule's own peaks per rank and chunk (m for GPipe, min(m, p - r) on rank r for
+1F1B, (p - r - 1)·2 + (v - 1)·p + 1 chunk-micro-batches for interleaved 1F1B, all m·v
+when m = p; Chimera's and zero_bubble's from their orders; a split backward frees a
+micro-batch at its weight gradient).
 """
 
 from __future__ import annotations
@@ -41,13 +52,14 @@ from dataclasses import asdict, dataclass, field, fields
 
 from plait.plan.cluster import Cluster
 from plait.plan.layers import LayerCost
+from plait.plan.pipeline import LIST_SCHEDULED, cost_units, price_schedule, schedule_problem
 from plait.plan.stages import alpa_partition, minmax_partition
 from plait.plan.transformer import TensorParallelComm
 
 __all__ = ["Layout", "Precision", "PRECISIONS", "Estimate", "estimate", "SCHEDULES", "Unit", "GroupCosts",
            "layout_problems", "summarize", "split_groups", "alpa_split", "combine", "in_flight"]
 
-SCHEDULES = ("none", "gpipe", "1f1b", "interleaved")
+SCHEDULES = ("none", "gpipe", "1f1b", "interleaved", "chimera", "zero_bubble")
 _COST_FIELDS = tuple(f.name for f in fields(LayerCost) if f.name != "name")
 
 
@@ -140,7 +152,8 @@ def layout_problems(layout: Layout, *, num_groups: int, world_size: int, global_
     elif layout.pp == 1 and layout.schedule != "none":
         problems.append(f"schedule={layout.schedule!r} needs pp > 1 (pp=1 runs no pipeline: schedule none)")
     elif layout.pp > 1 and layout.schedule == "none":
-        problems.append(f"pp={layout.pp} needs a pipeline schedule (gpipe, 1f1b or interleaved)")
+        problems.append(f"pp={layout.pp} needs a pipeline schedule (gpipe, 1f1b, interleaved, chimera or "
+                        "zero_bubble)")
     if layout.schedule == "interleaved":
         if layout.virtual < 2:
             problems.append(f"interleaved needs virtual >= 2 model chunks per rank, got {layout.virtual}")
@@ -149,6 +162,10 @@ def layout_problems(layout: Layout, *, num_groups: int, world_size: int, global_
                             f"pp({layout.pp})")
     elif layout.virtual != 1:
         problems.append(f"virtual={layout.virtual} is only for the interleaved schedule")
+    elif layout.schedule in LIST_SCHEDULED and layout.pp > 1:
+        problem = schedule_problem(layout.schedule, layout.pp, layout.num_microbatches, 1)
+        if problem:
+            problems.append(problem)
     chunks = layout.pp * layout.virtual
     if chunks > num_groups:
         problems.append(f"pp({layout.pp}) * virtual({layout.virtual}) = {chunks} chunks exceed the model's "
@@ -213,7 +230,9 @@ def _comm_time_s(cluster: Cluster, calls, tp: int, algorithms: dict) -> float:
 class GroupCosts:
     """A layer group (or a chunk of groups) per micro-batch: compute and tp
     communication seconds, parameters, activations kept per micro-batch in flight,
-    working memory of one recomputed layer, and the bytes its output sends."""
+    working memory of one recomputed layer, and the bytes its output sends; of the
+    time, ``forward_s`` is the forward's (compute and tp communication) and ``weight_s``
+    the weight-gradient half of the backward's matmuls (what zero_bubble defers)."""
 
     compute_s: float
     tp_comm_s: float
@@ -221,6 +240,8 @@ class GroupCosts:
     activation_bytes: float
     working_bytes: float
     output_bytes: float
+    forward_s: float = 0.0
+    weight_s: float = 0.0
 
     @property
     def time_s(self) -> float:
@@ -231,13 +252,17 @@ def _unit_costs(unit: Unit, tp: int, recompute: bool, cluster: Cluster, dtype: s
     device = cluster.device
     forward = device.forward_time_s(unit.cost, dtype)
     compute = forward + device.backward_time_s(unit.cost, dtype)
-    comm = _comm_time_s(cluster, unit.comm.forward + unit.comm.backward, tp, algorithms)
+    forward_comm = _comm_time_s(cluster, unit.comm.forward, tp, algorithms)
+    comm = forward_comm + _comm_time_s(cluster, unit.comm.backward, tp, algorithms)
+    # a linear layer's backward is two GEMMs of equal FLOPs: input gradient and weight gradient
+    weight = device.time_s(flops=unit.cost.backward_flops / 2, nbytes=0.0, kernels=0, dtype=dtype)
     if recompute and unit.recomputable:
         compute += forward
         comm += _comm_time_s(cluster, unit.comm.recompute, tp, algorithms)
         return GroupCosts(compute, comm, unit.cost.params, unit.cost.input_bytes, unit.cost.activation_bytes,
-                          unit.cost.output_bytes)
-    return GroupCosts(compute, comm, unit.cost.params, unit.cost.activation_bytes, 0.0, unit.cost.output_bytes)
+                          unit.cost.output_bytes, forward + forward_comm, weight)
+    return GroupCosts(compute, comm, unit.cost.params, unit.cost.activation_bytes, 0.0, unit.cost.output_bytes,
+                      forward + forward_comm, weight)
 
 
 def combine(parts: list[GroupCosts]) -> GroupCosts:
@@ -245,7 +270,7 @@ def combine(parts: list[GroupCosts]) -> GroupCosts:
     working memory is the largest, the output is the last one's."""
     return GroupCosts(sum(p.compute_s for p in parts), sum(p.tp_comm_s for p in parts), sum(p.params for p in parts),
                       sum(p.activation_bytes for p in parts), max(p.working_bytes for p in parts),
-                      parts[-1].output_bytes)
+                      parts[-1].output_bytes, sum(p.forward_s for p in parts), sum(p.weight_s for p in parts))
 
 
 def summarize(groups: list[list[Unit]], *, tp: int, recompute: bool, cluster: Cluster, dtype: str,
@@ -322,31 +347,35 @@ def alpa_split(summaries: list[GroupCosts], layout: Layout, cluster: Cluster) ->
     return [list(range(i, j)) for i, j in stage_plan.slices]
 
 
-def _activation_peak(mine: list[GroupCosts], layout: Layout, rank: int) -> float:
-    """The most activation bytes pipeline rank ``rank`` holds at once. Interleaved
-    ranks hold chunk-micro-batches of different chunks; unless all forwards come first
-    (m = p, every chunk m times) the bound (peak count) x (the rank's largest chunk)
-    is used, exact for equal chunks and never below the truth."""
+def _activation_peak(mine: list[GroupCosts], layout: Layout, rank: int, price) -> float:
+    """The most activation bytes pipeline rank ``rank`` holds at once, from the
+    schedule's peaks (``price``, None with pp = 1): the smaller of two bounds, Σ_chunk
+    (that chunk's peak count) x (its bytes) and (the rank's peak count) x (its largest
+    chunk), both exact for one chunk per rank and the second for equal chunks."""
     activations = [c.activation_bytes for c in mine]
-    if layout.schedule != "interleaved":
-        return sum(activations) * in_flight(layout, rank)
-    if layout.num_microbatches == layout.pp:
-        return sum(activations) * layout.num_microbatches
-    return in_flight(layout, rank) * layout.virtual * max(activations)
+    if price is None:
+        return sum(activations)
+    bound = price.peak_units[rank] * layout.virtual * max(activations)
+    if price.peak_per_chunk is not None:
+        bound = min(bound, sum(count * a for count, a in zip(price.peak_per_chunk[rank], activations)))
+    return bound
 
 
 def in_flight(layout: Layout, rank: int) -> float:
     """Micro-batches (in units of the rank's whole share) whose activations rank
-    ``rank`` of the pipeline holds at its peak."""
-    p, m, v = layout.pp, layout.num_microbatches, layout.virtual
+    ``rank`` of the pipeline holds at its peak, from the schedule itself."""
     if layout.schedule == "none":
         return 1.0
-    if layout.schedule == "gpipe":
-        return float(m)
-    if layout.schedule == "1f1b":
-        return float(min(m, p - rank))
-    units = m * v if m == p else min(m * v, (p - rank - 1) * 2 + (v - 1) * p + 1)
-    return units / v
+    return price_schedule(layout.schedule, layout.pp, layout.num_microbatches, layout.virtual).peak_units[rank]
+
+
+def _rank_chunks(layout: Layout, rank: int) -> list[int]:
+    """The chunks pipeline rank ``rank`` holds: c ≡ rank (mod pp), or Chimera's stage
+    ``rank`` (down pipeline) and stage pp-1-rank (up pipeline)."""
+    p = layout.pp
+    if layout.schedule == "chimera":
+        return [rank, p - 1 - rank]
+    return list(range(rank, p * layout.virtual, p))
 
 
 def estimate(groups: list[list[Unit]], layout: Layout, cluster: Cluster, precision: Precision, *,
@@ -370,30 +399,42 @@ def estimate(groups: list[list[Unit]], layout: Layout, cluster: Cluster, precisi
     if chunks is None:
         chunks = [combine([summaries[g] for g in indices]) for indices in split]
     crosses_node = pipeline_crosses_node(layout, cluster)
+    chimera = layout.schedule == "chimera"
     ranks = []
     for r in range(p):
-        mine = [chunks[c] for c in range(r, p * v, p)]
-        compute = sum(c.compute_s for c in mine)
-        tp_comm = sum(c.tp_comm_s for c in mine)
+        indices = _rank_chunks(layout, r)
+        mine = [chunks[c] for c in indices]
+        share = 1.0 / len(mine) if chimera else 1.0  # a Chimera micro-batch runs on one of the two replicas
+        compute = share * sum(c.compute_s for c in mine)
+        tp_comm = share * sum(c.tp_comm_s for c in mine)
         p2p = 0.0
         if p > 1:
-            for index in range(r, p * v, p):
+            for index in indices:
                 if index > 0:
                     p2p += cluster.p2p_time_s(chunks[index - 1].output_bytes, crosses_node)
                 if index < p * v - 1:
                     p2p += cluster.p2p_time_s(chunks[index].output_bytes, crosses_node)
-        params = sum(c.params for c in mine) + (tied_embedding_params if p > 1 and r == p - 1 else 0)
-        activation = _activation_peak(mine, layout, r) + max(c.working_bytes for c in mine)
-        ranks.append({"compute": compute, "tp_comm": tp_comm, "p2p": p2p, "params": params, "activations": activation,
-                      "total": compute + tp_comm + p2p})
+        p2p *= share
+        holds_head = p > 1 and (r == p - 1 or (chimera and r == 0))
+        params = sum(c.params for c in mine) + (tied_embedding_params if holds_head else 0)
+        ranks.append({"compute": compute, "tp_comm": tp_comm, "p2p": p2p, "params": params, "mine": mine,
+                      "forward": share * sum(c.forward_s for c in mine) + p2p / 2,
+                      "weight": share * sum(c.weight_s for c in mine), "total": compute + tp_comm + p2p})
     slowest = max(range(p), key=lambda r: ranks[r]["total"])
     t_max = ranks[slowest]["total"]
+    price = None
     if p == 1:
         pipeline_s = m * t_max
-    elif layout.schedule == "interleaved":
-        pipeline_s = (m + (p - 1) / v) * t_max
     else:
-        pipeline_s = sum(r["total"] for r in ranks) + (m - 1) * t_max
+        heavy_rank = ranks[slowest]
+        units = cost_units(heavy_rank["forward"], t_max - heavy_rank["forward"] - heavy_rank["weight"],
+                           heavy_rank["weight"], split=layout.schedule == "zero_bubble")
+        price = price_schedule(layout.schedule, p, m, v, units)
+        fill_s = (sum(r["total"] for r in ranks) - t_max) / (p - 1)
+        pipeline_s = m * t_max + price.idle_units * fill_s
+    for r, rank in enumerate(ranks):
+        mine = rank.pop("mine")
+        rank["activations"] = _activation_peak(mine, layout, r, price) + max(c.working_bytes for c in mine)
     bottleneck = ranks[slowest]
     times = {"compute": m * bottleneck["compute"], "tp_comm": m * bottleneck["tp_comm"],
              "pp_comm": m * bottleneck["p2p"]}
@@ -421,6 +462,10 @@ def estimate(groups: list[list[Unit]], layout: Layout, cluster: Cluster, precisi
     else:  # ZeRO 3: gather for the forward and the backward (and a recomputed forward)
         gathers = 3 if layout.recompute else 2
         dp_s = m * (collective("reduce_scatter", grad_bytes) + gathers * collective("all_gather", param_bytes))
+    if chimera:  # the two replicas of each stage (ranks r and p-1-r) sum their gradients
+        seconds, algorithms["chimera replicas"] = cluster.collective_time_s(
+            "all_reduce", grad_bytes / (dp if layout.zero_stage >= 1 else 1), 2, layout.tp * dp * (p - 1))
+        dp_s += seconds
     if p > 1 and tied_embedding_params:
         seconds, algorithms["tied embedding"] = cluster.collective_time_s(
             "all_reduce", tied_embedding_params * precision.grad_bytes, 2, layout.tp * layout.dp * (p - 1))

@@ -34,6 +34,7 @@ import math
 from dataclasses import dataclass, field, replace
 
 from plait.plan.estimate import Layout, layout_problems
+from plait.plan.pipeline import MAX_LIST_SCHEDULED_PP
 
 __all__ = ["DEFAULT_MAX_LAYOUTS", "Family", "Pruning", "ladder", "fit_budget", "enumerate_families",
            "variant_choices", "divisors"]
@@ -182,7 +183,7 @@ def enumerate_families(model, world: int, request) -> list[Family]:
     per-replica batch up to ``max_micro_batch`` (from the divisors of the global batch,
     found once), and how many layouts of each size break no rule: counted once per kind
     of cell, since the rules see tp, pp and whether pp divides the micro-batch count,
-    nothing else of a cell."""
+    nothing else of a cell (and, for Chimera's size limit, m at small pp)."""
     batch = request.global_batch
     sizes = [b for b in divisors(batch) if b <= request.max_micro_batch]
     valid_counts: dict = {}
@@ -210,7 +211,7 @@ def enumerate_families(model, world: int, request) -> list[Family]:
                     counts.append(0)
                     continue
                 m = per_replica // mb
-                key = (tp, pp, m % pp == 0)
+                key = (tp, pp, m % pp == 0, m % 2 == 0, m if pp <= MAX_LIST_SCHEDULED_PP else None)
                 if key not in valid_counts:
                     sps, rcs, schedules, zeros = variant_choices(tp, pp, dp, request)
                     valid_counts[key] = sum(
@@ -230,7 +231,8 @@ def _schedules(pp: int, request) -> list[tuple[str, int]]:
     if pp == 1:
         options = [("none", 1)]
     else:
-        options = [("1f1b", 1), ("gpipe", 1)] + [("interleaved", v) for v in request.virtual_choices]
+        options = ([("1f1b", 1), ("gpipe", 1)] + [("interleaved", v) for v in request.virtual_choices]
+                   + [("zero_bubble", 1), ("chimera", 1)])
     schedule = request.schedule or ("interleaved" if request.virtual is not None else None)
     if schedule is not None:
         options = [o for o in options if o[0] == schedule] or [(schedule, request.virtual or 1)]

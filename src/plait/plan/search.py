@@ -3,8 +3,9 @@ ranked by step time, and the reasons.
 
 Enumerated: tp and pp over the divisors of the device count (dp = devices / (tp·pp)),
 the micro-batch b over the divisors of B/dp up to ``max_micro_batch`` (m = B/(dp·b)),
-the schedule (none at pp = 1; gpipe, 1f1b, interleaved with v in ``virtual_choices``
-otherwise), sequence parallelism (tp > 1), full recomputation, ZeRO stage (0 at dp = 1;
+the schedule (none at pp = 1; gpipe, 1f1b, interleaved with v in ``virtual_choices``,
+zero_bubble and chimera otherwise, each priced from plait's own schedule replayed:
+``plait.plan.pipeline``), sequence parallelism (tp > 1), full recomputation, ZeRO stage (0 at dp = 1;
 0-1 with pp > 1; 0-3 otherwise). Any of them may be fixed (``PlanRequest``); the rest
 are searched under that constraint. Every layout breaking a rule or the memory limit
 is counted against each of its values, so the explanation can say, for each choice
@@ -321,6 +322,10 @@ def _kind(problem: str) -> str:
              ("chunks exceed", "pp x virtual exceeds the layers"),
              ("not divisible by dp", "global batch not divisible by dp"),
              ("multiple of pp", "interleaved needs micro-batches a multiple of pp"),
+             ("even number of pipeline ranks", "chimera needs an even pp"),
+             ("even number of microbatches", "chimera needs an even number of micro-batches"),
+             ("built by list scheduling", "chimera/zero_bubble priced up to pp=8"),
+             ("replayed at m itself", "chimera built up to 2·m·pp = 256 computations"),
              ("shards gradients", "ZeRO 2/3 with a pipeline"),
              ("sequence_parallel splits", "seq_len not divisible by tp"))
     for needle, kind in rules:
@@ -357,7 +362,8 @@ def _check_fixed(model, world: int, request: PlanRequest) -> None:
         if request.pp == 1 and request.schedule != "none":
             problems.append(f"schedule={request.schedule!r} needs pp > 1")
         if request.pp > 1 and request.schedule == "none":
-            problems.append(f"pp={request.pp} needs a pipeline schedule (gpipe, 1f1b or interleaved)")
+            problems.append(f"pp={request.pp} needs a pipeline schedule (gpipe, 1f1b, interleaved, chimera or "
+                            "zero_bubble)")
     if request.virtual is not None:
         if request.schedule not in (None, "interleaved"):
             problems.append(f"virtual={request.virtual} is only for --schedule interleaved")

@@ -6,10 +6,14 @@
 - ``partition``: splitting a sequential model into stages.
 - ``engine``: ``PipelineEngine``, which runs a schedule over real processes.
 - ``draw``: ASCII and PNG Gantt charts, timeline JSON, the closed forms.
+
+``schedules`` and ``replay`` import neither torch nor torch.distributed (``plait.plan``
+prices schedules with them); the names of the other modules load on first use.
 """
 
-from plait.parallel.pipeline.draw import ascii_gantt, plot_gantt, theory, timeline_from_json, timeline_to_json
-from plait.parallel.pipeline.engine import PipelineEngine, PipelineError, gather_timeline
+from __future__ import annotations
+
+import importlib
 
 from plait.parallel.pipeline.replay import (
     Interval,
@@ -22,6 +26,7 @@ from plait.parallel.pipeline.replay import (
 from plait.parallel.pipeline.schedules import (
     SCHEDULES,
     Action,
+    ActionKind,
     PipelineSchedule,
     build,
     chimera,
@@ -31,9 +36,25 @@ from plait.parallel.pipeline.schedules import (
     zero_bubble,
 )
 
+_LAZY = {name: "plait.parallel.pipeline.draw"
+         for name in ("ascii_gantt", "plot_gantt", "theory", "timeline_from_json", "timeline_to_json")}
+_LAZY.update({name: "plait.parallel.pipeline.engine" for name in ("PipelineEngine", "PipelineError", "gather_timeline")})
+
 __all__ = [
     "PipelineEngine", "PipelineError", "ascii_gantt", "gather_timeline", "plot_gantt", "theory",
     "timeline_from_json", "timeline_to_json",
-    "SCHEDULES", "Action", "Interval", "PipelineSchedule", "ScheduleError", "Timeline", "build", "chimera", "gpipe",
-    "interleaved_1f1b", "one_f_one_b", "peak_in_flight", "replay", "validate", "zero_bubble",
+    "SCHEDULES", "Action", "ActionKind", "Interval", "PipelineSchedule", "ScheduleError", "Timeline", "build",
+    "chimera", "gpipe", "interleaved_1f1b", "one_f_one_b", "peak_in_flight", "replay", "validate", "zero_bubble",
 ]
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

@@ -266,7 +266,7 @@ def with_chunk_labels(timeline: Timeline, schedule: PipelineSchedule) -> Timelin
             continue
         for interval, action in zip(intervals, order):
             chunk = schedule.chunk_of(rank, action.microbatch, action.stage)
-            relabelled[id(interval)] = action.text(chunk)
+            relabelled[id(interval)] = action.label(chunk)
     return Timeline(ranks=timeline.ranks, source=timeline.source, intervals=tuple(
         Interval(i.rank, relabelled.get(id(i), i.label), i.kind, i.microbatch, i.start_s, i.end_s)
         for i in timeline.intervals))

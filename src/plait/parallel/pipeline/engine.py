@@ -14,12 +14,21 @@ model chunks (``stage_modules[s]`` for every stage s the schedule places here) a
   gradients are those of the mean loss over the whole batch, as one big batch gives;
 - Chimera's ALL_REDUCE sums the two replicas' gradients (an exchange with the rank
   holding the other replica); STEP waits for every send, then runs the optimiser.
+- parameters shared between stages held by different ranks (a tied embedding and
+  output head, as GPT-2 has; any nn.Parameter appearing in two stages) are found at
+  construction when ``model``, the whole model the stages were cut from, is given:
+  every rank all-gathers the names (in ``model``) of the parameters it holds, and
+  for every set of ranks holding a common parameter one process group is made
+  (Megatron's "embedding group"). Before the optimiser step each such parameter's
+  gradient is all-reduced (summed) over its group, so every copy steps with the
+  gradient of the whole model: sum over the stages that use it.
 
 Sends never block and receives block, as the replay assumes. The engine records a
 timeline of its computations (``plait.parallel.pipeline.replay.Timeline``) and the
 activation memory it holds: bytes of the tensors autograd saves for backward
-(each once, parameters excluded) plus the stage input, per micro-batch from its
-forward to its backward.
+(each once, parameters and the caller's batch excluded) plus the stage input, per
+micro-batch from its forward to its backward. That is bookkeeping, not a
+measurement: ``plait.bench.saved_memory`` measures live storages independently.
 """
 
 from __future__ import annotations
@@ -76,7 +85,13 @@ class PipelineEngine:
     """Executes ``schedule``'s actions for this rank (see the module docstring)."""
 
     def __init__(self, schedule: PipelineSchedule, stage_modules: dict[int, nn.Module], loss_fn, *,
-                 group=None, timeout_s: float | None = None):
+                 group=None, timeout_s: float | None = None, model: nn.Module | None = None):
+        """``model``: the whole model the stage modules were cut from (every rank builds
+        it the same way); its parameter names identify a parameter across processes, so
+        parameters shared by stages on different ranks are found and their gradients
+        summed. Given, construction is collective: over the pipeline group, and over
+        the default group too when the pipeline group is a subgroup (every rank then
+        builds its engine at the same point, as ``new_group`` needs)."""
         self.schedule, self.loss_fn, self.group = schedule, loss_fn, group
         self.rank = dist.get_rank(group) if group is not None else dist.get_rank()
         size = dist.get_world_size(group) if group is not None else dist.get_world_size()
@@ -97,6 +112,12 @@ class PipelineEngine:
         first = next((param for module in self.stages.values() for param in module.parameters()), None)
         self.device = first.device if first is not None else comm.default_device(group)
         self._parameter_storages = {param.untyped_storage().data_ptr() for param in self.parameters()}
+        # name -> pipeline ranks holding it, for parameters held by more than one rank
+        self.shared_parameters: dict[str, tuple[int, ...]] = {}
+        self._shared_groups: list[tuple[tuple[int, ...], list[str], list[nn.Parameter], object]] = []
+        self._replica_skip: set[int] = set()  # ids of parameters Chimera's exchange must leave to a shared group
+        if model is not None:
+            self._find_shared(model, size)
 
     def parameters(self):
         """Every parameter of this rank's stages once (a parameter shared by two
@@ -107,6 +128,78 @@ class PipelineEngine:
                 if id(param) not in seen:
                     seen.add(id(param))
                     yield param
+
+    # ----- parameters shared between ranks ------------------------------------------------
+    def _find_shared(self, model: nn.Module, size: int) -> None:
+        """All-gather every rank's held parameter names (name in ``model``: its first
+        one when tied), shapes and dtypes; make one process group per set of ranks
+        holding a common parameter, in sorted order on every rank of the world."""
+        name_of = {id(param): name for name, param in model.named_parameters()}  # a tied weight: its first name
+        held: dict[str, nn.Parameter] = {}
+        for stage, module in self.stages.items():
+            for param in module.parameters():
+                if id(param) not in name_of:
+                    raise ValueError(f"stage {stage} on rank {self.rank} holds a parameter of shape "
+                                     f"{tuple(param.shape)} that is not a parameter of the model given as model=: "
+                                     "pass the model the stage modules were cut from")
+                held[name_of[id(param)]] = param
+        mine = {name: (tuple(param.shape), str(param.dtype), float(param.detach().double().sum()))
+                for name, param in held.items()}
+        everyone: list = [None] * size
+        dist.all_gather_object(everyone, mine, group=self.group)
+        holders: dict[str, list[int]] = {}
+        for rank, described in enumerate(everyone):
+            for name, (shape, dtype, total) in described.items():
+                first = next((r for r in holders.get(name, [])), None)
+                if first is not None and everyone[first][name][:2] != (shape, dtype):
+                    raise ValueError(f"parameter {name} is {everyone[first][name][:2]} on pipeline rank {first} "
+                                     f"but {(shape, dtype)} on pipeline rank {rank}: build every rank's model alike")
+                if first is not None and everyone[first][name][2] != total:
+                    raise ValueError(f"parameter {name} held by pipeline ranks {first} and {rank} starts with "
+                                     "different values: build every rank's model from the same seed")
+                holders.setdefault(name, []).append(rank)
+        shared = {name: tuple(ranks) for name, ranks in holders.items() if len(ranks) > 1}
+        partner = self.schedule.ranks - 1 - self.rank
+        replica_pair = tuple(sorted({self.rank, partner}))
+        chimera = any(action.kind == ALL_REDUCE for action in self.schedule.actions[self.rank])
+        # Chimera's replica exchange already sums a parameter held by exactly this rank and its partner
+        summed_elsewhere = {name for name, ranks in shared.items() if chimera and ranks == replica_pair}
+        self.shared_parameters = {name: ranks for name, ranks in shared.items() if name not in summed_elsewhere}
+        self._replica_skip = {id(held[name]) for name in self.shared_parameters if name in held}
+        needed = sorted(set(self.shared_parameters.values()))
+        to_global = (lambda r: r) if self.group is None else (lambda r: dist.get_global_rank(self.group, r))
+        wanted = sorted({tuple(to_global(r) for r in ranks) for ranks in needed})
+        if self.group is not None and dist.get_world_size() > size:
+            # new_group is collective over the world: every rank creates every pipeline's groups, same order
+            every: list = [None] * dist.get_world_size()
+            dist.all_gather_object(every, wanted)
+            wanted = sorted({ranks for groups in every for ranks in groups})
+        made = {ranks: dist.new_group(list(ranks)) for ranks in wanted}
+        for ranks in needed:
+            if self.rank not in ranks:
+                continue
+            names = sorted(name for name, holder in self.shared_parameters.items() if holder == ranks)
+            self._shared_groups.append((ranks, names, [held[name] for name in names],
+                                        made[tuple(to_global(r) for r in ranks)]))
+
+    def _sum_shared(self) -> None:
+        """Each shared parameter's gradient := the sum of its holders' gradients (one
+        all-reduce per holder set and dtype: 2(k-1)/k · n bytes per rank with a ring)."""
+        for ranks, names, params, group in self._shared_groups:
+            trained = [param for param in params if param.requires_grad]  # a frozen one keeps grad None
+            for dtype in sorted({param.dtype for param in trained}, key=str):
+                chosen = [param for param in trained if param.dtype == dtype]
+                flat = torch.cat([param.grad.reshape(-1) if param.grad is not None else
+                                  torch.zeros(param.numel(), dtype=dtype, device=param.device) for param in chosen])
+                try:
+                    comm.all_reduce(flat, group=group)
+                except CommError as error:
+                    raise PipelineError(f"rank {self.rank}: summing the gradients of shared parameters {names} "
+                                        f"over pipeline ranks {list(ranks)}: {error}") from error
+                offset = 0
+                for param in chosen:
+                    param.grad = flat[offset:offset + param.numel()].view_as(param).clone()
+                    offset += param.numel()
 
     # ----- messages ------------------------------------------------------------------------
     def _tag(self, kind: str, microbatch: int, stage: int) -> int:
@@ -168,6 +261,8 @@ class PipelineEngine:
         for module in self.stages.values():
             module.zero_grad(set_to_none=True)
         state = _StepState()
+        state.batch_storages = {batch.untyped_storage().data_ptr() for batch in (inputs, targets)
+                                if isinstance(batch, torch.Tensor)}
         pending: list = []
         actions = self.schedule.actions[self.rank]
         # checked before any message, so ranks given the same bad batch all raise alike
@@ -182,6 +277,7 @@ class PipelineEngine:
         for message, _ in pending:
             message.wait()
         self.steps += 1
+        self._sum_shared()
         if optimizer is not None:
             optimizer.step()
         loss = torch.tensor([state.loss_sum], dtype=torch.float64)
@@ -236,15 +332,15 @@ class PipelineEngine:
         elif action.kind == FORWARD:
             t0 = time.perf_counter()
             self._forward(mb, s, state, micro_inputs, micro_targets)
-            record.intervals.append(Interval(self.rank, action.text(), FORWARD, mb, t0, time.perf_counter()))
+            record.intervals.append(Interval(self.rank, action.label(), FORWARD, mb, t0, time.perf_counter()))
         elif action.kind == BACKWARD:
             t0 = time.perf_counter()
             self._backward(mb, s, state)
-            record.intervals.append(Interval(self.rank, action.text(), BACKWARD, mb, t0, time.perf_counter()))
+            record.intervals.append(Interval(self.rank, action.label(), BACKWARD, mb, t0, time.perf_counter()))
         elif action.kind == WEIGHT:
             t0 = time.perf_counter()
             self._weight(mb, s, state)
-            record.intervals.append(Interval(self.rank, action.text(), WEIGHT, mb, t0, time.perf_counter()))
+            record.intervals.append(Interval(self.rank, action.label(), WEIGHT, mb, t0, time.perf_counter()))
         elif action.kind == ALL_REDUCE:
             self._sum_replicas()
         else:
@@ -267,16 +363,24 @@ class PipelineEngine:
             x = _as_leaf(state.outputs[(mb, s - 1)].detach())
             state.inputs[(mb, s)] = x
         saved, counted = [0], set()  # activations only: each tensor (view) once, never a parameter
+        # nor the caller's batch (a micro-batch is a view of it: memory the caller holds anyway)
+        batch_storages = state.batch_storages
 
         def pack(tensor):
             key = (tensor.data_ptr(), tensor.numel() * tensor.element_size())
-            if key not in counted and tensor.untyped_storage().data_ptr() not in self._parameter_storages:
+            storage = tensor.untyped_storage().data_ptr()
+            if key not in counted and storage not in self._parameter_storages and storage not in batch_storages:
                 counted.add(key)
                 saved[0] += key[1]
             return tensor
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
             out = self.stages[s](x)
+            if s != self.last and not isinstance(out, torch.Tensor):
+                raise TypeError(f"stage {s} ({type(self.stages[s]).__name__}) returned a {type(out).__name__} for "
+                                f"micro-batch {mb}: a pipeline stage before the last must return one tensor, the "
+                                f"activation stage {s + 1} receives; return a single tensor (e.g. keep the first "
+                                "element, or move the extra outputs into a later stage)")
             if s == self.last:
                 loss = self.loss_fn(out, micro_targets[mb])
                 state.loss_sum += float(loss.detach())
@@ -316,7 +420,9 @@ class PipelineEngine:
         """Chimera: stage s lives on rank s (down) and rank p-1-s (up). Exchange every
         gradient with the partner rank and add: both replicas end with the sum."""
         partner = self.schedule.ranks - 1 - self.rank
-        params = [param for s in sorted(self.stages) for param in self.stages[s].parameters() if param.requires_grad]
+        # each parameter once (a tied pair within the rank is one), in stage order: the
+        # partner holds the same stages, so the same list; shared groups sum the rest
+        params = [param for param in self.parameters() if param.requires_grad and id(param) not in self._replica_skip]
         if not params:
             return
         if len({param.dtype for param in params}) > 1:
@@ -354,6 +460,7 @@ class _StepState:
     shapes: dict = field(default_factory=dict)
     stage_bytes: dict = field(default_factory=dict)
     weight_grads: dict = field(default_factory=dict)  # (mb, stage) -> output gradient kept for W
+    batch_storages: set = field(default_factory=set)  # storages of the caller's inputs and targets
     loss_sum: float = 0.0
     peak_bytes: int = 0
     position: int = 0

@@ -100,14 +100,14 @@ def replay(schedule: PipelineSchedule, forward: float = 1.0, backward: float = 2
                     posted[(action.kind, action.microbatch, action.stage, rank, action.peer)] = clock[rank]
                 elif action.kind in COMPUTE:
                     cost = _cost(action.kind, forward, backward, schedule.split_backward) * scale[rank]
-                    intervals.append(Interval(rank, action.text(), action.kind, action.microbatch,
+                    intervals.append(Interval(rank, action.label(), action.kind, action.microbatch,
                                               clock[rank], clock[rank] + cost))
                     clock[rank] += cost
                 position[rank] += 1
                 remaining -= 1
                 progressed = True
         if remaining and not progressed:
-            stuck = [f"rank {r} waits at {schedule.actions[r][position[r]].text()}"
+            stuck = [f"rank {r} waits at {schedule.actions[r][position[r]].label()}"
                      for r in range(p) if position[r] < len(schedule.actions[r])]
             raise ScheduleError(f"{schedule.name}: deadlock: " + "; ".join(stuck))
     # collectives at the end (all-reduce, step) synchronise: they start when every rank is there
@@ -147,21 +147,21 @@ def validate_structure(schedule: PipelineSchedule) -> None:
 
         def need(condition: bool, action: Action, what: str) -> None:
             if not condition:
-                raise ScheduleError(f"{schedule.name}: rank {rank} runs {action.text()} (stage {action.stage}) "
+                raise ScheduleError(f"{schedule.name}: rank {rank} runs {action.label()} (stage {action.stage}) "
                                     f"before {what}")
 
         for action in actions:
             mb, s = action.microbatch, action.stage
             if action.kind in COMPUTE:
                 if not (0 <= mb < m and 0 <= s < stages):
-                    raise ScheduleError(f"{schedule.name}: rank {rank} runs {action.text()} on stage {s}: "
+                    raise ScheduleError(f"{schedule.name}: rank {rank} runs {action.label()} on stage {s}: "
                                         f"out of range (m={m}, stages={stages})")
                 owner = schedule.rank_of(mb, s)
                 if owner != rank:
-                    raise ScheduleError(f"{schedule.name}: {action.text()} of stage {s} runs on rank "
+                    raise ScheduleError(f"{schedule.name}: {action.label()} of stage {s} runs on rank "
                                         f"{rank}, but the stage lives on rank {owner}")
                 if (action.kind, mb, s) in seen:
-                    raise ScheduleError(f"{schedule.name}: {action.text()} of stage {s} runs twice")
+                    raise ScheduleError(f"{schedule.name}: {action.label()} of stage {s} runs twice")
                 seen.add((action.kind, mb, s))
                 if action.kind == FORWARD and s > 0:
                     local = schedule.rank_of(mb, s - 1) == rank
@@ -169,7 +169,7 @@ def validate_structure(schedule: PipelineSchedule) -> None:
                          "its input arrives" if not local else f"the forward of stage {s - 1}")
                 if action.kind == WEIGHT:
                     if not schedule.split_backward:
-                        raise ScheduleError(f"{schedule.name}: rank {rank} runs {action.text()}, a weight-gradient "
+                        raise ScheduleError(f"{schedule.name}: rank {rank} runs {action.label()}, a weight-gradient "
                                             "pass, in a schedule whose backward is not split")
                     need((BACKWARD, mb, s) in done, action, "its input-gradient backward B")
                 if action.kind == BACKWARD:
