@@ -73,7 +73,7 @@ class _nothing:
 
 
 def _max_relative_error(got, want):
-    return max(((g - w).abs().max() / w.abs().max().clamp_min(1e-30)).item() for g, w in zip(got, want))
+    return max(((g - w).abs().max() / w.abs().max().clamp_min(1e-30)).item() for g, w in zip(got, want, strict=True))
 
 
 @pytest.mark.slow
@@ -86,7 +86,7 @@ def test_matches_single_process_float64(optimizer_name, accumulate):
     for params, stats, nbuckets in results:
         assert nbuckets > 1
         assert _max_relative_error(params, want) < 1e-10
-    assert all(torch.equal(a, b) for a, b in zip(results[0][0], results[1][0]))  # identical replicas
+    assert all(torch.equal(a, b) for a, b in zip(results[0][0], results[1][0], strict=True))  # identical replicas
 
 
 @pytest.mark.slow
@@ -97,7 +97,78 @@ def test_matches_single_process_float32_cnn(algorithm):
     for params, stats, nbuckets in results:
         assert nbuckets == 1
         assert _max_relative_error(params, want) < 1e-5
-        assert stats.bytes_sent > 0 and 0.0 <= stats.hidden_fraction <= 1.0 and stats.comm_time_s > 0
+        assert stats.bytes_sent > 0 and stats.comm_time_s > 0  # overlap itself: test_buckets_overlap_a_slow_backward
+
+
+SLOW_BACKWARD_S = 0.3
+
+
+class _SlowBackward(torch.autograd.Function):
+    """Identity forward; backward sleeps SLOW_BACKWARD_S (releasing the GIL, as a
+    long kernel would) and records in ``log`` when it began and ended."""
+
+    @staticmethod
+    def forward(ctx, x, log):
+        ctx.log = log
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.log["slow_start_s"] = time.perf_counter()
+        time.sleep(SLOW_BACKWARD_S)
+        ctx.log["slow_end_s"] = time.perf_counter()
+        return grad, None
+
+
+class SlowFirstLayer(nn.Module):
+    """Linear(32, 256) whose backward takes SLOW_BACKWARD_S, then 2 fast layers: with
+    50 KiB buckets, bucket 0 holds the last layer, the last bucket the first one."""
+
+    def __init__(self):
+        super().__init__()
+        self.first = nn.Linear(32, 256)
+        self.rest = nn.Sequential(nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10))
+        self.log: dict[str, float] = {}
+
+    def forward(self, x):
+        return self.rest(_SlowBackward.apply(self.first(x), self.log))
+
+
+def overlap_times(rank, world_size, steps=2):
+    """The timestamps of the last of ``steps`` steps: the slow backward's, the first
+    layer's gradient hook's (registered before DataParallel's, so it fires first), and
+    each bucket's all-reduce start and end as the comm thread's handles recorded them."""
+    torch.manual_seed(0)
+    module = SlowFirstLayer()
+    hook_s = []
+    module.first.weight.register_post_accumulate_grad_hook(lambda param: hook_s.append(time.perf_counter()))
+    model = DataParallel(module, bucket_mb=50 / 1024, algorithm="ring")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    inputs = torch.randn(16, 32, generator=torch.Generator().manual_seed(rank))
+    for _ in range(steps):
+        optimizer.zero_grad()
+        hook_s.clear()
+        model(inputs).square().mean().backward()
+        optimizer.step()
+    stats = model.last_stats
+    return dict(buckets=[bucket.names for bucket in model.buckets], started_s=stats.bucket_started_s,
+                finished_s=stats.bucket_finished_s, hook_s=hook_s[0], **module.log)
+
+
+@pytest.mark.slow
+def test_buckets_overlap_a_slow_backward():
+    """The last layers' bucket is all-reduced while the first layer's 0.3 s backward
+    still runs: its comm-side start (and end) precede the slow backward's end and the
+    first layer's gradient hook. Launching buckets only after backward fails this."""
+    for times in run_distributed(overlap_times, 2, timeout_s=60):
+        buckets = times["buckets"]
+        assert len(buckets) >= 2 and "rest.3.weight" in buckets[0] and "first.weight" in buckets[-1], buckets
+        assert len(times["started_s"]) == len(buckets)
+        last_layers_start_s, last_layers_end_s = times["started_s"][0], times["finished_s"][0]
+        assert last_layers_start_s < times["slow_end_s"] - SLOW_BACKWARD_S / 2, times
+        assert last_layers_start_s < times["hook_s"], times
+        assert last_layers_end_s < times["slow_end_s"], times  # wholly hidden behind the slow backward
+        assert times["started_s"][-1] >= times["hook_s"], times  # the first layer's bucket waits for its gradient
 
 
 class Branchy(nn.Module):
@@ -184,7 +255,7 @@ def test_buffers_are_checked_and_broadcast():
     # broadcast, so buffers go by the tuner's choice
     results = run_distributed(batchnorm_model, 3, "halving_doubling", "check", False, timeout_s=60)
     for buffers in results[1:]:
-        assert all(torch.equal(a, b) for a, b in zip(buffers, results[0]))
+        assert all(torch.equal(a, b) for a, b in zip(buffers, results[0], strict=True))
     messages = run_distributed(batchnorm_model, 3, "ring", "check", True, timeout_s=60)
     assert all("buffer values differ from rank 0's on ranks [2]" in message for message in messages), messages
 

@@ -61,13 +61,13 @@ def _optimizer(model, dtype):
 
 
 def _max_error(got, want):
-    return max((g - w).abs().max().item() for g, w in zip(got, want))
+    return max((g - w).abs().max().item() for g, w in zip(got, want, strict=True))
 
 
 def _max_relative_error(got, want):
     """Per tensor, the error relative to the tensor's largest entry: catches an error
     confined to a tensor whose entries are all small (LayerNorm gradients ~1e-3)."""
-    return max(((g - w).abs().max() / w.abs().max().clamp_min(1e-30)).item() for g, w in zip(got, want))
+    return max(((g - w).abs().max() / w.abs().max().clamp_min(1e-30)).item() for g, w in zip(got, want, strict=True))
 
 
 def _destroy(tp):
@@ -351,3 +351,58 @@ def standalone_layer_grads(rank, world_size, kind, sequence_parallel):
 def test_standalone_layers_sum_their_bias_gradients(kind, sequence_parallel):
     for output_error, grad_error in run_distributed(standalone_layer_grads, 2, kind, sequence_parallel):
         assert output_error < 1e-10 and grad_error < 1e-10
+
+
+def _integers(seed, *shape):
+    """Small integers as float64: every sum below is exact, whatever its order."""
+    return torch.randint(-8, 9, shape, generator=torch.Generator().manual_seed(seed)).double()
+
+
+def mapping_results(rank, world_size):
+    """Each of the seven mappings on this rank's input X_r and upstream gradient dY_r
+    (rebuilt for every rank from seeds), against its definition written here with
+    torch.cat / sums: forward value, input gradient, and the autograd class it ran."""
+    from plait.parallel.tensor import mappings
+
+    tp = new_tensor_parallel(world_size)
+    p, r, m, k = world_size, rank, 2, 3  # shards of 2 rows / 3 columns
+    try:
+        def inputs(seed, *shape):
+            return [_integers(seed * 100 + q, *shape) for q in range(p)]
+
+        cases = {  # name: (x shape, dY shape, forward from all X, dX from all dY)
+            "copy_to_region": ((4, k), (4, k), lambda xs: xs[r], lambda gs: sum(gs)),
+            "reduce_from_region": ((4, k), (4, k), lambda xs: sum(xs), lambda gs: gs[r]),
+            "scatter_to_region": ((4, p * k), (4, k), lambda xs: xs[r][:, r * k:(r + 1) * k],
+                                  lambda gs: torch.cat(gs, dim=-1)),
+            "gather_from_region": ((4, k), (4, p * k), lambda xs: torch.cat(xs, dim=-1),
+                                   lambda gs: gs[r][:, r * k:(r + 1) * k]),
+            "scatter_to_sequence": ((p * m, 5), (m, 5), lambda xs: xs[r][r * m:(r + 1) * m],
+                                    lambda gs: torch.cat(gs, dim=0)),
+            "gather_from_sequence": ((m, 5), (p * m, 5), lambda xs: torch.cat(xs, dim=0),
+                                     lambda gs: sum(g[r * m:(r + 1) * m] for g in gs)),
+            "reduce_scatter_to_sequence": ((p * m, 5), (m, 5), lambda xs: sum(x[r * m:(r + 1) * m] for x in xs),
+                                           lambda gs: torch.cat(gs, dim=0)),
+        }
+        results = {}
+        for seed, (name, (x_shape, grad_shape, want_y, want_dx)) in enumerate(cases.items(), start=1):
+            xs, grads = inputs(seed, *x_shape), inputs(seed + 50, *grad_shape)
+            x = xs[r].clone().requires_grad_(True)
+            y = getattr(mappings, name)(x, tp)
+            y.backward(grads[r])
+            results[name] = (type(y.grad_fn).__name__, torch.equal(y.detach(), want_y(xs)),
+                             torch.equal(x.grad, want_dx(grads)))
+        return results
+    finally:
+        _destroy(tp)
+
+
+@pytest.mark.slow
+def test_each_mapping_is_its_named_function_with_the_stated_collectives():
+    for rank, results in enumerate(run_distributed(mapping_results, 3)):
+        assert len(results) == 7
+        wrong = {name: (function, forward_ok, backward_ok)
+                 for name, (function, forward_ok, backward_ok) in results.items()
+                 if not (function == "".join(part.title() for part in name.split("_")) + "Backward"
+                         and forward_ok and backward_ok)}
+        assert not wrong, f"rank {rank}: (autograd node, forward right, backward right) {wrong}"

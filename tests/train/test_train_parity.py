@@ -33,9 +33,20 @@ def _config(out, **overrides) -> TrainConfig:
     return TrainConfig(**values)
 
 
-def _losses(out) -> list[float]:
+def _records(out) -> list[dict]:
     lines = (Path(out) / "metrics.jsonl").read_text().splitlines()
-    return [json.loads(line)["loss"] for line in lines]
+    return [json.loads(line) for line in lines]
+
+
+def _losses(out) -> list[float]:
+    return [record["loss"] for record in _records(out)]
+
+
+def _worst(losses, reference, steps: int) -> float:
+    """max |a - b| over the two curves, which must both have ``steps`` entries (zip
+    alone would compare a short run's prefix and pass)."""
+    assert len(losses) == len(reference) == steps, f"{len(losses)} and {len(reference)} steps, expected {steps}"
+    return max(abs(a - b) for a, b in zip(losses, reference))
 
 
 def _train_rank(rank, world_size, config, resume="auto", until=None):
@@ -48,6 +59,11 @@ def _train_rank(rank, world_size, config, resume="auto", until=None):
 
 def _reference_losses(config: TrainConfig) -> list[float]:
     """One process, the whole batch, no plait parallelism."""
+    return _reference_run(config)[0]
+
+
+def _reference_run(config: TrainConfig) -> tuple[list[float], list[float]]:
+    """(losses, pre-clip global gradient norms) of the single-process run."""
     from plait.models.gpt import GPT
     from plait.train.corpus import lm_batch, load_corpus
     from plait.train.loop import gpt_config, make_optimizer
@@ -55,19 +71,21 @@ def _reference_losses(config: TrainConfig) -> list[float]:
     corpus = load_corpus(config.data, max_bytes=config.data_max_bytes, val_fraction=config.val_fraction)
     model = GPT(gpt_config(config, corpus.vocab_size), seed=config.seed)
     optimizer = make_optimizer(model.named_parameters(), config)
-    losses = []
+    losses, norms = [], []
     for step in range(config.steps):
         inputs, targets = lm_batch(corpus.train, step, config.global_batch, config.seq_len, seed=config.seed)
         logits = model(inputs)
         loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
         optimizer.zero_grad()
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
+        # torch skips nothing at max_norm=inf and returns the pre-clip norm either way
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip or float("inf"))
         for group in optimizer.param_groups:
             group["lr"] = config.lr_at(step)
         optimizer.step()
         losses.append(float(loss.detach()))
-    return losses
+        norms.append(float(norm))
+    return losses, norms
 
 
 @pytest.fixture(scope="module")
@@ -84,9 +102,8 @@ def test_layout_matches_one_process(layout, reference, tmp_path):
     config = _config(tmp_path / "run", **layout)
     run_distributed(_train_rank, config.world_size, config, timeout_s=300)
     losses = _losses(tmp_path / "run")
-    assert len(losses) == STEPS
     assert reference[-1] < reference[0] - 0.5, "the reference must learn, or the comparison says little"
-    worst = max(abs(a - b) for a, b in zip(losses, reference))
+    worst = _worst(losses, reference, STEPS)
     assert worst <= TOLERANCE, f"{layout}: max |loss - reference| = {worst:.3g} > {TOLERANCE}"
 
 
@@ -96,8 +113,7 @@ def test_other_schedules_and_compression_free_paths_match(reference, tmp_path):
     config = _config(tmp_path / "run", dp=1, tp=2, pp=2, schedule="interleaved_1f1b", virtual=2, micro_batch=4,
                      sequence_parallel=True)
     run_distributed(_train_rank, 4, config, timeout_s=300)
-    worst = max(abs(a - b) for a, b in zip(_losses(tmp_path / "run"), reference))
-    assert worst <= TOLERANCE
+    assert _worst(_losses(tmp_path / "run"), reference, STEPS) <= TOLERANCE
 
 
 @pytest.mark.slow
@@ -111,6 +127,7 @@ def test_resume_is_bitwise_and_resharding_matches(tmp_path):
     run_distributed(_train_rank, 4, part, "auto", 6, timeout_s=300)
     assert len(_losses(tmp_path / "part")) == 6
     run_distributed(_train_rank, 4, part, timeout_s=300)
+    assert len(expected) == 12
     assert _losses(tmp_path / "part") == expected  # bitwise: the same arithmetic in the same order
 
     # the dp2 x pp2 checkpoint at step 6 loaded into tp2 x pp2 and into one process
@@ -118,24 +135,40 @@ def test_resume_is_bitwise_and_resharding_matches(tmp_path):
     for layout, world in ((dict(dp=1, tp=2, pp=2), 4), (dict(dp=1, tp=1, pp=1), 1)):
         out = tmp_path / f"reshard-{world}"
         run_distributed(_train_rank, world, whole.replace(out=str(out), **layout), str(checkpoint), timeout_s=300)
-        losses = _losses(out)
-        assert len(losses) == 6
-        worst = max(abs(a - b) for a, b in zip(losses, expected[6:]))
+        worst = _worst(_losses(out), expected[6:], 6)
         assert worst <= TOLERANCE, f"resharded into {layout}: {worst:.3g}"
 
 
 @pytest.mark.slow
-def test_chimera_and_a_tied_head_match_one_process(reference, tmp_path):
-    """Chimera (two pipeline replicas, gradients exchanged) on tp2 x pp2; a tied head
-    (pp=1: the embedding weight is the output weight) on dp2 x tp2 against its own
-    single-process reference."""
+def test_chimera_matches_one_process(reference, tmp_path):
+    """Chimera (two pipeline replicas, gradients exchanged) on tp2 x pp2."""
     config = _config(tmp_path / "chimera", dp=1, tp=2, pp=2, schedule="chimera")
     run_distributed(_train_rank, 4, config, timeout_s=300)
-    assert max(abs(a - b) for a, b in zip(_losses(tmp_path / "chimera"), reference)) <= TOLERANCE
-    tied = _config(tmp_path / "tied", dp=2, tp=2, pp=1, tied_head=True)
+    assert _worst(_losses(tmp_path / "chimera"), reference, STEPS) <= TOLERANCE
+
+
+CLIP = 0.5  # the pre-clip norms of this run are 1.1 to 2.5: clipping scales every step's gradient by 0.2 to 0.45
+
+
+@pytest.mark.slow
+def test_a_tied_head_with_gradient_clipping_matches_one_process(tmp_path):
+    """A tied head (pp=1: the embedding weight is the output weight) on dp2 x tp2
+    against its own single-process reference, with a max-norm small enough that
+    clipping fires: the pre-clip global norm plait records (summed over dp, tp
+    shards and the tied weight once) must exceed it and match torch's, and the
+    clipped losses must still match torch's clip_grad_norm_ run."""
+    tied = _config(tmp_path / "tied", dp=2, tp=2, pp=1, tied_head=True, grad_clip=CLIP)
     run_distributed(_train_rank, 4, tied, timeout_s=300)
-    tied_reference = _reference_losses(tied)
-    assert max(abs(a - b) for a, b in zip(_losses(tmp_path / "tied"), tied_reference)) <= TOLERANCE
+    records = _records(tmp_path / "tied")
+    tied_reference, reference_norms = _reference_run(tied)
+    norms = [record["grad_norm"] for record in records]
+    assert len(norms) == len(reference_norms) == STEPS
+    assert sum(norm > CLIP for norm in norms) >= STEPS // 2, f"clipping must really fire: pre-clip norms {norms}"
+    worst_norm = max(abs(a / b - 1) for a, b in zip(norms, reference_norms))
+    assert worst_norm <= 1e-4, f"pre-clip norm off by {worst_norm:.3g} (relative) from torch's"
+    unclipped = _reference_losses(tied.replace(grad_clip=0.0))
+    assert _worst(unclipped, tied_reference, STEPS) > 100 * TOLERANCE, "clipping must change the curve"
+    assert _worst([record["loss"] for record in records], tied_reference, STEPS) <= TOLERANCE
 
 
 @pytest.mark.slow

@@ -46,6 +46,10 @@ class StepStats:
     comm_time_s: time the comm thread spent on the step's buckets.
     exposed_comm_s: from the end of backward until the last bucket was done.
     hidden_fraction: 1 - exposed / comm time (the share overlapped with backward).
+    bucket_started_s, bucket_finished_s: per bucket, in launch order (bucket 0, the
+        last layers, first), when the comm thread began and ended its all-reduce
+        (``time.perf_counter()``, from the comm layer's handles).
+    backward_end_s: ``time.perf_counter()`` when autograd's backward had ended.
     """
 
     step: int
@@ -57,6 +61,9 @@ class StepStats:
     exposed_comm_s: float
     hidden_fraction: float
     unused_parameters: int
+    bucket_started_s: tuple[float, ...] = ()
+    bucket_finished_s: tuple[float, ...] = ()
+    backward_end_s: float = 0.0
 
 
 def _checksum(module: nn.Module) -> tuple[int, int, int]:
@@ -325,7 +332,9 @@ class DataParallel(nn.Module):
         self.history.append(StepStats(
             step=self.step_count, buckets=len(self.buckets), bytes_sent=bytes_sent, payload_nbytes=payload,
             backward_s=backward_end_s - self._backward_start_s, comm_time_s=comm_time_s, exposed_comm_s=exposed,
-            hidden_fraction=min(max(hidden, 0.0), 1.0), unused_parameters=self._unused))
+            hidden_fraction=min(max(hidden, 0.0), 1.0), unused_parameters=self._unused,
+            bucket_started_s=tuple(handle.started_s for handle in self._handles),
+            bucket_finished_s=tuple(handle.finished_s for handle in self._handles), backward_end_s=backward_end_s))
         self.step_count += 1
 
     @property

@@ -1,6 +1,9 @@
 """The conjugate mappings of Megatron-LM tensor parallelism, as autograd functions.
 
-Each is a pair (forward collective, backward collective) whose two halves are
+Each is a named ``torch.autograd.Function`` (CopyToRegion, ReduceFromRegion,
+ScatterToRegion, GatherFromRegion, ScatterToSequence, GatherFromSequence,
+ReduceScatterToSequence) called through the function of the same name in snake
+case. Each is a pair (forward collective, backward collective) whose two halves are
 adjoint, so gradients of a sharded model equal the unsharded model's:
 
   copy_to_region          f: forward identity,            backward all-reduce
@@ -77,31 +80,123 @@ def _gather_last(tensor: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
     return torch.cat(gathered.unbind(0), dim=-1)
 
 
-def _mapping(name: str, forward, backward):
-    """An autograd function: ``forward(x, tp)`` one way, ``backward(grad, tp)`` the other."""
-
-    def forward_fn(ctx, x, tp):
-        ctx.tp = tp
-        return forward(x, tp)
-
-    def backward_fn(ctx, grad):
-        return backward(grad, ctx.tp), None
-
-    return type(name, (torch.autograd.Function,),
-                {"forward": staticmethod(forward_fn), "backward": staticmethod(backward_fn)})
-
-
-def _identity(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+def _identity(x: torch.Tensor) -> torch.Tensor:
     return x.view_as(x)  # a new tensor object, as an autograd function's output must be
 
 
-_CopyToRegion = _mapping("_CopyToRegion", _identity, all_reduced_copy)
-_ReduceFromRegion = _mapping("_ReduceFromRegion", all_reduced_copy, _identity)
-_ScatterToRegion = _mapping("_ScatterToRegion", lambda x, tp: _split(x, tp, -1), _gather_last)
-_GatherFromRegion = _mapping("_GatherFromRegion", _gather_last, lambda grad, tp: _split(grad, tp, -1))
-_ScatterToSequence = _mapping("_ScatterToSequence", lambda x, tp: _split(x, tp, 0), _all_gather_dim0)
-_GatherFromSequence = _mapping("_GatherFromSequence", _all_gather_dim0, _reduce_scatter_dim0)
-_ReduceScatterToSequence = _mapping("_ReduceScatterToSequence", _reduce_scatter_dim0, _all_gather_dim0)
+class CopyToRegion(torch.autograd.Function):
+    """Megatron's f, at the input of a column-parallel region: every rank uses the
+    same X, and each rank's part of the loss depends on it."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+        """Y = X on every rank; no communication."""
+        ctx.tp = tp
+        return _identity(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        """dX = sum over ranks r of dY_r: one all-reduce (sum) of the whole gradient,
+        2(p-1)/p n elements sent per rank with a ring."""
+        return all_reduced_copy(grad, ctx.tp), None
+
+
+class ReduceFromRegion(torch.autograd.Function):
+    """Megatron's g, at the output of a row-parallel region: each rank holds a
+    partial sum of Y."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+        """Y = sum over ranks r of X_r: one all-reduce (sum)."""
+        return all_reduced_copy(x, tp)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        """dX_r = dY (the same on every rank, as Y is); no communication."""
+        return _identity(grad), None
+
+
+class ScatterToRegion(torch.autograd.Function):
+    """Split the last dim: (..., n) replicated -> this rank's (..., n/p)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+        """Y_r = X[..., r n/p : (r+1) n/p]; no communication."""
+        ctx.tp = tp
+        return _split(x, tp, -1)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        """dX = concat over r of dY_r along the last dim: one all-gather, (p-1)/p n
+        elements received per rank with a ring."""
+        return _gather_last(grad, ctx.tp), None
+
+
+class GatherFromRegion(torch.autograd.Function):
+    """Concatenate the last dim: (..., n/p) on each rank -> (..., n) on every rank."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+        """Y = concat over r of X_r along the last dim: one all-gather."""
+        ctx.tp = tp
+        return _gather_last(x, tp)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        """dX_r = dY[..., r n/p : (r+1) n/p] (dY is the same on every rank); no
+        communication."""
+        return _split(grad, ctx.tp, -1), None
+
+
+class ScatterToSequence(torch.autograd.Function):
+    """Split dim 0 (the sequence): (s, ...) replicated -> this rank's (s/p, ...)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+        """Y_r = X[r s/p : (r+1) s/p]; no communication."""
+        ctx.tp = tp
+        return _split(x, tp, 0)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        """dX = concat over r of dY_r along dim 0: one all-gather."""
+        return _all_gather_dim0(grad, ctx.tp), None
+
+
+class GatherFromSequence(torch.autograd.Function):
+    """Sequence parallelism's all-gather, at the input of a column-parallel layer:
+    (s/p, ...) shards -> the full (s, ...) on every rank."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+        """Y = concat over r of X_r along dim 0: one all-gather, (p-1)/p s·b·h
+        elements received per rank with a ring."""
+        ctx.tp = tp
+        return _all_gather_dim0(x, tp)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        """dX_r = sum over ranks q of dY_q[r s/p : (r+1) s/p] (each rank's loss part
+        depends on all of Y): one reduce-scatter along dim 0."""
+        return _reduce_scatter_dim0(grad, ctx.tp), None
+
+
+class ReduceScatterToSequence(torch.autograd.Function):
+    """Sequence parallelism's reduce-scatter, at the output of a row-parallel layer:
+    (s, ...) partial sums -> this rank's (s/p, ...) of the total."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+        """Y_r = sum over ranks q of X_q[r s/p : (r+1) s/p]: one reduce-scatter along
+        dim 0, (p-1)/p s·b·h elements sent per rank with a ring."""
+        ctx.tp = tp
+        return _reduce_scatter_dim0(x, tp)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        """dX_q = concat over r of dY_r along dim 0 (the same on every rank q): one
+        all-gather."""
+        return _all_gather_dim0(grad, ctx.tp), None
 
 
 class _SumGradsInBackward(torch.autograd.Function):
@@ -132,39 +227,39 @@ def _apply(function, x, tp: TensorParallel):
 
 def copy_to_region(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
     """Megatron's f: the input of a column-parallel region (backward all-reduces)."""
-    return _apply(_CopyToRegion, x, tp)
+    return _apply(CopyToRegion, x, tp)
 
 
 def reduce_from_region(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
     """Megatron's g: the output of a row-parallel region (forward all-reduces)."""
-    return _apply(_ReduceFromRegion, x, tp)
+    return _apply(ReduceFromRegion, x, tp)
 
 
 def scatter_to_region(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
     """Keep this rank's 1/p slice of the last dim (backward all-gathers it)."""
-    return _apply(_ScatterToRegion, x, tp)
+    return _apply(ScatterToRegion, x, tp)
 
 
 def gather_from_region(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
     """Concatenate every rank's last-dim slice (backward keeps this rank's slice)."""
-    return _apply(_GatherFromRegion, x, tp)
+    return _apply(GatherFromRegion, x, tp)
 
 
 def scatter_to_sequence(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
     """(s, ...) -> this rank's (s/p, ...) (backward all-gathers)."""
-    return _apply(_ScatterToSequence, x, tp)
+    return _apply(ScatterToSequence, x, tp)
 
 
 def gather_from_sequence(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
     """(s/p, ...) -> (s, ...) by all-gather (backward reduce-scatters): the input of a
     column-parallel layer under sequence parallelism."""
-    return _apply(_GatherFromSequence, x, tp)
+    return _apply(GatherFromSequence, x, tp)
 
 
 def reduce_scatter_to_sequence(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
     """(s, ...) partial sums -> this rank's (s/p, ...) of the total (backward
     all-gathers): the output of a row-parallel layer under sequence parallelism."""
-    return _apply(_ReduceScatterToSequence, x, tp)
+    return _apply(ReduceScatterToSequence, x, tp)
 
 
 def sum_grads_in_backward(tp: TensorParallel, *params: torch.Tensor) -> tuple[torch.Tensor, ...]:
