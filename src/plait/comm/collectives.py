@@ -36,9 +36,9 @@ _DTYPE_CODES = {
          torch.int16, torch.int32, torch.int64, torch.bool, torch.complex64, torch.complex128]
     )
 }
-_OP_CODES = {"none": 0, "sum": 1, "avg": 2, "min": 3, "max": 4, "prod": 5}
+_OP_CODES = {"none": 0, "sum": 1, "avg": 2, "min": 3, "max": 4, "prod": 5, "band": 6, "bor": 7, "bxor": 8}
 _TORCH_OPS = {"sum": ReduceOp.SUM, "avg": ReduceOp.SUM, "min": ReduceOp.MIN, "max": ReduceOp.MAX,
-              "prod": ReduceOp.PRODUCT}
+              "prod": ReduceOp.PRODUCT, "band": ReduceOp.BAND, "bor": ReduceOp.BOR, "bxor": ReduceOp.BXOR}
 
 
 def default_algorithm(collective: str, nbytes: int, world_size: int) -> str:
