@@ -397,3 +397,35 @@ def synchronize() -> None:
     """Wait for every collective this process queued with async_op=True; re-raises
     the first failure among them."""
     engine().synchronize()
+
+
+# ----- what an async call's Handle.get_future() holds ------------------------------------
+def _future_output(function, output_of):
+    """Wrap a collective so the Handle it returns (async_op=True) knows its output:
+    ``output_of(arguments)`` -> the list torch's Work future would hold."""
+    import functools
+    import inspect
+
+    signature = inspect.signature(function)
+
+    @functools.wraps(function)
+    def call(*args, **kwargs):
+        handle = function(*args, **kwargs)
+        if handle is not None:
+            bound = signature.bind(*args, **kwargs)
+            bound.apply_defaults()
+            handle.output = output_of(bound.arguments)
+        return handle
+
+    return call
+
+
+all_reduce = _future_output(all_reduce, lambda a: [a["tensor"]])
+broadcast = _future_output(broadcast, lambda a: [a["tensor"]])
+reduce = _future_output(reduce, lambda a: [a["tensor"]])
+reduce_scatter_single = reduce_scatter_tensor = _future_output(reduce_scatter_single, lambda a: [a["output"]])
+all_gather_single = all_gather_into_tensor = _future_output(all_gather_single, lambda a: [a["output"]])
+all_to_all_single = _future_output(all_to_all_single, lambda a: [a["output"]])
+scatter = _future_output(scatter, lambda a: [a["tensor"]])
+gather = _future_output(gather, lambda a: list(a["gather_list"] or []))
+barrier = _future_output(barrier, lambda a: [])
