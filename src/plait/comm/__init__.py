@@ -26,13 +26,14 @@ from plait.comm.collectives import (
 )
 from plait.comm.engine import CONFIG, Handle, configure, enqueue, reset_stats, stats, unchecked
 from plait.comm.errors import CommError, CommTimeoutError, MismatchError
+from plait.comm.list_collectives import all_gather, all_to_all, reduce_scatter
 from plait.comm.p2p import Message, irecv, isend, recv, send
 from plait.comm.schedule import Schedule, Step, Transfer
 
 __all__ = [
     "ALGORITHMS", "COLLECTIVES", "CONFIG", "CommError", "CommTimeoutError", "Handle", "MismatchError",
-    "ReduceOp", "Schedule", "Step", "Transfer", "algorithms_for", "all_gather_into_tensor",
-    "all_gather_single", "all_reduce", "all_to_all_single", "barrier", "broadcast", "build_schedule",
-    "configure", "default_algorithm", "default_device", "describe", "enqueue", "gather", "irecv", "isend", "Message", "recv", "reduce", "reduce_scatter_single",
+    "ReduceOp", "Schedule", "Step", "Transfer", "algorithms_for", "all_gather", "all_gather_into_tensor",
+    "all_gather_single", "all_reduce", "all_to_all", "all_to_all_single", "barrier", "broadcast", "build_schedule",
+    "configure", "default_algorithm", "default_device", "describe", "enqueue", "gather", "irecv", "isend", "Message", "recv", "reduce", "reduce_scatter", "reduce_scatter_single",
     "reduce_scatter_tensor", "reset_stats", "scatter", "send", "stats", "synchronize", "unchecked",
 ]
