@@ -24,6 +24,7 @@ from plait.comm.collectives import (
     scatter,
     synchronize,
 )
+from plait.comm.ddp_hook import DDPHookState, ddp_comm_hook
 from plait.comm.engine import CONFIG, Handle, configure, enqueue, reset_stats, stats, unchecked
 from plait.comm.errors import CommError, CommTimeoutError, MismatchError
 from plait.comm.list_collectives import all_gather, all_to_all, reduce_scatter
@@ -31,7 +32,8 @@ from plait.comm.p2p import Message, irecv, isend, recv, send
 from plait.comm.schedule import Schedule, Step, Transfer
 
 __all__ = [
-    "ALGORITHMS", "COLLECTIVES", "CONFIG", "CommError", "CommTimeoutError", "Handle", "MismatchError",
+    "ALGORITHMS", "COLLECTIVES", "CONFIG", "CommError", "CommTimeoutError", "DDPHookState", "Handle",
+    "MismatchError", "ddp_comm_hook",
     "ReduceOp", "Schedule", "Step", "Transfer", "algorithms_for", "all_gather", "all_gather_into_tensor",
     "all_gather_single", "all_reduce", "all_to_all", "all_to_all_single", "barrier", "broadcast", "build_schedule",
     "configure", "default_algorithm", "default_device", "describe", "enqueue", "gather", "irecv", "isend", "Message", "recv", "reduce", "reduce_scatter", "reduce_scatter_single",
