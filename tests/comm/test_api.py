@@ -79,6 +79,8 @@ def expect_error(rank, p, case):
         elif case == "unsupported_collective":
             comm.broadcast(x, 0, algorithm="halving_doubling")
         elif case == "unknown_op":
+            comm.all_reduce(x, op="median", algorithm="ring")
+        elif case == "bitwise_float":
             comm.all_reduce(x, op=dist.ReduceOp.BXOR, algorithm="ring")
         elif case == "avg_int":
             comm.all_reduce(torch.ones(4, dtype=torch.int32), op=dist.ReduceOp.AVG, algorithm="ring")
@@ -169,6 +171,7 @@ ERRORS = {
     "unsupported_collective": ("ValueError", ["does not implement broadcast", "tree"]),
     "unknown_op": ("ValueError", ["unsupported reduce op", "SUM"]),
     "avg_int": ("TypeError", ["AVG needs a floating-point dtype", "int32"]),
+    "bitwise_float": ("TypeError", ["ReduceOp.BXOR needs an integer or bool dtype", "float32"]),
     "size_mismatch": ("MismatchError", ["rank 0=8", "rank 1=9", "rank 2=10"]),
     "dtype_mismatch": ("MismatchError", ["dtype differs between ranks [[0], [1, 2]]"]),
     "algorithm_mismatch": ("MismatchError", ["algorithm differs between ranks [[0], [1, 2]]"]),

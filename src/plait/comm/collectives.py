@@ -207,13 +207,14 @@ def default_device(group=None):
 
 
 def _launch(collective, communicator, async_op, algorithm, prepare, *, tensor, nbytes, op="none", root=None,
-            torch_call=None, hierarchy=None, check_numel=None):
+            torch_call=None, hierarchy=None, check_numel=None, output=None):
     """Common path of every collective; returns None or a Handle.
 
     ``tensor`` is the rank's data tensor (its elements, dtype and device go into the
     check), ``nbytes`` the collective's size as nccl-tests counts it (it picks the
     default algorithm). ``prepare(rank, p)`` validates and lays out plait's buffer;
     ``torch_call(communicator)`` runs torch's collective and waits with ``_torch_wait``.
+    ``output``: what the Handle's ``get_future()`` holds (the list torch's future would).
     """
     if communicator is None:
         return None  # this rank is not in the group, as torch does
@@ -259,7 +260,10 @@ def _launch(collective, communicator, async_op, algorithm, prepare, *, tensor, n
         communicator.record(collective, algorithm, sent, messages, time.perf_counter() - start)
         return sent
 
-    return communicator.submit(job, signature, async_op)
+    handle = communicator.submit(job, signature, async_op)
+    if handle is not None:
+        handle.output = output
+    return handle
 
 
 # ----- the public collectives ------------------------------------------------------------
@@ -283,7 +287,8 @@ def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op=False, *, algorithm
 
     return _launch("all_reduce", communicator, async_op, algorithm,
                    lambda rank, p: layout.prepare_all_reduce(tensor, rank, p, name),
-                   tensor=tensor, nbytes=_nbytes(tensor), op=name, torch_call=torch_call, hierarchy=hierarchy)
+                   tensor=tensor, nbytes=_nbytes(tensor), op=name, torch_call=torch_call, hierarchy=hierarchy,
+                   output=[tensor])
 
 
 def reduce_scatter_single(output, input, op=ReduceOp.SUM, group=None, async_op=False, *, algorithm=None):
@@ -300,7 +305,7 @@ def reduce_scatter_single(output, input, op=ReduceOp.SUM, group=None, async_op=F
 
     return _launch("reduce_scatter", communicator, async_op, algorithm,
                    lambda rank, p: layout.prepare_reduce_scatter(output, input, rank, p, name),
-                   tensor=input, nbytes=_nbytes(input), op=name, torch_call=torch_call)
+                   tensor=input, nbytes=_nbytes(input), op=name, torch_call=torch_call, output=[output])
 
 
 def all_gather_single(output, input, group=None, async_op=False, *, algorithm=None):
@@ -313,7 +318,7 @@ def all_gather_single(output, input, group=None, async_op=False, *, algorithm=No
 
     return _launch("all_gather", communicator, async_op, algorithm,
                    lambda rank, p: layout.prepare_all_gather(output, input, rank, p),
-                   tensor=input, nbytes=_nbytes(output), torch_call=torch_call)
+                   tensor=input, nbytes=_nbytes(output), torch_call=torch_call, output=[output])
 
 
 reduce_scatter_tensor = reduce_scatter_single
@@ -341,7 +346,7 @@ def broadcast(tensor, src=None, group=None, async_op=False, group_src=None, *, a
 
     return _rooted("broadcast", communicator, async_op, algorithm, root,
                    lambda rank, p, root: layout.prepare_broadcast(tensor, rank, p, root),
-                   torch_call, tensor=tensor, nbytes=_nbytes(tensor))
+                   torch_call, tensor=tensor, nbytes=_nbytes(tensor), output=[tensor])
 
 
 def reduce(tensor, dst=None, op=ReduceOp.SUM, group=None, async_op=False, group_dst=None, *, algorithm=None):
@@ -361,7 +366,7 @@ def reduce(tensor, dst=None, op=ReduceOp.SUM, group=None, async_op=False, group_
 
     return _rooted("reduce", communicator, async_op, algorithm, root,
                    lambda rank, p, root: layout.prepare_reduce(tensor, rank, p, root, name),
-                   torch_call, tensor=tensor, nbytes=_nbytes(tensor), op=name)
+                   torch_call, tensor=tensor, nbytes=_nbytes(tensor), op=name, output=[tensor])
 
 
 def gather(tensor, gather_list=None, dst=None, group=None, async_op=False, group_dst=None, *, algorithm=None):
@@ -378,7 +383,8 @@ def gather(tensor, gather_list=None, dst=None, group=None, async_op=False, group
 
     return _rooted("gather", communicator, async_op, algorithm, root,
                    lambda rank, p, root: layout.prepare_gather(tensor, gather_list, rank, p, root),
-                   torch_call, tensor=tensor, nbytes=_nbytes(tensor) * communicator.size)
+                   torch_call, tensor=tensor, nbytes=_nbytes(tensor) * communicator.size,
+                   output=list(gather_list or []))
 
 
 def scatter(tensor, scatter_list=None, src=None, group=None, async_op=False, group_src=None, *, algorithm=None):
@@ -396,7 +402,7 @@ def scatter(tensor, scatter_list=None, src=None, group=None, async_op=False, gro
 
     return _rooted("scatter", communicator, async_op, algorithm, root,
                    lambda rank, p, root: layout.prepare_scatter(tensor, scatter_list, rank, p, root),
-                   torch_call, tensor=tensor, nbytes=_nbytes(tensor) * communicator.size)
+                   torch_call, tensor=tensor, nbytes=_nbytes(tensor) * communicator.size, output=[tensor])
 
 
 def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, group=None,
@@ -420,7 +426,7 @@ def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=
     return _launch("all_to_all", communicator_for(group), async_op, algorithm,
                    lambda rank, p: layout.prepare_all_to_all(output, input, rank, p),
                    tensor=input, nbytes=_nbytes(input), torch_call=torch_call,
-                   check_numel=-1 if uneven else None)
+                   check_numel=-1 if uneven else None, output=[output])
 
 
 def barrier(group=None, async_op=False, *, algorithm=None, device=None):
@@ -433,7 +439,7 @@ def barrier(group=None, async_op=False, *, algorithm=None, device=None):
                    lambda rank, p: layout.prepare_barrier(token.device),
                    tensor=token, nbytes=0,
                    torch_call=lambda comm: _torch_wait(dist.barrier(group=comm.group, async_op=True), "barrier",
-                                                       comm))
+                                                       comm), output=[])
 
 
 def synchronize(group=None) -> None:

@@ -64,24 +64,70 @@ def merge_stats(snapshots) -> dict[str, dict]:
 
 # ----- handles and the thread ------------------------------------------------------------
 class Handle:
-    """What ``async_op=True`` returns: ``wait()`` blocks until the collective is done
-    (re-raising its error), ``is_completed()`` polls."""
+    """What ``async_op=True`` returns, shaped like torch's ``Work``: ``wait()`` blocks
+    until the collective is done (re-raising its error), ``is_completed()`` polls,
+    ``is_success()`` says whether it finished without error, and ``get_future()``
+    gives a ``torch.futures.Future`` of its output.
+
+    ``output`` is what the future holds, set by the collective that made the handle:
+    a list of tensors, as torch's futures hold (``[tensor]`` for all_reduce, broadcast
+    and reduce; ``[output]`` for the single-tensor gathers and scatters; the output
+    list for the list forms; ``[]`` for barrier).
+    """
 
     def __init__(self, description: str):
         self.description = description
         self.started_s: float | None = None  # time.perf_counter() when the comm thread began it
         self.finished_s: float | None = None
         self.result = None  # what the job returned (bytes sent, for collectives)
+        self.output = None  # the future's value (see the class docstring)
         self._done = threading.Event()
         self._error: BaseException | None = None
         self._seen = False  # its error was raised to the caller
+        self._futures_lock = threading.Lock()
+        self._futures: list = []  # futures handed out before the collective finished
 
     def _finish(self, error: BaseException | None) -> None:
         self._error = error
-        self._done.set()
+        with self._futures_lock:
+            self._done.set()
+            waiting, self._futures = self._futures, []
+        for future in waiting:
+            self._settle(future)
+
+    def _settle(self, future) -> None:
+        if self._error is not None:
+            self._seen = True  # the future carries it to whoever waits on it
+            future.set_exception(self._error)
+        else:
+            future.set_result(self.output if self.output is not None else [])
 
     def is_completed(self) -> bool:
         return self._done.is_set()
+
+    def is_success(self) -> bool:
+        """True when the collective finished without error (as torch's Work, it is an
+        error to ask before it has finished: call ``wait()`` or poll ``is_completed()``)."""
+        if not self._done.is_set():
+            raise RuntimeError(
+                f"is_success() on {self.description} before it finished; call wait() first "
+                "or poll is_completed()"
+            )
+        return self._error is None
+
+    def get_future(self):
+        """A ``torch.futures.Future`` completed with ``output`` when the collective
+        finishes, or with its error (``future.wait()`` raises it). Chain with
+        ``.then(...)`` as with torch's Work, e.g. in a DDP communication hook."""
+        import torch.futures  # torch is already loaded by any collective
+
+        future = torch.futures.Future()
+        with self._futures_lock:
+            if not self._done.is_set():
+                self._futures.append(future)
+                return future
+        self._settle(future)
+        return future
 
     def wait(self, timeout=None) -> bool:
         """Block until done; ``timeout`` in seconds (or a timedelta) raises TimeoutError."""

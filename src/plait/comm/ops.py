@@ -9,18 +9,26 @@ import torch
 
 from plait.comm.schedule import Transfer
 
-OP_NAMES = ("sum", "avg", "min", "max", "prod")
-REDUCING_DTYPES = (
-    torch.float16,
-    torch.bfloat16,
-    torch.float32,
-    torch.float64,
-    torch.int8,
-    torch.uint8,
-    torch.int16,
-    torch.int32,
-    torch.int64,
-)
+OP_NAMES = ("sum", "avg", "min", "max", "prod", "band", "bor", "bxor")
+BITWISE_OPS = ("band", "bor", "bxor")
+FLOATING_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+INTEGER_DTYPES = (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)
+COMPLEX_DTYPES = (torch.complex64, torch.complex128)
+REDUCING_DTYPES = FLOATING_DTYPES + INTEGER_DTYPES + (torch.bool,) + COMPLEX_DTYPES
+
+# what each op may reduce, as torch.distributed over gloo allows it: bool SUM is OR and
+# PRODUCT is AND (torch's own add/mul on bool); bitwise ops take integers and bool;
+# complex tensors take SUM and AVG only; AVG needs a floating (or complex) dtype
+ALLOWED_DTYPES: dict[str, tuple[torch.dtype, ...]] = {
+    "sum": REDUCING_DTYPES,
+    "avg": FLOATING_DTYPES + COMPLEX_DTYPES,
+    "min": FLOATING_DTYPES + INTEGER_DTYPES + (torch.bool,),
+    "max": FLOATING_DTYPES + INTEGER_DTYPES + (torch.bool,),
+    "prod": FLOATING_DTYPES + INTEGER_DTYPES + (torch.bool,),
+    "band": INTEGER_DTYPES + (torch.bool,),
+    "bor": INTEGER_DTYPES + (torch.bool,),
+    "bxor": INTEGER_DTYPES + (torch.bool,),
+}
 
 Combine = Callable[[torch.Tensor, torch.Tensor], None]
 
@@ -41,8 +49,21 @@ def _max(local: torch.Tensor, incoming: torch.Tensor) -> None:
     torch.maximum(local, incoming, out=local)
 
 
+def _band(local: torch.Tensor, incoming: torch.Tensor) -> None:
+    local.bitwise_and_(incoming)
+
+
+def _bor(local: torch.Tensor, incoming: torch.Tensor) -> None:
+    local.bitwise_or_(incoming)
+
+
+def _bxor(local: torch.Tensor, incoming: torch.Tensor) -> None:
+    local.bitwise_xor_(incoming)
+
+
 # avg reduces with sum; the collective divides by p at the end
-COMBINE: dict[str, Combine] = {"sum": _sum, "avg": _sum, "min": _min, "max": _max, "prod": _prod}
+COMBINE: dict[str, Combine] = {"sum": _sum, "avg": _sum, "min": _min, "max": _max, "prod": _prod,
+                               "band": _band, "bor": _bor, "bxor": _bxor}
 
 
 def op_name(op) -> str:
@@ -56,24 +77,40 @@ def op_name(op) -> str:
         name = {"product": "prod"}.get(name, name)
     if name not in OP_NAMES:
         raise ValueError(
-            f"unsupported reduce op {op!r}; valid: ReduceOp.SUM, AVG, MIN, MAX, PRODUCT "
+            f"unsupported reduce op {op!r}; valid: ReduceOp.SUM, AVG, MIN, MAX, PRODUCT, BAND, BOR, BXOR "
             f"(or the strings {', '.join(OP_NAMES)})"
         )
     return name
 
 
+def _names(dtypes) -> str:
+    return ", ".join(str(d).replace("torch.", "") for d in dtypes)
+
+
 def check_reducible(dtype: torch.dtype, op: str, collective: str) -> None:
-    """Refuse dtypes that cannot be reduced with ``op``, naming the fix."""
+    """Refuse (dtype, op) pairs torch.distributed refuses, naming the op, the dtype
+    and what is allowed."""
     if dtype not in REDUCING_DTYPES:
-        raise TypeError(
-            f"{collective} cannot reduce {dtype}; reducible dtypes: "
-            f"{', '.join(str(d).replace('torch.', '') for d in REDUCING_DTYPES)}"
-        )
-    if op == "avg" and not dtype.is_floating_point:
-        raise TypeError(
-            f"{collective} with op=AVG needs a floating-point dtype, got {dtype}; "
-            "use ReduceOp.SUM and divide, or cast to float first"
-        )
+        raise TypeError(f"{collective} cannot reduce {dtype}; reducible dtypes: {_names(REDUCING_DTYPES)}")
+    allowed = ALLOWED_DTYPES[op]
+    if dtype in allowed:
+        return
+    label = f"ReduceOp.{'PRODUCT' if op == 'prod' else op.upper()}"
+    ops_for_dtype = ", ".join(
+        f"ReduceOp.{'PRODUCT' if name == 'prod' else name.upper()}"
+        for name in OP_NAMES if dtype in ALLOWED_DTYPES[name])
+    need = {"avg": "a floating-point dtype (or complex)", "band": "an integer or bool dtype",
+            "bor": "an integer or bool dtype", "bxor": "an integer or bool dtype"}.get(op, "a non-complex dtype")
+    if op == "avg":
+        fix = "use ReduceOp.SUM and divide, or cast to a floating dtype first"
+    elif op in BITWISE_OPS:
+        fix = "view the bits as an integer dtype (tensor.view(torch.int32)) or use another op"
+    else:
+        fix = "complex tensors have no order: reduce torch.view_as_real(tensor) instead"
+    raise TypeError(
+        f"{collective} with op={label} needs {need}, got {dtype}: {label} takes {_names(allowed)}; "
+        f"{dtype} takes {ops_for_dtype}. Fix: {fix}"
+    )
 
 
 def apply_receives(

@@ -11,6 +11,11 @@ additions rounds once, then the value is rounded to the dtype; AVG's division ad
 one more u |exact|). The float64 reference has at most (p-1) u64 sum|x_i| error itself.
 So we allow 2 (p+1) u sum|x_i| per element for SUM/AVG and 2 (p+1) u |prod x_i| for
 PRODUCT; MIN, MAX, integer ops and pure data movement must be exact.
+
+Complex SUM/AVG round the real and imaginary parts separately, each as a real sum of
+parts no larger than |x_i|, so each part must lie within the same 2 (p+1) u sum|x_i|
+(u of the component dtype). Bool reductions are exact: the reference reduces 0/1 in
+int64 and reads any nonzero as True (SUM = OR, PRODUCT = AND, BXOR = parity).
 """
 
 from __future__ import annotations
@@ -22,11 +27,22 @@ UNIT_ROUNDOFF = {
     torch.bfloat16: 2.0**-8,
     torch.float32: 2.0**-24,
     torch.float64: 2.0**-53,
+    torch.complex64: 2.0**-24,
+    torch.complex128: 2.0**-53,
 }
 
 
 def _wide(x: torch.Tensor) -> torch.Tensor:
+    if x.dtype.is_complex:
+        return x.to(torch.complex128)
     return x.to(torch.float64) if x.dtype.is_floating_point else x.to(torch.int64)
+
+
+def _fold(stack: torch.Tensor, combine) -> torch.Tensor:
+    out = stack[0].clone()
+    for row in stack[1:]:
+        out = combine(out, row)
+    return out
 
 
 def _reduce(stack: torch.Tensor, op: str) -> torch.Tensor:
@@ -40,17 +56,23 @@ def _reduce(stack: torch.Tensor, op: str) -> torch.Tensor:
         return stack.min(0).values
     if op == "max":
         return stack.max(0).values
+    if op == "band":
+        return _fold(stack, torch.bitwise_and)
+    if op == "bor":
+        return _fold(stack, torch.bitwise_or)
+    if op == "bxor":
+        return _fold(stack, torch.bitwise_xor)
     raise ValueError(f"unknown op {op!r}")
 
 
 def _bound(stack: torch.Tensor, op: str, dtype: torch.dtype) -> torch.Tensor:
     u = UNIT_ROUNDOFF.get(dtype, 0.0)
     p = stack.shape[0]
-    if u == 0.0 or op in ("min", "max"):
+    if u == 0.0 or op not in ("sum", "avg", "prod"):
         return torch.zeros(stack.shape[1:], dtype=torch.float64)
     if op == "prod":
-        return 2 * (p + 1) * u * stack.to(torch.float64).prod(0).abs()
-    return 2 * (p + 1) * u * stack.to(torch.float64).abs().sum(0)
+        return 2 * (p + 1) * u * stack.abs().to(torch.float64).prod(0)
+    return 2 * (p + 1) * u * stack.abs().to(torch.float64).sum(0)
 
 
 def reference(collective: str, inputs: list[torch.Tensor], op: str = "sum", root: int = 0):
@@ -102,6 +124,9 @@ def count_wrong(output, expected, bound) -> int:
     if output is None or output.numel() != expected.numel():
         return expected.numel() if output is None else max(output.numel(), expected.numel())
     got = _wide(output.reshape(-1))
+    if got.dtype.is_complex:  # each part within the bound (see the module docstring)
+        error = torch.view_as_real(got - expected.to(got.dtype)).abs().amax(-1)
+        return int((~(error <= bound)).sum())
     if got.dtype.is_floating_point:
         error = (got - expected.to(got.dtype)).abs()
         return int((~(error <= bound)).sum())
@@ -119,7 +144,13 @@ def rank_inputs(collective: str, world_size: int, numel: int, dtype: torch.dtype
     inputs = []
     for rank in range(world_size):
         generator = torch.Generator().manual_seed(seed * 1000003 + rank * 7919 + numel)
-        if dtype.is_floating_point:
+        if dtype == torch.bool:
+            # mostly True, so AND-like ops (prod, min, band) do not give all False
+            values = torch.rand(numel, generator=generator) < 0.8
+        elif dtype.is_complex:
+            values = torch.complex(torch.randn(numel, generator=generator, dtype=torch.float64),
+                                   torch.randn(numel, generator=generator, dtype=torch.float64))
+        elif dtype.is_floating_point:
             if op == "prod":
                 values = 0.5 + torch.rand(numel, generator=generator, dtype=torch.float64)
             else:
@@ -128,6 +159,9 @@ def rank_inputs(collective: str, world_size: int, numel: int, dtype: torch.dtype
             signed = dtype != torch.uint8
             if op == "prod":
                 low, high = (-2, 3) if signed else (0, 3)
+            elif op in ("band", "bor", "bxor"):  # every bit pattern of the dtype, signs included
+                info = torch.iinfo(dtype)
+                low, high = max(info.min, -(1 << 62)), min(info.max, (1 << 62))
             else:
                 low, high = (-10, 11) if dtype in (torch.int8, torch.uint8) else (-100, 101)
                 low = low if signed else 0

@@ -1,6 +1,6 @@
-"""The checks of plait.comm's process-wide settings, shared by ``configure()`` and the
-PLAIT_* environment variables that give CommConfig its start values, so the two
-cannot drift: the same value is accepted or refused, in the same words, either way.
+"""The checks of a CommConfig's values, shared by ``CommConfig(...)`` and the PLAIT_*
+environment variables the CLI reads (``plait.comm.config.config_from_environment``), so
+the two cannot drift: the same value is accepted or refused, in the same words, either way.
 
     timeout_s      PLAIT_COMM_TIMEOUT_S      finite seconds, 0 < t <= threading.TIMEOUT_MAX
     check_args     PLAIT_COMM_CHECK          1/0, true/false, yes/no, on/off (any case)
@@ -9,7 +9,7 @@ cannot drift: the same value is accepted or refused, in the same words, either w
     hierarchy      PLAIT_HIERARCHY           not checked here: it needs the world size
 
 A variable that is unset or empty leaves the default. Errors are ValueErrors that
-begin ``NAME=value:`` (the variable, or configure()'s keyword) and give the valid range.
+begin ``NAME=value:`` (the variable, or CommConfig's keyword) and give the valid range.
 """
 
 from __future__ import annotations
