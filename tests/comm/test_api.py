@@ -176,7 +176,7 @@ ERRORS = {
     "dtype_mismatch": ("MismatchError", ["dtype differs between ranks [[0], [1, 2]]"]),
     "algorithm_mismatch": ("MismatchError", ["algorithm differs between ranks [[0], [1, 2]]"]),
     "all_gather_sizes": ("ValueError", ["all_gather", "5", "2"]),
-    "bad_root": ("ValueError", ["src=6", "not a rank"]),
+    "bad_root": ("ValueError", ["src=6 (a global rank) is not a member", "group_src="]),
     "uneven_all_to_all": ("ValueError", ["equal chunks", "algorithm='torch'"]),
     "bad_hierarchy": ("ValueError", ["exactly once", "missing [2]"]),
     "segment_mismatch": ("MismatchError", ["group ranks 1, 2 asked for a different CommConfig"]),

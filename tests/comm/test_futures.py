@@ -60,6 +60,8 @@ def futures_on_ranks(rank, p):
         float(r) for r in range(p) for _ in range(2)]
     results["barrier"] = comm.barrier(async_op=True).get_future().wait() == []
     # a failed call: sizes differ between ranks -> MismatchError carried by the future
+    # (the deep check raises it before any message, so this pooled group stays usable)
+    comm.init_communicator(None, comm.CommConfig(check="deep"))
     bad = comm.all_reduce(torch.ones(4 + rank), async_op=True, algorithm="ring")
     future = bad.get_future()
     try:
@@ -69,10 +71,11 @@ def futures_on_ranks(rank, p):
         results["mismatch"] = str(error)
     results["mismatch_success"] = bad.is_success()
     comm.synchronize()  # the future delivered the error: nothing forgotten is re-raised
-    # the group still works afterwards (argument errors poison nothing)
+    # the group still works afterwards (errors before any message poison nothing)
     z = torch.ones(3)
     comm.all_reduce(z, algorithm="ring")
     results["after"] = torch.all(z == p).item()
+    comm.init_communicator(None)
     return results
 
 

@@ -29,14 +29,15 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from plait.comm import tags
 from plait.comm.config import CommConfig
 from plait.comm.engine import Engine, Handle, Stats
 from plait.comm.errors import CommTimeoutError, MismatchError
 from plait.comm.executor import Executor
 from plait.comm.transport import Transport
 
-CREATE_TAG = 0x7FFF_0001  # see plait.comm.tags
-CREATE_REPLY_TAG = 0x7FFF_0002
+CREATE_TAG = tags.CREATE
+CREATE_REPLY_TAG = tags.CREATE_REPLY
 _HISTORY = 32  # recent calls kept to say "issued in different orders"
 
 

@@ -39,10 +39,11 @@ from datetime import timedelta
 import torch
 
 from plait.comm.algorithms import ALGORITHMS, COLLECTIVES, TORCH
+from plait.comm import tags
 from plait.comm.errors import MismatchError
 
-HEADER_TAG = 0x7FFF_0000  # see plait.comm.tags
-PACKED_TAG_OFFSET = 1 << 29  # schedule tags are below 2^29
+HEADER_TAG = tags.COLLECTIVE_HEADER
+PACKED_TAG_OFFSET = tags.COLLECTIVE_PACKED.start - tags.COLLECTIVE.start
 MAGIC = 0x504C_4149  # "PLAI"
 HEADER_FIELDS = ("magic", "seq", "collective", "algorithm", "elements", "dtype", "op", "root", "hierarchy",
                  "segment_bytes", "pipeline_segment_bytes", "payload_bytes")

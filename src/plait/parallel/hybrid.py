@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from plait import comm
+from plait.comm import tags
 from plait.parallel.mesh import DeviceMesh
 from plait.parallel.pipeline import PipelineEngine
 from plait.parallel.pipeline import build as build_schedule
@@ -37,7 +38,7 @@ from plait.parallel.pipeline.partition import split_layers
 from plait.parallel.pipeline.partition import build_stage
 
 BUCKET_BYTES = 25 << 20  # DDP's default bucket cap
-_EVAL_TAG = (1 << 30) + 16  # above every tag the engine uses (messages < 2^30, Chimera exchange 2^30)
+_EVAL_TAG = tags.EVALUATION.start  # evaluation's own tag range (plait.comm.tags)
 
 
 @dataclass

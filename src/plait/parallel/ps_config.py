@@ -7,14 +7,16 @@ import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from plait.comm import tags
+
 MODES = ("sync", "async")
 
 # ----- the wire format -----------------------------------------------------------------
 # Tags above the torch executor's (< 2**30), so parameter-server traffic never matches
 # a collective's message.
-_PUSH_TAG = 0x5053_0000
-_REPLY_TAG = 0x5053_0001
-_DATA_TAG = 0x5053_0100  # + index of the payload tensor
+_PUSH_TAG = tags.PARAMETER_SERVER.start  # plait.comm.tags assigns the range
+_REPLY_TAG = tags.PARAMETER_SERVER.start + 1
+_DATA_TAG = tags.PARAMETER_SERVER.start + 0x100  # + index of the payload tensor
 # Server receives from workers carry gloo deadlines this many times comm's, as a
 # fallback behind the server's own (see ParameterServer._wait).
 _GLOO_FALLBACK_FACTOR = 3

@@ -42,6 +42,7 @@ import torch.distributed as dist
 from torch import nn
 
 from plait import comm
+from plait.comm import tags
 from plait.comm.errors import CommError
 from plait.parallel.pipeline.replay import Interval, Timeline
 from plait.parallel.pipeline.schedules import (
@@ -62,7 +63,7 @@ _HEADER = 10  # status, dtype code, ndim, up to 7 dims
 _OK, _ABORT = 1, -1
 _KIND_CODE = {SEND_ACT: 0, RECV_ACT: 0, SEND_GRAD: 1, RECV_GRAD: 1}
 _STEP_TAGS = 1024  # the step number (mod 1024) is part of every tag: a failed step's stray message is never read later
-_REPLICA_TAG = 1 << 30  # Chimera's gradient exchange; message tags stay below it
+_REPLICA_TAG = tags.CHIMERA_REPLICA.start  # Chimera's gradient exchange (plait.comm.tags)
 _ABORT_GRACE_S = 2.0  # after a failure, how long posted sends get to be delivered before we raise
 
 
@@ -101,9 +102,9 @@ class PipelineEngine:
         if sorted(stage_modules) != mine:
             raise ValueError(f"rank {self.rank} holds stages {mine} in {schedule.name}, "
                              f"got modules for {sorted(stage_modules)}")
-        if 4 * _STEP_TAGS * schedule.microbatches * schedule.stages >= _REPLICA_TAG:
+        if 4 * _STEP_TAGS * schedule.microbatches * schedule.stages >= len(tags.PIPELINE):
             raise ValueError(f"m={schedule.microbatches} x {schedule.stages} stages is too many messages to tag: "
-                             f"keep m x stages below {_REPLICA_TAG // (4 * _STEP_TAGS)}")
+                             f"keep m x stages below {len(tags.PIPELINE) // (4 * _STEP_TAGS)}")
         self.stages = {s: stage_modules[s] for s in mine}
         self.timeout_s = timeout_s
         self.last = schedule.stages - 1
@@ -205,7 +206,8 @@ class PipelineEngine:
     def _tag(self, kind: str, microbatch: int, stage: int) -> int:
         m, stages = self.schedule.microbatches, self.schedule.stages
         message = (_KIND_CODE[kind] * m + microbatch) * stages + stage  # < 2·m·S
-        return 2 * ((self.steps % _STEP_TAGS) * 2 * m * stages + message)  # header tag; the payload is tag + 1
+        # header tag; the payload is tag + 1 (plait.comm.tags.PIPELINE)
+        return tags.PIPELINE.start + 2 * ((self.steps % _STEP_TAGS) * 2 * m * stages + message)
 
     def _send(self, tensor, action, pending):
         header = torch.zeros(_HEADER, dtype=torch.int64, device=self.device)
