@@ -31,10 +31,9 @@ from torch import nn
 
 from plait import comm
 from plait.parallel.mesh import DeviceMesh
-from plait.parallel.pipeline import PipelineEngine
-from plait.parallel.pipeline import build as build_schedule
-from plait.parallel.pipeline.partition import split_layers
-from plait.parallel.pipeline.partition import build_stage
+from plait.parallel.pipeline import build as build_schedule, PipelineEngine
+from plait.parallel.pipeline.partition import build_stage, split_layers
+from plait.parallel.tensor.dropout import ConsistentDropout
 
 BUCKET_BYTES = 25 << 20  # DDP's default bucket cap
 _EVAL_TAG = (1 << 30) + 16  # above every tag the engine uses (messages < 2^30, Chimera exchange 2^30)
@@ -87,7 +86,6 @@ def build_hybrid(model: nn.Module, layers: list[nn.Module], mesh: DeviceMesh, lo
             names[name] = param
             if replica == 0 and name not in saved:
                 saved.append(name)
-    from plait.parallel.tensor.dropout import ConsistentDropout
 
     module_ids = {id(sub) for stage in modules.values() for sub in stage.modules()}
     dropouts = {name: module for name, module in model.named_modules()
