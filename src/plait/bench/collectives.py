@@ -27,19 +27,20 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+import plait.comm as comm
 from plait.bench.buffers import (
-    CHUNKED_COLLECTIVES,
-    COLLECTIVES,
-    OPS,
-    REDUCING_COLLECTIVES,
-    ROOTED_COLLECTIVES,
-    TORCH_ALGORITHM,
     Buffers,
     canonical_dtype_name,
+    CHUNKED_COLLECTIVES,
+    COLLECTIVES,
     count_wrong,
     fill_inputs,
     make_buffers,
+    OPS,
     parse_dtype,
+    REDUCING_COLLECTIVES,
+    ROOTED_COLLECTIVES,
+    TORCH_ALGORITHM,
 )
 
 AUTO_ALGORITHM = "auto"
@@ -106,7 +107,6 @@ def available_algorithms(collective: str) -> list[str]:
     choice per size)."""
     if collective not in COLLECTIVES:
         raise ValueError(f"unknown collective {collective!r}; valid: {', '.join(COLLECTIVES)}")
-    import plait.comm as comm
 
     return [TORCH_ALGORITHM, *comm.algorithms_for(collective), AUTO_ALGORITHM]
 
@@ -253,7 +253,6 @@ def _timed_calls(call: Callable[[], None], ncalls: int, device: torch.device) ->
 def _configure_plait(config: BenchConfig) -> None:
     if all(name == TORCH_ALGORITHM for name in config.algorithms):
         return
-    import plait.comm as comm
 
     # the world's communicator, with the argument check asked for (the default, in-band,
     # is what users run; --check off times the bare messages)

@@ -26,8 +26,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from plait.compress import from_spec
 from plait.models import build_model
 from plait.models.mlp import MODELS
+from plait.parallel import DataParallel
 from plait.train.data import load_digits, rank_batch
 
 _MODES = ("plait", "ddp")
@@ -82,7 +84,6 @@ def _batches(train, config: DpBenchConfig, count: int, rank: int, world_size: in
 def _wrap(mode: str, model, config: DpBenchConfig, compression=None):
     if mode == "ddp":
         return torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=config.bucket_mb)
-    from plait.parallel import DataParallel
 
     return DataParallel(model, algorithm=config.algorithm, bucket_mb=config.bucket_mb, compression=compression)
 
@@ -131,8 +132,6 @@ def measure_throughput(config: DpBenchConfig, mode: str, train, rank: int, world
 
 
 def measure_compression(config: DpBenchConfig, spec: str, train, test, rank: int, world_size: int) -> dict:
-    from plait.compress import from_spec
-
     compressor = from_spec(spec)
     model = _wrap("plait", build_model(config.compression_model, seed=config.seed), config, compressor)
     optimizer = torch.optim.SGD(model.parameters(), lr=config.lr, momentum=0.9)

@@ -16,6 +16,7 @@ import statistics
 
 from plait.bench.buffers import TORCH_ALGORITHM
 from plait.bench.collectives import AUTO_ALGORITHM, BenchRow
+from plait.bench.report import format_nbytes
 from plait.comm.tuner import tuner_from_profile
 from plait.cost.alpha_beta import closed_form_algorithms
 
@@ -123,7 +124,5 @@ def summary_lines(rows: list[BenchRow]) -> list[str]:
 
 
 def _span(sizes: list[int]) -> str:
-    from plait.bench.report import format_nbytes
-
     lo, hi = min(sizes), max(sizes)
     return format_nbytes(lo) if lo == hi else f"{format_nbytes(lo)}..{format_nbytes(hi)}"

@@ -16,17 +16,18 @@ Training benchmarks, each with its own flags (e.g. plait bench dp --help):
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import re
 import sys
 
-from plait.bench.buffers import COLLECTIVES, DTYPE_NAMES, OPS, canonical_dtype_name
-from plait.bench.collectives import (BenchConfig, BenchRow, accepted_algorithms,
-                                     available_algorithms)
-from plait.bench.launch import (WorkerError, choose_backend, in_torchrun, run_in_current_world,
-                                spawn_and_run)
 from plait.bench import report
+from plait.bench.buffers import canonical_dtype_name, COLLECTIVES, DTYPE_NAMES, OPS
+from plait.bench.collectives import accepted_algorithms, available_algorithms, BenchConfig, BenchRow
+from plait.bench.launch import choose_backend, in_torchrun, run_in_current_world, spawn_and_run, WorkerError
+from plait.bench.predict import Predictor
 from plait.cli.output_paths import output_file, prepare_output_paths
+from plait.cost.profile import default_profile_path, load_profile
 
 _SIZE_PATTERN = re.compile(r"^\s*(\d+(?:\.\d*)?)\s*([kmgt]?)(?:i?b)?\s*$", re.IGNORECASE)
 _SIZE_SCALES = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
@@ -206,10 +207,7 @@ def run(args: argparse.Namespace) -> int:
 def _predictor(args: argparse.Namespace, config: BenchConfig, backend: str, nprocs: int):
     """The Predictor for --predict, and the config with the profile pinned so that
     the workers' algorithm="auto" follows the same profile the predictions use."""
-    import dataclasses
 
-    from plait.bench.predict import Predictor
-    from plait.cost.profile import default_profile_path, load_profile
 
     path = args.profile or str(default_profile_path(backend))
     profile = load_profile(path)

@@ -15,9 +15,11 @@ import argparse
 import json
 import re
 
-from plait.comm.algorithms import COLLECTIVES, ROOTED, algorithms_for, build_schedule
+from plait.cli.bench import parse_collective, parse_nbytes
+from plait.comm.algorithms import algorithms_for, build_schedule, COLLECTIVES, ROOTED
 from plait.cost import LinkModel
 from plait.cost.alpha_beta import cost_terms, pipeline_segments
+from plait.cost.profile import load_profile
 
 MAX_TABLE_WORLD = 1024  # schedules grow as p^2 steps x transfers; beyond this use plait simulate
 
@@ -54,8 +56,6 @@ def parse_rate(text: str) -> float:
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
-    from plait.cli.bench import parse_collective, parse_nbytes
-
     parser = subparsers.add_parser(
         "cost", help="alpha-beta cost model: compare algorithms before running them",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -94,7 +94,6 @@ def _resolve_link(args) -> tuple[LinkModel, str]:
 
 def _load_profile(path):
     """The calibration profile at ``path`` (or the default one); None when there is none."""
-    from plait.cost.profile import load_profile
 
     profile = load_profile(path)
     if profile is None and path is not None:

@@ -24,6 +24,27 @@ import sys
 import time
 import warnings
 
+from plait.cost.presets import PLACEHOLDER_LOCAL_LINK
+from plait.cost.profile import load_profile, ProfileMismatchWarning
+from plait.plan import (
+    cluster_preset,
+    CLUSTER_PRESETS,
+    explain,
+    model_preset,
+    MODEL_PRESETS,
+    ModuleModel,
+    PlanRequest,
+    PRECISIONS,
+    search,
+    table,
+    TransformerModel,
+    TransformerSpec,
+)
+from plait.plan.cluster import check_count, MAX_DEVICES
+from plait.plan.device import measure_device
+from plait.plan.grid import DEFAULT_MAX_LAYOUTS
+from plait.plan.trace import describe_module
+
 GIB = 1 << 30
 _TRAIN_DEFAULT = dict(layers=4, hidden=128, heads=4, seq=64)  # plait train's GPT
 
@@ -34,9 +55,6 @@ def _bool_flag(parser, name: str, help: str) -> None:
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
-    from plait.plan import CLUSTER_PRESETS, MODEL_PRESETS, PRECISIONS
-    from plait.plan.grid import DEFAULT_MAX_LAYOUTS
-
     parser = subparsers.add_parser(
         "plan", help="choose dp, tp, pp, micro-batching, schedule and memory options for a model on a cluster",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -89,8 +107,6 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def _transformer(args):
-    from plait.plan import TransformerSpec, model_preset
-
     shape = {"layers": args.layers, "hidden": args.hidden, "heads": args.heads, "seq_len": args.seq,
              "vocab": args.vocab, "ffn_hidden": args.ffn_hidden}
     name = args.model or ("gpt" if args.cluster == "local" else "gpt-1.3b")
@@ -136,9 +152,6 @@ def _train_vocab() -> int:
 
 
 def _module_model(spec: str):
-    from plait.plan import ModuleModel
-    from plait.plan.trace import describe_module
-
     if ":" not in spec:
         raise ValueError(f"--module {spec!r} must be PKG.MOD:FUNCTION (a function returning (module, sample_input))")
     import torch
@@ -183,11 +196,6 @@ def _model_matmul_shapes(model) -> list[tuple[int, int, int]] | None:
 
 
 def _local_cluster(args, precision_name: str, emit, model=None):
-    from plait.cost.presets import PLACEHOLDER_LOCAL_LINK
-    from plait.cost.profile import ProfileMismatchWarning, load_profile
-    from plait.plan import cluster_preset
-    from plait.plan.device import measure_device
-
     nprocs = args.nprocs or args.gpus
     if nprocs is None:
         raise ValueError("--cluster local needs --nprocs N (processes on this machine)")
@@ -237,9 +245,6 @@ def _check_flag_combinations(args, local: bool) -> None:
 
 
 def run(args) -> int:
-    from plait.plan import PlanRequest, TransformerModel, cluster_preset, explain, search, table
-    from plait.plan.cluster import MAX_DEVICES, check_count
-
     emit = (lambda text: print(text, file=sys.stderr)) if args.json else print
     local = args.cluster == "local"
     precision = args.precision or ("fp32" if local else "bf16-mixed")

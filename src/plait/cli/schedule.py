@@ -14,11 +14,23 @@ activations per rank next to their formulas.
 from __future__ import annotations
 
 import argparse
+import json
 
 from plait.cli.output_paths import output_file, prepare_output_paths
-from plait.comm.algorithms import COLLECTIVES, ROOTED, build_schedule, describe
+from plait.comm.algorithms import build_schedule, COLLECTIVES, describe, ROOTED
 from plait.comm.algorithms.hierarchical import parse_hierarchy
-from plait.parallel.pipeline.schedules import SCHEDULES
+from plait.parallel.pipeline.draw import (
+    ascii_gantt,
+    ascii_legend,
+    plot_gantt,
+    theory,
+    time_unit,
+    timeline_from_json,
+    timeline_peak_in_flight,
+    with_chunk_labels,
+)
+from plait.parallel.pipeline.replay import peak_in_flight, validate
+from plait.parallel.pipeline.schedules import build, SCHEDULES
 
 _PIPELINE_FLAGS = ("stages", "microbatches", "virtual", "out", "timeline", "width", "actions")
 
@@ -109,9 +121,6 @@ def _compute_text(schedule) -> list[str]:
 
 
 def _load_timeline(path: str):
-    import json
-
-    from plait.parallel.pipeline.draw import timeline_from_json
 
     try:
         with open(path, encoding="utf-8") as handle:
@@ -128,17 +137,6 @@ def _load_timeline(path: str):
 
 def run_pipeline(args) -> int:
     """Print (and with --out draw) a pipeline schedule's or a recorded run's Gantt chart."""
-    from plait.parallel.pipeline.draw import (
-        ascii_gantt,
-        ascii_legend,
-        plot_gantt,
-        theory,
-        time_unit,
-        timeline_peak_in_flight,
-        with_chunk_labels,
-    )
-    from plait.parallel.pipeline.replay import peak_in_flight, validate
-    from plait.parallel.pipeline.schedules import build
 
     if args.width is not None and args.width < 1:
         raise ValueError(f"--width {args.width}: give the ASCII chart's time columns, an int >= 1 (e.g. --width 80)")

@@ -16,15 +16,19 @@ import argparse
 import json
 import time
 
+from plait.bench.collectives import busbw_factor
+from plait.cli.bench import parse_collective, parse_nbytes
 from plait.cli.output_paths import output_file, prepare_output_paths
-from plait.comm.algorithms import COLLECTIVES, ROOTED, algorithms_for, build_schedule
+from plait.comm.algorithms import algorithms_for, build_schedule, COLLECTIVES, ROOTED
+from plait.cost.alpha_beta import pipeline_segments
+from plait.cost.presets import preset
+from plait.cost.simulator import MAX_NBYTES, simulate
+from plait.cost.topology_io import load_topology, save_topology
 
 DEFAULT_ALGORITHMS = "ring,halving_doubling,hierarchical"
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
-    from plait.cli.bench import parse_collective
-
     parser = subparsers.add_parser(
         "simulate", help="simulate collectives on a cluster topology (flow-level, with contention)",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -63,8 +67,6 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 # ----- inputs -------------------------------------------------------------------------------------
 def parse_size(text: str, flag: str) -> int:
     """A byte count via plait bench's parse_nbytes, with range errors for the simulator."""
-    from plait.cli.bench import parse_nbytes
-    from plait.cost.simulator import MAX_NBYTES
 
     try:
         value = float(text)
@@ -116,9 +118,6 @@ def algorithms_from_args(args) -> list[str]:
 
 
 def topology_from_args(args):
-    from plait.cost.presets import preset
-    from plait.cost.topology_io import load_topology
-
     if args.topology_file:
         return load_topology(args.topology_file, allocation=args.allocation)
     params = {}
@@ -149,9 +148,6 @@ def _calibrated_link(path):
 def simulate_one(topology, collective: str, algorithm: str, nbytes: int, itemsize: int, root: int,
                  segments: int | None = None):
     """(table row, SimulationResult) of one algorithm at one size."""
-    from plait.bench.collectives import busbw_factor
-    from plait.cost.alpha_beta import pipeline_segments
-    from plait.cost.simulator import simulate
 
     p = topology.world_size
     numel = max(1, nbytes // itemsize)
@@ -232,8 +228,6 @@ def plot(path: str, rows: list[dict], results: dict, sizes: list[int]) -> None:
 
 
 def run(args) -> int:
-    from plait.cost.topology_io import save_topology
-
     if args.itemsize < 1:
         raise ValueError(f"--itemsize {args.itemsize} must be >= 1 byte")
     if args.segments is not None and args.segments < 1:

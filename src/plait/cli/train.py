@@ -31,6 +31,8 @@ import time
 import warnings
 from pathlib import Path
 
+from plait.train import budget, checkpoint as ckpt, lifeline, runlock
+from plait.train.agent import is_local_address, record_rank_error
 from plait.train.config import add_config_arguments, config_from_args
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -85,7 +87,6 @@ def run(args) -> int:
     config = config_from_args(args, args.config)
     if in_torchrun_world():
         return _run_rank(args, config)
-    from plait.train import budget, runlock
     from plait.train.launch import check_output_dir, check_output_path, check_resume_choice, describe_layout, \
         prepare_data
 
@@ -144,8 +145,6 @@ def _run_rank(args, config) -> int:
     """One rank of a torchrun world. Launched by plait train (--run-id given), errors go
     to torchrun's error file and the launcher's agent prints them once; under a user's
     own torchrun they are raised as usual."""
-    from plait.train import lifeline
-    from plait.train.agent import record_rank_error
     from plait.comm.config import config_from_environment
     from plait.train.loop import run as run_rank
 
@@ -235,8 +234,6 @@ def _socket_env(local_addr: str) -> dict:
 
 
 def _hosts_endpoint(endpoint: str) -> bool:
-    from plait.train.agent import is_local_address
-
     return is_local_address(endpoint.rpartition(":")[0].strip("[]"))
 
 
@@ -277,8 +274,6 @@ def _supervise(command: list[str], env: dict, lock_fd: int | None) -> tuple[int,
 
 
 def _resume_hint(out: Path) -> str:
-    from plait.train import checkpoint as ckpt
-
     newest = ckpt.latest_complete(out, log=None) if out.is_dir() else None
     if newest is None:
         return "No complete checkpoint was written."

@@ -13,16 +13,17 @@ from __future__ import annotations
 import argparse
 import json
 
+from plait.cli.bench import parse_collective, parse_nbytes
+from plait.cli.cost import parse_rate, parse_time_s
 from plait.comm.algorithms import COLLECTIVES
 from plait.comm.collectives import default_algorithm
 from plait.comm.config import config_from_environment
-from plait.comm.tuner import Tuner, size_ranges
+from plait.comm.tuner import size_ranges, Tuner, tuner_from_profile
+from plait.cost import LinkModel
+from plait.cost.profile import load_profile
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
-    from plait.cli.bench import parse_collective, parse_nbytes
-    from plait.cli.cost import parse_rate, parse_time_s
-
     parser = subparsers.add_parser("tune", help="show which algorithm algorithm='auto' picks per size",
                                    description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--show", action="store_true", help="print the switch points (the default action)")
@@ -43,9 +44,6 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def _tuner(args) -> Tuner | None:
-    from plait.cost import LinkModel
-    from plait.cost.profile import load_profile
-
     profile = load_profile(args.profile, backend=args.backend)
     if args.profile is not None and profile is None:
         raise ValueError(f"no calibration profile at {args.profile}; run plait calibrate --output {args.profile}")
@@ -54,7 +52,6 @@ def _tuner(args) -> Tuner | None:
         return None
     if profile is None and (args.alpha is None or args.bandwidth is None):
         raise ValueError("without a calibration profile give both --alpha and --bandwidth (or run plait calibrate)")
-    from plait.comm.tuner import tuner_from_profile
 
     if profile is not None and all(x is None for x in given):
         return tuner_from_profile(profile, source=f"profile {args.profile or 'saved for ' + args.backend}",

@@ -28,6 +28,7 @@ from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
 
+from plait import __version__
 from plait.cost.link import LinkModel
 
 __all__ = ["Sample", "MachineIdentity", "Profile", "ProfileMismatchWarning", "machine_identity",
@@ -116,7 +117,6 @@ def _package_version(name: str) -> str:
 def machine_identity() -> MachineIdentity:
     """This machine: hostname, CPU model (/proc/cpuinfo), cores, torch (from its
     package metadata: torch is not imported), python and plait versions."""
-    from plait import __version__
 
     return MachineIdentity(hostname=socket.gethostname(), cpu_model=_cpu_model(),
                            cpu_count=os.cpu_count() or 0, torch_version=_package_version("torch"),

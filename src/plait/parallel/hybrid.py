@@ -32,10 +32,9 @@ from torch import nn
 from plait import comm
 from plait.comm import tags
 from plait.parallel.mesh import DeviceMesh
-from plait.parallel.pipeline import PipelineEngine
-from plait.parallel.pipeline import build as build_schedule
-from plait.parallel.pipeline.partition import split_layers
-from plait.parallel.pipeline.partition import build_stage
+from plait.parallel.pipeline import build as build_schedule, PipelineEngine
+from plait.parallel.pipeline.partition import build_stage, split_layers
+from plait.parallel.tensor.dropout import ConsistentDropout
 
 BUCKET_BYTES = 25 << 20  # DDP's default bucket cap
 _EVAL_TAG = tags.EVALUATION.start  # evaluation's own tag range (plait.comm.tags)
@@ -88,7 +87,6 @@ def build_hybrid(model: nn.Module, layers: list[nn.Module], mesh: DeviceMesh, lo
             names[name] = param
             if replica == 0 and name not in saved:
                 saved.append(name)
-    from plait.parallel.tensor.dropout import ConsistentDropout
 
     module_ids = {id(sub) for stage in modules.values() for sub in stage.modules()}
     dropouts = {name: module for name, module in model.named_modules()

@@ -18,14 +18,14 @@ loads the distributed runtime; torch is imported only to trace or measure.
 
 from __future__ import annotations
 
-from plait.plan.cluster import CLUSTER_PRESETS, Cluster, cluster_preset
-from plait.plan.device import DEVICE_PRESETS, DeviceSpec, device_preset
-from plait.plan.estimate import PRECISIONS, Estimate, Layout
+from plait.plan.cluster import Cluster, cluster_preset, CLUSTER_PRESETS
+from plait.plan.device import device_preset, DEVICE_PRESETS, DeviceSpec
+from plait.plan.estimate import estimate, Estimate, Layout, layout_problems, PRECISIONS
 from plait.plan.explain import explain, table
 from plait.plan.layers import LayerCost
 from plait.plan.models import ModuleModel, TransformerModel
 from plait.plan.search import PlanError, PlanRequest, PlanResult, search
-from plait.plan.transformer import MODEL_PRESETS, TransformerSpec, model_preset
+from plait.plan.transformer import model_preset, MODEL_PRESETS, TransformerSpec
 
 __all__ = ["plan", "estimate_layout", "explain", "table", "PlanRequest", "PlanResult", "PlanError", "Layout",
            "Estimate", "TransformerSpec", "TransformerModel", "ModuleModel", "LayerCost", "Cluster", "DeviceSpec",
@@ -66,7 +66,6 @@ def plan(model, cluster, *, global_batch: int, gpus: int | None = None, nodes: i
 def estimate_layout(model, cluster, layout: Layout, *, gpus: int | None = None, nodes: int | None = None,
                     precision: str = "bf16-mixed", accounting: str = "megatron") -> Estimate:
     """Price one fully given ``layout`` (no search); memory is reported, not enforced."""
-    from plait.plan.estimate import estimate, layout_problems
 
     model, cluster = _model(model), _cluster(cluster, gpus, nodes)
     problems = layout_problems(layout, num_groups=model.num_groups, world_size=cluster.world_size,

@@ -23,7 +23,8 @@ from functools import lru_cache
 
 from plait.cost import LinkModel
 from plait.cost.alpha_beta import closed_form_algorithms, level_terms, pipeline_segments
-from plait.plan.device import DeviceSpec, device_preset
+from plait.cost.presets import preset
+from plait.plan.device import device_preset, DeviceSpec
 
 __all__ = ["Cluster", "CLUSTER_PRESETS", "cluster_preset", "GroupShape", "MAX_DEVICES", "check_count"]
 
@@ -235,8 +236,6 @@ def _link_text(link: LinkModel) -> str:
 
 @lru_cache(maxsize=None)
 def _preset_links(topology: str) -> tuple[LinkModel, LinkModel, str]:
-    from plait.cost.presets import preset
-
     # two nodes carry every link kind of the (non-blocking) fabric: the links of a
     # 1,024-GPU cluster are the same models
     between, within = preset(topology, nodes=2).level_link_models()

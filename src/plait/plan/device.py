@@ -26,6 +26,8 @@ import os
 import time
 from dataclasses import dataclass, replace
 
+import numpy as np
+
 from plait.plan.layers import LayerCost
 
 __all__ = ["DeviceSpec", "DEVICE_PRESETS", "device_preset", "measure_device", "DTYPE_BYTES"]
@@ -125,7 +127,6 @@ def device_preset(name: str) -> DeviceSpec:
 
 def _least_squares(xs: list[float], ys: list[float]) -> tuple[float, float]:
     """y = a + b·x with a, b >= 0 (relative errors weighted equally)."""
-    import numpy as np
 
     design = np.array([[1.0 / y, x / y] for x, y in zip(xs, ys)])
     solution, *_ = np.linalg.lstsq(design, np.ones(len(ys)), rcond=None)

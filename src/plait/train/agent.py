@@ -34,6 +34,8 @@ import sys
 import time
 import traceback
 
+from plait.train import lifeline
+
 USER_ERRORS = (ValueError, OSError)  # messages written for users: no traceback
 BACKEND = "plait-c10d"
 DEFAULT_RENDEZVOUS_PORT = 29400
@@ -182,7 +184,6 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m plait.train.agent", add_help=False)
     parser.add_argument("--parent-pid", type=int, default=None)
     ours, torchrun_argv = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
-    from plait.train import lifeline
 
     if ours.parent_pid is not None:
         try:

@@ -27,6 +27,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from plait.parallel.pipeline import build
+from plait.plan.transformer import TransformerSpec
 from plait.train.config import TrainConfig
 
 BASE_PROCESS_BYTES = 256 << 20  # measured: a gloo rank with torch and plait imported peaks at ~224 MiB
@@ -72,8 +74,6 @@ def optimizer_states(config: TrainConfig) -> int:
 
 
 def _spec(config: TrainConfig, vocab: int):
-    from plait.plan.transformer import TransformerSpec
-
     return TransformerSpec(layers=config.layers, hidden=config.hidden, heads=config.heads, seq_len=config.seq_len,
                            vocab=vocab, ffn_hidden=config.ffn_hidden, tied_head=config.tied_head,
                            dropout=config.dropout > 0)
@@ -97,7 +97,6 @@ def layer_parameters(config: TrainConfig, vocab: int, tp: int = 1) -> list[int]:
 def chunks_of_ranks(config: TrainConfig, counts: list[int]) -> list[list[int]]:
     """For each pipeline rank, the layer indices of the chunks it holds (the split
     plait train makes: balanced by parameters into pp · virtual chunks)."""
-    from plait.parallel.pipeline import build
     from plait.parallel.pipeline.partition import balanced_boundaries
 
     virtual = config.virtual if config.schedule == "interleaved_1f1b" else 1

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
+
+from plait.models.gpt import GPT, GPTConfig
+from plait.train import checkpoint as ckpt
 
 
 @torch.no_grad()
@@ -32,10 +37,7 @@ def sample(model, corpus, prompt: str = "def ", *, chars: int = 200, temperature
 def model_from_checkpoint(path):
     """A single-process GPT holding the unsharded weights of a checkpoint (a run
     directory's newest complete one, or a checkpoint directory)."""
-    from pathlib import Path
 
-    from plait.models.gpt import GPT, GPTConfig
-    from plait.train import checkpoint as ckpt
 
     path = Path(path)
     if not (path / "manifest.json").exists():

@@ -17,8 +17,12 @@ import tempfile
 from pathlib import Path
 
 from plait.parallel.mesh import ParallelDims
-from plait.train import budget, rundir
+from plait.parallel.pipeline import build
+from plait.parallel.pipeline.partition import balanced_boundaries
+from plait.train import budget, checkpoint as ckpt, rundir
 from plait.train.config import TrainConfig
+from plait.train.corpus import CorpusTooSmall, min_characters, windows_per_epoch
+from plait.train.loop import load_data, model_description
 
 SIOCGIFADDR = 0x8915  # <linux/sockios.h>: an interface's IPv4 address
 
@@ -30,8 +34,6 @@ def prepare_data(config: TrainConfig):
     ranks only read the cache, and check it holds what the run reads: for the GPT,
     ``global_batch`` training windows of seq_len + 1 ids and (with evaluation) one
     validation window."""
-    from plait.train.corpus import CorpusTooSmall, min_characters, windows_per_epoch
-    from plait.train.loop import load_data
 
     if config.model != "gpt":
         return load_data(config)
@@ -58,7 +60,6 @@ def prepare_data(config: TrainConfig):
 def describe_layout(config: TrainConfig, data) -> str:
     """The mesh (which rank holds which stage and tp shard), the schedule and the
     batch arithmetic: what --dry-run prints."""
-    from plait.parallel.pipeline.partition import balanced_boundaries
 
     dims = ParallelDims(dp=config.dp, tp=config.tp, pp=config.pp, order=config.mesh_order)
     virtual = config.virtual if config.schedule == "interleaved_1f1b" else 1
@@ -71,7 +72,6 @@ def describe_layout(config: TrainConfig, data) -> str:
     bounds = balanced_boundaries([float(c) for c in counts], config.pp * virtual)
     chunk_text = [names[start] if end - start == 1 else f"{names[start]}..{names[end - 1]}"
                   for start, end in zip(bounds, bounds[1:])]
-    from plait.parallel.pipeline import build
 
     # which chunks a rank holds does not depend on the number of micro-batches: a short schedule shows it
     schedule = build(config.schedule, config.pp, min(config.microbatches, 2 * config.pp),
@@ -131,8 +131,6 @@ def check_resume_choice(config: TrainConfig, resume: str, data, *, run_id: str |
     refuses to start over an earlier run), said in one line, and that the checkpoint is
     of this model (the differing fields named). Changes nothing: rank 0 decides again
     under the run lock and carries the plan out."""
-    from plait.train import checkpoint as ckpt
-    from plait.train.loop import model_description
 
     plan = rundir.decide(Path(config.out), resume, run_id=run_id, force_fresh=force_fresh)
     if plan.checkpoint is not None:

@@ -31,11 +31,14 @@ from torch import nn
 from torch.nn import functional as F
 
 from plait import comm
-from plait.parallel.hybrid import HybridModel, build_hybrid, evaluate, train_step
+from plait.models.gpt import GPTConfig
+from plait.models.mlp import MLP
+from plait.parallel.hybrid import build_hybrid, evaluate, HybridModel, train_step
 from plait.parallel.mesh import DeviceMesh, ParallelDims
-from plait.train import checkpoint as ckpt
-from plait.train import rundir, runlock
+from plait.train import checkpoint as ckpt, rundir, runlock
 from plait.train.config import TrainConfig
+from plait.train.data import load_digits, rank_batch
+from plait.train.report import measure_peak_flops, summary_lines, write_report
 
 FAULT_ENV = "PLAIT_FAULT_KILL"  # "RANK:STEP": that rank kills itself before STEP, first attempt only (tests)
 
@@ -78,7 +81,6 @@ def load_data(config: TrainConfig):
         from plait.train.corpus import load_corpus
 
         return load_corpus(config.data, max_bytes=config.data_max_bytes, val_fraction=config.val_fraction)
-    from plait.train.data import load_digits
 
     return load_digits(seed=config.seed)
 
@@ -91,8 +93,6 @@ def model_description(config: TrainConfig, data) -> dict:
 
 
 def gpt_config(config: TrainConfig, vocab: int):
-    from plait.models.gpt import GPTConfig
-
     return GPTConfig(layers=config.layers, hidden=config.hidden, heads=config.heads, seq_len=config.seq_len,
                      vocab=vocab, ffn_hidden=config.ffn_hidden, dropout=config.dropout,
                      tied_head=config.tied_head, dtype=config.dtype)
@@ -116,7 +116,6 @@ def build_model(config: TrainConfig, data, tp_group=None):
         # a tied head shares the embedding weight, so the model stays in one piece (pp=1 only: TrainConfig)
         layers = [model] if config.tied_head else sequential_layers(model)
         return model, layers, loss_fn
-    from plait.models.mlp import MLP
 
     torch.manual_seed(config.seed)
     model = MLP((64, *config.mlp_hidden, 10)).to(getattr(torch, config.dtype))
@@ -147,7 +146,6 @@ def batch(config: TrainConfig, data, step: int, rank: int, world_size: int, *, e
             return eval_batch(data.val, step, config.global_batch, config.seq_len, rank=rank, world_size=world_size)
         return lm_batch(data.train, step, config.global_batch, config.seq_len, seed=config.seed, rank=rank,
                         world_size=world_size)
-    from plait.train.data import rank_batch
 
     dataset = data[1] if evaluation else data[0]
     size = min(config.global_batch, len(dataset) // world_size * world_size)
@@ -403,8 +401,6 @@ class Trainer:
         return self._report(records, steps_run, tokens_per_step, first_step_s)
 
     def _report(self, records, steps_run, tokens_per_step, first_step_s) -> dict | None:
-        from plait.train.report import measure_peak_flops
-
         peak_flops_per_s = self.peak_flops_per_process(measure_peak_flops)
         mine = {"rank": self.rank, "coords": dict(self.coords), "steps": steps_run, **self.times,
                 "collectives": {name: {key: entry[key] for key in ("calls", "bytes_sent", "time_s", "algorithms")}
@@ -415,7 +411,6 @@ class Trainer:
         dist.all_gather_object(everyone, mine)
         if self.rank != 0:
             return None
-        from plait.train.report import summary_lines, write_report
 
         run_info = {"config": self.config.to_dict(), "mesh": self.dims.describe(), "world_size": self.world_size,
                     "backend": dist.get_backend(), "device": str(self.device), "tokens_per_step": tokens_per_step,

