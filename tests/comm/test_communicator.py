@@ -2,8 +2,10 @@
 overlapping groups, async calls), in-band checks name mismatched calls, creation names
 missing ranks, p2p takes torch's global ranks, barriers and async calls really wait."""
 
+import gc
 import threading
 import time
+import weakref
 
 import pytest
 import torch
@@ -290,3 +292,38 @@ def test_async_call_returns_at_once_and_completes_only_when_the_peer_comes():
     assert correct
     assert returned_s < 0.2 and not completed, (returned_s, completed)
     assert waited_s > 0.7, waited_s
+
+
+# ----- destroying a group ---------------------------------------------------------------------
+def destroyed_group(rank, p):
+    """A subgroup used by plait, then destroyed with plait.comm.destroy_process_group:
+    its comm thread stops and nothing of plait's keeps the group object alive (a group
+    left alive at exit runs gloo's worker threads into Python's shutdown, which aborts)."""
+    group = dist.new_group(list(range(p)))
+    x = torch.ones(8)
+    comm.all_reduce(x, group=group, async_op=True).wait()  # starts the group's comm thread
+    communicator = comm.communicator_for(group)
+    thread_name = communicator.engine.name
+    alive_before = any(thread.name == thread_name for thread in threading.enumerate())
+    group_ref = weakref.ref(group)
+    comm.destroy_process_group(group)
+    del group
+    gc.collect()
+    alive_after = any(thread.name == thread_name for thread in threading.enumerate())
+    try:
+        comm.all_reduce(x, group=communicator)
+        later = "ran"
+    except RuntimeError as error:
+        later = str(error)
+    world_still_works = torch.ones(4)
+    comm.all_reduce(world_still_works)
+    return x[0].item(), alive_before, alive_after, group_ref() is None, later, world_still_works[0].item()
+
+
+def test_destroying_a_group_stops_its_thread_and_lets_go_of_it():
+    for value, alive_before, alive_after, collected, later, world in run_fresh_world(destroyed_group, 2,
+                                                                                      timeout_s=60):
+        assert value == 2.0 and world == 2.0
+        assert alive_before and not alive_after
+        assert collected, "a communicator still holds the destroyed process group"
+        assert "was closed (its process group was destroyed)" in later, later

@@ -31,6 +31,7 @@ import multiprocessing as mp
 import torch
 import torch.distributed as dist
 
+from plait import comm
 from plait.bench.collectives import BenchConfig, run_benchmark
 
 EventHandler = Callable[[str, object], None]
@@ -96,7 +97,7 @@ def run_in_current_world(config: BenchConfig | Job, backend: str, on_event: Even
         return job.function(job.config, device=device, emit=emit)
     finally:
         if created:
-            dist.destroy_process_group()
+            comm.destroy_process_group()
 
 
 def _worker(rank: int, world_size: int, init_method: str, backend: str, config: BenchConfig | Job,
@@ -115,7 +116,7 @@ def _worker(rank: int, world_size: int, init_method: str, backend: str, config: 
         emit = (lambda kind, payload: events.put((kind, payload))) if rank == 0 else None
         job.function(job.config, device=device, emit=emit)
         dist.barrier()
-        dist.destroy_process_group()
+        comm.destroy_process_group()
         events.put(("exit", rank))
     except BaseException:  # noqa: BLE001 - everything goes to the parent, then exit 1
         events.put(("failed", (rank, traceback.format_exc())))

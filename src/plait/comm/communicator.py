@@ -20,6 +20,7 @@ collective (every rank makes that call, so every rank creates it).
 
 from __future__ import annotations
 
+import atexit
 import threading
 import time
 import zlib
@@ -218,6 +219,16 @@ class Communicator:
     def record(self, collective: str, algorithm: str, bytes_sent: int, messages: int, time_s: float) -> None:
         self._stats.record(collective, algorithm, bytes_sent, messages, time_s)
 
+    def close(self) -> None:
+        """Run what is queued (up to the timeout), then stop the comm thread and let go
+        of the process group; later calls on this communicator raise. Called by
+        ``plait.comm.destroy_process_group`` before torch destroys the group."""
+        stopped = self.engine.close(f"the communicator of the {self.describe()} was closed (its process group was "
+                                    "destroyed); a new group gets a new communicator", self.config.timeout_s)
+        if stopped:  # a job still running keeps using the group: leave it to the job
+            self.transport.close(self.config.timeout_s)
+            self.group = None
+
     def stats(self) -> dict[str, dict]:
         return self._stats.snapshot()
 
@@ -257,6 +268,21 @@ class _Registry:
             entry = self._by_group.get(id(group))
         return entry[1] if entry is not None and entry[0] is group else None
 
+    def release(self, group=None) -> None:
+        """Close and forget the communicator of ``group`` (None: every one), so nothing
+        here keeps its process group alive once torch destroys it."""
+        with self._lock:
+            if group is None:
+                released = [communicator for _, communicator in self._by_group.values()]
+                self._by_group.clear()
+            else:
+                entry = self._by_group.get(id(group))
+                released = [entry[1]] if entry is not None and entry[0] is group else []
+                if released:
+                    del self._by_group[id(group)]
+        for communicator in released:
+            communicator.close()
+
     def all(self) -> list[Communicator]:
         with self._lock:
             return [communicator for _, communicator in self._by_group.values()]
@@ -291,4 +317,23 @@ def all_communicators() -> list[Communicator]:
     return REGISTRY.all()
 
 
-__all__ = ["Communicator", "all_communicators", "communicator_for", "group_ranks", "init_communicator"]
+def destroy_process_group(group=None) -> None:
+    """``torch.distributed.destroy_process_group(group)``, closing plait's communicator
+    of that group first (None: every group and the world, as in torch): its queued
+    collectives finish, its comm thread stops, and nothing keeps the group alive.
+
+    Call this (not torch's directly) once a group plait used is done with: a group
+    still referenced when the interpreter exits keeps gloo's worker threads running
+    into Python's shutdown. Communicators left at exit are released by an atexit hook."""
+    if isinstance(group, Communicator):
+        group = group.group
+    REGISTRY.release(group)
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group(group)
+
+
+atexit.register(REGISTRY.release)  # communicators of groups the program destroyed with torch's own call
+
+
+__all__ = ["Communicator", "all_communicators", "communicator_for", "destroy_process_group", "group_ranks",
+           "init_communicator"]

@@ -164,6 +164,7 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._broken: tuple[str, BaseException] | None = None
         self._failed_handles: list[Handle] = []
+        self._closed: str | None = None  # why no more jobs are taken (close())
 
     def _run(self, job, description: str) -> None:
         if self._broken is not None:
@@ -182,6 +183,8 @@ class Engine:
             raise
 
     def submit(self, job, description: str, async_op: bool):
+        if self._closed is not None:
+            raise RuntimeError(f"{description}: not run: {self._closed}")
         if threading.current_thread() is self._thread:
             # a composite job (``enqueue``) calling collectives: it already holds the
             # run lock and runs in queue order, so its collectives run inline
@@ -206,6 +209,8 @@ class Engine:
                 return None
         handle = Handle(description)
         with self._lock:
+            if self._closed is not None:  # closed since the check above: never start a thread again
+                raise RuntimeError(f"{description}: not run: {self._closed}")
             self._pending += 1
             self._queue.put((job, handle))
             if self._thread is None or not self._thread.is_alive():
@@ -219,6 +224,8 @@ class Engine:
     def _loop(self) -> None:
         while True:
             job, handle = self._queue.get()
+            if job is None:  # close()'s marker: every job queued before it has run
+                return
             error = None
             with self._run_lock:
                 handle.started_s = time.perf_counter()
@@ -231,6 +238,20 @@ class Engine:
             with self._lock:
                 self._pending -= 1
             handle._finish(error)
+
+    def close(self, reason: str, timeout_s: float) -> bool:
+        """Take no more jobs (later ones raise ``reason``) and stop the thread after the
+        jobs already queued; True when it stopped within ``timeout_s``."""
+        with self._lock:
+            if self._closed is not None:
+                return True
+            self._closed = reason  # submit() refuses from here on; jobs already queued still run
+            thread = self._thread
+            self._queue.put((None, None))
+        if thread is None or thread is threading.current_thread():
+            return True
+        thread.join(timeout_s)
+        return not thread.is_alive()
 
     def synchronize(self) -> None:
         """Wait until every queued collective has run; re-raise the first error among

@@ -9,6 +9,7 @@ Peers are group-local ranks (the executors work in schedule ranks);
 from __future__ import annotations
 
 import threading
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -55,6 +56,18 @@ class Transport:
         work = self.send(tensor, peer, tag)
         with self._lock:
             self._detached = [(w, t) for w, t in self._detached if not w.is_completed()] + [(work, tensor)]
+
+    def close(self, timeout_s: float) -> None:
+        """Wait (up to ``timeout_s``) for the detached sends still in flight, then drop
+        them and the group, so the process group can be destroyed."""
+        with self._lock:
+            detached, self._detached = self._detached, []
+        for work, _ in detached:
+            try:
+                work.wait(timedelta(seconds=max(timeout_s, 0.001)))
+            except RuntimeError:
+                pass  # the peer is gone: nobody is left to tell
+        self.group = None
 
     def recv(self, tensor: torch.Tensor, peer: int, tag: int):
         """Post a receive into ``tensor`` from group rank ``peer``; returns torch's work."""

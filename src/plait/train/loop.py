@@ -492,4 +492,4 @@ def run(config: TrainConfig, *, run_id: str, resume: str = "auto", force_fresh: 
             return trainer.train(until=until)
         finally:
             if os.environ.get("TORCHELASTIC_RUN_ID") and dist.is_initialized():
-                dist.destroy_process_group()  # a clean gloo shutdown before the process exits
+                comm.destroy_process_group()  # a clean gloo shutdown before the process exits
