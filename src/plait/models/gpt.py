@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from plait.parallel.recompute import check_mode, random_streams, recompute, set_block_recompute
 from plait.parallel.tensor import (
     UNSHARDED,
     ConsistentDropout,
@@ -124,12 +125,30 @@ class TransformerBlock(nn.Module):
         self.mlp = ParallelMLP(config.hidden, config.ffn, tp, dtype=dtype, seed=None)
         self.attention_out_dropout = ConsistentDropout(config.dropout)
         self.mlp_out_dropout = ConsistentDropout(config.dropout)
+        self.recompute = "none"  # set_recompute: none | selective | full
+        self.on_recompute = None  # called with the region's name after each recompute (counting them)
+
+    def set_recompute(self, mode: str, on_recompute=None) -> None:
+        """none: autograd keeps every activation; selective: the attention core
+        (QKᵀ, softmax, dropout, ·V) is recomputed in the backward, its input qkv kept;
+        full: only the block's input is kept and the whole block (its tensor-parallel
+        collectives included) re-runs in the backward."""
+        self.recompute = check_mode(mode)
+        self.on_recompute = on_recompute
+        self.attention.recompute_core = mode == "selective"
+        self.attention.on_recompute = on_recompute
 
     def _dropout(self, module, x, sequence):
         full = (sequence, *x.shape[1:])
         return module(x, full, 0, self.tp.rank if self.tp.sequence_parallel else 0)
 
     def forward(self, x: torch.Tensor, sequence: int) -> torch.Tensor:  # x: (s or s/p, b, h)
+        if self.recompute == "full":
+            return recompute(self._forward, x, sequence, name="a transformer block", streams=random_streams(self),
+                             on_recompute=self.on_recompute)
+        return self._forward(x, sequence)
+
+    def _forward(self, x: torch.Tensor, sequence: int) -> torch.Tensor:
         ln1_w, ln1_b, ln2_w, ln2_b, attn_b, mlp_b = sum_grads_in_backward(
             self.tp, self.ln1.weight, self.ln1.bias, self.ln2.weight, self.ln2.bias,
             self.attention.proj.bias, self.mlp.fc2.bias)
@@ -172,6 +191,11 @@ class GPT(nn.Module):
         for name, module in self.named_modules():
             if isinstance(module, ConsistentDropout):
                 module.reseed(seed_for(seed, "dropout:" + name))
+
+    def set_recompute(self, mode: str, layers: int | None = None, on_recompute=None) -> None:
+        """Recompute ``mode`` (none | selective | full, see TransformerBlock.set_recompute)
+        for the first ``layers`` blocks (None: all); the others keep their activations."""
+        set_block_recompute(list(self.blocks), mode, layers, on_recompute)
 
     @property
     def output_weight(self) -> torch.Tensor:
@@ -232,3 +256,4 @@ def _check_same_config(config: GPTConfig, tp: TensorParallel, seed: int) -> None
     fields = {"GPTConfig": config.checksum(), "seed": seed & 0x7FFFFFFFFFFFFFFF, **tp.agreement_fields()}
     check_agreement(fields, tp.group, "every rank of a tensor-parallel group must build the same GPT",
                     f"this rank {tp.rank}: {config}, seed={seed}, {tp.describe()}, check_args={tp.check_args}")
+

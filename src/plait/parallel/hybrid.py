@@ -34,6 +34,7 @@ from plait.comm import tags
 from plait.parallel.mesh import DeviceMesh
 from plait.parallel.pipeline import build as build_schedule, PipelineEngine
 from plait.parallel.pipeline.partition import build_stage, split_layers
+from plait.parallel.recompute import set_block_recompute
 from plait.parallel.tensor.dropout import ConsistentDropout
 
 BUCKET_BYTES = 25 << 20  # DDP's default bucket cap
@@ -68,16 +69,27 @@ class HybridModel:
 
 def build_hybrid(model: nn.Module, layers: list[nn.Module], mesh: DeviceMesh, loss_fn, *, schedule: str,
                  microbatches: int, virtual: int = 1, algorithm: str = "auto", compression=None,
-                 timeout_s: float | None = None, tp_rank: int = 0, tp_size: int = 1) -> HybridModel:
+                 timeout_s: float | None = None, tp_rank: int = 0, tp_size: int = 1, recompute: str = "none",
+                 recompute_layers: int | None = None, meter=None) -> HybridModel:
     """Cut ``model`` (already built at this rank's tp degree; ``layers`` its
     sequential layers sharing its parameters) into the schedule's chunks and keep
-    this pipeline rank's. Parameters of chunks this rank does not run are dropped."""
+    this pipeline rank's. Parameters of chunks this rank does not run are dropped.
+    ``recompute`` (none | selective | full) applies to the first ``recompute_layers``
+    transformer blocks of each chunk (None: all). ``meter``: a SavedTensorMeter the
+    engine composes with its own saved-tensor hooks (measured activation memory)."""
     pp = mesh.size("pp")
     pipeline = build_schedule(schedule, pp, microbatches, virtual if schedule == "interleaved_1f1b" else None)
     chunks = split_layers(layers, pp, virtual=virtual if schedule == "interleaved_1f1b" else 1)
     pp_rank = mesh.coords["pp"]
     held = pipeline.stages_of(pp_rank)
     modules = {stage: build_stage(layers, chunks[stage]) for _, stage in held}
+    for stage, module in modules.items():
+        blocks = [layer.block for layer in module if hasattr(getattr(layer, "block", None), "set_recompute")]
+        if recompute != "none" and not blocks:
+            raise ValueError(f"recompute={recompute!r}: pipeline chunk {stage} has no transformer blocks to recompute "
+                             "(recomputation re-runs plait GPT blocks; the MLP and --module models have none): "
+                             "use recompute=none")
+        set_block_recompute(blocks, recompute, recompute_layers)
     name_of = {id(param): name for name, param in model.named_parameters()}
     names, saved = {}, []
     # in stage order, so both holders of a Chimera stage list its parameters alike
@@ -98,7 +110,7 @@ def build_hybrid(model: nn.Module, layers: list[nn.Module], mesh: DeviceMesh, lo
     if compression is not None:
         compression.validate([(name, tuple(param.shape)) for name, param in names.items()])
     _drop_unheld(model, module_ids)
-    engine = PipelineEngine(pipeline, modules, loss_fn, group=mesh.group["pp"], timeout_s=timeout_s)
+    engine = PipelineEngine(pipeline, modules, loss_fn, group=mesh.group["pp"], timeout_s=timeout_s, meter=meter)
     return HybridModel(mesh=mesh, engine=engine, chunks=chunks, names=names, saved_names=saved, tp_rank=tp_rank,
                        tp_size=tp_size, algorithm=algorithm, compressor=compression, dropouts=dropouts)
 

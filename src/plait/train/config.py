@@ -38,6 +38,7 @@ import tomli_w
 MODELS = ("gpt", "mlp")
 DTYPES = ("float32", "float64", "bfloat16")
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "chimera", "zero_bubble")
+RECOMPUTE_MODES = ("none", "selective", "full")  # plait.parallel.recompute's (this module stays torch-free)
 OPTIMIZERS = ("adamw", "sgd")
 LR_SCHEDULES = ("cosine", "linear", "constant")
 AXES = ("tp", "dp", "pp")
@@ -68,6 +69,11 @@ class TrainConfig:
     dropout: float = _field(0.0, "model", "gpt: dropout probability in [0, 1)")
     tied_head: bool = _field(False, "model", "gpt: share the token embedding with the output head (pp=1 only)")
     dtype: str = _field("float32", "model", "parameter and activation dtype", DTYPES)
+    recompute: str = _field("none", "model", "gpt: activation recomputation: none, selective (the attention core "
+                                             "re-runs in the backward) or full (each block keeps only its input)",
+                            RECOMPUTE_MODES)
+    recompute_layers: int = _field(-1, "model", "gpt: recompute only the first K blocks of each pipeline chunk "
+                                                "(-1 = all)")
     mlp_hidden: tuple[int, ...] = _field((128, 128, 128), "model", "mlp: hidden widths, comma list e.g. 128,128,128")
     # ----- data -----
     data: str = _field("stdlib", "data", "corpus: stdlib (Python's own sources), digits (mlp), or a text file/dir")
@@ -475,7 +481,12 @@ def _model_problems(c: TrainConfig, ok) -> list[str]:
             problems.append(f"mlp_hidden={list(c.mlp_hidden)} gives {linear_layers} linear layers < pp({c.pp}) * "
                             f"virtual({c.virtual}) = {chunks} pipeline chunks: give mlp_hidden >= {chunks - 1} "
                             f"widths or fewer stages")
+    if ok("recompute_layers") and c.recompute_layers < -1:
+        problems.append(f"recompute_layers={c.recompute_layers}: give a block count >= 0, or -1 for every block")
     if c.model == "mlp":
+        if ok("recompute") and c.recompute != "none":
+            problems.append(f"recompute={c.recompute!r} with model='mlp': recomputation re-runs the GPT's "
+                            "transformer blocks and the MLP has none; set recompute=none (or model=gpt)")
         if ok("tp") and c.tp != 1:
             problems.append(f"tp={c.tp} with model='mlp': tensor parallelism is for the GPT; set tp=1 or model=gpt")
         if ok("sequence_parallel") and c.sequence_parallel:

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from plait.parallel.recompute import recompute
 from plait.parallel.tensor.dropout import ConsistentDropout
 from plait.parallel.tensor.group import UNSHARDED, TensorParallel
 from plait.parallel.tensor.mappings import (
@@ -216,19 +217,30 @@ class ParallelAttention(_BiasedOutput):
         self.qkv = ColumnParallelLinear(hidden, 3 * hidden, tp, dtype=dtype, seed=None)
         self.proj = RowParallelLinear(hidden, hidden, tp, skip_bias_add=True, dtype=dtype, seed=None)
         self.attention_dropout = ConsistentDropout(dropout)
+        self.recompute_core = False  # selective recomputation (set by the model's set_recompute)
+        self.on_recompute = None  # called with the region's name after each recompute (counting them)
         if seed is not None:
             init_from_full(self, tp, seed, default_draw)
 
     def forward_unbiased(self, x: torch.Tensor):  # -> ((s or s/p, b, h), bias (h))
         qkv = self.qkv(x)  # (s, b, 3h/p)
+        if self.recompute_core:  # selective recomputation: keep qkv, not the (b, n/p, s, s) scores and probabilities
+            context = recompute(self.core, qkv, name="the attention core", streams=[self.attention_dropout],
+                                on_recompute=self.on_recompute)
+        else:
+            context = self.core(qkv)
+        return self.proj(context)
+
+    def core(self, qkv: torch.Tensor) -> torch.Tensor:  # (s, b, 3h/p) -> (s, b, h/p)
+        """softmax(QKᵀ/√d + causal mask), dropout, ·V: the part whose activations grow
+        with s² (what selective recomputation re-runs)."""
         s, b = qkv.shape[:2]
         q, k, v = qkv.view(s, b, self.local_heads, 3, self.head_dim).permute(3, 1, 2, 0, 4)  # 3 x (b, n/p, s, d)
         scores = (q @ k.transpose(-1, -2)) / math.sqrt(self.head_dim)  # (b, n/p, s, s)
-        causal = torch.ones(s, s, dtype=torch.bool, device=x.device).triu(1)
+        causal = torch.ones(s, s, dtype=torch.bool, device=qkv.device).triu(1)
         probs = torch.softmax(scores.masked_fill(causal, float("-inf")), dim=-1)
         probs = self.attention_dropout(probs, (b, self.heads, s, s), 1, self.tp.rank)
-        context = (probs @ v).permute(2, 0, 1, 3).reshape(s, b, self.local_heads * self.head_dim)
-        return self.proj(context)
+        return (probs @ v).permute(2, 0, 1, 3).reshape(s, b, self.local_heads * self.head_dim)
 
 
 class ParallelMLP(_BiasedOutput):
