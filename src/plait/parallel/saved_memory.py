@@ -55,7 +55,9 @@ class SavedTensorMeter:
         self.exclude = {item if isinstance(item, int) else item.untyped_storage().data_ptr() for item in exclude}
         self.peak_bytes = self.live_bytes
 
-    def _pack(self, tensor: torch.Tensor) -> _Saved:
+    def pack(self, tensor: torch.Tensor) -> _Saved:
+        """A saved-tensor pack hook (composable: another hook may call it and hand its
+        result to autograd); ``unpack`` is its partner."""
         holder = _Saved(tensor)
         storage = tensor.untyped_storage()
         key = storage.data_ptr()
@@ -77,7 +79,11 @@ class SavedTensorMeter:
 
     def hooks(self):
         """The context manager that meters what autograd saves inside it."""
-        return torch.autograd.graph.saved_tensors_hooks(self._pack, lambda holder: holder.tensor)
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+
+    @staticmethod
+    def unpack(holder: _Saved) -> torch.Tensor:
+        return holder.tensor
 
     def wrap(self, function):
         """``function`` run under the hooks while ``enabled`` (a stage module or a loss)."""

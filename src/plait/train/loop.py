@@ -38,6 +38,7 @@ from plait.parallel.mesh import DeviceMesh, ParallelDims
 from plait.train import checkpoint as ckpt, rundir, runlock
 from plait.train.config import TrainConfig
 from plait.train.data import load_digits, rank_batch
+from plait.train.memory import MemoryMonitor
 from plait.train.report import measure_peak_flops, summary_lines, write_report
 
 FAULT_ENV = "PLAIT_FAULT_KILL"  # "RANK:STEP": that rank kills itself before STEP, first attempt only (tests)
@@ -173,11 +174,14 @@ class Trainer:
         self.comm_config = comm_config(config, comm_environment)
         for group in (None, *self.mesh.group.values()):  # every group this rank talks on, one config
             comm.init_communicator(group, self.comm_config)
+        self.memory = MemoryMonitor(self.device)
         model, layers, loss_fn = build_model(config, self.data, self.mesh.group["tp"])
         self.hybrid: HybridModel = build_hybrid(
             model, layers, self.mesh, loss_fn, schedule=config.schedule, microbatches=config.microbatches,
             virtual=config.virtual, algorithm=config.algorithm, compression=config.compression,
-            timeout_s=config.timeout_s, tp_rank=self.coords["tp"], tp_size=config.tp)
+            timeout_s=config.timeout_s, tp_rank=self.coords["tp"], tp_size=config.tp, recompute=config.recompute,
+            recompute_layers=None if config.recompute_layers < 0 else config.recompute_layers,
+            meter=self.memory.meter)
         for stage in self.hybrid.engine.stages.values():  # only this rank's chunks reach the device
             stage.to(self.device)
         del model, layers
@@ -370,8 +374,11 @@ class Trainer:
             for step in range(self.start_step, end):
                 self._fault_injection(step)
                 inputs, targets = self._batch(step)
+                self.memory.begin_step(exclude=[*self.hybrid.parameters(), inputs, targets])
                 loss, norm, times = train_step(self.hybrid, inputs, targets, self.optimizer, step=step,
                                                grad_clip=config.grad_clip, lr=config.lr_at(step))
+                memory = self.memory.end_step(self.hybrid.engine.history[-1].peak_activation_bytes,
+                                              self.hybrid.parameters(), self.optimizer)
                 steps_run += 1
                 if first_step_s is None:
                     first_step_s = time.time() - self.started_s
@@ -379,7 +386,9 @@ class Trainer:
                     self.times[key] += getattr(times, key)
                 record = {"step": step, "loss": loss, "lr": config.lr_at(step), "grad_norm": norm,
                           "tokens_per_s": tokens_per_step / times.wall_s, "step_s": times.wall_s,
-                          "elapsed_s": time.perf_counter() - loop_start_s}
+                          "elapsed_s": time.perf_counter() - loop_start_s,
+                          "saved_peak_bytes": memory["saved_peak_bytes"],
+                          "resident_peak_bytes": memory["resident_peak_bytes"]}
                 last = step == end - 1
                 if config.eval_interval and ((step + 1) % config.eval_interval == 0 or last):
                     record["val_loss"] = self.evaluate()
@@ -406,7 +415,8 @@ class Trainer:
                 "collectives": {name: {key: entry[key] for key in ("calls", "bytes_sent", "time_s", "algorithms")}
                                 for name, entry in comm.stats().items()},
                 "comm": {"config": self.comm_config.describe(),
-                         "tuner": getattr(self.comm_config.tuner, "source", None) or "none: the default table"}}
+                         "tuner": getattr(self.comm_config.tuner, "source", None) or "none: the default table"},
+                "memory": self.memory.summary()}
         everyone = [None] * self.world_size
         dist.all_gather_object(everyone, mine)
         if self.rank != 0:

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from plait.train.memory import memory_rows, render_memory
 from plait.train.progress import format_duration, format_rate
 
 AXES = ("dp", "tp", "pp")
@@ -302,6 +303,7 @@ def write_report(out_dir, *, metrics: list[dict], ranks: list[dict], run: dict,
         "time_totals": _time_totals(rows) if rows else None,
         "axis_totals": _axis_totals(rows),
         "collectives": _collectives(ranks),
+        "memory": memory_rows(ranks),
         "samples": run.get("samples"),
         "paths": paths,
     }
@@ -454,6 +456,7 @@ def render_markdown(report: dict) -> str:
               f"peak_flops_per_s ({_flops_rate(mfu['peak_flops_per_s'])}) is the matmul rate one process "
               "achieved on this machine (measured, not a datasheet peak). The steady-state MFU uses the mean "
               "tokens/s without the first step instead of steps_run / wall_s.", ""]
+    lines += render_memory(report.get("memory") or [])
     lines += ["## Mesh", "", "```", str(run["mesh"]).rstrip(), "```", "",
               "## Config", "", "```json", json.dumps(run["config"], indent=2, sort_keys=True), "```", ""]
     if report.get("samples"):

@@ -28,7 +28,7 @@ timeline of its computations (``plait.parallel.pipeline.replay.Timeline``) and t
 activation memory it holds: bytes of the tensors autograd saves for backward
 (each once, parameters and the caller's batch excluded) plus the stage input, per
 micro-batch from its forward to its backward. That is bookkeeping, not a
-measurement: ``plait.bench.saved_memory`` measures live storages independently.
+measurement: ``plait.parallel.saved_memory`` measures live storages independently.
 """
 
 from __future__ import annotations
@@ -57,6 +57,7 @@ from plait.parallel.pipeline.schedules import (
     WEIGHT,
     PipelineSchedule,
 )
+from plait.parallel.saved_memory import SavedTensorMeter
 
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32]
 _HEADER = 10  # status, dtype code, ndim, up to 7 dims
@@ -86,8 +87,11 @@ class PipelineEngine:
     """Executes ``schedule``'s actions for this rank (see the module docstring)."""
 
     def __init__(self, schedule: PipelineSchedule, stage_modules: dict[int, nn.Module], loss_fn, *,
-                 group=None, timeout_s: float | None = None, model: nn.Module | None = None):
-        """``model``: the whole model the stage modules were cut from (every rank builds
+                 group=None, timeout_s: float | None = None, model: nn.Module | None = None,
+                 meter: SavedTensorMeter | None = None):
+        """``meter``: a SavedTensorMeter that also sees every tensor the stages save (its
+        hooks composed with the engine's own, so neither hides the other).
+        ``model``: the whole model the stage modules were cut from (every rank builds
         it the same way); its parameter names identify a parameter across processes, so
         parameters shared by stages on different ranks are found and their gradients
         summed. Given, construction is collective: over the pipeline group, and over
@@ -107,6 +111,7 @@ class PipelineEngine:
                              f"keep m x stages below {len(tags.PIPELINE) // (4 * _STEP_TAGS)}")
         self.stages = {s: stage_modules[s] for s in mine}
         self.timeout_s = timeout_s
+        self.meter = meter
         self.last = schedule.stages - 1
         self.history: deque[StepRecord] = deque(maxlen=100)
         self.steps = 0
@@ -368,15 +373,17 @@ class PipelineEngine:
         # nor the caller's batch (a micro-batch is a view of it: memory the caller holds anyway)
         batch_storages = state.batch_storages
 
+        meter = self.meter
+
         def pack(tensor):
             key = (tensor.data_ptr(), tensor.numel() * tensor.element_size())
             storage = tensor.untyped_storage().data_ptr()
             if key not in counted and storage not in self._parameter_storages and storage not in batch_storages:
                 counted.add(key)
                 saved[0] += key[1]
-            return tensor
+            return tensor if meter is None else meter.pack(tensor)
 
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        with torch.autograd.graph.saved_tensors_hooks(pack, _identity if meter is None else meter.unpack):
             out = self.stages[s](x)
             if s != self.last and not isinstance(out, torch.Tensor):
                 raise TypeError(f"stage {s} ({type(self.stages[s]).__name__}) returned a {type(out).__name__} for "
@@ -466,6 +473,10 @@ class _StepState:
     loss_sum: float = 0.0
     peak_bytes: int = 0
     position: int = 0
+
+
+def _identity(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
 
 
 def _as_leaf(tensor: torch.Tensor) -> torch.Tensor:
