@@ -2,12 +2,13 @@
 for every (dp, tp, pp) layout of 4 processes, on plait train's default GPT.
 
     .venv/bin/python bench/plan_vs_train.py [--steps 40] [--warmup 5] [--layouts 4x1x1,1x1x4]
+                                           [--recompute none,selective,full]
                                            [--out bench-results/plan-vs-train/summary.json]
 
 Per layout (dp x tp x pp, 4 processes, gloo on CPU):
 
 - prediction: one `plait plan --cluster local --nprocs 4 --global-batch 16 --dp D --tp T
-  --pp P --micro-batch 4 --schedule 1f1b|none --no-recompute --zero-stage 0
+  --pp P --micro-batch 4 --schedule 1f1b|none --recompute MODE --zero-stage 0
   --no-sequence-parallel --untied-head --top 1 --json` (schedule none when pp = 1),
   i.e. what plait train runs by default (fp32 AdamW, 4 layers, hidden 128, 4 heads,
   seq 64, an untied head, global batch 16, micro-batch 4; --untied-head because plait
@@ -17,6 +18,12 @@ Per layout (dp x tp x pp, 4 processes, gloo on CPU):
   --checkpoint-interval 0 --sample-chars 0 --out DIR`; the measured step time is the
   median of rank 0's per-step wall times (`step_s` in metrics.jsonl) with the first
   --warmup steps excluded.
+
+Each layout runs once per --recompute mode (plait train --recompute MODE, the plan
+priced with the same mode). A memory table sets the plan's per-rank bytes (its worst
+pipeline rank: activations, parameters, gradients, optimizer state) beside the
+run's report (the largest over the ranks: activations measured from live storages
+through weak references, model state from live tensors).
 
 The split is compared per step under this mapping (plait train's StepTimes / plan's
 time_breakdown_s):
@@ -65,6 +72,7 @@ import time
 from pathlib import Path
 
 LAYOUTS = [(4, 1, 1), (1, 4, 1), (1, 1, 4), (2, 2, 1), (2, 1, 2), (1, 2, 2)]
+RECOMPUTE_MODES = ("none", "selective", "full")
 NPROCS = 4
 GLOBAL_BATCH, MICRO_BATCH = 16, 4
 SPLIT = ("compute", "comm", "bubble", "other")
@@ -156,12 +164,12 @@ def run_command(command: list[str], env: dict, timeout_s: float) -> subprocess.C
     return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
 
 
-def predict(dp: int, tp: int, pp: int, env: dict, timeout_s: float) -> dict:
+def predict(dp: int, tp: int, pp: int, env: dict, timeout_s: float, recompute: str = "none") -> dict:
     """One `plait plan --json` for this fixed layout: its first (only) plan."""
     command = [sys.executable, "-m", "plait", "plan", "--cluster", "local", "--nprocs", str(NPROCS),
                "--global-batch", str(GLOBAL_BATCH), "--dp", str(dp), "--tp", str(tp), "--pp", str(pp),
                "--micro-batch", str(MICRO_BATCH), "--schedule", "none" if pp == 1 else "1f1b",
-               "--no-recompute", "--zero-stage", "0", "--no-sequence-parallel", "--untied-head", "--top", "1",
+               "--recompute", recompute, "--zero-stage", "0", "--no-sequence-parallel", "--untied-head", "--top", "1",
                "--json"]
     started_s = time.perf_counter()
     result = run_command(command, env, timeout_s)
@@ -175,17 +183,18 @@ def predict(dp: int, tp: int, pp: int, env: dict, timeout_s: float) -> dict:
     return {"command": " ".join(command[1:]), "seconds": time.perf_counter() - started_s,
             "notes": result.stderr.strip().splitlines(), "step_s": plan["step_time_s"], "breakdown_s": parts,
             "split_s": {name: sum(parts.get(key, 0.0) for key in keys) for name, keys in PLAN_PARTS.items()},
+            "memory_bytes": plan["memory_breakdown_bytes"],  # the worst pipeline rank's
             "layout": {key: plan.get(key) for key in ("dp", "tp", "pp", "micro_batch", "num_microbatches",
                                                        "schedule", "stage_layers", "algorithms")}}
 
 
 def measure(dp: int, tp: int, pp: int, steps: int, warmup: int, run_dir: Path, env: dict,
-            timeout_s: float) -> dict:
+            timeout_s: float, recompute: str = "none") -> dict:
     """One `plait train` run of this layout: median step time after warm-up, and the split."""
     shutil.rmtree(run_dir, ignore_errors=True)
     command = [sys.executable, "-m", "plait", "train", "--dp", str(dp), "--tp", str(tp), "--pp", str(pp),
                "--steps", str(steps), "--eval-interval", "0", "--checkpoint-interval", "0",
-               "--sample-chars", "0", "--out", str(run_dir)]
+               "--sample-chars", "0", "--recompute", recompute, "--out", str(run_dir)]
     load_before = os.getloadavg()
     started_s = time.perf_counter()
     result = run_command(command, env, timeout_s)
@@ -220,7 +229,16 @@ def measure(dp: int, tp: int, pp: int, steps: int, warmup: int, run_dir: Path, e
             "collective_per_call_s": sum(collective_s) / sum(calls) if calls and sum(calls) else None,
             "slowest_rank": report.get("slowest_rank"), "ranks": report.get("ranks"),
             "mfu_steady": report.get("mfu", {}).get("steady_value"),
-            "time_to_first_step_s": report.get("time_to_first_step_s")}
+            "time_to_first_step_s": report.get("time_to_first_step_s"),
+            "memory_bytes": measured_memory(report.get("memory") or [])}
+
+
+def measured_memory(rows: list[dict]) -> dict:
+    """The largest figure over the ranks (the plan prices the worst pipeline rank):
+    activations measured from live storages, parameters, gradients, optimizer state."""
+    keys = {"activations": "saved_activations_peak_bytes", "parameters": "params_bytes",
+            "gradients": "grads_bytes", "optimizer": "optimizer_bytes"}
+    return {name: max((row.get(key) or 0) for row in rows) if rows else None for name, key in keys.items()}
 
 
 def ranks_of(values: list[float]) -> list[float]:
@@ -261,18 +279,26 @@ def main() -> int:
     parser.add_argument("--out", default="bench-results/plan-vs-train/summary.json",
                         help="summary JSON; the runs go next to it (default bench-results/plan-vs-train/...)")
     parser.add_argument("--timeout-s", type=float, default=1200.0, help="per plait command (default 1200)")
+    parser.add_argument("--recompute", default="none",
+                        help="comma list of recompute modes to run each layout with (none, selective, full; "
+                             "default none)")
     args = parser.parse_args()
     if args.steps <= args.warmup:
         parser.error(f"--steps({args.steps}) must exceed --warmup({args.warmup})")
     layouts = parse_layouts(args.layouts)
+    modes = [mode.strip() for mode in args.recompute.split(",") if mode.strip()]
+    if not modes or any(mode not in RECOMPUTE_MODES for mode in modes):
+        parser.error(f"--recompute {args.recompute!r}: give modes out of {', '.join(RECOMPUTE_MODES)}")
     out = Path(args.out)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     rows = []
-    for dp, tp, pp in layouts:
-        row = {"layout": name_of(dp, tp, pp), "dp": dp, "tp": tp, "pp": pp}
-        for key, job in (("predicted", lambda: predict(dp, tp, pp, env, args.timeout_s)),
-                         ("measured", lambda: measure(dp, tp, pp, args.steps, args.warmup,
-                                                      out.parent / f"dp{dp}-tp{tp}-pp{pp}", env, args.timeout_s))):
+    for (dp, tp, pp), mode in [(layout, mode) for layout in layouts for mode in modes]:
+        name = name_of(dp, tp, pp) + ("" if modes == ["none"] else f" {mode}")
+        row = {"layout": name, "dp": dp, "tp": tp, "pp": pp, "recompute": mode}
+        run_dir = out.parent / (f"dp{dp}-tp{tp}-pp{pp}" + ("" if mode == "none" else f"-{mode}"))
+        for key, job in (("predicted", lambda: predict(dp, tp, pp, env, args.timeout_s, mode)),
+                         ("measured", lambda: measure(dp, tp, pp, args.steps, args.warmup, run_dir, env,
+                                                      args.timeout_s, mode))):
             try:
                 row[key] = job()
             except (RuntimeError, OSError, ValueError, KeyError) as error:
@@ -296,12 +322,12 @@ def main() -> int:
     def ms(value):
         return f"{value * 1e3:.1f}" if value is not None else "-"
 
-    print(f"{'layout':<14}{'pred ms':>9}{'meas ms':>9}{'(p25-p75)':>14}{'meas/pred':>10}{'pred rank':>10}"
+    print(f"{'layout':<24}{'pred ms':>9}{'meas ms':>9}{'(p25-p75)':>14}{'meas/pred':>10}{'pred rank':>10}"
           f"{'meas rank':>10}")
     for row in rows:
         p, m = row.get("predicted"), row.get("measured")
         spread = f"({ms(m['step_p25_s'])}-{ms(m['step_p75_s'])})" if m else ""
-        print(f"{row['layout']:<14}{ms(p and p['step_s']):>9}{ms(m and m['step_s']):>9}{spread:>14}"
+        print(f"{row['layout']:<24}{ms(p and p['step_s']):>9}{ms(m and m['step_s']):>9}{spread:>14}"
               f"{(format(row['ratio'], '.2f') + 'x') if 'ratio' in row else '-':>10}"
               f"{format(row['predicted_rank'], 'g') if 'ratio' in row else '-':>10}"
               f"{format(row['measured_rank'], 'g') if 'ratio' in row else '-':>10}")
@@ -312,20 +338,34 @@ def main() -> int:
     print()
     print("split per step, ms: predicted / measured (compute = compute; comm = tp_comm + dp_comm; "
           "bubble = pp_comm + pp_bubble; other = optimizer)")
-    print(f"{'layout':<14}" + "".join(f"{name:>18}" for name in SPLIT))
+    print(f"{'layout':<24}" + "".join(f"{name:>18}" for name in SPLIT))
     for row in both:
         cells = [f"{ms(row['predicted']['split_s'][name])} / {ms(row['measured']['split_s'][name])}"
                  for name in SPLIT]
-        print(f"{row['layout']:<14}" + "".join(f"{cell:>18}" for cell in cells))
+        print(f"{row['layout']:<24}" + "".join(f"{cell:>18}" for cell in cells))
     print()
     print("collectives per step (plait.comm's own record, mean over ranks) vs the trainer's comm and the plan's:")
-    print(f"{'layout':<14}{'calls':>7}{'ms/call':>9}{'recorded ms':>13}{'trainer comm ms':>17}{'plan comm ms':>14}")
+    print(f"{'layout':<24}{'calls':>7}{'ms/call':>9}{'recorded ms':>13}{'trainer comm ms':>17}{'plan comm ms':>14}")
     for row in both:
         m = row["measured"]
         per_call = m["collective_per_call_s"]
-        print(f"{row['layout']:<14}{m['collective_calls_per_step']:>7.1f}{ms(per_call):>9}"
+        print(f"{row['layout']:<24}{m['collective_calls_per_step']:>7.1f}{ms(per_call):>9}"
               f"{ms(m['collective_mean_per_rank_step_s']):>13}{ms(m['split_mean_per_rank_step_s']['comm']):>17}"
               f"{ms(row['predicted']['split_s']['comm']):>14}")
+    print()
+    print("memory per rank, MiB: predicted (the plan's worst pipeline rank) / measured (the largest over the "
+          "ranks: activations from live storages, model state from live tensors); ratio = measured / predicted")
+    print(f"{'layout':<24}{'activations':>20}{'ratio':>7}{'params':>16}{'grads':>16}{'optimizer':>16}")
+    for row in both:
+        p, m = row["predicted"]["memory_bytes"], row["measured"]["memory_bytes"]
+
+        def cell(key):
+            return f"{p[key] / 2 ** 20:.2f} / {m[key] / 2 ** 20:.2f}" if m.get(key) is not None else "-"
+
+        ratio = m["activations"] / p["activations"] if m.get("activations") and p["activations"] else None
+        row["memory_ratio"] = ratio
+        print(f"{row['layout']:<24}{cell('activations'):>20}{'-' if ratio is None else format(ratio, '.3f'):>7}"
+              f"{cell('parameters'):>16}{cell('gradients'):>16}{cell('optimizer'):>16}")
     print("plan breakdown, ms: " + "; ".join(
         f"{row['layout']}: " + " ".join(f"{key} {value * 1e3:.1f}" for key, value in
                                         row["predicted"]["breakdown_s"].items()) for row in both))
