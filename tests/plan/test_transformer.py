@@ -54,8 +54,13 @@ def test_flops_follow_the_megatron_formula():
     b, s, l, h, v = 1536, spec.seq_len, spec.layers, spec.hidden, spec.vocab
     assert spec.training_flops(b) == pytest.approx(72 * b * s * l * h * h * (1 + s / (6 * h) + v / (12 * l * h)),
                                                    rel=1e-12)
-    assert spec.training_flops(b, recompute=True) == pytest.approx(
+    assert spec.training_flops(b, recompute="full") == pytest.approx(
         96 * b * s * l * h * h * (1 + s / (6 * h) + v / (16 * l * h)), rel=1e-12)
+    # selective re-runs QKᵀ and ·V of every block: 4·B·s²·h each
+    assert spec.training_flops(b, recompute="selective") == pytest.approx(
+        spec.training_flops(b) + 4 * b * s * s * h * l, rel=1e-12)
+    with pytest.raises(ValueError, match="recompute=True must be one of none, selective, full"):
+        spec.training_flops(b, recompute=True)
 
 
 def test_presets_have_their_advertised_sizes():

@@ -43,6 +43,7 @@ from plait.plan import (
 from plait.plan.cluster import check_count, MAX_DEVICES
 from plait.plan.device import measure_device
 from plait.plan.grid import DEFAULT_MAX_LAYOUTS
+from plait.plan.layers import RECOMPUTE_MODES
 from plait.plan.trace import describe_module
 
 GIB = 1 << 30
@@ -87,7 +88,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         layout.add_argument(f"--{flag}", type=int, default=None)
     layout.add_argument("--schedule", default=None,
                         choices=("none", "gpipe", "1f1b", "interleaved", "chimera", "zero_bubble"))
-    _bool_flag(layout, "recompute", "full activation recomputation")
+    layout.add_argument("--recompute", default=None, choices=RECOMPUTE_MODES,
+                        help="activation recomputation, as plait train --recompute runs it: none, selective (the "
+                             "attention core) or full (each block keeps its input) (default: searched)")
+    layout.add_argument("--no-recompute", dest="recompute", action="store_const", const="none",
+                        help="the same as --recompute none")
     _bool_flag(layout, "sequence-parallel", "sequence parallelism (tp > 1)")
     layout.add_argument("--precision", default=None, choices=tuple(PRECISIONS),
                         help="bf16-mixed (default on GPUs) or fp32 (default on --cluster local)")

@@ -51,7 +51,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields
 
 from plait.plan.cluster import Cluster
-from plait.plan.layers import LayerCost
+from plait.plan.layers import RECOMPUTE_MODES, LayerCost
 from plait.plan.pipeline import LIST_SCHEDULED, cost_units, price_schedule, schedule_problem
 from plait.plan.stages import alpa_partition, minmax_partition
 from plait.plan.transformer import TensorParallelComm
@@ -97,7 +97,7 @@ class Layout:
     num_microbatches: int = 1
     schedule: str = "none"
     virtual: int = 1
-    recompute: bool = False
+    recompute: str = "none"  # none | selective | full (plait train's --recompute)
     zero_stage: int = 0
     sequence_parallel: bool = False
 
@@ -115,7 +115,7 @@ class Layout:
     def text(self) -> str:
         schedule = self.schedule + (f" v={self.virtual}" if self.schedule == "interleaved" else "")
         return (f"tp={self.tp} pp={self.pp} dp={self.dp} mb={self.micro_batch} m={self.num_microbatches} {schedule}"
-                f"{' sp' if self.sequence_parallel else ''}{' recompute' if self.recompute else ''}"
+                f"{' sp' if self.sequence_parallel else ''}{f' recompute={self.recompute}' if self.recompute != 'none' else ''}"
                 f"{f' zero{self.zero_stage}' if self.zero_stage else ''}")
 
 
@@ -137,6 +137,8 @@ def layout_problems(layout: Layout, *, num_groups: int, world_size: int, global_
         value = getattr(layout, key)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             problems.append(f"{key}={value!r} must be a whole number >= 1")
+    if isinstance(layout.recompute, bool) or layout.recompute not in RECOMPUTE_MODES:
+        problems.append(f"recompute={layout.recompute!r} must be one of {', '.join(RECOMPUTE_MODES)}")
     if problems:
         return problems
     if layout.devices != world_size:
@@ -248,7 +250,7 @@ class GroupCosts:
         return self.compute_s + self.tp_comm_s
 
 
-def _unit_costs(unit: Unit, tp: int, recompute: bool, cluster: Cluster, dtype: str, algorithms: dict) -> GroupCosts:
+def _unit_costs(unit: Unit, tp: int, recompute: str, cluster: Cluster, dtype: str, algorithms: dict) -> GroupCosts:
     device = cluster.device
     forward = device.forward_time_s(unit.cost, dtype)
     compute = forward + device.backward_time_s(unit.cost, dtype)
@@ -256,7 +258,14 @@ def _unit_costs(unit: Unit, tp: int, recompute: bool, cluster: Cluster, dtype: s
     comm = forward_comm + _comm_time_s(cluster, unit.comm.backward, tp, algorithms)
     # a linear layer's backward is two GEMMs of equal FLOPs: input gradient and weight gradient
     weight = device.time_s(flops=unit.cost.backward_flops / 2, nbytes=0.0, kernels=0, dtype=dtype)
-    if recompute and unit.recomputable:
+    if recompute == "selective" and unit.cost.core_activation_bytes:
+        # the attention core runs again in the backward; its s² tensors live only then
+        compute += device.time_s(flops=unit.cost.core_forward_flops, nbytes=unit.cost.core_forward_bytes, kernels=0,
+                                 dtype=dtype)
+        return GroupCosts(compute, comm, unit.cost.params,
+                          unit.cost.activation_bytes - unit.cost.core_activation_bytes,
+                          unit.cost.core_activation_bytes, unit.cost.output_bytes, forward + forward_comm, weight)
+    if recompute == "full" and unit.recomputable:
         compute += forward
         comm += _comm_time_s(cluster, unit.comm.recompute, tp, algorithms)
         return GroupCosts(compute, comm, unit.cost.params, unit.cost.input_bytes, unit.cost.activation_bytes,
@@ -273,7 +282,7 @@ def combine(parts: list[GroupCosts]) -> GroupCosts:
                       parts[-1].output_bytes, sum(p.forward_s for p in parts), sum(p.weight_s for p in parts))
 
 
-def summarize(groups: list[list[Unit]], *, tp: int, recompute: bool, cluster: Cluster, dtype: str,
+def summarize(groups: list[list[Unit]], *, tp: int, recompute: str, cluster: Cluster, dtype: str,
               algorithms: dict | None = None) -> list[GroupCosts]:
     """Each group's GroupCosts on ``cluster`` (identical layers priced once)."""
     algorithms = {} if algorithms is None else algorithms
@@ -460,7 +469,7 @@ def estimate(groups: list[list[Unit]], layout: Layout, cluster: Cluster, precisi
     elif layout.zero_stage == 2:
         dp_s = m * collective("reduce_scatter", grad_bytes) + collective("all_gather", param_bytes)
     else:  # ZeRO 3: gather for the forward and the backward (and a recomputed forward)
-        gathers = 3 if layout.recompute else 2
+        gathers = 3 if layout.recompute == "full" else 2
         dp_s = m * (collective("reduce_scatter", grad_bytes) + gathers * collective("all_gather", param_bytes))
     if chimera:  # the two replicas of each stage (ranks r and p-1-r) sum their gradients
         seconds, algorithms["chimera replicas"] = cluster.collective_time_s(

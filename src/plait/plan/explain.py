@@ -12,6 +12,7 @@ from plait.plan.search import DIMENSIONS, PlanResult, dimension_value
 __all__ = ["table", "explain", "breakdown_text"]
 
 GIB = 1 << 30
+_RECOMPUTE_SHORT = {"none": "-", "selective": "sel", "full": "ful"}
 _PARTS = (("compute", "compute"), ("tp_comm", "tp comm"), ("pp_bubble", "pp bubble"), ("pp_comm", "pp p2p"),
           ("dp_comm", "dp comm"), ("optimizer", "optimizer"))
 _LABELS = {"tp": "tp", "pp": "pp", "dp": "dp", "micro_batch": "micro-batch", "schedule": "schedule",
@@ -44,7 +45,7 @@ def table(result: PlanResult) -> list[str]:
         split = "/".join(f"{100 * plan.time_s[key] / total:.0f}" for key in
                          ("compute", "tp_comm", "pp_bubble", "pp_comm", "dp_comm"))
         rows.append(f"{i:>2} {lay.tp:>3} {lay.pp:>3} {lay.dp:>5} {lay.micro_batch:>3} {lay.num_microbatches:>5} "
-                    f"{schedule:<14} {'y' if lay.sequence_parallel else '-':<3} {'y' if lay.recompute else '-':<3} "
+                    f"{schedule:<14} {'y' if lay.sequence_parallel else '-':<3} {_RECOMPUTE_SHORT[lay.recompute]:<3} "
                     f"{lay.zero_stage:>4} {_seconds(total):>10} {plan.tflops_per_gpu:>11.4g} "
                     f"{plan.percent_of_peak:>6.1f} {plan.memory_per_gpu_bytes / GIB:>8.3g}  {split} %")
     return rows

@@ -34,6 +34,7 @@ import math
 from dataclasses import dataclass, field, replace
 
 from plait.plan.estimate import Layout, layout_problems
+from plait.plan.layers import RECOMPUTE_MODES
 from plait.plan.pipeline import MAX_LIST_SCHEDULED_PP
 
 __all__ = ["DEFAULT_MAX_LAYOUTS", "Family", "Pruning", "ladder", "fit_budget", "enumerate_families",
@@ -172,7 +173,7 @@ def variant_choices(tp: int, pp: int, dp: int, request):
     """The sequence-parallel, recomputation, schedule and ZeRO choices of a (tp, pp, dp)
     family, in search order."""
     sps = _choices(request.sequence_parallel, (False, True) if tp > 1 else (False,))
-    rcs = _choices(request.recompute, (False, True))
+    rcs = _choices(request.recompute, RECOMPUTE_MODES)
     zeros = _choices(request.zero_stage, [0] if dp == 1 else ([0, 1] if pp > 1 else [0, 1, 2, 3]))
     return sps, rcs, _schedules(pp, request), zeros
 

@@ -22,7 +22,18 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, fields, replace
 
-__all__ = ["LayerCost", "total"]
+__all__ = ["RECOMPUTE_MODES", "LayerCost", "check_recompute", "total"]
+
+
+# activation recomputation, as plait train runs it (plait.parallel.recompute)
+RECOMPUTE_MODES = ("none", "selective", "full")
+
+
+def check_recompute(mode) -> str:
+    if isinstance(mode, bool) or mode not in RECOMPUTE_MODES:
+        hint = f" (recompute={mode} was the full recomputation switch: say 'full' or 'none')" if isinstance(mode, bool) else ""
+        raise ValueError(f"recompute={mode!r} must be one of {', '.join(RECOMPUTE_MODES)}{hint}")
+    return mode
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -41,6 +52,10 @@ class LayerCost:
     - ``output_bytes``: bytes of the activation handed to the next layer (what a
       pipeline stage boundary after this layer sends, forward and, as its gradient,
       backward).
+    - ``core_activation_bytes`` / ``core_forward_flops`` / ``core_forward_bytes``: the
+      part of a transformer block that selective recomputation re-runs (the attention
+      core: QKᵀ, softmax, dropout, ·V): the bytes of ``activation_bytes`` it keeps, its
+      forward's matmul FLOPs and memory traffic (0 for other layers).
     """
 
     name: str
@@ -54,6 +69,9 @@ class LayerCost:
     activation_bytes: float = 0.0
     input_bytes: float = 0.0
     output_bytes: float = 0.0
+    core_activation_bytes: float = 0.0
+    core_forward_flops: float = 0.0
+    core_forward_bytes: float = 0.0
 
     def __post_init__(self) -> None:
         problems = []
@@ -76,7 +94,10 @@ class LayerCost:
         return replace(self, forward_flops=self.forward_flops * factor, backward_flops=self.backward_flops * factor,
                        forward_bytes=self.forward_bytes * factor, backward_bytes=self.backward_bytes * factor,
                        activation_bytes=self.activation_bytes * factor, input_bytes=self.input_bytes * factor,
-                       output_bytes=self.output_bytes * factor)
+                       output_bytes=self.output_bytes * factor,
+                       core_activation_bytes=self.core_activation_bytes * factor,
+                       core_forward_flops=self.core_forward_flops * factor,
+                       core_forward_bytes=self.core_forward_bytes * factor)
 
 
 def total(layers, name: str = "total") -> LayerCost:

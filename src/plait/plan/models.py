@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from plait.plan.estimate import Precision, Unit
-from plait.plan.layers import LayerCost
+from plait.plan.layers import LayerCost, check_recompute
 from plait.plan.transformer import TensorParallelComm, TransformerSpec
 
 __all__ = ["TransformerModel", "ModuleModel"]
@@ -48,7 +48,7 @@ class TransformerModel:
     def tensor_parallel_problem(self, tp: int) -> str | None:
         return self.spec.tensor_parallel_problem(tp)
 
-    def training_flops(self, batch: int, recompute: bool) -> float:
+    def training_flops(self, batch: int, recompute: str) -> float:
         return self.spec.training_flops(batch, recompute=recompute)
 
     def tied_embedding_params(self, tp: int) -> int:
@@ -93,7 +93,7 @@ class ModuleModel:
 
     def describe(self) -> str:
         return (f"{self.name}: {self.num_parameters():,} parameters in {len(self.layers)} traced layers "
-                f"({self.training_flops(1, False):.3g} FLOPs per sample per step)")
+                f"({self.training_flops(1, 'none'):.3g} FLOPs per sample per step)")
 
     def num_parameters(self) -> int:
         return sum(layer.params for layer in self.layers)
@@ -104,10 +104,12 @@ class ModuleModel:
         return (f"tp={tp}: a traced module has no tensor-parallel split; use tp=1 (tensor parallelism needs a "
                 "model that shards itself, such as --model gpt)")
 
-    def training_flops(self, batch: int, recompute: bool) -> float:
+    def training_flops(self, batch: int, recompute: str) -> float:
+        """A traced layer has no attention core of its own: selective recomputes nothing."""
+        check_recompute(recompute)
         scale = batch / self.traced_batch
         flops = sum(layer.forward_flops + layer.backward_flops for layer in self.layers)
-        if recompute:
+        if recompute == "full":
             flops += sum(layer.forward_flops for layer in self.layers)
         return flops * scale
 

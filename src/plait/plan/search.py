@@ -37,6 +37,7 @@ from plait.plan.estimate import (PRECISIONS, SCHEDULES, Estimate, Layout, alpa_s
                                  layout_problems, split_groups, summarize)
 from plait.plan.grid import (DEFAULT_MAX_LAYOUTS, Family, Pruning, divisors, enumerate_families, fit_budget,
                              variant_choices)
+from plait.plan.layers import RECOMPUTE_MODES
 from plait.plan.transformer import ACCOUNTINGS
 
 __all__ = ["PlanRequest", "PlanResult", "PlanError", "search", "DIMENSIONS"]
@@ -73,7 +74,7 @@ class PlanRequest:
     micro_batch: int | None = None
     schedule: str | None = None
     virtual: int | None = None
-    recompute: bool | None = None
+    recompute: str | None = None  # none | selective | full; None: searched
     zero_stage: int | None = None
     sequence_parallel: bool | None = None
     precision: str = "bf16-mixed"
@@ -110,6 +111,10 @@ class PlanRequest:
         whole("max_layouts", self.max_layouts, allow_none=False)
         if self.zero_stage is not None and self.zero_stage not in (0, 1, 2, 3):
             problems.append(f"zero_stage={self.zero_stage!r} must be 0, 1, 2 or 3")
+        if self.recompute is not None and (isinstance(self.recompute, bool)
+                                           or self.recompute not in RECOMPUTE_MODES):
+            problems.append(f"recompute={self.recompute!r} must be one of {', '.join(RECOMPUTE_MODES)} (or None: "
+                            "searched)")
         if self.schedule is not None and self.schedule not in SCHEDULES:
             problems.append(f"schedule={self.schedule!r} must be one of {', '.join(SCHEDULES)}")
         if self.precision not in PRECISIONS:
@@ -205,7 +210,7 @@ def search(model, cluster: Cluster, request: PlanRequest, *, suggest: bool = Tru
     # both keyed by tp first and the families come in tp order: a tp's entries are dropped with it
     groups_cache: dict = {}
     split_cache: dict = {}
-    flops = {rc: (model.training_flops(batch, False), model.training_flops(batch, rc)) for rc in (False, True)}
+    flops = {rc: (model.training_flops(batch, "none"), model.training_flops(batch, rc)) for rc in RECOMPUTE_MODES}
 
     def price_family(family: Family) -> bool:
         """Price (or reject) every layout of ``family``; False once the budget's stop is reached."""

@@ -43,7 +43,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, replace
 
-from plait.plan.layers import LayerCost
+from plait.plan.layers import LayerCost, check_recompute
 
 __all__ = ["TransformerSpec", "MODEL_PRESETS", "model_preset", "ACCOUNTINGS", "TensorParallelComm"]
 
@@ -152,11 +152,21 @@ class TransformerSpec:
     def forward_flops(self, batch: int) -> float:
         return self.layers * self.block_forward_flops(batch) + self.head_forward_flops(batch)
 
-    def training_flops(self, batch: int, *, recompute: bool = False) -> float:
+    def attention_core_forward_flops(self, batch: int) -> float:
+        """QKᵀ and probabilities·V: 4bs²h (what selective recomputation re-runs)."""
+        return 4.0 * batch * self.seq_len * self.seq_len * self.hidden
+
+    def training_flops(self, batch: int, *, recompute: str = "none") -> float:
         """Matmul FLOPs of one step on ``batch`` sequences: 3x the forward, plus one more
-        forward of every block with full recomputation (the head is not recomputed)."""
+        forward of every block with full recomputation, of every block's attention core
+        with selective (the head is not recomputed)."""
+        check_recompute(recompute)
         flops = 3.0 * self.forward_flops(batch)
-        return flops + (self.layers * self.block_forward_flops(batch) if recompute else 0.0)
+        if recompute == "full":
+            return flops + self.layers * self.block_forward_flops(batch)
+        if recompute == "selective":
+            return flops + self.layers * self.attention_core_forward_flops(batch)
+        return flops
 
     # ----- activations --------------------------------------------------------------------------
     def block_activation_bytes(self, micro_batch: int, *, tp: int = 1, sequence_parallel: bool = False,
@@ -173,11 +183,24 @@ class TransformerSpec:
         ln_outputs = 2 * e * sbh / (t if sp and accounting == "megatron" else 1)
         sharded = 12 * e * sbh / t
         masks = 2 * d * mask * sbh / (t if sp else 1)
-        attention = (e + d * (mask + e)) * as2b / t
-        total = residual + ln_outputs + sharded + masks + attention
+        total = residual + ln_outputs + sharded + masks + self.attention_core_bytes(
+            micro_batch, tp=tp, element_bytes=element_bytes, accounting=accounting)
         if accounting == "plait":
-            total += 2 * LAYER_NORM_STAT_BYTES * s * b / (t if sp else 1) + s * s  # LN statistics, causal mask
+            total += 2 * LAYER_NORM_STAT_BYTES * s * b / (t if sp else 1)  # LN statistics
         return total
+
+    def attention_core_bytes(self, micro_batch: int, *, tp: int = 1, element_bytes: int = 2,
+                             accounting: str = "megatron") -> float:
+        """What a block's attention core keeps (the softmax output, dropout mask and
+        dropped-out probabilities, a·s²·b each per rank; plait's eager GPT also its s·s
+        causal mask): what selective recomputation frees, and re-creates while the
+        block's backward runs. Its input, QKV, is kept either way."""
+        _check_accounting(accounting)
+        s, b, t, e = self.seq_len, micro_batch, tp, element_bytes
+        d = 1 if self.dropout else 0
+        mask = 1 if accounting == "megatron" else e
+        attention = (e + d * (mask + e)) * self.heads * s * s * b / t
+        return attention + (s * s if accounting == "plait" else 0.0)
 
     def block_input_bytes(self, micro_batch: int, *, tp: int = 1, sequence_parallel: bool = False,
                           element_bytes: int = 2) -> float:
@@ -233,7 +256,11 @@ class TransformerSpec:
                           forward_kernels=k["kernels"], backward_kernels=2 * k["kernels"],
                           forward_bytes=block_bytes, backward_bytes=2 * block_bytes,
                           activation_bytes=self.block_activation_bytes(b, accounting=accounting, **shape),
-                          input_bytes=boundary, output_bytes=boundary)
+                          input_bytes=boundary, output_bytes=boundary,
+                          core_activation_bytes=self.attention_core_bytes(b, tp=t, element_bytes=e,
+                                                                          accounting=accounting),
+                          core_forward_flops=self.attention_core_forward_flops(b) / t,
+                          core_forward_bytes=e * (k["as2b"] + d * k["dropout_as2b"]) * as2b / t)
         v_local = self.padded_vocab(t) // t
         embedding = LayerCost(
             name="embedding", params=v_local * h + s * h,
