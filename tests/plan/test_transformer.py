@@ -86,11 +86,12 @@ def test_megatron_accounting_is_korthikanti_table_2():
     assert spec.block_input_bytes(b, tp=8, sequence_parallel=True) == 2 * sbh / 8
 
 
-def _measured_layers(config: GPTConfig, batch: int, tp=None, seed=0):
+def _measured_layers(config: GPTConfig, batch: int, tp=None, seed=0, recompute="none"):
     """Saved bytes of each of GPT's sequential layers (embedding, blocks, head + loss),
     each run on a fresh input that requires grad, as a pipeline stage runs it."""
     torch.manual_seed(seed)
     model = GPT(config, tp, seed=seed)
+    model.set_recompute(recompute)
     model.train()
     layers = [GPTEmbeddingLayer(model), *map(GPTBlockLayer, model.blocks), GPTHeadLayer(model)]  # tied too
     params = list(model.parameters())
@@ -128,6 +129,23 @@ def test_plait_accounting_matches_the_saved_tensors(shape, dropout):
         assert got == want  # blocks: exact
     costs = spec.layer_costs(batch, **kw)
     assert [c.activation_bytes for c in costs] == predicted
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+@pytest.mark.parametrize("recompute", ["selective", "full"])
+def test_recomputed_blocks_keep_what_the_planner_prices(recompute, dropout):
+    """The bytes a recomputed block keeps, measured from the saved tensors, are what
+    plait plan prices: selective, the block's activations less its attention core
+    (exact); full, the block's input (exact)."""
+    shape, batch = SMALL[1], 3
+    measured = _measured_layers(GPTConfig(**shape, dropout=dropout), batch, recompute=recompute)
+    spec = _spec(shape, dropout=dropout > 0)
+    kw = dict(element_bytes=4, accounting="plait")
+    if recompute == "selective":
+        want = spec.block_activation_bytes(batch, **kw) - spec.attention_core_bytes(batch, **kw)
+    else:
+        want = spec.block_input_bytes(batch, element_bytes=4)
+    assert measured[1:-1] == [want] * shape["layers"]
 
 
 def _tp_saved_bytes(rank, world_size, shape, sequence_parallel, dropout):
