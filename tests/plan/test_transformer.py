@@ -143,6 +143,9 @@ def test_recomputed_blocks_keep_what_the_planner_prices(recompute, dropout):
     kw = dict(element_bytes=4, accounting="plait")
     if recompute == "selective":
         want = spec.block_activation_bytes(batch, **kw) - spec.attention_core_bytes(batch, **kw)
+        stored = _measured_layers(GPTConfig(**shape, dropout=dropout), batch)
+        freed = [a - b for a, b in zip(stored[1:-1], measured[1:-1])]
+        assert freed == [spec.attention_core_bytes(batch, **kw)] * shape["layers"]  # the core's bytes, measured
     else:
         want = spec.block_input_bytes(batch, element_bytes=4)
     assert measured[1:-1] == [want] * shape["layers"]
