@@ -31,9 +31,11 @@ from torch import nn
 
 from plait import comm
 from plait.comm import tags
+from plait.parallel.loss_scale import LossScaler
 from plait.parallel.mesh import DeviceMesh
 from plait.parallel.pipeline import build as build_schedule, PipelineEngine
 from plait.parallel.pipeline.partition import build_stage, split_layers
+from plait.parallel.precision import AUTOCAST_DTYPE, GRAD_REDUCE_DTYPES, PRECISIONS, REDUCE_DTYPE, autocast
 from plait.parallel.recompute import set_block_recompute
 from plait.parallel.tensor.dropout import ConsistentDropout
 
@@ -55,6 +57,9 @@ class HybridModel:
     algorithm: str = "auto"
     compressor: object = None
     dropouts: dict[str, nn.Module] = field(default_factory=dict)  # name -> ConsistentDropout in held chunks
+    precision: str = "fp32"  # fp32 | bf16-mixed | fp16-mixed (plait.parallel.precision)
+    grad_reduce_dtype: str = "fp32"  # what the dp gradient all-reduce sends
+    scaler: LossScaler | None = None  # fp16's dynamic loss scaling, over every rank of the run
 
     def parameters(self):
         return self.engine.parameters()
@@ -70,7 +75,8 @@ class HybridModel:
 def build_hybrid(model: nn.Module, layers: list[nn.Module], mesh: DeviceMesh, loss_fn, *, schedule: str,
                  microbatches: int, virtual: int = 1, algorithm: str = "auto", compression=None,
                  timeout_s: float | None = None, tp_rank: int = 0, tp_size: int = 1, recompute: str = "none",
-                 recompute_layers: int | None = None, meter=None) -> HybridModel:
+                 recompute_layers: int | None = None, meter=None, precision: str = "fp32",
+                 grad_reduce_dtype: str = "fp32", loss_scaler: LossScaler | None = None) -> HybridModel:
     """Cut ``model`` (already built at this rank's tp degree; ``layers`` its
     sequential layers sharing its parameters) into the schedule's chunks and keep
     this pipeline rank's. Parameters of chunks this rank does not run are dropped.
@@ -110,9 +116,17 @@ def build_hybrid(model: nn.Module, layers: list[nn.Module], mesh: DeviceMesh, lo
     if compression is not None:
         compression.validate([(name, tuple(param.shape)) for name, param in names.items()])
     _drop_unheld(model, module_ids)
-    engine = PipelineEngine(pipeline, modules, loss_fn, group=mesh.group["pp"], timeout_s=timeout_s, meter=meter)
+    if precision not in PRECISIONS or grad_reduce_dtype not in GRAD_REDUCE_DTYPES:
+        raise ValueError(f"precision={precision!r}, grad_reduce_dtype={grad_reduce_dtype!r}: valid are "
+                         f"{', '.join(PRECISIONS)} and {', '.join(GRAD_REDUCE_DTYPES)}")
+    if precision == "fp16-mixed" and loss_scaler is None:
+        loss_scaler = LossScaler()  # fp16's range needs it; bf16 has fp32's exponent and does not
+    engine = PipelineEngine(pipeline, modules, loss_fn, group=mesh.group["pp"], timeout_s=timeout_s, meter=meter,
+                            autocast_dtype=AUTOCAST_DTYPE[precision],
+                            loss_scale=loss_scaler.scale_loss if loss_scaler is not None else None)
     return HybridModel(mesh=mesh, engine=engine, chunks=chunks, names=names, saved_names=saved, tp_rank=tp_rank,
-                       tp_size=tp_size, algorithm=algorithm, compressor=compression, dropouts=dropouts)
+                       tp_size=tp_size, algorithm=algorithm, compressor=compression, dropouts=dropouts,
+                       precision=precision, grad_reduce_dtype=grad_reduce_dtype, scaler=loss_scaler)
 
 
 def _drop_unheld(model: nn.Module, held_ids: set[int]) -> None:
@@ -153,13 +167,21 @@ def train_step(hybrid: HybridModel, inputs, targets, optimizer, *, step: int, gr
     inside_s = _collective_time_s() - collectives_before_s
     sync_start_s = time.perf_counter()
     average_gradients(hybrid, step)
-    norm = clip_grad_norm(hybrid, grad_clip)
+    overflow = False
+    if hybrid.scaler is not None:  # fp16: gradients back to their true scale; any rank's inf skips the step
+        hybrid.scaler.unscale(hybrid.parameters())
+        overflow = hybrid.scaler.found_overflow()
+    norm = float("inf") if overflow else clip_grad_norm(hybrid, grad_clip)
     loss = _mean_over(hybrid.mesh, "dp", loss)
     sync_s = time.perf_counter() - sync_start_s
     if lr is not None:
         for group in optimizer.param_groups:
             group["lr"] = lr
-    optimizer.step()
+    if hybrid.scaler is not None:
+        hybrid.scaler.step(optimizer)
+        hybrid.scaler.update()
+    else:
+        optimizer.step()
     wall_s = time.perf_counter() - start_s
     times = StepTimes(wall_s=wall_s, compute_s=max(busy_s - inside_s, 0.0), comm_s=inside_s + sync_s,
                       bubble_s=max(engine_s - busy_s, 0.0))
@@ -201,7 +223,9 @@ def average_gradients(hybrid: HybridModel, step: int) -> None:
                 offset += param.numel()
             hybrid.compressor.reduce(GradBucket(index, flat, views, step), group, algorithm=hybrid.algorithm)
         else:
-            comm.all_reduce(flat, group=group, algorithm=hybrid.algorithm)
+            sent = flat.to(REDUCE_DTYPE[hybrid.grad_reduce_dtype])  # a 16-bit copy with --grad-reduce-dtype
+            comm.all_reduce(sent, group=group, algorithm=hybrid.algorithm)
+            flat = sent.to(flat.dtype) if sent is not flat else flat
             flat /= dp
         offset = 0
         for _, param in bucket:
@@ -269,9 +293,10 @@ def evaluate(hybrid: HybridModel, inputs, targets) -> float:
                 continue
             if stage > 0 and pipeline[stage - 1] != pp_rank:
                 x = _receive_activation(group, pipeline[stage - 1], stage, device, engine.timeout_s)
-            x = engine.stages[stage](x)
+            with autocast(device, engine.autocast_dtype):
+                x = engine.stages[stage](x)
             if stage == len(pipeline) - 1:
-                loss += float(engine.loss_fn(x, targets))
+                loss += float(engine.loss_fn(x.float() if engine.autocast_dtype is not None else x, targets))
             elif pipeline[stage + 1] != pp_rank:
                 _send_activation(x, group, pipeline[stage + 1], stage + 1, engine.timeout_s)
     finally:

@@ -39,6 +39,8 @@ MODELS = ("gpt", "mlp")
 DTYPES = ("float32", "float64", "bfloat16")
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "chimera", "zero_bubble")
 RECOMPUTE_MODES = ("none", "selective", "full")  # plait.parallel.recompute's (this module stays torch-free)
+PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed")  # plait.parallel.precision's
+GRAD_REDUCE_DTYPES = ("fp32", "bf16", "fp16")
 OPTIMIZERS = ("adamw", "sgd")
 LR_SCHEDULES = ("cosine", "linear", "constant")
 AXES = ("tp", "dp", "pp")
@@ -69,6 +71,9 @@ class TrainConfig:
     dropout: float = _field(0.0, "model", "gpt: dropout probability in [0, 1)")
     tied_head: bool = _field(False, "model", "gpt: share the token embedding with the output head (pp=1 only)")
     dtype: str = _field("float32", "model", "parameter and activation dtype", DTYPES)
+    precision: str = _field("fp32", "model", "fp32, or bf16-mixed / fp16-mixed: 16-bit compute under autocast, "
+                                             "fp32 master weights and optimizer state (fp16: dynamic loss scaling)",
+                            PRECISIONS)
     recompute: str = _field("none", "model", "gpt: activation recomputation: none, selective (the attention core "
                                              "re-runs in the backward) or full (each block keeps only its input)",
                             RECOMPUTE_MODES)
@@ -92,6 +97,8 @@ class TrainConfig:
     virtual: int = _field(1, "parallel", "model chunks per pipeline rank (interleaved_1f1b only)")
     sequence_parallel: bool = _field(False, "parallel", "gpt: shard LayerNorm/dropout activations along the "
                                                         "sequence across tp ranks")
+    grad_reduce_dtype: str = _field("fp32", "parallel", "dtype of the dp gradient all-reduce: fp32, or the "
+                                                        "16-bit compute dtype (bf16 / fp16)", GRAD_REDUCE_DTYPES)
     algorithm: str = _field("auto", "parallel", "collective algorithm for gradient all-reduce (auto = cost model)")
     compression: str = _field("none", "parallel", "dp gradient compression spec, e.g. topk:0.01+ef, powersgd:4, none")
     # ----- optim -----
@@ -481,6 +488,17 @@ def _model_problems(c: TrainConfig, ok) -> list[str]:
             problems.append(f"mlp_hidden={list(c.mlp_hidden)} gives {linear_layers} linear layers < pp({c.pp}) * "
                             f"virtual({c.virtual}) = {chunks} pipeline chunks: give mlp_hidden >= {chunks - 1} "
                             f"widths or fewer stages")
+    if ok("precision", "dtype") and c.precision != "fp32" and c.dtype != "float32":
+        problems.append(f"precision={c.precision!r} with dtype={c.dtype!r}: mixed precision keeps fp32 master "
+                        "weights; set dtype=float32 (the parameters' type) or precision=fp32")
+    if ok("precision", "grad_reduce_dtype") and c.grad_reduce_dtype != "fp32" and \
+            c.precision != {"bf16": "bf16-mixed", "fp16": "fp16-mixed"}[c.grad_reduce_dtype]:
+        wanted = {"bf16": "bf16-mixed", "fp16": "fp16-mixed"}[c.grad_reduce_dtype]
+        problems.append(f"grad_reduce_dtype={c.grad_reduce_dtype!r} with precision={c.precision!r}: gradients are "
+                        f"reduced in the compute dtype only; use precision={wanted} or grad_reduce_dtype=fp32")
+    if ok("grad_reduce_dtype", "compression") and c.grad_reduce_dtype != "fp32" and c.compression != "none":
+        problems.append(f"grad_reduce_dtype={c.grad_reduce_dtype!r} with compression={c.compression!r}: the "
+                        "compressor decides what is sent; leave grad_reduce_dtype=fp32")
     if ok("recompute_layers") and c.recompute_layers < -1:
         problems.append(f"recompute_layers={c.recompute_layers}: give a block count >= 0, or -1 for every block")
     if c.model == "mlp":

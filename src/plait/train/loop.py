@@ -35,6 +35,7 @@ from plait.models.gpt import GPTConfig
 from plait.models.mlp import MLP
 from plait.parallel.hybrid import build_hybrid, evaluate, HybridModel, train_step
 from plait.parallel.mesh import DeviceMesh, ParallelDims
+from plait.parallel.precision import check_device
 from plait.train import checkpoint as ckpt, rundir, runlock
 from plait.train.config import TrainConfig
 from plait.train.data import load_digits, rank_batch
@@ -174,6 +175,7 @@ class Trainer:
         self.comm_config = comm_config(config, comm_environment)
         for group in (None, *self.mesh.group.values()):  # every group this rank talks on, one config
             comm.init_communicator(group, self.comm_config)
+        check_device(config.precision, self.device)  # every rank alike, before any group is built
         self.memory = MemoryMonitor(self.device)
         model, layers, loss_fn = build_model(config, self.data, self.mesh.group["tp"])
         self.hybrid: HybridModel = build_hybrid(
@@ -181,7 +183,7 @@ class Trainer:
             virtual=config.virtual, algorithm=config.algorithm, compression=config.compression,
             timeout_s=config.timeout_s, tp_rank=self.coords["tp"], tp_size=config.tp, recompute=config.recompute,
             recompute_layers=None if config.recompute_layers < 0 else config.recompute_layers,
-            meter=self.memory.meter)
+            meter=self.memory.meter, precision=config.precision, grad_reduce_dtype=config.grad_reduce_dtype)
         for stage in self.hybrid.engine.stages.values():  # only this rank's chunks reach the device
             stage.to(self.device)
         del model, layers
@@ -260,6 +262,8 @@ class Trainer:
         for name, module in self.hybrid.dropouts.items():
             if name in extra.get("dropout", {}):
                 module.calls = int(extra["dropout"][name])
+        if self.hybrid.scaler is not None and "loss_scale" in extra:
+            self.hybrid.scaler.load_state_dict(extra["loss_scale"])
         self.start_step = int(manifest["data_position"])
         self.resumed_from = path
         if self.rank == 0 and self.hybrid.compressor is not None:
@@ -300,7 +304,8 @@ class Trainer:
                 "optimizer": {name: {key: value.detach().cpu().clone() if torch.is_tensor(value)
                                      else torch.tensor(value) for key, value in entry_state.items()}
                               for name, entry_state in state.items() if entry_state},
-                "extra": {"dropout": {name: int(module.calls) for name, module in self.hybrid.dropouts.items()}},
+                "extra": {"dropout": {name: int(module.calls) for name, module in self.hybrid.dropouts.items()},
+                          **({"loss_scale": self.hybrid.scaler.state_dict()} if self.hybrid.scaler else {})},
             }
             try:
                 entry = ckpt.write_shard(directory, ckpt.shard_name(self.coords["tp"], self.coords["pp"]), payload)
@@ -387,6 +392,8 @@ class Trainer:
                 record = {"step": step, "loss": loss, "lr": config.lr_at(step), "grad_norm": norm,
                           "tokens_per_s": tokens_per_step / times.wall_s, "step_s": times.wall_s,
                           "elapsed_s": time.perf_counter() - loop_start_s,
+                          **({"loss_scale": self.hybrid.scaler.scale, "skipped_steps": self.hybrid.scaler.skipped_steps}
+                             if self.hybrid.scaler is not None else {}),
                           "saved_peak_bytes": memory["saved_peak_bytes"],
                           "resident_peak_bytes": memory["resident_peak_bytes"]}
                 last = step == end - 1

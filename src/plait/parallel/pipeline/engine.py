@@ -57,6 +57,7 @@ from plait.parallel.pipeline.schedules import (
     WEIGHT,
     PipelineSchedule,
 )
+from plait.parallel.precision import autocast
 from plait.parallel.saved_memory import SavedTensorMeter
 
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32]
@@ -88,8 +89,13 @@ class PipelineEngine:
 
     def __init__(self, schedule: PipelineSchedule, stage_modules: dict[int, nn.Module], loss_fn, *,
                  group=None, timeout_s: float | None = None, model: nn.Module | None = None,
-                 meter: SavedTensorMeter | None = None):
-        """``meter``: a SavedTensorMeter that also sees every tensor the stages save (its
+                 meter: SavedTensorMeter | None = None, autocast_dtype: torch.dtype | None = None,
+                 loss_scale=None):
+        """``autocast_dtype``: run the stages' forwards under ``torch.autocast`` in this
+        16-bit dtype (mixed precision: the parameters stay as they are); the last
+        stage's output is cast to float32 before ``loss_fn`` (the loss in fp32).
+        ``loss_scale``: multiplies each micro-batch's loss before its backward (dynamic
+        loss scaling's ``scale_loss``). ``meter``: a SavedTensorMeter that also sees every tensor the stages save (its
         hooks composed with the engine's own, so neither hides the other).
         ``model``: the whole model the stage modules were cut from (every rank builds
         it the same way); its parameter names identify a parameter across processes, so
@@ -112,6 +118,7 @@ class PipelineEngine:
         self.stages = {s: stage_modules[s] for s in mine}
         self.timeout_s = timeout_s
         self.meter = meter
+        self.autocast_dtype, self.loss_scale = autocast_dtype, loss_scale
         self.last = schedule.stages - 1
         self.history: deque[StepRecord] = deque(maxlen=100)
         self.steps = 0
@@ -384,16 +391,21 @@ class PipelineEngine:
             return tensor if meter is None else meter.pack(tensor)
 
         with torch.autograd.graph.saved_tensors_hooks(pack, _identity if meter is None else meter.unpack):
-            out = self.stages[s](x)
+            with autocast(self.device, self.autocast_dtype):
+                out = self.stages[s](x)
             if s != self.last and not isinstance(out, torch.Tensor):
                 raise TypeError(f"stage {s} ({type(self.stages[s]).__name__}) returned a {type(out).__name__} for "
                                 f"micro-batch {mb}: a pipeline stage before the last must return one tensor, the "
                                 f"activation stage {s + 1} receives; return a single tensor (e.g. keep the first "
                                 "element, or move the extra outputs into a later stage)")
             if s == self.last:
+                if self.autocast_dtype is not None and out.is_floating_point():
+                    out = out.float()  # the loss in fp32, as Megatron keeps its cross-entropy
                 loss = self.loss_fn(out, micro_targets[mb])
                 state.loss_sum += float(loss.detach())
                 out = loss / self.schedule.microbatches
+                if self.loss_scale is not None:
+                    out = self.loss_scale(out)
         state.outputs[(mb, s)] = out
         input_key = (x.data_ptr(), x.numel() * x.element_size())
         held_input = s > 0 and input_key not in counted  # the stage input we keep, unless autograd saved it
