@@ -196,3 +196,19 @@ def test_interleaved_memory_bounds_the_real_schedule_with_unequal_chunks():
         peaks.append(peak)
     assert result.memory_bytes["activations"] >= max(peaks)
     assert result.memory_bytes["activations"] <= 2 * max(peaks)
+
+
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+def test_recomputation_peak_reuses_the_head_freed_before_it(recompute):
+    """One micro-batch on one rank (pp = 1): the backward frees the head's tensors
+    before it recomputes the last block, so a recompute's working set adds only what
+    exceeds them: emb + l·kept + head + max(working - head, 0)."""
+    spec = model_preset("gpt-125m")
+    layout = Layout(dp=8, micro_batch=2, num_microbatches=1, recompute=recompute)
+    got = estimate_layout(spec, "dgx-a100", layout, gpus=8).memory_bytes["activations"]
+    kw = dict(element_bytes=2)
+    emb, head = spec.embedding_activation_bytes(2, **kw), spec.head_activation_bytes(2, **kw)
+    block, core = spec.block_activation_bytes(2, **kw), spec.attention_core_bytes(2, **kw)
+    kept, working = {"none": (block, 0.0), "selective": (block - core, core),
+                     "full": (spec.block_input_bytes(2, **kw), block)}[recompute]
+    assert got == pytest.approx(emb + spec.layers * kept + head + max(working - head, 0.0), rel=1e-12)

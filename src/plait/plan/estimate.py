@@ -234,7 +234,10 @@ class GroupCosts:
     communication seconds, parameters, activations kept per micro-batch in flight,
     working memory of one recomputed layer, and the bytes its output sends; of the
     time, ``forward_s`` is the forward's (compute and tp communication) and ``weight_s``
-    the weight-gradient half of the backward's matmuls (what zero_bubble defers)."""
+    the weight-gradient half of the backward's matmuls (what zero_bubble defers).
+    ``trailing_bytes``: the activations of the layers after the last recomputed one
+    (a head), which the backward frees before it recomputes anything: the working
+    memory of a recompute reuses them."""
 
     compute_s: float
     tp_comm_s: float
@@ -244,6 +247,7 @@ class GroupCosts:
     output_bytes: float
     forward_s: float = 0.0
     weight_s: float = 0.0
+    trailing_bytes: float = 0.0
 
     @property
     def time_s(self) -> float:
@@ -271,15 +275,22 @@ def _unit_costs(unit: Unit, tp: int, recompute: str, cluster: Cluster, dtype: st
         return GroupCosts(compute, comm, unit.cost.params, unit.cost.input_bytes, unit.cost.activation_bytes,
                           unit.cost.output_bytes, forward + forward_comm, weight)
     return GroupCosts(compute, comm, unit.cost.params, unit.cost.activation_bytes, 0.0, unit.cost.output_bytes,
-                      forward + forward_comm, weight)
+                      forward + forward_comm, weight, trailing_bytes=unit.cost.activation_bytes)
 
 
 def combine(parts: list[GroupCosts]) -> GroupCosts:
     """Groups run one after another: times, parameters and activations add, the
-    working memory is the largest, the output is the last one's."""
+    working memory is the largest, the output is the last one's, the trailing bytes
+    those after the last part that recomputes."""
+    trailing = 0.0
+    for part in reversed(parts):
+        trailing += part.trailing_bytes
+        if part.working_bytes:
+            break
     return GroupCosts(sum(p.compute_s for p in parts), sum(p.tp_comm_s for p in parts), sum(p.params for p in parts),
                       sum(p.activation_bytes for p in parts), max(p.working_bytes for p in parts),
-                      parts[-1].output_bytes, sum(p.forward_s for p in parts), sum(p.weight_s for p in parts))
+                      parts[-1].output_bytes, sum(p.forward_s for p in parts), sum(p.weight_s for p in parts),
+                      trailing)
 
 
 def summarize(groups: list[list[Unit]], *, tp: int, recompute: str, cluster: Cluster, dtype: str,
@@ -443,7 +454,9 @@ def estimate(groups: list[list[Unit]], layout: Layout, cluster: Cluster, precisi
         pipeline_s = m * t_max + price.idle_units * fill_s
     for r, rank in enumerate(ranks):
         mine = rank.pop("mine")
-        rank["activations"] = _activation_peak(mine, layout, r, price) + max(c.working_bytes for c in mine)
+        # a recompute's working set comes after the chunk's trailing layers have freed theirs
+        rank["activations"] = _activation_peak(mine, layout, r, price) + max(
+            max(c.working_bytes - c.trailing_bytes, 0.0) for c in mine)
     bottleneck = ranks[slowest]
     times = {"compute": m * bottleneck["compute"], "tp_comm": m * bottleneck["tp_comm"],
              "pp_comm": m * bottleneck["p2p"]}
