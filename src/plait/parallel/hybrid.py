@@ -33,6 +33,7 @@ from plait import comm
 from plait.comm import tags
 from plait.parallel.loss_scale import LossScaler
 from plait.parallel.mesh import DeviceMesh
+from plait.parallel.offload import ActivationOffloader
 from plait.parallel.pipeline import build as build_schedule, PipelineEngine
 from plait.parallel.pipeline.partition import build_stage, split_layers
 from plait.parallel.precision import AUTOCAST_DTYPE, GRAD_REDUCE_DTYPES, PRECISIONS, REDUCE_DTYPE, autocast
@@ -76,7 +77,8 @@ def build_hybrid(model: nn.Module, layers: list[nn.Module], mesh: DeviceMesh, lo
                  microbatches: int, virtual: int = 1, algorithm: str = "auto", compression=None,
                  timeout_s: float | None = None, tp_rank: int = 0, tp_size: int = 1, recompute: str = "none",
                  recompute_layers: int | None = None, meter=None, precision: str = "fp32",
-                 grad_reduce_dtype: str = "fp32", loss_scaler: LossScaler | None = None) -> HybridModel:
+                 grad_reduce_dtype: str = "fp32", loss_scaler: LossScaler | None = None,
+                 offload_dir=None) -> HybridModel:
     """Cut ``model`` (already built at this rank's tp degree; ``layers`` its
     sequential layers sharing its parameters) into the schedule's chunks and keep
     this pipeline rank's. Parameters of chunks this rank does not run are dropped.
@@ -121,7 +123,11 @@ def build_hybrid(model: nn.Module, layers: list[nn.Module], mesh: DeviceMesh, lo
                          f"{', '.join(PRECISIONS)} and {', '.join(GRAD_REDUCE_DTYPES)}")
     if precision == "fp16-mixed" and loss_scaler is None:
         loss_scaler = LossScaler()  # fp16's range needs it; bf16 has fp32's exponent and does not
+    offloader = None
+    if offload_dir is not None:  # saved activations to files (CPU) or host memory, read back just in time
+        offloader = ActivationOffloader(offload_dir, on_loaded=meter.pack if meter is not None else None)
     engine = PipelineEngine(pipeline, modules, loss_fn, group=mesh.group["pp"], timeout_s=timeout_s, meter=meter,
+                            offloader=offloader,
                             autocast_dtype=AUTOCAST_DTYPE[precision],
                             loss_scale=loss_scaler.scale_loss if loss_scaler is not None else None)
     return HybridModel(mesh=mesh, engine=engine, chunks=chunks, names=names, saved_names=saved, tp_rank=tp_rank,

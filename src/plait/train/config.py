@@ -77,6 +77,9 @@ class TrainConfig:
     recompute: str = _field("none", "model", "gpt: activation recomputation: none, selective (the attention core "
                                              "re-runs in the backward) or full (each block keeps only its input)",
                             RECOMPUTE_MODES)
+    offload_activations: bool = _field(False, "model", "move tensors saved for backward to files under "
+                                                       "<out>/offload (CPU) or host memory (GPU) during the forward, "
+                                                       "read back just before their backward")
     recompute_layers: int = _field(-1, "model", "gpt: recompute only the first K blocks of each pipeline chunk "
                                                 "(-1 = all)")
     mlp_hidden: tuple[int, ...] = _field((128, 128, 128), "model", "mlp: hidden widths, comma list e.g. 128,128,128")

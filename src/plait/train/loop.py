@@ -183,7 +183,8 @@ class Trainer:
             virtual=config.virtual, algorithm=config.algorithm, compression=config.compression,
             timeout_s=config.timeout_s, tp_rank=self.coords["tp"], tp_size=config.tp, recompute=config.recompute,
             recompute_layers=None if config.recompute_layers < 0 else config.recompute_layers,
-            meter=self.memory.meter, precision=config.precision, grad_reduce_dtype=config.grad_reduce_dtype)
+            meter=self.memory.meter, precision=config.precision, grad_reduce_dtype=config.grad_reduce_dtype,
+            offload_dir=self._offload_dir() if config.offload_activations else None)
         for stage in self.hybrid.engine.stages.values():  # only this rank's chunks reach the device
             stage.to(self.device)
         del model, layers
@@ -193,6 +194,37 @@ class Trainer:
         self.resumed_from = None
         self.times = {"wall_s": 0.0, "compute_s": 0.0, "comm_s": 0.0, "bubble_s": 0.0, "other_s": 0.0}
         self._resume(resume)
+
+    def _offload_dir(self) -> Path:
+        """This rank's offload directory, checked writable on every rank at once (one
+        all-gather): a rank that cannot write is named on all of them before any step."""
+        directory = Path(self.config.out) / "offload" / f"rank{self.rank}"
+        problem = None
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            probe = directory / ".probe"
+            probe.write_bytes(b"plait")
+            probe.unlink()
+        except OSError as error:
+            problem = f"rank {self.rank} cannot write its activation offload directory {directory}: {error}"
+        everyone = [None] * self.world_size
+        dist.all_gather_object(everyone, problem)
+        problems = [entry for entry in everyone if entry]
+        if problems:
+            raise OSError("; ".join(problems) + " (offload_activations=true needs a writable --out on every node)")
+        return directory
+
+    def _close_offload(self) -> None:
+        """Stop the prefetch thread and remove this rank's (by now empty) offload directory."""
+        offloader = self.hybrid.engine.offloader
+        if offloader is None:
+            return
+        offloader.close()
+        shutil.rmtree(offloader.directory, ignore_errors=True)
+        try:
+            offloader.directory.parent.rmdir()  # the last rank out removes offload/ itself
+        except OSError:
+            pass
 
     # ----- checkpoints ---------------------------------------------------------------------
     def _check_agreement(self) -> None:
@@ -410,6 +442,7 @@ class Trainer:
                     if self.rank == 0:
                         progress.log(f"checkpoint {path}")
         finally:
+            self._close_offload()
             if metrics_file is not None:
                 metrics_file.close()
             if progress is not None:
@@ -423,7 +456,8 @@ class Trainer:
                                 for name, entry in comm.stats().items()},
                 "comm": {"config": self.comm_config.describe(),
                          "tuner": getattr(self.comm_config.tuner, "source", None) or "none: the default table"},
-                "memory": self.memory.summary()}
+                "memory": {**self.memory.summary(), **({"offload": dict(self.hybrid.engine.offloader.stats)}
+                                                      if self.hybrid.engine.offloader is not None else {})}}
         everyone = [None] * self.world_size
         dist.all_gather_object(everyone, mine)
         if self.rank != 0:

@@ -57,6 +57,7 @@ from plait.parallel.pipeline.schedules import (
     WEIGHT,
     PipelineSchedule,
 )
+from plait.parallel.offload import ActivationOffloader
 from plait.parallel.precision import autocast
 from plait.parallel.saved_memory import SavedTensorMeter
 
@@ -90,11 +91,13 @@ class PipelineEngine:
     def __init__(self, schedule: PipelineSchedule, stage_modules: dict[int, nn.Module], loss_fn, *,
                  group=None, timeout_s: float | None = None, model: nn.Module | None = None,
                  meter: SavedTensorMeter | None = None, autocast_dtype: torch.dtype | None = None,
-                 loss_scale=None):
+                 loss_scale=None, offloader: ActivationOffloader | None = None):
         """``autocast_dtype``: run the stages' forwards under ``torch.autocast`` in this
         16-bit dtype (mixed precision: the parameters stay as they are); the last
         stage's output is cast to float32 before ``loss_fn`` (the loss in fp32).
-        ``loss_scale``: multiplies each micro-batch's loss before its backward (dynamic
+        ``offloader``: an ActivationOffloader whose hooks move saved tensors off the
+        device in the forward; before each action the engine asks it to prefetch the
+        next backward's tensors (the schedule says which). ``loss_scale``: multiplies each micro-batch's loss before its backward (dynamic
         loss scaling's ``scale_loss``). ``meter``: a SavedTensorMeter that also sees every tensor the stages save (its
         hooks composed with the engine's own, so neither hides the other).
         ``model``: the whole model the stage modules were cut from (every rank builds
@@ -119,12 +122,15 @@ class PipelineEngine:
         self.timeout_s = timeout_s
         self.meter = meter
         self.autocast_dtype, self.loss_scale = autocast_dtype, loss_scale
+        self.offloader = offloader
         self.last = schedule.stages - 1
         self.history: deque[StepRecord] = deque(maxlen=100)
         self.steps = 0
         first = next((param for module in self.stages.values() for param in module.parameters()), None)
         self.device = first.device if first is not None else comm.default_device(group)
         self._parameter_storages = {param.untyped_storage().data_ptr() for param in self.parameters()}
+        if offloader is not None:
+            offloader.keep_storages |= self._parameter_storages  # parameters stay where they are
         # name -> pipeline ranks holding it, for parameters held by more than one rank
         self.shared_parameters: dict[str, tuple[int, ...]] = {}
         self._shared_groups: list[tuple[tuple[int, ...], list[str], list[nn.Parameter], object]] = []
@@ -283,7 +289,11 @@ class PipelineEngine:
         micro_inputs = self._split(inputs, "inputs") if 0 in self.stages else None
         micro_targets = self._split(targets, "targets") if self.last in self.stages else None
         try:
+            upcoming = _next_backward(actions) if self.offloader is not None else None
+            state.backward_next = _backward_next(actions) if self.offloader is not None else set()
             for state.position, action in enumerate(actions):
+                if upcoming is not None and upcoming[state.position] is not None:
+                    self.offloader.prefetch(upcoming[state.position])  # read back while this action computes
                 self._run(action, state, micro_inputs, micro_targets, pending, record)
         except Exception:
             self._abort(actions[state.position:], pending)
@@ -380,7 +390,10 @@ class PipelineEngine:
         # nor the caller's batch (a micro-batch is a view of it: memory the caller holds anyway)
         batch_storages = state.batch_storages
 
-        meter = self.meter
+        meter, offloader = self.meter, self.offloader
+        if offloader is not None:
+            offloader.begin((mb, s), enabled=state.position not in state.backward_next)
+        input_storage = x.untyped_storage().data_ptr() if isinstance(x, torch.Tensor) else None
 
         def pack(tensor):
             key = (tensor.data_ptr(), tensor.numel() * tensor.element_size())
@@ -388,9 +401,18 @@ class PipelineEngine:
             if key not in counted and storage not in self._parameter_storages and storage not in batch_storages:
                 counted.add(key)
                 saved[0] += key[1]
+            if offloader is not None and storage != input_storage and storage not in batch_storages:
+                tensor = offloader.pack(tensor)  # (the stage input and the batch are held anyway)
+                if not isinstance(tensor, torch.Tensor):
+                    return tensor  # off the device: nothing resident to meter
             return tensor if meter is None else meter.pack(tensor)
 
-        with torch.autograd.graph.saved_tensors_hooks(pack, _identity if meter is None else meter.unpack):
+        def unpack(packed):
+            if offloader is not None:
+                packed = offloader.unpack(packed)
+            return packed if meter is None or isinstance(packed, torch.Tensor) else meter.unpack(packed)
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack if (meter or offloader) else _identity):
             with autocast(self.device, self.autocast_dtype):
                 out = self.stages[s](x)
             if s != self.last and not isinstance(out, torch.Tensor):
@@ -406,6 +428,8 @@ class PipelineEngine:
                 out = loss / self.schedule.microbatches
                 if self.loss_scale is not None:
                     out = self.loss_scale(out)
+        if offloader is not None:
+            offloader.end()
         state.outputs[(mb, s)] = out
         input_key = (x.data_ptr(), x.numel() * x.element_size())
         held_input = s > 0 and input_key not in counted  # the stage input we keep, unless autograd saved it
@@ -485,10 +509,32 @@ class _StepState:
     loss_sum: float = 0.0
     peak_bytes: int = 0
     position: int = 0
+    backward_next: set = field(default_factory=set)  # forwards whose backward comes right after (not offloaded)
 
 
 def _identity(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
+
+
+def _backward_next(actions) -> set[int]:
+    """Positions of forwards whose own backward is this rank's next computation (the
+    last stage's, in 1F1B): nothing to gain from offloading those."""
+    computing = [position for position, action in enumerate(actions) if action.kind in (FORWARD, BACKWARD, WEIGHT)]
+    return {here for here, following in zip(computing, computing[1:])
+            if actions[here].kind == FORWARD and actions[following].kind == BACKWARD
+            and (actions[following].microbatch, actions[following].stage) == (actions[here].microbatch,
+                                                                            actions[here].stage)}
+
+
+def _next_backward(actions) -> list:
+    """Per position, the (micro-batch, stage) of the first backward at or after the
+    next action (what to read back while this one runs), None past the last."""
+    upcoming, found = [None] * len(actions), None
+    for position in range(len(actions) - 1, -1, -1):
+        upcoming[position] = found
+        if actions[position].kind == BACKWARD:
+            found = (actions[position].microbatch, actions[position].stage)
+    return upcoming
 
 
 def _as_leaf(tensor: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,177 @@
+"""Activation offload: tensors autograd saves for the backward leave the compute
+device during the forward and come back before the backward that needs them.
+
+``ActivationOffloader.pack`` (a saved-tensor pack hook the pipeline engine composes
+with its own) moves every saved tensor of at least ``min_bytes`` that is not a
+parameter: on CPU to a file of its own under ``directory`` (raw bytes; the tensor's
+memory is freed once nothing else holds it, so resident memory really drops), on an
+accelerator to host memory. Autograd keeps a small handle instead.
+
+The schedule is data, so the engine knows which micro-batch's backward comes next:
+before each action it calls ``prefetch(key)`` for the next backward's (micro-batch,
+stage), and a background thread reads those tensors back while the current action
+computes. ``unpack`` returns the prefetched tensor, or reads it on the spot when the
+prefetch has not finished (counted in ``stats["late"]``). Views of one storage saved
+in one forward share one file and one read-back. A storage is read once and kept
+while autograd holds a view of it (zero bubble's weight pass unpacks again); its
+file is deleted when the last view dies.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import queue
+import threading
+import time
+import weakref
+from pathlib import Path
+
+import torch
+
+
+class _Stored:
+    """One offloaded storage (every saved view of it shares the file and the read-back)."""
+
+    __slots__ = ("key", "nbytes", "device", "path", "host", "storage", "ready", "lock", "holder", "__weakref__")
+
+    def __init__(self, key, nbytes: int, device: torch.device):
+        self.key, self.nbytes, self.device = key, nbytes, device
+        self.path: Path | None = None
+        self.host: torch.Tensor | None = None
+        self.storage = None  # the storage read back
+        self.ready = threading.Event()
+        self.lock = threading.Lock()
+        self.holder = None  # what ``on_loaded`` returned for it (a memory meter's holder)
+
+
+class _Offloaded:
+    """What autograd holds instead of an offloaded tensor: its storage's record and its view."""
+
+    __slots__ = ("stored", "shape", "stride", "offset", "dtype")
+
+    def __init__(self, stored: _Stored, tensor: torch.Tensor):
+        self.stored = stored
+        self.shape, self.stride, self.offset = tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset()
+        self.dtype = tensor.dtype
+
+
+class ActivationOffloader:
+    """See the module docstring. ``keep_storages``: data_ptrs never offloaded (the
+    engine passes its parameters' storages). The engine brackets each stage forward
+    with ``begin(key)`` / ``end()``: within one forward, views of one storage share
+    one copy; after ``end`` the forward's storages are held only by whoever else
+    holds them."""
+
+    def __init__(self, directory, *, min_bytes: int = 64 << 10, on_loaded=None):
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.min_bytes = min_bytes
+        self.keep_storages: set[int] = set()
+        self.on_loaded = on_loaded  # called with each storage read back, as a uint8 tensor (a meter's pack)
+        self.key = None  # (micro-batch, stage) whose forward is running
+        self.enabled = True
+        self._current: dict[int, tuple[_Stored, object]] = {}  # this forward's storages: data_ptr -> (record, storage)
+        self._names = itertools.count()
+        self._by_key: dict[object, list] = {}  # key -> weak references to its records
+        self._lock = threading.Lock()
+        self._jobs: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._prefetch_loop, name="plait-offload-prefetch", daemon=True)
+        self._thread.start()
+        self.stats = {"offloaded_bytes": 0, "storages": 0, "write_s": 0.0, "read_s": 0.0, "late": 0, "prefetched": 0}
+
+    # ----- the forward: out ------------------------------------------------------------------
+    def begin(self, key, enabled: bool = True) -> None:
+        """A stage forward starts; ``enabled`` False keeps its tensors in memory (the
+        engine says so when this micro-batch's backward is the very next computation:
+        a round trip through a file would only add time)."""
+        self.key, self._current, self.enabled = key, {}, enabled
+
+    def end(self) -> None:
+        self._current = {}  # the forward's storages are no longer held here
+
+    def pack(self, tensor: torch.Tensor):
+        storage = tensor.untyped_storage()
+        pointer = storage.data_ptr()
+        if not self.enabled or storage.nbytes() < self.min_bytes or pointer in self.keep_storages:
+            return tensor
+        entry = self._current.get(pointer)
+        if entry is None:
+            entry = (self._write(storage, tensor.device), storage)  # held until end(): the pointer stays unique
+            self._current[pointer] = entry
+        return _Offloaded(entry[0], tensor)
+
+    def _write(self, storage, device: torch.device) -> _Stored:
+        stored = _Stored(self.key, storage.nbytes(), device)
+        start_s = time.perf_counter()
+        whole = torch.empty(0, dtype=torch.uint8, device=device).set_(storage)  # the storage as bytes
+        if device.type == "cpu":
+            stored.path = self.directory / f"{next(self._names)}.bin"
+            with open(stored.path, "wb") as file:
+                file.write(whole.numpy().tobytes())
+            weakref.finalize(stored, _remove, stored.path)
+        else:
+            stored.host = whole.to("cpu")
+        self.stats["write_s"] += time.perf_counter() - start_s
+        self.stats["offloaded_bytes"] += stored.nbytes
+        self.stats["storages"] += 1
+        with self._lock:
+            self._by_key.setdefault(self.key, []).append(weakref.ref(stored))
+        return stored
+
+    # ----- the backward: back ----------------------------------------------------------------
+    def prefetch(self, key) -> None:
+        """Read back (in the background) every storage offloaded under ``key``."""
+        with self._lock:
+            records = [ref() for ref in self._by_key.pop(key, [])]
+        for stored in records:
+            if stored is not None:
+                self._jobs.put(stored)
+
+    def unpack(self, packed):
+        if not isinstance(packed, _Offloaded):
+            return packed
+        stored = packed.stored
+        if not stored.ready.is_set():
+            self.stats["late"] += 1  # the prefetch has not finished (or was never asked): read it here
+            self._load(stored)
+        return torch.empty(0, dtype=packed.dtype, device=stored.device).set_(
+            stored.storage, packed.offset, packed.shape, packed.stride)
+
+    def _prefetch_loop(self) -> None:
+        while True:
+            stored = self._jobs.get()
+            if stored is None:
+                return
+            self._load(stored)
+            self.stats["prefetched"] += 1
+
+    def _load(self, stored: _Stored) -> None:
+        with stored.lock:  # one reader per storage: the prefetch thread or the backward, whichever comes first
+            if stored.ready.is_set():
+                return
+            start_s = time.perf_counter()
+            if stored.path is not None:
+                raw = torch.from_file(str(stored.path), shared=False, size=stored.nbytes, dtype=torch.uint8)
+            else:
+                raw = stored.host.to(stored.device)
+            stored.storage = raw.untyped_storage()
+            stored.host = None
+            if self.on_loaded is not None:
+                stored.holder = self.on_loaded(raw)
+            self.stats["read_s"] += time.perf_counter() - start_s
+            stored.ready.set()
+
+    def close(self) -> None:
+        self._jobs.put(None)
+        self._thread.join(timeout=10)
+
+
+def _remove(path: Path) -> None:
+    try:
+        os.remove(path)
+    except OSError:
+        pass
+
+
+__all__ = ["ActivationOffloader"]
