@@ -18,18 +18,17 @@ def _run(directory=None, split=False):
     params = list(model.parameters())
     meter = SavedTensorMeter(exclude=params)
     offloader = None
-    pack, unpack = meter.pack, meter.unpack
     if directory is not None:
         offloader = ActivationOffloader(directory, min_bytes=1024, on_loaded=meter.pack)
         offloader.keep_storages |= {param.untyped_storage().data_ptr() for param in params}
 
-        def pack(tensor):
-            packed = offloader.pack(tensor)
-            return packed if not isinstance(packed, torch.Tensor) else meter.pack(packed)
+    def pack(tensor):  # composed as the engine composes them: offload first, meter what stays
+        packed = offloader.pack(tensor) if offloader is not None else tensor
+        return packed if not isinstance(packed, torch.Tensor) else meter.pack(packed)
 
-        def unpack(packed):
-            packed = offloader.unpack(packed)
-            return packed if isinstance(packed, torch.Tensor) else meter.unpack(packed)
+    def unpack(packed):
+        packed = offloader.unpack(packed) if offloader is not None else packed
+        return packed if isinstance(packed, torch.Tensor) else meter.unpack(packed)
 
     with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
         loss = model.loss(tokens[:, :-1], tokens[:, 1:])

@@ -142,7 +142,7 @@ def all_to_all(output_tensor_list, input_tensor_list, group=None, async_op=False
     communicator = communicator_for(group)
     if communicator is None:
         return None
-    rank, p = communicator.rank, communicator.size
+    p = communicator.size
     targets = _check_list(output_tensor_list, p, "output_tensor_list", "all_to_all")
     sources = _check_list(input_tensor_list, p, "input_tensor_list", "all_to_all")
     dtype = sources[0].dtype

@@ -173,11 +173,11 @@ class TransformerSpec:
                                element_bytes: int = 2, accounting: str = "megatron") -> float:
         """Bytes one block keeps for its backward (the formula in the module docstring)."""
         _check_accounting(accounting)
-        s, b, h, a, t, e = self.seq_len, micro_batch, self.hidden, self.heads, tp, element_bytes
+        s, b, h, t, e = self.seq_len, micro_batch, self.hidden, tp, element_bytes
         d = 1 if self.dropout else 0
         mask = 1 if accounting == "megatron" else e
         sp = sequence_parallel and t > 1
-        sbh, as2b = s * b * h, a * s * s * b
+        sbh = s * b * h
         # LN1 input, LN2 input (the residual stream) and the two LN outputs the QKV and fc1 matmuls keep
         residual = 2 * e * sbh / (t if sp else 1)
         ln_outputs = 2 * e * sbh / (t if sp and accounting == "megatron" else 1)
