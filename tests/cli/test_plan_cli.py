@@ -37,6 +37,26 @@ def test_json_with_fixed_degrees(capsys):
                              "zero_stage", "step_time_s", "tflops_per_gpu", "percent_of_peak", "memory_per_gpu_bytes"}
 
 
+def test_offload_and_autocast_are_priced_as_plait_train_runs_them(capsys):
+    """--offload-activations under GPipe keeps 2 of the 8 micro-batches' activations;
+    --precision bf16-mixed under the plait accounting keeps fp32 model state (4+4+8)."""
+    base = ["plan", "--model", "gpt", "--layers", "4", "--hidden", "256", "--heads", "4", "--seq", "512",
+            "--vocab", "1024", "--cluster", "dgx-a100", "--gpus", "8", "--global-batch", "16", "--pp", "2",
+            "--dp", "1", "--tp", "4", "--micro-batch", "2", "--schedule", "gpipe", "--no-recompute",
+            "--zero-stage", "0", "--no-sequence-parallel", "--accounting", "plait", "--json"]
+    runs = {}
+    for name, extra in (("fp32", ["--precision", "fp32"]), ("offload", ["--precision", "fp32", "--offload-activations"]),
+                        ("bf16", ["--precision", "bf16-mixed"])):
+        assert main(base + extra) == 0
+        runs[name] = json.loads(capsys.readouterr().out)[0]
+    assert runs["offload"]["offload"] is True and runs["fp32"]["offload"] is False
+    kept, offloaded = runs["fp32"]["memory_breakdown_bytes"], runs["offload"]["memory_breakdown_bytes"]
+    assert offloaded["activations"] < kept["activations"] / 3  # 2 of 8 micro-batches (plus the working set)
+    bf16 = runs["bf16"]["memory_breakdown_bytes"]
+    assert bf16["parameters"] == kept["parameters"] and bf16["optimizer"] == kept["optimizer"]
+    assert kept["activations"] / 2 < bf16["activations"] < kept["activations"]
+
+
 def digits_mlp():
     """A module factory for --module: an MLP on scikit-learn digits' shape."""
     model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256),

@@ -12,7 +12,7 @@ from plait.parallel.pipeline.schedules import build
 from plait.plan import Layout, cluster_preset, estimate_layout, model_preset
 from plait.plan.cluster import Cluster
 from plait.plan.device import DeviceSpec
-from plait.plan.estimate import PRECISIONS, Unit, estimate, in_flight
+from plait.plan.estimate import PRECISIONS, Unit, estimate, in_flight, precision_for
 from plait.plan.layers import LayerCost
 from plait.plan.transformer import TensorParallelComm
 
@@ -212,3 +212,37 @@ def test_recomputation_peak_reuses_the_head_freed_before_it(recompute):
     kept, working = {"none": (block, 0.0), "selective": (block - core, core),
                      "full": (spec.block_input_bytes(2, **kw), block)}[recompute]
     assert got == pytest.approx(emb + spec.layers * kept + head + max(working - head, 0.0), rel=1e-12)
+
+
+@pytest.mark.parametrize("schedule,p,m", [("gpipe", 2, 4), ("gpipe", 4, 8), ("1f1b", 4, 8), ("1f1b", 2, 4)])
+def test_offload_keeps_at_most_two_micro_batches_in_memory(schedule, p, m):
+    """plait train --offload-activations holds the running backward's micro-batch and
+    the prefetched next one; the rest are in files. Priced: min(schedule peak, 2) x the
+    rank's chunk bytes; a schedule that never holds more than 2 gains nothing."""
+    groups = [[Unit(LayerCost(name=f"l{i}", forward_flops=1.0, backward_flops=2.0, activation_bytes=10.0),
+                    TensorParallelComm(), True)] for i in range(p)]
+    layout = Layout(pp=p, num_microbatches=m, schedule=schedule)
+    kept = estimate(groups, layout, _cluster(p), PRECISIONS["fp32"], model_flops=1.0, hardware_flops=1.0)
+    offloaded = estimate(groups, Layout(pp=p, num_microbatches=m, schedule=schedule, offload=True), _cluster(p),
+                         PRECISIONS["fp32"], model_flops=1.0, hardware_flops=1.0)
+    peak = max(in_flight(layout, r) for r in range(p))
+    assert kept.memory_bytes["activations"] == 10.0 * peak
+    assert offloaded.memory_bytes["activations"] == 10.0 * min(peak, 2)
+    assert offloaded.step_time_s == kept.step_time_s  # memory only: the copies are not priced (README)
+
+
+def test_mixed_precision_bytes_follow_the_trainer_of_the_accounting():
+    """Under the plait accounting a mixed precision is plait train's autocast: fp32
+    parameters, gradients and AdamW states (4 + 4 + 8), a float32 residual stream and
+    16-bit weight copies; under megatron's, 16-bit weights with fp32 masters (2 + 2 + 12)."""
+    for name, dtype in (("bf16-mixed", "bfloat16"), ("fp16-mixed", "float16")):
+        plait, megatron = precision_for(name, "plait"), precision_for(name, "megatron")
+        assert (plait.dtype, plait.param_bytes, plait.grad_bytes, plait.optimizer_bytes) == (dtype, 4, 4, 8)
+        assert (plait.element_bytes, plait.residual_bytes, plait.weight_copy_bytes) == (2, 4, 2)
+        assert (megatron.dtype, megatron.param_bytes, megatron.grad_bytes, megatron.optimizer_bytes) == (dtype, 2, 2, 12)
+        assert megatron.residual_bytes is None and megatron.weight_copy_bytes == 0
+    assert precision_for("fp32", "plait") == PRECISIONS["fp32"]
+    with pytest.raises(ValueError, match="precision='fp8' must be one of bf16-mixed, fp16-mixed, fp32"):
+        precision_for("fp8", "plait")
+    with pytest.raises(ValueError, match="offload='yes' must be True or False"):
+        estimate_layout(model_preset("gpt-125m"), "dgx-a100", Layout(dp=8, offload="yes"), gpus=8)

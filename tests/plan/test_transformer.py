@@ -86,9 +86,10 @@ def test_megatron_accounting_is_korthikanti_table_2():
     assert spec.block_input_bytes(b, tp=8, sequence_parallel=True) == 2 * sbh / 8
 
 
-def _measured_layers(config: GPTConfig, batch: int, tp=None, seed=0, recompute="none"):
+def _measured_layers(config: GPTConfig, batch: int, tp=None, seed=0, recompute="none", autocast_dtype=None):
     """Saved bytes of each of GPT's sequential layers (embedding, blocks, head + loss),
-    each run on a fresh input that requires grad, as a pipeline stage runs it."""
+    each run on a fresh input that requires grad, as a pipeline stage runs it (under
+    ``torch.autocast(autocast_dtype)`` when given, the loss in float32 outside it)."""
     torch.manual_seed(seed)
     model = GPT(config, tp, seed=seed)
     model.set_recompute(recompute)
@@ -102,9 +103,10 @@ def _measured_layers(config: GPTConfig, batch: int, tp=None, seed=0, recompute="
         out = {}
 
         def run(layer=layer, inputs=inputs, index=index):
-            out["y"] = layer(inputs)
+            with torch.autocast("cpu", dtype=autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None):
+                out["y"] = layer(inputs)
             if index == len(layers) - 1:  # the last stage's loss is part of its memory
-                out["loss"] = vocab_parallel_cross_entropy(out["y"], tokens, model.tp, config.vocab).mean()
+                out["loss"] = vocab_parallel_cross_entropy(out["y"].float(), tokens, model.tp, config.vocab).mean()
 
         measured.append(saved_activation_bytes(run, exclude=params))
         x = out["y"]
@@ -129,6 +131,25 @@ def test_plait_accounting_matches_the_saved_tensors(shape, dropout):
         assert got == want  # blocks: exact
     costs = spec.layer_costs(batch, **kw)
     assert [c.activation_bytes for c in costs] == predicted
+
+
+@pytest.mark.parametrize("autocast_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", SMALL[:2])
+def test_plait_accounting_of_autocast_matches_the_saved_tensors(shape, autocast_dtype):
+    """plait train's mixed precision (autocast over float32 weights): the residual
+    stream float32 (r = 4), matmul inputs and the attention core 16-bit (e = 2), and one
+    16-bit copy of each matmul weight per forward (w = 2). Blocks and head exact."""
+    batch = 3
+    measured = _measured_layers(GPTConfig(**shape), batch, autocast_dtype=autocast_dtype)
+    spec = _spec(shape)
+    kw = dict(element_bytes=2, accounting="plait", residual_bytes=4, weight_copy_bytes=2)
+    predicted = ([spec.embedding_activation_bytes(batch, element_bytes=2, accounting="plait")]
+                 + [spec.block_activation_bytes(batch, **kw)] * shape["layers"] + [spec.head_activation_bytes(batch, **kw)])
+    assert measured[1:] == predicted[1:]
+    assert abs(measured[0] - predicted[0]) <= 0.10 * measured[0]
+    assert [c.activation_bytes for c in spec.layer_costs(batch, **kw)] == predicted
+    full = _measured_layers(GPTConfig(**shape), batch, recompute="full", autocast_dtype=autocast_dtype)
+    assert full[1:-1] == [spec.block_input_bytes(batch, element_bytes=4)] * shape["layers"]  # the fp32 input
 
 
 @pytest.mark.parametrize("dropout", [0.0, 0.1])

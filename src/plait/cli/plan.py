@@ -35,6 +35,7 @@ from plait.plan import (
     ModuleModel,
     PlanRequest,
     PRECISIONS,
+    precision_for,
     search,
     table,
     TransformerModel,
@@ -95,7 +96,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         help="the same as --recompute none")
     _bool_flag(layout, "sequence-parallel", "sequence parallelism (tp > 1)")
     layout.add_argument("--precision", default=None, choices=tuple(PRECISIONS),
-                        help="bf16-mixed (default on GPUs) or fp32 (default on --cluster local)")
+                        help="bf16-mixed (default on GPUs), fp16-mixed or fp32 (default on --cluster local); under "
+                             "the plait accounting a mixed precision is plait train's: autocast over fp32 weights")
+    layout.add_argument("--offload-activations", action="store_true",
+                        help="price plait train --offload-activations: at most two micro-batches' saved "
+                             "activations in memory per rank (the running backward's and the prefetched next)")
     layout.add_argument("--accounting", default=None, choices=("megatron", "plait"),
                         help="activation accounting: megatron's fused kernels (default on GPUs) or plait's "
                              "eager GPT (default local)")
@@ -204,7 +209,7 @@ def _local_cluster(args, precision_name: str, emit, model=None):
     nprocs = args.nprocs or args.gpus
     if nprocs is None:
         raise ValueError("--cluster local needs --nprocs N (processes on this machine)")
-    dtype = "float32" if precision_name == "fp32" else "bfloat16"
+    dtype = precision_for(precision_name, "plait").dtype
     started = time.perf_counter()
     device = measure_device(dtype=dtype, processes=nprocs, matmul_shapes=_model_matmul_shapes(model))
     emit(f"measured this machine in {time.perf_counter() - started:.1f} s: {device.describe()} "
@@ -260,6 +265,7 @@ def run(args) -> int:
         global_batch=args.global_batch, tp=args.tp, pp=args.pp, dp=args.dp, micro_batch=args.micro_batch,
         schedule=args.schedule, virtual=args.virtual, recompute=args.recompute, zero_stage=args.zero_stage,
         sequence_parallel=args.sequence_parallel, precision=precision, accounting=accounting,
+        offload=args.offload_activations,
         memory_limit_bytes=None if args.memory_limit_gib is None else args.memory_limit_gib * GIB,
         max_micro_batch=args.max_micro_batch, top=args.top, max_layouts=args.max_layouts)
     processes = args.nprocs if args.nprocs is not None else args.gpus

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from plait.plan.cluster import Cluster, cluster_preset, CLUSTER_PRESETS
 from plait.plan.device import device_preset, DEVICE_PRESETS, DeviceSpec
-from plait.plan.estimate import estimate, Estimate, Layout, layout_problems, PRECISIONS
+from plait.plan.estimate import estimate, Estimate, Layout, layout_problems, PRECISIONS, precision_for
 from plait.plan.explain import explain, table
 from plait.plan.layers import LayerCost
 from plait.plan.models import ModuleModel, TransformerModel
@@ -29,7 +29,7 @@ from plait.plan.transformer import model_preset, MODEL_PRESETS, TransformerSpec
 
 __all__ = ["plan", "estimate_layout", "explain", "table", "PlanRequest", "PlanResult", "PlanError", "Layout",
            "Estimate", "TransformerSpec", "TransformerModel", "ModuleModel", "LayerCost", "Cluster", "DeviceSpec",
-           "MODEL_PRESETS", "CLUSTER_PRESETS", "DEVICE_PRESETS", "PRECISIONS", "model_preset", "cluster_preset",
+           "MODEL_PRESETS", "CLUSTER_PRESETS", "DEVICE_PRESETS", "PRECISIONS", "precision_for", "model_preset", "cluster_preset",
            "device_preset"]
 
 
@@ -73,9 +73,7 @@ def estimate_layout(model, cluster, layout: Layout, *, gpus: int | None = None, 
                                seq_len=getattr(model, "seq_len", None))
     if problems:
         raise ValueError(f"invalid layout {layout.text()}: " + "; ".join(problems))
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision={precision!r} must be one of {', '.join(PRECISIONS)}")
-    chosen = PRECISIONS[precision]
+    chosen = precision_for(precision, accounting)
     groups = model.groups(layout.micro_batch, layout.tp, layout.sequence_parallel, chosen, accounting)
     return estimate(groups, layout, cluster, chosen, model_flops=model.training_flops(layout.global_batch, "none"),
                     hardware_flops=model.training_flops(layout.global_batch, layout.recompute),

@@ -158,7 +158,8 @@ def measure_device(*, device: str = "cpu", dtype: str = "float32", threads: int 
     """
     import torch
 
-    torch_dtype = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}[dtype]
+    torch_dtype = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
+                   "float16": torch.float16}[dtype]
     previous_threads = torch.get_num_threads()
     if threads is not None:
         torch.set_num_threads(threads)

@@ -56,7 +56,7 @@ from plait.plan.pipeline import LIST_SCHEDULED, cost_units, price_schedule, sche
 from plait.plan.stages import alpa_partition, minmax_partition
 from plait.plan.transformer import TensorParallelComm
 
-__all__ = ["Layout", "Precision", "PRECISIONS", "Estimate", "estimate", "SCHEDULES", "Unit", "GroupCosts",
+__all__ = ["Layout", "Precision", "PRECISIONS", "AUTOCAST_PRECISIONS", "precision_for", "Estimate", "estimate", "SCHEDULES", "Unit", "GroupCosts",
            "layout_problems", "summarize", "split_groups", "alpa_split", "combine", "in_flight"]
 
 SCHEDULES = ("none", "gpipe", "1f1b", "interleaved", "chimera", "zero_bubble")
@@ -74,16 +74,46 @@ class Precision:
     grad_bytes: int
     optimizer_bytes: int      # per parameter: Adam's states (+ fp32 master weights when mixed)
     optimizer_traffic_bytes: int  # read + written per parameter by one optimizer step
+    residual_bytes: int | None = None  # the residual stream's element (None: element_bytes)
+    weight_copy_bytes: int = 0  # a 16-bit copy of each matmul weight kept per forward (autocast)
 
 
 PRECISIONS = {
     # ZeRO's accounting (Rajbhandari et al. 2020): 2 + 2 + 12 = 16 bytes per parameter
     "bf16-mixed": Precision(name="bf16-mixed", dtype="bfloat16", element_bytes=2, param_bytes=2, grad_bytes=2,
                             optimizer_bytes=12, optimizer_traffic_bytes=32),
+    "fp16-mixed": Precision(name="fp16-mixed", dtype="float16", element_bytes=2, param_bytes=2, grad_bytes=2,
+                            optimizer_bytes=12, optimizer_traffic_bytes=32),
     # plain float32 AdamW (plait train's default dtype): 4 + 4 + 8
     "fp32": Precision(name="fp32", dtype="float32", element_bytes=4, param_bytes=4, grad_bytes=4,
                       optimizer_bytes=8, optimizer_traffic_bytes=28),
 }
+
+# What plait train's --precision runs (torch.autocast over fp32 weights, plait.parallel.precision):
+# parameters, gradients and AdamW's two states stay float32 (4 + 4 + 8 bytes per parameter),
+# the residual stream stays float32, matmuls save their 16-bit inputs and a 16-bit copy of
+# their weights (plait.plan.transformer's module docstring)
+AUTOCAST_PRECISIONS = {
+    name: Precision(name=name, dtype=dtype, element_bytes=2, param_bytes=4, grad_bytes=4, optimizer_bytes=8,
+                    optimizer_traffic_bytes=28, residual_bytes=4, weight_copy_bytes=2)
+    for name, dtype in (("bf16-mixed", "bfloat16"), ("fp16-mixed", "float16"))
+}
+
+# With --offload-activations, the micro-batches whose saved tensors are in memory at once
+# at most: the one whose backward runs and the next backward's, prefetched meanwhile
+# (plait.parallel.offload); every other one is in files.
+OFFLOAD_RESIDENT_MICROBATCHES = 2
+
+
+def precision_for(name: str, accounting: str) -> Precision:
+    """The bytes of precision ``name`` as the accounting's trainer keeps them: under
+    "plait" (plait train) a mixed precision is autocast over fp32 weights; under
+    "megatron", 16-bit weights with fp32 master copies in the optimizer (ZeRO's 2+2+12)."""
+    if name not in PRECISIONS:
+        raise ValueError(f"precision={name!r} must be one of {', '.join(PRECISIONS)}")
+    if accounting == "plait" and name in AUTOCAST_PRECISIONS:
+        return AUTOCAST_PRECISIONS[name]
+    return PRECISIONS[name]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -100,6 +130,7 @@ class Layout:
     recompute: str = "none"  # none | selective | full (plait train's --recompute)
     zero_stage: int = 0
     sequence_parallel: bool = False
+    offload: bool = False  # plait train's --offload-activations
 
     @property
     def devices(self) -> int:
@@ -116,7 +147,7 @@ class Layout:
         schedule = self.schedule + (f" v={self.virtual}" if self.schedule == "interleaved" else "")
         return (f"tp={self.tp} pp={self.pp} dp={self.dp} mb={self.micro_batch} m={self.num_microbatches} {schedule}"
                 f"{' sp' if self.sequence_parallel else ''}{f' recompute={self.recompute}' if self.recompute != 'none' else ''}"
-                f"{f' zero{self.zero_stage}' if self.zero_stage else ''}")
+                f"{f' zero{self.zero_stage}' if self.zero_stage else ''}{' offload' if self.offload else ''}")
 
 
 @dataclass(frozen=True)
@@ -137,6 +168,8 @@ def layout_problems(layout: Layout, *, num_groups: int, world_size: int, global_
         value = getattr(layout, key)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             problems.append(f"{key}={value!r} must be a whole number >= 1")
+    if not isinstance(layout.offload, bool):
+        problems.append(f"offload={layout.offload!r} must be True or False")
     if isinstance(layout.recompute, bool) or layout.recompute not in RECOMPUTE_MODES:
         problems.append(f"recompute={layout.recompute!r} must be one of {', '.join(RECOMPUTE_MODES)}")
     if problems:
@@ -455,8 +488,10 @@ def estimate(groups: list[list[Unit]], layout: Layout, cluster: Cluster, precisi
     for r, rank in enumerate(ranks):
         mine = rank.pop("mine")
         # a recompute's working set comes after the chunk's trailing layers have freed theirs
-        rank["activations"] = _activation_peak(mine, layout, r, price) + max(
-            max(c.working_bytes - c.trailing_bytes, 0.0) for c in mine)
+        held = _activation_peak(mine, layout, r, price)
+        if layout.offload:
+            held = min(held, OFFLOAD_RESIDENT_MICROBATCHES * max(c.activation_bytes for c in mine))
+        rank["activations"] = held + max(max(c.working_bytes - c.trailing_bytes, 0.0) for c in mine)
     bottleneck = ranks[slowest]
     times = {"compute": m * bottleneck["compute"], "tp_comm": m * bottleneck["tp_comm"],
              "pp_comm": m * bottleneck["p2p"]}

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field, replace
 
 from plait.plan.cluster import MAX_DEVICES, Cluster
 from plait.plan.estimate import (PRECISIONS, SCHEDULES, Estimate, Layout, alpa_split, combine, estimate,
-                                 layout_problems, split_groups, summarize)
+                                 layout_problems, precision_for, split_groups, summarize)
 from plait.plan.grid import (DEFAULT_MAX_LAYOUTS, Family, Pruning, divisors, enumerate_families, fit_budget,
                              variant_choices)
 from plait.plan.layers import RECOMPUTE_MODES
@@ -79,6 +79,7 @@ class PlanRequest:
     sequence_parallel: bool | None = None
     precision: str = "bf16-mixed"
     accounting: str = "megatron"
+    offload: bool = False  # plait train's --offload-activations (fixed, not searched)
     memory_limit_bytes: float | None = None
     memory_reserve_fraction: float = 0.1
     max_micro_batch: int = 32
@@ -119,6 +120,8 @@ class PlanRequest:
             problems.append(f"schedule={self.schedule!r} must be one of {', '.join(SCHEDULES)}")
         if self.precision not in PRECISIONS:
             problems.append(f"precision={self.precision!r} must be one of {', '.join(PRECISIONS)}")
+        if not isinstance(self.offload, bool):
+            problems.append(f"offload={self.offload!r} must be True or False")
         if self.accounting not in ACCOUNTINGS:
             problems.append(f"accounting={self.accounting!r} must be one of {', '.join(ACCOUNTINGS)}")
         if not (isinstance(self.memory_reserve_fraction, (int, float)) and 0 <= self.memory_reserve_fraction < 1):
@@ -184,7 +187,7 @@ def search(model, cluster: Cluster, request: PlanRequest, *, suggest: bool = Tru
     ``suggest``, naming the smallest bigger cluster that would fit)."""
     started = time.perf_counter()
     world = cluster.world_size
-    precision = PRECISIONS[request.precision]
+    precision = precision_for(request.precision, request.accounting)
     limit = request.memory_limit_bytes or cluster.device.memory_bytes * (1 - request.memory_reserve_fraction)
     batch = request.global_batch
     if model.num_groups > MAX_LAYER_GROUPS:
@@ -243,7 +246,7 @@ def search(model, cluster: Cluster, request: PlanRequest, *, suggest: bool = Tru
                         for zero in zeros:
                             layout = Layout(tp=tp, pp=pp, dp=dp, micro_batch=mb, num_microbatches=m,
                                             schedule=schedule, virtual=virtual, recompute=rc, zero_stage=zero,
-                                            sequence_parallel=sp)
+                                            sequence_parallel=sp, offload=request.offload)
                             problems = layout_problems(layout, num_groups=model.num_groups, world_size=world,
                                                        global_batch=batch, tp_problem=None,
                                                        seq_len=getattr(model, "seq_len", None))

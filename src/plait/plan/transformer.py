@@ -29,6 +29,15 @@ outputs stay sbh each; it also keeps LayerNorm statistics (2 sb float32 per norm
 the s² boolean causal mask. Full recomputation keeps only each block's input (sbh·e, /t
 with sequence parallelism) plus, during the backward, one block's full activations.
 
+Mixed precision as plait train runs it (``torch.autocast``, fp32 weights) keeps two
+element sizes: the residual stream stays float32 (r = 4 bytes: the LayerNorm inputs,
+each block's input and output, what a pipeline boundary sends and full recomputation
+keeps), while what a matmul saves is the 16-bit cast it multiplied (e = 2: the
+LayerNorm outputs, QKV, context, the MLP's two 4h tensors, the softmax output). Each
+forward also keeps the 16-bit copy of every weight its matmuls used (w = 2 bytes per
+weight element, per micro-batch in flight: autocast's cast cache lives for one
+forward): w·(4h² + 2hf)/t per block and w·hV'/t for the head.
+
 Communication under tensor parallelism (DESIGN §6): per block two all-reduces of sbh·e
 bytes forward and two backward (under sequence parallelism each becomes a
 reduce-scatter plus an all-gather, the same ring cost), two more forward with
@@ -170,20 +179,24 @@ class TransformerSpec:
 
     # ----- activations --------------------------------------------------------------------------
     def block_activation_bytes(self, micro_batch: int, *, tp: int = 1, sequence_parallel: bool = False,
-                               element_bytes: int = 2, accounting: str = "megatron") -> float:
-        """Bytes one block keeps for its backward (the formula in the module docstring)."""
+                               element_bytes: int = 2, accounting: str = "megatron", residual_bytes: int | None = None,
+                               weight_copy_bytes: int = 0) -> float:
+        """Bytes one block keeps for its backward (the formula in the module docstring;
+        ``residual_bytes`` r, default e, and ``weight_copy_bytes`` w: its mixed precision)."""
         _check_accounting(accounting)
         s, b, h, t, e = self.seq_len, micro_batch, self.hidden, tp, element_bytes
+        r = e if residual_bytes is None else residual_bytes
         d = 1 if self.dropout else 0
         mask = 1 if accounting == "megatron" else e
         sp = sequence_parallel and t > 1
         sbh = s * b * h
         # LN1 input, LN2 input (the residual stream) and the two LN outputs the QKV and fc1 matmuls keep
-        residual = 2 * e * sbh / (t if sp else 1)
+        residual = 2 * r * sbh / (t if sp else 1)
         ln_outputs = 2 * e * sbh / (t if sp and accounting == "megatron" else 1)
         sharded = 12 * e * sbh / t
         masks = 2 * d * mask * sbh / (t if sp else 1)
-        total = residual + ln_outputs + sharded + masks + self.attention_core_bytes(
+        weights = weight_copy_bytes * (4 * h * h + 2 * h * self.ffn) / t  # 16-bit casts of QKV, proj, fc1, fc2
+        total = residual + ln_outputs + sharded + masks + weights + self.attention_core_bytes(
             micro_batch, tp=tp, element_bytes=element_bytes, accounting=accounting)
         if accounting == "plait":
             total += 2 * LAYER_NORM_STAT_BYTES * s * b / (t if sp else 1)  # LN statistics
@@ -220,23 +233,29 @@ class TransformerSpec:
         return sb * (TOKEN_BYTES + 1) + dropout
 
     def head_activation_bytes(self, micro_batch: int, *, tp: int = 1, sequence_parallel: bool = False,
-                              element_bytes: int = 2, accounting: str = "megatron") -> float:
-        """Final LayerNorm input and output, and the cross-entropy's float32 softmax of
-        this rank's vocabulary slice (sbV'/t · 4) with its target index and mask."""
+                              element_bytes: int = 2, accounting: str = "megatron", residual_bytes: int | None = None,
+                              weight_copy_bytes: int = 0) -> float:
+        """Final LayerNorm input (r bytes an element) and output, the cross-entropy's
+        float32 softmax of this rank's vocabulary slice (sbV'/t · 4) with its target
+        index and mask, and under autocast the head weight's 16-bit copy."""
         _check_accounting(accounting)
         s, b, h, t = self.seq_len, micro_batch, self.hidden, tp
         sp = sequence_parallel and t > 1
-        ln_in = s * b * h * element_bytes / (t if sp else 1)
+        r = element_bytes if residual_bytes is None else residual_bytes
+        ln_in = s * b * h * r / (t if sp else 1)
         ln_out = s * b * h * element_bytes / (t if sp and accounting == "megatron" else 1)
         softmax = 4.0 * s * b * self.padded_vocab(t) / t
         stats = LAYER_NORM_STAT_BYTES * s * b / (t if sp else 1) if accounting == "plait" else 0.0
-        return ln_in + ln_out + softmax + s * b * (TOKEN_BYTES + 1) + stats
+        weights = weight_copy_bytes * h * self.padded_vocab(t) / t
+        return ln_in + ln_out + softmax + s * b * (TOKEN_BYTES + 1) + stats + weights
 
     # ----- per-layer costs for the planner ------------------------------------------------------
     def layer_costs(self, micro_batch: int, *, tp: int = 1, sequence_parallel: bool = False, element_bytes: int = 2,
-                    accounting: str = "megatron") -> list[LayerCost]:
+                    accounting: str = "megatron", residual_bytes: int | None = None,
+                    weight_copy_bytes: int = 0) -> list[LayerCost]:
         """[embedding, block 0 .. block l-1, head]: one micro-batch on one device of a
-        t-way tensor-parallel group."""
+        t-way tensor-parallel group (``residual_bytes``, ``weight_copy_bytes``: mixed
+        precision, see the module docstring)."""
         _check_accounting(accounting)
         problem = self.tensor_parallel_problem(tp)
         if problem:
@@ -244,7 +263,9 @@ class TransformerSpec:
         s, b, h, a, t, e = self.seq_len, micro_batch, self.hidden, self.heads, tp, element_bytes
         sp = sequence_parallel and t > 1
         shape = dict(tp=tp, sequence_parallel=sequence_parallel, element_bytes=e)
-        boundary = self.block_input_bytes(b, **shape)
+        mixed = dict(residual_bytes=residual_bytes, weight_copy_bytes=weight_copy_bytes)
+        boundary = self.block_input_bytes(b, tp=tp, sequence_parallel=sequence_parallel,
+                                          element_bytes=e if residual_bytes is None else residual_bytes)
         d = 1 if self.dropout else 0
         k = _BLOCK_FORWARD[accounting]
         sbh, as2b = s * b * h, a * s * s * b
@@ -255,7 +276,7 @@ class TransformerSpec:
                           forward_flops=block_flops, backward_flops=2 * block_flops,
                           forward_kernels=k["kernels"], backward_kernels=2 * k["kernels"],
                           forward_bytes=block_bytes, backward_bytes=2 * block_bytes,
-                          activation_bytes=self.block_activation_bytes(b, accounting=accounting, **shape),
+                          activation_bytes=self.block_activation_bytes(b, accounting=accounting, **shape, **mixed),
                           input_bytes=boundary, output_bytes=boundary,
                           core_activation_bytes=self.attention_core_bytes(b, tp=t, element_bytes=e,
                                                                           accounting=accounting),
@@ -277,7 +298,7 @@ class TransformerSpec:
             forward_kernels=12, backward_kernels=10,
             forward_bytes=e * 2 * sbh / (t if sp else 1) + 6 * softmax_bytes,
             backward_bytes=e * 2 * sbh / (t if sp else 1) + 4 * softmax_bytes,
-            activation_bytes=self.head_activation_bytes(b, accounting=accounting, **shape),
+            activation_bytes=self.head_activation_bytes(b, accounting=accounting, **shape, **mixed),
             input_bytes=boundary, output_bytes=4.0 * b)
         blocks = [replace(block, name=f"block{i}") for i in range(self.layers)]
         # a tied head's weight lives with the embedding (the first stage); a pipeline
