@@ -12,8 +12,9 @@ from plait.parallel.saved_memory import SavedTensorMeter
 CONFIG = GPTConfig(layers=2, hidden=64, heads=4, seq_len=64, vocab=67, dropout=0.1, dtype="float64")
 
 
-def _run(directory=None, split=False):
+def _run(directory=None, split=False, recompute="none"):
     model = GPT(CONFIG, seed=3)
+    model.set_recompute(recompute)
     tokens = torch.randint(0, CONFIG.vocab, (4, CONFIG.seq_len + 1), generator=torch.Generator().manual_seed(1))
     params = list(model.parameters())
     meter = SavedTensorMeter(exclude=params)
@@ -34,6 +35,7 @@ def _run(directory=None, split=False):
         loss = model.loss(tokens[:, :-1], tokens[:, 1:])
     if offloader is not None:
         offloader.end()  # as the engine does after each stage forward
+        written_in_forward = offloader.stats["storages"]
     held_after_forward = meter.live_bytes
     if split:  # B (the embedding's output gradient only, graph kept) then W (the weights)
         torch.autograd.backward(loss, inputs=params[1:2], retain_graph=True)
@@ -42,6 +44,7 @@ def _run(directory=None, split=False):
         loss.backward()
     if offloader is not None:
         offloader.close()
+        offloader.stats["written_in_backward"] = offloader.stats["storages"] - written_in_forward
     return [param.grad.clone() for param in params], held_after_forward, offloader
 
 
@@ -60,4 +63,15 @@ def test_a_split_backward_reads_each_file_once(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(got, grads, strict=True))
     stats = offloader.stats
     assert stats["late"] == stats["storages"]  # nothing was prefetched here: each storage read on demand, once
+    assert list((tmp_path / "off").iterdir()) == []
+
+
+def test_a_recompute_in_the_backward_stays_in_memory(tmp_path):
+    """Full recomputation: the forward offloads each block's kept input; the tensors the
+    backward regenerates are needed at once, so none of them is written to a file (and
+    none is left held by the offloader: the gradients are bitwise, the files all gone)."""
+    grads, _, _ = _run(recompute="full")
+    got, _, offloader = _run(tmp_path / "off", recompute="full")
+    assert all(torch.equal(a, b) for a, b in zip(got, grads, strict=True))
+    assert offloader.stats["storages"] > 0 and offloader.stats["written_in_backward"] == 0
     assert list((tmp_path / "off").iterdir()) == []

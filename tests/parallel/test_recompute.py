@@ -55,6 +55,26 @@ def test_recomputed_gradients_equal_stored_ones_bitwise(mode, layers, per_step):
     assert got_recomputed == [region] * (2 * per_step)  # once per region per backward
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_recompute_under_autocast_replays_the_autocast(mode, dtype):
+    """The backward runs outside the forward's autocast: the recompute re-enters it, so
+    the regenerated tensors are the 16-bit ones the forward saved and the gradients
+    equal those of no recomputation under the same autocast, bitwise (float32 weights)."""
+    config = GPTConfig(layers=2, hidden=32, heads=4, seq_len=16, vocab=67, dropout=0.1)
+
+    def grads(recompute_mode):
+        model = GPT(config, seed=4)
+        model.set_recompute(recompute_mode)
+        inputs, targets = _batch(0)
+        with torch.autocast("cpu", dtype=dtype):
+            logits = model(inputs)
+        torch.nn.functional.cross_entropy(logits.float().reshape(-1, config.vocab), targets.reshape(-1)).backward()
+        return _grads(model)
+
+    assert all(torch.equal(got, want) for got, want in zip(grads(mode), grads("none"), strict=True))
+
+
 def test_a_split_backward_recomputes_once():
     """Zero bubble's B (input gradient, graph retained) then W (weight gradients)."""
     reference = GPT(CONFIG, seed=4)

@@ -217,17 +217,22 @@ def test_recomputation_peak_reuses_the_head_freed_before_it(recompute):
 @pytest.mark.parametrize("schedule,p,m", [("gpipe", 2, 4), ("gpipe", 4, 8), ("1f1b", 4, 8), ("1f1b", 2, 4)])
 def test_offload_keeps_at_most_two_micro_batches_in_memory(schedule, p, m):
     """plait train --offload-activations holds the running backward's micro-batch and
-    the prefetched next one; the rest are in files. Priced: min(schedule peak, 2) x the
-    rank's chunk bytes; a schedule that never holds more than 2 gains nothing."""
-    groups = [[Unit(LayerCost(name=f"l{i}", forward_flops=1.0, backward_flops=2.0, activation_bytes=10.0),
-                    TensorParallelComm(), True)] for i in range(p)]
+    the prefetched next one; the rest are in files, but for the activation each
+    received from the previous stage (the engine holds it for the backward). Priced:
+    min(k, 2) x the chunk's bytes + (k - min(k, 2)) x its input's, k the schedule's
+    peak in flight on the rank; a schedule that never holds more than 2 gains nothing."""
+    groups = [[Unit(LayerCost(name=f"l{i}", forward_flops=1.0, backward_flops=2.0, activation_bytes=10.0,
+                              output_bytes=3.0), TensorParallelComm(), True)] for i in range(p)]
     layout = Layout(pp=p, num_microbatches=m, schedule=schedule)
     kept = estimate(groups, layout, _cluster(p), PRECISIONS["fp32"], model_flops=1.0, hardware_flops=1.0)
     offloaded = estimate(groups, Layout(pp=p, num_microbatches=m, schedule=schedule, offload=True), _cluster(p),
                          PRECISIONS["fp32"], model_flops=1.0, hardware_flops=1.0)
-    peak = max(in_flight(layout, r) for r in range(p))
-    assert kept.memory_bytes["activations"] == 10.0 * peak
-    assert offloaded.memory_bytes["activations"] == 10.0 * min(peak, 2)
+    want = []
+    for r in range(p):
+        k = in_flight(layout, r)
+        want.append((10.0 * k, 10.0 * min(k, 2) + (3.0 * (k - min(k, 2)) if r > 0 else 0.0)))
+    assert [rank["activations"] for rank in kept.rank_memory_bytes] == [a for a, _ in want]
+    assert [rank["activations"] for rank in offloaded.rank_memory_bytes] == [b for _, b in want]
     assert offloaded.step_time_s == kept.step_time_s  # memory only: the copies are not priced (README)
 
 

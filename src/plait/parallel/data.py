@@ -96,6 +96,38 @@ def _flat_broadcast(tensors: list[torch.Tensor], src: int, group, algorithm: str
         unflatten_into(flat, members)
 
 
+def verify_replicas(module: nn.Module, group, init: str, who: str) -> None:
+    """Every rank of ``group`` must hold the same model: the structure (names, shapes,
+    dtypes) always, the values too under init="check" (else rank 0's are broadcast);
+    the error names ``who`` and the ranks that differ."""
+    world_size = dist.get_world_size(group)
+    if init not in _INIT_MODES:
+        raise ValueError(f"{who}: init={init!r} must be one of {_INIT_MODES}")
+    if world_size == 1:
+        return
+    mine = torch.tensor(_checksum(module), dtype=torch.int64)
+    table = torch.zeros(3 * world_size, dtype=torch.int64)
+    comm.all_gather_into_tensor(table, mine, group=group, algorithm="bruck")
+    rows = table.view(world_size, 3).tolist()
+    structures = _rank_groups([row[0] for row in rows])
+    if len(structures) > 1:
+        raise ValueError(
+            f"{who}: the model's parameters and buffers (names, shapes, dtypes) differ between ranks "
+            f"{structures}; every rank must build the same model")
+    for column, what in ((1, "parameter"), (2, "buffer")):
+        values = _rank_groups([row[column] for row in rows])
+        if len(values) > 1 and init == "check":
+            differing = [rank for rank, row in enumerate(rows) if row[column] != rows[0][column]]
+            raise ValueError(
+                f"{who}: {what} values differ from rank 0's on ranks {differing} (checksum groups "
+                f"{values}); seed the model identically on every rank (torch.manual_seed before building "
+                "it), or pass init='broadcast' to overwrite them with rank 0's")
+    tensors = [param.data for param in module.parameters()] + list(module.buffers())
+    if tensors:
+        src = dist.get_global_rank(group, 0) if group is not None else 0
+        _flat_broadcast(tensors, src, group, "torch")
+
+
 class DataParallel(nn.Module):
     """Wraps ``module`` for data-parallel training over ``group`` (default: world).
 
@@ -182,28 +214,7 @@ class DataParallel(nn.Module):
         return self.algorithm if ok else "auto"
 
     def _verify_and_broadcast(self, init: str) -> None:
-        if self.world_size == 1:
-            return
-        mine = torch.tensor(_checksum(self.module), dtype=torch.int64)
-        table = torch.zeros(3 * self.world_size, dtype=torch.int64)
-        comm.all_gather_into_tensor(table, mine, group=self.group, algorithm="bruck")
-        rows = table.view(self.world_size, 3).tolist()
-        structures = _rank_groups([row[0] for row in rows])
-        if len(structures) > 1:
-            raise ValueError(
-                f"DataParallel: the model's parameters and buffers (names, shapes, dtypes) differ between ranks "
-                f"{structures}; every rank must build the same model")
-        for column, what in ((1, "parameter"), (2, "buffer")):
-            values = _rank_groups([row[column] for row in rows])
-            if len(values) > 1 and init == "check":
-                differing = [rank for rank, row in enumerate(rows) if row[column] != rows[0][column]]
-                raise ValueError(
-                    f"DataParallel: {what} values differ from rank 0's on ranks {differing} (checksum groups "
-                    f"{values}); seed the model identically on every rank (torch.manual_seed before building "
-                    "it), or pass init='broadcast' to overwrite them with rank 0's")
-        tensors = [param.data for param in self.module.parameters()] + list(self.module.buffers())
-        if tensors:
-            _flat_broadcast(tensors, self._src, self.group, "torch")
+        verify_replicas(self.module, self.group, init, "DataParallel")
 
     # ----- forward ---------------------------------------------------------------------
     def forward(self, *args, **kwargs):

@@ -88,7 +88,11 @@ class ActivationOffloader:
         self.key, self._current, self.enabled = key, {}, enabled
 
     def end(self) -> None:
-        self._current = {}  # the forward's storages are no longer held here
+        """The forward is over: its storages are no longer held here, and what is saved
+        until the next ``begin`` (a recompute's regenerated tensors, during a backward)
+        stays in memory: it is needed at once and freed by its backward."""
+        self._current = {}
+        self.enabled = False
 
     def pack(self, tensor: torch.Tensor):
         storage = tensor.untyped_storage()

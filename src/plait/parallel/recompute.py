@@ -14,6 +14,9 @@ run saves, and every slot is answered from that record. So:
 - a backward split into an input-gradient and a weight-gradient pass (zero bubble: the
   first pass runs with ``retain_graph=True``) recomputes once: the record lives until
   autograd lets go of the region's last slot, i.e. until the graph is freed;
+- autocast replays: the recompute runs under the ``torch.autocast`` state (enabled,
+  dtype, weight-cast cache) of the region's forward, on the CPU and, when an input is
+  on one, the CUDA device, since the backward runs outside the forward's autocast;
 - randomness replays: the random streams named in ``streams`` (modules with a ``calls``
   counter, plait's ``ConsistentDropout``) and torch's global CPU generator (and the
   current CUDA device's) are set back to their state at the region's forward for the
@@ -31,6 +34,7 @@ Without autograd (``torch.no_grad``, evaluation) ``fn`` simply runs.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterable
 
 import torch
@@ -70,6 +74,9 @@ class _Region:
         self.cpu_rng = torch.get_rng_state()
         self.cuda_device = next((arg.device for arg in args if isinstance(arg, torch.Tensor) and arg.is_cuda), None)
         self.cuda_rng = torch.cuda.get_rng_state(self.cuda_device) if self.cuda_device is not None else None
+        self.autocast = [(device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
+                         for device_type in ("cpu", "cuda") if device_type == "cpu" or self.cuda_device is not None]
+        self.autocast_cache = torch.is_autocast_cache_enabled()
         self.packed = 0  # tensors the first forward saved
         self.saved: list[torch.Tensor] | None = None
 
@@ -112,7 +119,12 @@ class _Region:
             torch.set_rng_state(self.cpu_rng)
             if self.cuda_device is not None:
                 torch.cuda.set_rng_state(self.cuda_rng, self.cuda_device)
-            with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_keep(saved, self.outer), _nothing):
+            with contextlib.ExitStack() as stack:
+                for device_type, enabled, dtype in self.autocast:
+                    stack.enter_context(torch.autocast(device_type, dtype=dtype, enabled=enabled,
+                                                       cache_enabled=self.autocast_cache))
+                stack.enter_context(torch.enable_grad())
+                stack.enter_context(torch.autograd.graph.saved_tensors_hooks(_keep(saved, self.outer), _nothing))
                 self.fn(*self._inputs())  # its output and graph are dropped: only what it saved is used
         finally:
             for stream, calls in current:

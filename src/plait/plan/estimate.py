@@ -101,7 +101,8 @@ AUTOCAST_PRECISIONS = {
 
 # With --offload-activations, the micro-batches whose saved tensors are in memory at once
 # at most: the one whose backward runs and the next backward's, prefetched meanwhile
-# (plait.parallel.offload); every other one is in files.
+# (plait.parallel.offload); every other one is in files, except the activation a chunk
+# received from the previous pipeline stage, which the engine holds for the backward.
 OFFLOAD_RESIDENT_MICROBATCHES = 2
 
 
@@ -237,6 +238,7 @@ class Estimate:
     mfu: float
     samples_per_s: float
     algorithms: dict[str, str] = field(default_factory=dict)
+    rank_memory_bytes: tuple[dict[str, float], ...] = ()  # memory_bytes of every pipeline rank, in order
 
     def as_dict(self) -> dict:
         out = {**self.layout.as_dict(), "step_time_s": self.step_time_s, "tflops_per_gpu": self.tflops_per_gpu,
@@ -296,12 +298,14 @@ def _unit_costs(unit: Unit, tp: int, recompute: str, cluster: Cluster, dtype: st
     # a linear layer's backward is two GEMMs of equal FLOPs: input gradient and weight gradient
     weight = device.time_s(flops=unit.cost.backward_flops / 2, nbytes=0.0, kernels=0, dtype=dtype)
     if recompute == "selective" and unit.cost.core_activation_bytes:
-        # the attention core runs again in the backward; its s² tensors live only then
+        # the attention core runs again in the backward; its s² tensors live only then, after
+        # the block's backward has freed what it kept past the core
         compute += device.time_s(flops=unit.cost.core_forward_flops, nbytes=unit.cost.core_forward_bytes, kernels=0,
                                  dtype=dtype)
         return GroupCosts(compute, comm, unit.cost.params,
                           unit.cost.activation_bytes - unit.cost.core_activation_bytes,
-                          unit.cost.core_activation_bytes, unit.cost.output_bytes, forward + forward_comm, weight)
+                          max(unit.cost.core_activation_bytes - unit.cost.post_core_bytes, 0.0),
+                          unit.cost.output_bytes, forward + forward_comm, weight)
     if recompute == "full" and unit.recomputable:
         compute += forward
         comm += _comm_time_s(cluster, unit.comm.recompute, tp, algorithms)
@@ -470,7 +474,10 @@ def estimate(groups: list[list[Unit]], layout: Layout, cluster: Cluster, precisi
         p2p *= share
         holds_head = p > 1 and (r == p - 1 or (chimera and r == 0))
         params = sum(c.params for c in mine) + (tied_embedding_params if holds_head else 0)
+        # a received activation (a chunk's input from another chunk) stays in memory under offload
+        received = max((chunks[c - 1].output_bytes for c in indices if c > 0), default=0.0)
         ranks.append({"compute": compute, "tp_comm": tp_comm, "p2p": p2p, "params": params, "mine": mine,
+                      "received": received,
                       "forward": share * sum(c.forward_s for c in mine) + p2p / 2,
                       "weight": share * sum(c.weight_s for c in mine), "total": compute + tp_comm + p2p})
     slowest = max(range(p), key=lambda r: ranks[r]["total"])
@@ -490,7 +497,11 @@ def estimate(groups: list[list[Unit]], layout: Layout, cluster: Cluster, precisi
         # a recompute's working set comes after the chunk's trailing layers have freed theirs
         held = _activation_peak(mine, layout, r, price)
         if layout.offload:
-            held = min(held, OFFLOAD_RESIDENT_MICROBATCHES * max(c.activation_bytes for c in mine))
+            in_flight_count = 1.0 if price is None else price.peak_units[r] * layout.virtual
+            resident = min(in_flight_count, OFFLOAD_RESIDENT_MICROBATCHES)
+            held = min(held, resident * max(c.activation_bytes for c in mine)
+                       + (in_flight_count - resident) * rank.pop("received"))
+        rank.pop("received", None)
         rank["activations"] = held + max(max(c.working_bytes - c.trailing_bytes, 0.0) for c in mine)
     bottleneck = ranks[slowest]
     times = {"compute": m * bottleneck["compute"], "tp_comm": m * bottleneck["tp_comm"],
@@ -556,5 +567,5 @@ def estimate(groups: list[list[Unit]], layout: Layout, cluster: Cluster, precisi
                     hardware_flops=hardware_flops, tflops_per_gpu=hardware_per_gpu / 1e12,
                     model_tflops_per_gpu=model_per_gpu / 1e12, percent_of_peak=100.0 * hardware_per_gpu / peak,
                     mfu=100.0 * model_per_gpu / peak, samples_per_s=layout.global_batch / step,
-                    algorithms=algorithms)
+                    algorithms=algorithms, rank_memory_bytes=tuple(memories))
 

@@ -56,6 +56,9 @@ class LayerCost:
       part of a transformer block that selective recomputation re-runs (the attention
       core: QKᵀ, softmax, dropout, ·V): the bytes of ``activation_bytes`` it keeps, its
       forward's matmul FLOPs and memory traffic (0 for other layers).
+    - ``post_core_bytes``: the bytes of ``activation_bytes`` the block keeps for what
+      follows its core, which its backward frees before the core's: a selective
+      recompute's working set is the core less these.
     """
 
     name: str
@@ -70,6 +73,7 @@ class LayerCost:
     input_bytes: float = 0.0
     output_bytes: float = 0.0
     core_activation_bytes: float = 0.0
+    post_core_bytes: float = 0.0
     core_forward_flops: float = 0.0
     core_forward_bytes: float = 0.0
 
@@ -96,6 +100,7 @@ class LayerCost:
                        activation_bytes=self.activation_bytes * factor, input_bytes=self.input_bytes * factor,
                        output_bytes=self.output_bytes * factor,
                        core_activation_bytes=self.core_activation_bytes * factor,
+                       post_core_bytes=self.post_core_bytes * factor,
                        core_forward_flops=self.core_forward_flops * factor,
                        core_forward_bytes=self.core_forward_bytes * factor)
 

@@ -215,6 +215,26 @@ class TransformerSpec:
         attention = (e + d * (mask + e)) * self.heads * s * s * b / t
         return attention + (s * s if accounting == "plait" else 0.0)
 
+    def post_core_bytes(self, micro_batch: int, *, tp: int = 1, sequence_parallel: bool = False,
+                        element_bytes: int = 2, accounting: str = "megatron", residual_bytes: int | None = None,
+                        weight_copy_bytes: int = 0) -> float:
+        """What a block keeps for the part of its forward after the attention core (the
+        projection's input, the second LayerNorm, the MLP, both residual dropout masks,
+        their weight copies): the backward frees it before it reaches the core, so a
+        selective recompute's regenerated core replaces it."""
+        _check_accounting(accounting)
+        s, b, h, t, e = self.seq_len, micro_batch, self.hidden, tp, element_bytes
+        r = e if residual_bytes is None else residual_bytes
+        d = 1 if self.dropout else 0
+        mask = 1 if accounting == "megatron" else e
+        sp = sequence_parallel and t > 1
+        sbh = s * b * h
+        ln = (r + e) * sbh / (t if sp else 1) if accounting == "megatron" else r * sbh / (t if sp else 1) + e * sbh
+        stats = LAYER_NORM_STAT_BYTES * s * b / (t if sp else 1) if accounting == "plait" else 0.0
+        sharded = 9 * e * sbh / t  # the context the projection multiplies, the MLP's two 4h tensors
+        weights = weight_copy_bytes * (h * h + 2 * h * self.ffn) / t
+        return ln + stats + sharded + 2 * d * mask * sbh / (t if sp else 1) + weights
+
     def block_input_bytes(self, micro_batch: int, *, tp: int = 1, sequence_parallel: bool = False,
                           element_bytes: int = 2) -> float:
         """The (s, b, h) activation entering a block (what recomputation keeps and a
@@ -280,6 +300,7 @@ class TransformerSpec:
                           input_bytes=boundary, output_bytes=boundary,
                           core_activation_bytes=self.attention_core_bytes(b, tp=t, element_bytes=e,
                                                                           accounting=accounting),
+                          post_core_bytes=self.post_core_bytes(b, accounting=accounting, **shape, **mixed),
                           core_forward_flops=self.attention_core_forward_flops(b) / t,
                           core_forward_bytes=e * (k["as2b"] + d * k["dropout_as2b"]) * as2b / t)
         v_local = self.padded_vocab(t) // t

@@ -1,0 +1,591 @@
+"""ZeRO (Rajbhandari et al. 2020) over the data-parallel ranks of ``group``: optimizer
+state (stage 1), gradients too (stage 2) and parameters too (stage 3), each rank
+keeping 1/N of them.
+
+Layout. The parameters are grouped into *units* and each unit is one flat buffer,
+padded with zeros to a multiple of N and cut into N equal shards; rank r owns shard
+r. The module's parameters become views into their unit's buffer (``.data``; the
+Parameter objects stay the user's). Each rank's optimizer steps a float master copy
+of its shards only (one ``nn.Parameter`` per unit), which is why the optimizer must
+be element-wise: Adam's moment of element i depends only on element i, so stepping a
+flat shard equals stepping the parameters (SGD, Adam, AdamW, Adagrad, Adadelta,
+Adamax, NAdam, RAdam, RMSprop; others, whose update mixes elements of a tensor as
+LAMB's trust ratio or Adafactor's factored moments do, are refused). One optimizer
+param group for every shard: per-parameter groups are not supported.
+
+- **Stage 1**: units are buckets of at most ``bucket_mb`` MiB in reverse registration
+  order. Backward leaves full gradients in ``.grad``; ``step()`` reduce-scatters each
+  bucket's flat gradient (sum / N: the average), steps the rank's shards and
+  all-gathers the updated shards into the buffers.
+- **Stage 2**: the same buckets, but each bucket's gradient is reduce-scattered on
+  plait's comm thread as soon as its last gradient is ready *during* the backward
+  (overlapped, as DataParallel's all-reduce), and the full gradients are dropped:
+  only the shard is kept.
+- **Stage 3**: units follow ``wrap`` (default: every child module that holds
+  parameters, looking inside ModuleList / ModuleDict / Sequential; the root keeps the
+  rest and any parameter two units share, a tied embedding). A unit's buffer is
+  allocated and all-gathered just before its forward, freed right after, gathered
+  again when the gradient of its output arrives (before its backward), and its
+  gradient reduce-scattered and its buffer freed as soon as its backward is done.
+  While a unit computes, the next one (in the previous forward's order; in the
+  backward the one before) is already being gathered on plait's comm thread. Freeing releases the storage (``resize_(0)``); the views keep their shapes, and
+  autograd's saved references to them see the data again once it is re-gathered
+  (written through an alias, so no version counter moves).
+
+Communication per step and rank, Ψ the parameter bytes: ring reduce-scatter and
+all-gather each send Ψ(N-1)/N, so stages 1 and 2 send 2Ψ(N-1)/N (an all-reduce's),
+stage 3 3Ψ(N-1)/N (gather forward and backward, reduce-scatter).
+
+Gradient accumulation: inside ``no_sync()`` the backward only accumulates full local
+gradients (stage 3 keeps them in ``.grad`` between the gathers); the next backward
+outside reduces the sums. Buffers (BatchNorm statistics) are broadcast from rank 0
+before every forward, as DataParallel does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from plait import comm
+from plait.parallel.data import verify_replicas
+
+STAGES = (1, 2, 3)
+ELEMENTWISE_OPTIMIZERS = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad,
+                          torch.optim.Adadelta, torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam,
+                          torch.optim.RMSprop)
+_CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
+
+
+def default_wrap(module: nn.Module) -> list[nn.Module]:
+    """Stage 3's units: every child holding parameters, containers looked inside."""
+    units = []
+    for child in module.children():
+        if isinstance(child, _CONTAINERS):
+            units.extend(default_wrap(child))
+        elif any(True for _ in child.parameters()):
+            units.append(child)
+    return units
+
+
+def _alias(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor on ``tensor``'s storage with a version counter of its own: writing
+    through it does not mark autograd's saved views of ``tensor`` as modified."""
+    return torch.empty(0, dtype=tensor.dtype, device=tensor.device).set_(
+        tensor.untyped_storage(), tensor.storage_offset(), tensor.shape, tensor.stride())
+
+
+class _Unit:
+    """One unit's parameters as one flat buffer, padded to N equal shards."""
+
+    def __init__(self, index: int, named: list[tuple[str, nn.Parameter]], world_size: int, rank: int,
+                 shard_params: bool):
+        self.index = index
+        self.names = [name for name, _ in named]
+        self.params = [param for _, param in named]
+        dtypes = {param.dtype for param in self.params}
+        if len(dtypes) > 1:
+            raise ValueError(f"ZeRO: unit {index} mixes parameter dtypes {sorted(map(str, dtypes))} "
+                             f"({', '.join(self.names)}); give every parameter one dtype")
+        self.dtype = self.params[0].dtype
+        self.device = self.params[0].device
+        self.numel = sum(param.numel() for param in self.params)
+        self.shard_numel = math.ceil(self.numel / world_size)
+        self.padded = self.shard_numel * world_size
+        self.rank, self.world_size = rank, world_size
+        self.offsets = []
+        full = torch.zeros(self.padded, dtype=self.dtype, device=self.device)
+        offset = 0
+        for param in self.params:
+            self.offsets.append(offset)
+            full[offset:offset + param.numel()].copy_(param.detach().reshape(-1))
+            offset += param.numel()
+        self.full = full
+        self._attach()
+        start = rank * self.shard_numel
+        # what the optimizer steps: with the parameters kept whole (stages 1, 2), this rank's
+        # slice of the buffer itself (the step updates the parameters in place, no copy);
+        # with them sharded (stage 3), a copy of its own, the only one kept between uses
+        view = full[start:start + self.shard_numel].detach()
+        self.shard = nn.Parameter(view.clone() if shard_params else view)
+        self.gathered = True
+        self.pending = 0  # parameters whose gradient this backward has not delivered yet
+        self.ready: list[bool] = []
+        self.used = [True] * len(self.params)  # had a gradient at the last reduce
+        self.handle = None  # a prefetch's all-gather in flight
+
+    def _attach(self) -> None:
+        for param, offset in zip(self.params, self.offsets):
+            param.data = self.full[offset:offset + param.numel()].view(param.shape)
+
+    def flat_grad(self) -> torch.Tensor:
+        """The parameters' gradients, flat and padded (zeros where there is none)."""
+        flat = torch.zeros(self.padded, dtype=self.dtype, device=self.device)
+        for param, offset in zip(self.params, self.offsets):
+            if param.grad is not None:
+                flat[offset:offset + param.numel()].copy_(param.grad.reshape(-1))
+        return flat
+
+    def free(self) -> None:
+        """Release the gathered buffer (stage 3); the views keep their metadata."""
+        self.wait()  # a prefetch still writing into it
+        if self.gathered:
+            self.full.untyped_storage().resize_(0)
+            self.gathered = False
+
+    def wait(self) -> None:
+        handle, self.handle = self.handle, None
+        if handle is not None:
+            handle.wait()
+
+    def gather(self, group, algorithm, async_op: bool = False):
+        """Allocate the buffer again (if freed) and all-gather every rank's shard into it."""
+        storage = self.full.untyped_storage()
+        nbytes = self.padded * self.full.element_size()
+        if storage.nbytes() != nbytes:
+            storage.resize_(nbytes)
+        self.gathered = True
+        source = self.shard.detach()
+        if source.untyped_storage().data_ptr() == storage.data_ptr():
+            source = source.clone()  # a slice of the buffer the gather writes
+        if self.world_size == 1:
+            _alias(self.full).copy_(source)
+            return None
+        return comm.all_gather_into_tensor(_alias(self.full), source, group=group, async_op=async_op,
+                                           algorithm=algorithm)
+
+
+class ZeRO(nn.Module):
+    """``module`` trained with ZeRO stage ``stage`` over ``group`` (default: the world);
+    see the module docstring. ``optimizer(shards)`` builds the optimizer over this
+    rank's shards (e.g. ``lambda params: torch.optim.AdamW(params, lr=3e-4)``).
+
+    Per step: ``zero(x)``, ``loss.backward()``, optionally ``zero.clip_grad_norm_(m)``,
+    ``zero.step()``, ``zero.zero_grad()``. ``init``: "check" refuses parameters that
+    differ between ranks (naming them), "broadcast" takes rank 0's."""
+
+    def __init__(self, module: nn.Module, optimizer: Callable, *, stage: int = 1, group=None,
+                 bucket_mb: float = 25, algorithm: str = "auto", wrap: Callable | None = None,
+                 init: str = "check", broadcast_buffers: bool = True):
+        super().__init__()
+        problems = []
+        if isinstance(stage, bool) or stage not in STAGES:
+            problems.append(f"stage={stage!r} must be 1, 2 or 3 (stage 0 is plain data parallelism: "
+                            "plait.parallel.DataParallel)")
+        if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float)) or not 0 < bucket_mb < math.inf:
+            problems.append(f"bucket_mb={bucket_mb!r} must be a finite number of MiB > 0")
+        if not callable(optimizer) or isinstance(optimizer, torch.optim.Optimizer):
+            problems.append("optimizer must be a function of the parameters that builds the optimizer, e.g. "
+                            "lambda params: torch.optim.AdamW(params, lr=3e-4) (ZeRO gives it this rank's shards)")
+        if problems:
+            raise ValueError("ZeRO: " + "; ".join(problems))
+        if not dist.is_initialized():
+            raise RuntimeError("ZeRO needs torch.distributed to be initialised "
+                               "(torch.distributed.init_process_group, or run under torchrun)")
+        self.module, self.stage, self.group, self.algorithm = module, stage, group, algorithm
+        self.world_size, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.broadcast_buffers = broadcast_buffers
+        self._src = dist.get_global_rank(group, 0) if group is not None else 0
+        verify_replicas(module, group, init, "ZeRO")
+        self.units = self._build_units(wrap or default_wrap, int(bucket_mb * (1 << 20)))
+        self._unit_of = {id(param): (unit, slot) for unit in self.units for slot, param in enumerate(unit.params)}
+        self._shape = [(id(param), tuple(param.shape)) for unit in self.units for param in unit.params]
+        self.optimizer = optimizer([unit.shard for unit in self.units])
+        self._check_optimizer()
+        self._require_sync = True
+        self._in_backward = False
+        self._reduced = False  # this step's gradients are in the shards
+        self._handles: list = []
+        self._order: list[int] = []  # stage 3: the units in the last forward's order (for prefetching)
+        self._order_now: list[int] = []
+        self._hooks = [param.register_post_accumulate_grad_hook(self._on_grad_ready)
+                       for unit in self.units for param in unit.params]
+        if stage == 3:
+            for unit in self.units:
+                if not self._is_root(unit):
+                    unit.free()
+            self._install_unit_hooks()
+
+    # ----- wrap time -------------------------------------------------------------------
+    def _build_units(self, wrap: Callable, bucket_bytes: int) -> list[_Unit]:
+        named = [(name, param) for name, param in self.module.named_parameters() if param.requires_grad]
+        if not named:
+            raise ValueError("ZeRO: the module has no parameter that requires a gradient")
+        if self.stage < 3:
+            groups, current, size = [], [], 0
+            for name, param in reversed(named):  # the backward's order, as DataParallel's buckets
+                nbytes = param.numel() * param.element_size()
+                if current and (size + nbytes > bucket_bytes or param.dtype != current[0][1].dtype):
+                    groups.append(current)
+                    current, size = [], 0
+                current.append((name, param))
+                size += nbytes
+            groups.append(current)
+            self._unit_modules: list[nn.Module | None] = [None] * len(groups)
+            return [_Unit(i, group, self.world_size, self.rank, False) for i, group in enumerate(groups)]
+        modules = [unit for unit in wrap(self.module) if unit is not self.module]
+        owners: dict[int, list[int]] = {}
+        for index, unit_module in enumerate(modules):
+            for param in unit_module.parameters():
+                owners.setdefault(id(param), []).append(index)
+        root, per_unit = [], [[] for _ in modules]
+        for name, param in named:
+            where = owners.get(id(param), [])
+            if len(where) == 1:
+                per_unit[where[0]].append((name, param))
+            else:  # the root's own, or shared by two units (a tied weight): gathered for the whole step
+                root.append((name, param))
+        groups = [root] + per_unit
+        self._unit_modules = [self.module] + modules
+        keep = [i for i, group in enumerate(groups) if group]
+        self._unit_modules = [self._unit_modules[i] for i in keep]
+        return [_Unit(j, groups[i], self.world_size, self.rank, True) for j, i in enumerate(keep)]
+
+    def _is_root(self, unit: _Unit) -> bool:
+        """Stage 3's root unit (the module's own and shared parameters) stays gathered."""
+        return self._unit_modules[unit.index] is self.module
+
+    def _check_optimizer(self) -> None:
+        if not isinstance(self.optimizer, ELEMENTWISE_OPTIMIZERS):
+            raise ValueError(
+                f"ZeRO: {type(self.optimizer).__name__} is not an element-wise optimizer: ZeRO steps flat shards "
+                "of the parameters, which equals stepping the parameters only when each element's update depends "
+                f"on that element alone; use one of {', '.join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)}")
+        given = [param for group in self.optimizer.param_groups for param in group["params"]]
+        if len(given) != len(self.units) or any(a is not b for a, b in zip(given, (u.shard for u in self.units))):
+            raise ValueError("ZeRO: the optimizer must be built over exactly the parameters it is given "
+                             "(this rank's shards), in one param group")
+
+    def _install_unit_hooks(self) -> None:
+        for unit, unit_module in zip(self.units, self._unit_modules):
+            if self._is_root(unit):
+                continue
+            unit_module.register_forward_pre_hook(lambda _m, _a, unit=unit: self._before_forward(unit))
+            unit_module.register_forward_hook(lambda _m, _a, out, unit=unit: self._after_forward(unit, out))
+
+    # ----- forward ---------------------------------------------------------------------
+    def forward(self, *args, **kwargs):
+        self._check_unchanged()
+        if self._in_backward:
+            raise RuntimeError("ZeRO: the previous backward did not finish reducing its gradients (it raised or "
+                               "was interrupted); rebuild the wrapper to recover")
+        if self.broadcast_buffers and self.world_size > 1:
+            buffers = list(self.module.buffers())
+            if buffers:
+                flat = torch.cat([buffer.detach().reshape(-1).to(torch.float64) for buffer in buffers])
+                comm.broadcast(flat, src=self._src, group=self.group)
+                offset = 0
+                for buffer in buffers:
+                    buffer.copy_(flat[offset:offset + buffer.numel()].view(buffer.shape))
+                    offset += buffer.numel()
+        if self._order_now:
+            self._order = self._order_now
+        self._order_now = []
+        try:
+            return self.module(*args, **kwargs)
+        except RuntimeError as error:
+            if self.stage == 3 and "storage of size 0" in str(error):
+                raise RuntimeError(
+                    f"ZeRO stage 3: the forward used a parameter of a unit outside that unit's forward, after it was "
+                    f"freed ({error}); a parameter used by two modules must be registered in both (a tied weight: "
+                    "head.weight = embed.weight), or give wrap= a policy that leaves its module to the root") from error
+            raise
+
+    def _check_unchanged(self) -> None:
+        now = [(id(param), tuple(param.shape)) for unit in self.units for param in unit.params]
+        current = {id(param) for param in self.module.parameters() if param.requires_grad}
+        if now != self._shape or current != {key for key, _ in self._shape}:
+            raise RuntimeError("ZeRO: the module's parameters were added, removed or resized after wrapping; "
+                               "wrap the finished model")
+
+    def _ready(self, unit: _Unit) -> None:
+        """``unit``'s parameters gathered: its prefetch waited for, or gathered now."""
+        if unit.handle is not None:
+            unit.wait()
+        elif not unit.gathered:
+            unit.gather(self.group, self.algorithm)
+
+    def _prefetch(self, unit: _Unit | None) -> None:
+        """Start gathering ``unit`` on the comm thread while the current unit computes."""
+        if unit is not None and not unit.gathered:
+            unit.handle = unit.gather(self.group, self.algorithm, async_op=True)
+
+    def _neighbour(self, unit: _Unit, step: int) -> _Unit | None:
+        """The unit after (step 1) or before (step -1) ``unit`` in the last forward's order."""
+        order = self._order
+        if unit.index not in order:
+            return None
+        position = order.index(unit.index) + step
+        return self.units[order[position]] if 0 <= position < len(order) else None
+
+    def _before_forward(self, unit: _Unit) -> None:
+        self._ready(unit)
+        if unit.index not in self._order_now:
+            self._order_now.append(unit.index)
+        self._prefetch(self._neighbour(unit, 1))
+
+    def _after_forward(self, unit: _Unit, output) -> None:
+        if torch.is_grad_enabled():
+            tensors = [t for t in _tensors(output) if t.requires_grad]
+            if tensors:
+                torch.autograd.graph.register_multi_grad_hook(
+                    tensors, lambda _grads, unit=unit: self._before_backward(unit), mode="any")
+        unit.free()
+
+    def _before_backward(self, unit: _Unit) -> None:
+        if not self._in_backward:
+            self._begin_backward()
+        self._ready(unit)
+        self._prefetch(self._neighbour(unit, -1))  # the backward runs the forward's order in reverse
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Inside: backward only accumulates local gradients; the next backward outside
+        reduces the accumulated sums."""
+        previous = self._require_sync
+        self._require_sync = False
+        try:
+            yield
+        finally:
+            self._require_sync = previous
+
+    # ----- backward --------------------------------------------------------------------
+    def _begin_backward(self) -> None:
+        self._in_backward = True
+        self._handles = []
+        for unit in self.units:
+            unit.ready = [False] * len(unit.params)
+            unit.pending = len(unit.params)
+        torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+
+    def _on_grad_ready(self, param: torch.Tensor) -> None:
+        if not self._in_backward:
+            self._begin_backward()
+        unit, slot = self._unit_of[id(param)]
+        if unit.ready[slot]:
+            return
+        unit.ready[slot] = True
+        unit.pending -= 1
+        if unit.pending == 0:
+            self._unit_done(unit)
+
+    def _unit_done(self, unit: _Unit) -> None:
+        """Every gradient of ``unit`` is in (or will not come this backward)."""
+        if self._require_sync and self.stage >= 2:
+            self._reduce(unit, async_op=True)
+        if self.stage == 3 and not self._is_root(unit):
+            unit.free()
+
+    def _reduce(self, unit: _Unit, async_op: bool) -> None:
+        unit.used = [param.grad is not None for param in unit.params]
+        flat = unit.flat_grad()
+        for param in unit.params:
+            param.grad = None  # only the shard stays
+        out = torch.empty(unit.shard_numel, dtype=unit.dtype, device=unit.device)
+        if self.world_size == 1:
+            out.copy_(flat)
+            handle = None
+        else:
+            handle = comm.reduce_scatter_tensor(out, flat, group=self.group, async_op=async_op,
+                                                algorithm=self.algorithm)
+        self._handles.append((unit, out, flat, handle))
+
+    def _finish_backward(self) -> None:
+        for unit in self.units:
+            if unit.pending:
+                unit.pending = 0
+                self._unit_done(unit)
+        self._in_backward = False
+        if self._require_sync and self.stage >= 2:
+            self._collect()
+
+    def _collect(self) -> None:
+        """Wait for the reduce-scatters and add the averages into the shards' gradients."""
+        errors = []
+        for unit, out, _flat, handle in self._handles:
+            try:
+                if handle is not None:
+                    handle.wait()
+            except BaseException as error:  # noqa: BLE001 - every handle waited; the first raised
+                errors.append(error)
+                continue
+            average = out.div_(self.world_size).to(unit.shard.dtype)
+            unit.shard.grad = average if unit.shard.grad is None else unit.shard.grad.add_(average)
+        self._handles = []
+        if errors:
+            raise errors[0]
+        self._reduced = True
+
+    # ----- step ------------------------------------------------------------------------
+    def _reduce_pending(self) -> None:
+        """Stage 1 reduces at the step: every unit's full gradient, reduce-scattered."""
+        if self.stage == 1 and not self._reduced:
+            if all(param.grad is None for unit in self.units for param in unit.params):
+                raise RuntimeError("ZeRO: step() without a backward since the last zero_grad(); call "
+                                   "loss.backward() first")
+            for unit in self.units:
+                self._reduce(unit, async_op=False)
+            self._collect()
+        if not self._reduced:
+            raise RuntimeError("ZeRO: step() without a backward since the last zero_grad(); call "
+                               "loss.backward() first")
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Scale the gradients so that their global 2-norm (over every rank's shards) is
+        at most ``max_norm``; returns the norm before clipping."""
+        self._reduce_pending()
+        square = torch.zeros((), dtype=torch.float64)
+        for unit in self.units:
+            if unit.shard.grad is not None:
+                square += unit.shard.grad.double().pow(2).sum()
+        if self.world_size > 1:
+            comm.all_reduce(square, group=self.group)
+        norm = square.sqrt()
+        scale = max_norm / (float(norm) + 1e-6)
+        if scale < 1:
+            for unit in self.units:
+                if unit.shard.grad is not None:
+                    unit.shard.grad.mul_(scale)
+        return norm.to(torch.float32)
+
+    def step(self) -> None:
+        """Step this rank's shards, then (stages 1 and 2) all-gather the parameters. A
+        parameter no rank gave a gradient is left as it was, its optimizer state too
+        (as torch's optimizers skip a parameter whose .grad is None)."""
+        self._reduce_pending()
+        kept = self._snapshot_unused()
+        self.optimizer.step()
+        with torch.no_grad():
+            for shard, state, positions, values, state_values in kept:
+                shard[positions] = values
+                for key, value in state_values.items():
+                    state[key][positions] = value
+        for unit in self.units:  # stage 3: only the root's stay gathered; the others gather at use
+            if unit.gathered:
+                unit.gather(self.group, self.algorithm)
+
+    def _snapshot_unused(self) -> list:
+        """The shard elements (and their optimizer state) of parameters that no rank
+        used this step: one all-reduce of a flag per parameter."""
+        flags = torch.tensor([int(used) for unit in self.units for used in unit.used], dtype=torch.int32)
+        if self.world_size > 1:
+            comm.all_reduce(flags, group=self.group)
+        kept, index = [], 0
+        for unit in self.units:
+            start, end = self.rank * unit.shard_numel, (self.rank + 1) * unit.shard_numel
+            positions = []
+            for param, offset in zip(unit.params, unit.offsets):
+                if int(flags[index]) == 0:
+                    low, high = max(offset, start), min(offset + param.numel(), end)
+                    if low < high:
+                        positions.append(torch.arange(low - start, high - start))
+                index += 1
+            if positions:
+                where = torch.cat(positions)
+                state = self.optimizer.state.get(unit.shard, {})
+                state_values = {key: value[where].clone() for key, value in state.items()
+                                if torch.is_tensor(value) and value.shape == unit.shard.shape}
+                kept.append((unit.shard, state, where, unit.shard.detach()[where].clone(), state_values))
+        return kept
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for unit in self.units:
+            unit.shard.grad = None
+            for param in unit.params:
+                param.grad = None
+        self._reduced = False
+
+    # ----- state -----------------------------------------------------------------------
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The unsharded parameters and buffers (every rank gets them), as
+        ``module.state_dict()`` would give without ZeRO."""
+        freed = [unit for unit in self.units if not unit.gathered]
+        for unit in freed:
+            unit.gather(self.group, self.algorithm)
+        state = {name: tensor.detach().clone() for name, tensor in self.module.state_dict().items()}
+        for unit in freed:
+            unit.free()
+        return state
+
+    def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Load unsharded parameters and buffers (names must match the module's)."""
+        expected = set(self.module.state_dict())
+        missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
+        if missing or unexpected:
+            raise ValueError(f"ZeRO: the state dict does not fit this model: missing {missing[:8]}"
+                             f"{' ...' if len(missing) > 8 else ''}, unexpected {unexpected[:8]}"
+                             f"{' ...' if len(unexpected) > 8 else ''}")
+        names = {id(param): name for name, param in self.module.named_parameters()}
+        for unit in self.units:
+            start = self.rank * unit.shard_numel
+            flat = torch.zeros(unit.padded, dtype=unit.shard.dtype)
+            for param, offset in zip(unit.params, unit.offsets):
+                flat[offset:offset + param.numel()].copy_(state[names[id(param)]].reshape(-1))
+            with torch.no_grad():
+                unit.shard.copy_(flat[start:start + unit.shard_numel])
+            if unit.gathered:
+                unit.gather(self.group, self.algorithm)
+        params = {name for name, _ in self.module.named_parameters()}
+        buffers = {name: value for name, value in state.items() if name not in params}
+        self.module.load_state_dict(buffers, strict=False)
+
+    def state_dict(self, *args, **kwargs) -> dict:  # noqa: D102 - sharded: this rank's shards
+        return {"stage": self.stage, "world_size": self.world_size, "rank": self.rank,
+                "shards": [unit.shard.detach().clone() for unit in self.units],
+                "optimizer": self.optimizer.state_dict(),
+                "buffers": {name: buffer.detach().clone() for name, buffer in self.module.named_buffers()}}
+
+    def load_state_dict(self, state: dict, strict: bool = True):  # noqa: D102 - what state_dict wrote
+        if (state.get("stage"), state.get("world_size"), state.get("rank")) != (self.stage, self.world_size,
+                                                                                 self.rank):
+            raise ValueError(f"ZeRO: this sharded state is stage {state.get('stage')} rank {state.get('rank')} of "
+                             f"{state.get('world_size')}; this wrapper is stage {self.stage} rank {self.rank} of "
+                             f"{self.world_size}: load a full state dict to change the layout")
+        with torch.no_grad():
+            for unit, shard in zip(self.units, state["shards"]):
+                unit.shard.copy_(shard)
+                if unit.gathered:
+                    unit.gather(self.group, self.algorithm)
+        self.optimizer.load_state_dict(state["optimizer"])
+        for name, buffer in self.module.named_buffers():
+            buffer.copy_(state["buffers"][name])
+
+    # ----- measured memory -------------------------------------------------------------
+    def model_state_bytes(self) -> dict[str, int]:
+        """Bytes of live storages this rank holds now: gathered parameter buffers, full
+        and sharded gradients, master shards and optimizer state (each storage once)."""
+        seen: set[int] = set()
+
+        def add(tensors) -> int:
+            total = 0
+            for tensor in tensors:
+                if tensor is None:
+                    continue
+                storage = tensor.untyped_storage()
+                if storage.nbytes() and storage.data_ptr() not in seen:
+                    seen.add(storage.data_ptr())
+                    total += storage.nbytes()
+            return total
+
+        return {"params_bytes": add(unit.full for unit in self.units),
+                "grads_bytes": add([param.grad for unit in self.units for param in unit.params]
+                                   + [unit.shard.grad for unit in self.units]),
+                "master_bytes": add(unit.shard for unit in self.units),
+                "optimizer_bytes": add(value for entry in self.optimizer.state.values() for value in entry.values()
+                                       if torch.is_tensor(value))}
+
+
+def _tensors(output):
+    if isinstance(output, torch.Tensor):
+        yield output
+    elif isinstance(output, (list, tuple)):
+        for item in output:
+            yield from _tensors(item)
+    elif isinstance(output, dict):
+        for item in output.values():
+            yield from _tensors(item)
