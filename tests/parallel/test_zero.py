@@ -216,7 +216,24 @@ def _bad_use(rank, world_size):
         zero(_data(0)[0])
     except RuntimeError as error:
         errors.append(str(error))
+    try:
+        ZeRO(FunctionalNorm(), _optimizer, stage=3)(torch.ones(2, 4))
+    except RuntimeError as error:
+        errors.append(str(error))
     return errors
+
+
+class FunctionalNorm(nn.Module):
+    """Uses its child's parameters without calling the child: a unit under the
+    default wrap whose parameters are freed when the parent reads them."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.norm = nn.LayerNorm(4)
+
+    def forward(self, x):
+        return nn.functional.layer_norm(self.linear(x), (4,), self.norm.weight, self.norm.bias)
 
 
 @pytest.mark.slow
@@ -228,6 +245,8 @@ def test_bad_use_is_named():
     assert "step() without a backward" in errors[3]
     assert "missing ['blocks.0.0.bias'" in errors[4]
     assert "parameters were added, removed or resized after wrapping" in errors[5]
+    assert "used a parameter of a unit outside that unit's forward" in errors[6]
+    assert "must not be a unit: give wrap= a policy" in errors[6]
 
 
 def test_default_wrap_looks_inside_containers():

@@ -1,6 +1,6 @@
 """plait.parallel: data parallelism (DataParallel, ParameterServer), Megatron tensor
 parallelism (``plait.parallel.tensor``), pipeline (``plait.parallel.pipeline``) and
-hybrid parallelism.
+hybrid parallelism, ZeRO (``ZeRO``, ``ShardedOptimizer``).
 
 The names below load on first use (module ``__getattr__``), so importing a
 torch-free submodule, e.g. ``plait.parallel.pipeline.schedules`` from ``plait.plan``,
@@ -13,10 +13,11 @@ import importlib
 _LAZY = {"DataParallel": "plait.parallel.data", "StepStats": "plait.parallel.data",
          "ParameterServer": "plait.parallel.param_server",
          "ParameterServerConfig": "plait.parallel.ps_config", "ParameterServerStats": "plait.parallel.ps_config",
-         "shard_by_size": "plait.parallel.ps_config"}
+         "shard_by_size": "plait.parallel.ps_config", "ZeRO": "plait.parallel.zero",
+         "ShardedOptimizer": "plait.parallel.zero"}
 
-__all__ = ["DataParallel", "ParameterServer", "ParameterServerConfig", "ParameterServerStats", "StepStats",
-           "shard_by_size"]
+__all__ = ["DataParallel", "ParameterServer", "ParameterServerConfig", "ParameterServerStats", "ShardedOptimizer",
+           "StepStats", "ZeRO", "shard_by_size"]
 
 
 def __getattr__(name: str):

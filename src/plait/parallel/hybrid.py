@@ -39,6 +39,7 @@ from plait.parallel.pipeline.partition import build_stage, split_layers
 from plait.parallel.precision import AUTOCAST_DTYPE, GRAD_REDUCE_DTYPES, PRECISIONS, REDUCE_DTYPE, autocast
 from plait.parallel.recompute import set_block_recompute
 from plait.parallel.tensor.dropout import ConsistentDropout
+from plait.parallel.zero import ShardedOptimizer
 
 BUCKET_BYTES = 25 << 20  # DDP's default bucket cap
 _EVAL_TAG = tags.EVALUATION.start  # evaluation's own tag range (plait.comm.tags)
@@ -172,12 +173,19 @@ def train_step(hybrid: HybridModel, inputs, targets, optimizer, *, step: int, gr
     busy_s = sum(interval.end_s - interval.start_s for interval in record.intervals)
     inside_s = _collective_time_s() - collectives_before_s
     sync_start_s = time.perf_counter()
-    average_gradients(hybrid, step)
+    sharded = isinstance(optimizer, ShardedOptimizer)  # ZeRO 1: reduce-scatter instead of all-reduce
+    if sharded:
+        optimizer.reduce_gradients()
+    else:
+        average_gradients(hybrid, step)
     overflow = False
     if hybrid.scaler is not None:  # fp16: gradients back to their true scale; any rank's inf skips the step
-        hybrid.scaler.unscale(hybrid.parameters())
+        hybrid.scaler.unscale(optimizer.shards if sharded else hybrid.parameters())
         overflow = hybrid.scaler.found_overflow()
-    norm = float("inf") if overflow else clip_grad_norm(hybrid, grad_clip)
+    if overflow:
+        norm = float("inf")
+    else:
+        norm = clip_sharded_grad_norm(hybrid, optimizer, grad_clip) if sharded else clip_grad_norm(hybrid, grad_clip)
     loss = _mean_over(hybrid.mesh, "dp", loss)
     sync_s = time.perf_counter() - sync_start_s
     if lr is not None:
@@ -229,7 +237,11 @@ def average_gradients(hybrid: HybridModel, step: int) -> None:
                 offset += param.numel()
             hybrid.compressor.reduce(GradBucket(index, flat, views, step), group, algorithm=hybrid.algorithm)
         else:
-            sent = flat.to(REDUCE_DTYPE[hybrid.grad_reduce_dtype])  # a 16-bit copy with --grad-reduce-dtype
+            # "fp32": at least float32 (a float64 model's gradients are not rounded); bf16 / fp16: a 16-bit copy
+            reduce_dtype = REDUCE_DTYPE[hybrid.grad_reduce_dtype]
+            if hybrid.grad_reduce_dtype == "fp32":
+                reduce_dtype = torch.promote_types(flat.dtype, reduce_dtype)
+            sent = flat.to(reduce_dtype)
             comm.all_reduce(sent, group=group, algorithm=hybrid.algorithm)
             flat = sent.to(flat.dtype) if sent is not flat else flat
             flat /= dp
@@ -277,6 +289,22 @@ def clip_grad_norm(hybrid: HybridModel, max_norm: float) -> float:
         for param in hybrid.parameters():
             if param.grad is not None:
                 param.grad.mul_(scale)
+    return norm
+
+
+def clip_sharded_grad_norm(hybrid: HybridModel, optimizer: ShardedOptimizer, max_norm: float) -> float:
+    """``clip_grad_norm`` under ZeRO 1: each dp rank holds 1/dp of every gradient, so the
+    squares are also summed over the dp group (tp-replicated buckets on tp rank 0)."""
+    total = optimizer.grad_square_sum(hybrid.tp_rank)
+    for axis in ("dp", "tp", "pp"):
+        if hybrid.mesh.size(axis) > 1:
+            device = comm.default_device(hybrid.mesh.group[axis])
+            moved = total.to(device)
+            comm.all_reduce(moved, group=hybrid.mesh.group[axis])
+            total = moved.cpu()
+    norm = float(total.sqrt())
+    if max_norm and norm > max_norm:
+        optimizer.scale_gradients(max_norm / (norm + 1e-6))
     return norm
 
 

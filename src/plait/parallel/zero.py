@@ -289,11 +289,13 @@ class ZeRO(nn.Module):
         try:
             return self.module(*args, **kwargs)
         except RuntimeError as error:
-            if self.stage == 3 and "storage of size 0" in str(error):
+            if self.stage == 3 and ("storage of size 0" in str(error) or "data is not allocated" in str(error)):
                 raise RuntimeError(
                     f"ZeRO stage 3: the forward used a parameter of a unit outside that unit's forward, after it was "
                     f"freed ({error}); a parameter used by two modules must be registered in both (a tied weight: "
-                    "head.weight = embed.weight), or give wrap= a policy that leaves its module to the root") from error
+                    "head.weight = embed.weight); a module whose parameters the parent uses directly (F.layer_norm("
+                    "x, ..., self.norm.weight)) must not be a unit: give wrap= a policy that leaves it to the root"
+                ) from error
             raise
 
     def _check_unchanged(self) -> None:
@@ -458,40 +460,12 @@ class ZeRO(nn.Module):
         parameter no rank gave a gradient is left as it was, its optimizer state too
         (as torch's optimizers skip a parameter whose .grad is None)."""
         self._reduce_pending()
-        kept = self._snapshot_unused()
+        kept = _snapshot_unused(self.units, self.optimizer, self.group, self.world_size, self.rank)
         self.optimizer.step()
-        with torch.no_grad():
-            for shard, state, positions, values, state_values in kept:
-                shard[positions] = values
-                for key, value in state_values.items():
-                    state[key][positions] = value
+        _restore(kept)
         for unit in self.units:  # stage 3: only the root's stay gathered; the others gather at use
             if unit.gathered:
                 unit.gather(self.group, self.algorithm)
-
-    def _snapshot_unused(self) -> list:
-        """The shard elements (and their optimizer state) of parameters that no rank
-        used this step: one all-reduce of a flag per parameter."""
-        flags = torch.tensor([int(used) for unit in self.units for used in unit.used], dtype=torch.int32)
-        if self.world_size > 1:
-            comm.all_reduce(flags, group=self.group)
-        kept, index = [], 0
-        for unit in self.units:
-            start, end = self.rank * unit.shard_numel, (self.rank + 1) * unit.shard_numel
-            positions = []
-            for param, offset in zip(unit.params, unit.offsets):
-                if int(flags[index]) == 0:
-                    low, high = max(offset, start), min(offset + param.numel(), end)
-                    if low < high:
-                        positions.append(torch.arange(low - start, high - start))
-                index += 1
-            if positions:
-                where = torch.cat(positions)
-                state = self.optimizer.state.get(unit.shard, {})
-                state_values = {key: value[where].clone() for key, value in state.items()
-                                if torch.is_tensor(value) and value.shape == unit.shard.shape}
-                kept.append((unit.shard, state, where, unit.shard.detach()[where].clone(), state_values))
-        return kept
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for unit in self.units:
@@ -589,3 +563,193 @@ def _tensors(output):
     elif isinstance(output, dict):
         for item in output.values():
             yield from _tensors(item)
+
+
+class ShardedOptimizer:
+    """ZeRO stage 1 for a model whose gradients something else computes (plait
+    train's pipeline): ``optimizer``, built over the full parameters as usual (its
+    param groups and options are kept), is rebuilt over this rank's shards of flat
+    buckets of them, each bucket within one param group and one tensor-parallel kind
+    (``tp_shard`` set or not). Per step: ``reduce_gradients()`` (reduce-scatter, the
+    average over ``group``; the full gradients are dropped), ``clip_grad_norm_``,
+    ``step()`` (the shards, then an all-gather of each bucket). ``param_groups`` are
+    the rebuilt optimizer's (set ``lr`` there); ``full_state(names)`` and
+    ``load_full_state`` give and take torch's per-parameter optimizer state, so a
+    checkpoint does not depend on the dp degree."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, group, *, bucket_mb: float = 25,
+                 algorithm: str = "auto"):
+        if not isinstance(optimizer, ELEMENTWISE_OPTIMIZERS):
+            raise ValueError(f"ZeRO: {type(optimizer).__name__} is not an element-wise optimizer; use one of "
+                             f"{', '.join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)}")
+        if optimizer.state:
+            raise ValueError("ZeRO: give the optimizer before its first step (its state is rebuilt on shards)")
+        self.group, self.algorithm = group, algorithm
+        self.world_size, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        bucket_bytes = int(bucket_mb * (1 << 20))
+        self.units: list[_Unit] = []
+        self.unit_replicated: list[bool] = []
+        groups = []
+        for options in optimizer.param_groups:
+            params = [param for param in options["params"] if param.requires_grad]
+            shards = []
+            for replicated in (True, False):
+                kind = [param for param in params if (getattr(param, "tp_shard", None) is None) == replicated]
+                current, size = [], 0
+                for param in kind + [None]:
+                    if param is None or (current and (size + param.numel() * param.element_size() > bucket_bytes
+                                                      or param.dtype != current[0][1].dtype)):
+                        if current:
+                            unit = _Unit(len(self.units), current, self.world_size, self.rank, False)
+                            self.units.append(unit)
+                            self.unit_replicated.append(replicated)
+                            shards.append(unit.shard)
+                        current, size = [], 0
+                    if param is not None:
+                        current.append((f"param{len(self.units)}.{len(current)}", param))
+                        size += param.numel() * param.element_size()
+            groups.append({**{k: v for k, v in options.items() if k != "params"}, "params": shards})
+        # each group carries every option (torch fills them in), so the class defaults do not matter
+        self.optimizer = type(optimizer)([group for group in groups if group["params"]])
+        self.param_groups = self.optimizer.param_groups
+        self._where = {id(param): (unit, slot) for unit in self.units for slot, param in enumerate(unit.params)}
+
+    @property
+    def shards(self) -> list[nn.Parameter]:
+        return [unit.shard for unit in self.units]
+
+    @property
+    def state(self) -> dict:
+        """The rebuilt optimizer's state: keyed by shard, this rank's part only."""
+        return self.optimizer.state
+
+    def reduce_gradients(self) -> None:
+        """Each bucket's gradient reduce-scattered: this rank's shard of the average."""
+        for unit in self.units:
+            unit.used = [param.grad is not None for param in unit.params]
+            flat = unit.flat_grad()
+            for param in unit.params:
+                param.grad = None
+            out = torch.empty(unit.shard_numel, dtype=unit.dtype, device=unit.device)
+            if self.world_size == 1:
+                out.copy_(flat)
+            else:
+                comm.reduce_scatter_tensor(out, flat, group=self.group, algorithm=self.algorithm)
+            unit.shard.grad = out.div_(self.world_size)
+
+    def grad_square_sum(self, tp_rank: int) -> torch.Tensor:
+        """Σ g² over this rank's shards (tp-replicated buckets only on tp rank 0), float64."""
+        total = torch.zeros((), dtype=torch.float64)
+        for unit, replicated in zip(self.units, self.unit_replicated):
+            if unit.shard.grad is not None and (not replicated or tp_rank == 0):
+                total += unit.shard.grad.double().pow(2).sum().cpu()
+        return total
+
+    def scale_gradients(self, factor: float) -> None:
+        for unit in self.units:
+            if unit.shard.grad is not None:
+                unit.shard.grad.mul_(factor)
+
+    def step(self) -> None:
+        """Step the shards (a parameter no rank gave a gradient is left as it was), then
+        all-gather every bucket."""
+        kept = _snapshot_unused(self.units, self.optimizer, self.group, self.world_size, self.rank)
+        self.optimizer.step()
+        _restore(kept)
+        for unit in self.units:
+            unit.gather(self.group, self.algorithm)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for unit in self.units:
+            unit.shard.grad = None
+            for param in unit.params:
+                param.grad = None
+
+    def state_bytes(self) -> int:
+        """Bytes of this rank's optimizer state (each storage once)."""
+        seen, total = set(), 0
+        for entry in self.optimizer.state.values():
+            for value in entry.values():
+                if torch.is_tensor(value) and value.untyped_storage().data_ptr() not in seen:
+                    seen.add(value.untyped_storage().data_ptr())
+                    total += value.untyped_storage().nbytes()
+        return total
+
+    def full_state(self, names: dict[int, str]) -> dict[str, dict]:
+        """torch's per-parameter state ({name: {key: tensor}}) of every parameter, each
+        tensor all-gathered from the shards (every rank of the group calls it)."""
+        out: dict[str, dict] = {}
+        for unit in self.units:
+            state = self.optimizer.state.get(unit.shard, {})
+            for key in sorted(state):
+                value = state[key]
+                if torch.is_tensor(value) and value.shape == unit.shard.shape:
+                    full = torch.empty(unit.padded, dtype=value.dtype, device=value.device)
+                    if self.world_size == 1:
+                        full.copy_(value)
+                    else:
+                        comm.all_gather_into_tensor(full, value.contiguous(), group=self.group,
+                                                    algorithm=self.algorithm)
+                    for param, offset in zip(unit.params, unit.offsets):
+                        out.setdefault(names[id(param)], {})[key] = \
+                            full[offset:offset + param.numel()].view(param.shape).clone()
+                else:
+                    for param in unit.params:
+                        out.setdefault(names[id(param)], {})[key] = value.clone() if torch.is_tensor(value) \
+                            else torch.tensor(value)
+        return out
+
+    def load_full_state(self, state: dict[str, dict], names: dict[int, str]) -> None:
+        """The inverse of ``full_state``: this rank's slice of every parameter's state."""
+        for unit in self.units:
+            entries = [state.get(names[id(param)]) for param in unit.params]
+            if not any(entries):
+                continue
+            keys = next(entry for entry in entries if entry).keys()
+            start = self.rank * unit.shard_numel
+            shard_state = {}
+            for key in keys:
+                sample = next(entry[key] for entry in entries if entry)
+                if sample.dim() == 0:
+                    shard_state[key] = sample.clone()
+                    continue
+                flat = torch.zeros(unit.padded, dtype=sample.dtype, device=unit.device)
+                for param, offset, entry in zip(unit.params, unit.offsets, entries):
+                    if entry:
+                        flat[offset:offset + param.numel()].copy_(entry[key].reshape(-1))
+                shard_state[key] = flat[start:start + unit.shard_numel].clone()
+            self.optimizer.state[unit.shard] = shard_state
+
+
+def _snapshot_unused(units: list[_Unit], optimizer, group, world_size: int, rank: int) -> list:
+    """The shard elements (and their optimizer state) of parameters that no rank gave
+    a gradient this step: one all-reduce of a flag per parameter."""
+    flags = torch.tensor([int(used) for unit in units for used in unit.used], dtype=torch.int32)
+    if world_size > 1:
+        comm.all_reduce(flags, group=group)
+    kept, index = [], 0
+    for unit in units:
+        start, end = rank * unit.shard_numel, (rank + 1) * unit.shard_numel
+        positions = []
+        for param, offset in zip(unit.params, unit.offsets):
+            if int(flags[index]) == 0:
+                low, high = max(offset, start), min(offset + param.numel(), end)
+                if low < high:
+                    positions.append(torch.arange(low - start, high - start))
+            index += 1
+        if positions:
+            where = torch.cat(positions)
+            state = optimizer.state.get(unit.shard, {})
+            state_values = {key: value[where].clone() for key, value in state.items()
+                            if torch.is_tensor(value) and value.shape == unit.shard.shape}
+            kept.append((unit.shard, optimizer, where, unit.shard.detach()[where].clone(), state_values))
+    return kept
+
+
+def _restore(kept: list) -> None:
+    with torch.no_grad():
+        for shard, optimizer, positions, values, state_values in kept:
+            shard[positions] = values
+            state = optimizer.state[shard]
+            for key, value in state_values.items():
+                state[key][positions] = value

@@ -36,6 +36,7 @@ from plait.models.mlp import MLP
 from plait.parallel.hybrid import build_hybrid, evaluate, HybridModel, train_step
 from plait.parallel.mesh import DeviceMesh, ParallelDims
 from plait.parallel.precision import check_device
+from plait.parallel.zero import ShardedOptimizer
 from plait.train import checkpoint as ckpt, rundir, runlock
 from plait.train.config import TrainConfig
 from plait.train.data import load_digits, rank_batch
@@ -189,6 +190,9 @@ class Trainer:
             stage.to(self.device)
         del model, layers
         self.optimizer = make_optimizer(self.hybrid.names.items(), config)
+        if config.zero_stage == 1:  # optimizer state (and the step) sharded over the dp group
+            self.optimizer = ShardedOptimizer(self.optimizer, self.mesh.group["dp"], algorithm=config.algorithm)
+            self.hybrid.engine.parameters_moved()  # the parameters now live in the flat buckets
         self.out = Path(config.out)
         self.start_step = 0
         self.resumed_from = None
@@ -284,9 +288,11 @@ class Trainer:
         with torch.no_grad():
             for name, param in self.hybrid.names.items():
                 param.copy_(model_shard[name].to(param.device, param.dtype))
+        if isinstance(self.optimizer, ShardedOptimizer):
+            self.optimizer.load_full_state(optimizer_shard, {id(p): name for name, p in self.hybrid.names.items()})
         for name, param in self.hybrid.names.items():
             state = optimizer_shard.get(name)
-            if state:
+            if state and not isinstance(self.optimizer, ShardedOptimizer):
                 self.optimizer.state[param] = {key: value.to(self.device) if value.dim() else value.clone()
                                                for key, value in state.items()}
         same_mesh = manifest["mesh"] == self._mesh_info()
@@ -325,8 +331,14 @@ class Trainer:
             directory.mkdir(parents=True)
         dist.barrier()
         entry = None
+        if isinstance(self.optimizer, ShardedOptimizer):  # every dp rank takes part in gathering the state
+            full = self.optimizer.full_state({id(p): name for name, p in self.hybrid.names.items()})
         if self.coords["dp"] == 0:
-            state = {name: self.optimizer.state.get(self.hybrid.names[name], {}) for name in self.hybrid.saved_names}
+            if isinstance(self.optimizer, ShardedOptimizer):
+                state = {name: full.get(name, {}) for name in self.hybrid.saved_names}
+            else:
+                state = {name: self.optimizer.state.get(self.hybrid.names[name], {})
+                         for name in self.hybrid.saved_names}
             payload = {
                 "format": 1, "tp_rank": self.coords["tp"], "tp_size": self.config.tp,
                 "pp_rank": self.coords["pp"], "pp_size": self.config.pp,
@@ -415,7 +427,8 @@ class Trainer:
                 loss, norm, times = train_step(self.hybrid, inputs, targets, self.optimizer, step=step,
                                                grad_clip=config.grad_clip, lr=config.lr_at(step))
                 memory = self.memory.end_step(self.hybrid.engine.history[-1].peak_activation_bytes,
-                                              self.hybrid.parameters(), self.optimizer)
+                                              [*self.hybrid.parameters(), *getattr(self.optimizer, "shards", [])],
+                                              self.optimizer)
                 steps_run += 1
                 if first_step_s is None:
                     first_step_s = time.time() - self.started_s

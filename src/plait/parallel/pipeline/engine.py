@@ -128,9 +128,8 @@ class PipelineEngine:
         self.steps = 0
         first = next((param for module in self.stages.values() for param in module.parameters()), None)
         self.device = first.device if first is not None else comm.default_device(group)
-        self._parameter_storages = {param.untyped_storage().data_ptr() for param in self.parameters()}
-        if offloader is not None:
-            offloader.keep_storages |= self._parameter_storages  # parameters stay where they are
+        self._parameter_storages: set[int] = set()
+        self.parameters_moved()
         # name -> pipeline ranks holding it, for parameters held by more than one rank
         self.shared_parameters: dict[str, tuple[int, ...]] = {}
         self._shared_groups: list[tuple[tuple[int, ...], list[str], list[nn.Parameter], object]] = []
@@ -272,6 +271,14 @@ class PipelineEngine:
         return tensor
 
     # ----- one step ------------------------------------------------------------------------
+    def parameters_moved(self) -> None:
+        """Read again where the parameters' storages are (after something re-homed them,
+        as ZeRO's flat buckets do): they never count as activations, never go to files."""
+        old = self._parameter_storages
+        self._parameter_storages = {param.untyped_storage().data_ptr() for param in self.parameters()}
+        if self.offloader is not None:  # parameters stay where they are
+            self.offloader.keep_storages = (self.offloader.keep_storages - old) | self._parameter_storages
+
     def train_step(self, inputs: torch.Tensor | None, targets: torch.Tensor | None, optimizer=None) -> float:
         """One optimiser step on the global batch: returns the mean loss over the
         micro-batches (the same on every rank of the pipeline)."""
