@@ -163,14 +163,14 @@ def test_memory_and_traffic_equal_zeros_formulas(stage):
     """After one step, float64 AdamW, N = 4, Ψ = the padded parameter bytes:
     optimizer state 2Ψ/N (Adam's two moments; plus a step count per shard, a scalar
     each), parameters Ψ (stages 1-2, where the shard stepped is a slice of them) or
-    the root unit only (stage 3, with the Ψ/N master shards beside), gradients Ψ/N
+    none gathered (stage 3: only the Ψ/N master shards), gradients Ψ/N
     (the shards); between the backward and the step, stage 1 holds the full gradients
     of the parameters that got one, stages 2 and 3 only the shards.
     Bytes sent, counted by plait.comm at the transport, ring algorithms: each unit's
     reduce-scatter and each all-gather send (N-1)/N of the unit's bytes: stages 1-2
     one of each per unit, 2Ψ(N-1)/N; stage 3 a gather before the forward and one
     before the backward for each unit the forward used, the root unit (its own and
-    the tied parameters, kept gathered) once after the step, the unused Linear never:
+    the tied parameters) once for the whole step, the unused Linear never:
     3Ψ(N-1)/N less what those two save. Exact: every unit is padded to N shards."""
     n = 4
     results = run_distributed(_memory_and_traffic, n, stage)
@@ -179,8 +179,7 @@ def test_memory_and_traffic_equal_zeros_formulas(stage):
         memory = result["memory"]
         assert memory["master_bytes"] == (0 if stage < 3 else psi // n)
         assert psi // n * 2 <= memory["optimizer_bytes"] <= psi // n * 2 + 8 * len(result["units"])
-        root = sum(nbytes for nbytes, role in result["units"] if role == "root")
-        assert memory["params_bytes"] == (psi if stage < 3 else root)
+        assert memory["params_bytes"] == (psi if stage < 3 else 0)  # stage 3: every unit freed
         assert memory["grads_bytes"] == psi // n
         held = result["after_backward"]["grads_bytes"]
         assert held == (result["with_grad"] if stage == 1 else psi // n)

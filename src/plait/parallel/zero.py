@@ -23,7 +23,8 @@ param group for every shard: per-parameter groups are not supported.
   only the shard is kept.
 - **Stage 3**: units follow ``wrap`` (default: every child module that holds
   parameters, looking inside ModuleList / ModuleDict / Sequential; the root keeps the
-  rest and any parameter two units share, a tied embedding). A unit's buffer is
+  rest and any parameter two units share, a tied embedding, gathered for the whole
+  forward and backward). A unit's buffer is
   allocated and all-gathered just before its forward, freed right after, gathered
   again when the gradient of its output arrives (before its backward), and its
   gradient reduce-scattered and its buffer freed as soon as its backward is done.
@@ -207,8 +208,7 @@ class ZeRO(nn.Module):
                        for unit in self.units for param in unit.params]
         if stage == 3:
             for unit in self.units:
-                if not self._is_root(unit):
-                    unit.free()
+                unit.free()
             self._install_unit_hooks()
 
     # ----- wrap time -------------------------------------------------------------------
@@ -247,7 +247,8 @@ class ZeRO(nn.Module):
         return [_Unit(j, groups[i], self.world_size, self.rank, True) for j, i in enumerate(keep)]
 
     def _is_root(self, unit: _Unit) -> bool:
-        """Stage 3's root unit (the module's own and shared parameters) stays gathered."""
+        """Stage 3's root unit (the module's own and shared parameters): gathered for
+        the whole forward and backward of a step, freed when its gradients are in."""
         return self._unit_modules[unit.index] is self.module
 
     def _check_optimizer(self) -> None:
@@ -286,8 +287,15 @@ class ZeRO(nn.Module):
         if self._order_now:
             self._order = self._order_now
         self._order_now = []
+        roots = [unit for unit in self.units if self.stage == 3 and self._is_root(unit)]
+        for unit in roots:
+            self._ready(unit)
         try:
-            return self.module(*args, **kwargs)
+            output = self.module(*args, **kwargs)
+            if not torch.is_grad_enabled():  # no backward to come: the root's parameters go now
+                for unit in roots:
+                    unit.free()
+            return output
         except RuntimeError as error:
             if self.stage == 3 and ("storage of size 0" in str(error) or "data is not allocated" in str(error)):
                 raise RuntimeError(
@@ -380,7 +388,7 @@ class ZeRO(nn.Module):
         """Every gradient of ``unit`` is in (or will not come this backward)."""
         if self._require_sync and self.stage >= 2:
             self._reduce(unit, async_op=True)
-        if self.stage == 3 and not self._is_root(unit):
+        if self.stage == 3:
             unit.free()
 
     def _reduce(self, unit: _Unit, async_op: bool) -> None:
