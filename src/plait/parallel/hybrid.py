@@ -277,13 +277,7 @@ def clip_grad_norm(hybrid: HybridModel, max_norm: float) -> float:
         sharded = getattr(param, "tp_shard", None) is not None and hybrid.tp_size > 1
         if sharded or hybrid.tp_rank == 0:
             total += param.grad.detach().double().pow(2).sum().cpu()
-    for axis in ("tp", "pp"):
-        if hybrid.mesh.size(axis) > 1:
-            device = comm.default_device(hybrid.mesh.group[axis])
-            moved = total.to(device)
-            comm.all_reduce(moved, group=hybrid.mesh.group[axis])
-            total = moved.cpu()
-    norm = float(total.sqrt())
+    norm = float(_summed_over(hybrid, total, ("tp", "pp")).sqrt())
     if max_norm and norm > max_norm:
         scale = max_norm / (norm + 1e-6)
         for param in hybrid.parameters():
@@ -292,17 +286,21 @@ def clip_grad_norm(hybrid: HybridModel, max_norm: float) -> float:
     return norm
 
 
-def clip_sharded_grad_norm(hybrid: HybridModel, optimizer: ShardedOptimizer, max_norm: float) -> float:
-    """``clip_grad_norm`` under ZeRO 1: each dp rank holds 1/dp of every gradient, so the
-    squares are also summed over the dp group (tp-replicated buckets on tp rank 0)."""
-    total = optimizer.grad_square_sum(hybrid.tp_rank)
-    for axis in ("dp", "tp", "pp"):
+def _summed_over(hybrid: HybridModel, total: torch.Tensor, axes) -> torch.Tensor:
+    """``total`` all-reduced (summed) over each of the mesh ``axes`` of size > 1, on the CPU."""
+    for axis in axes:
         if hybrid.mesh.size(axis) > 1:
             device = comm.default_device(hybrid.mesh.group[axis])
             moved = total.to(device)
             comm.all_reduce(moved, group=hybrid.mesh.group[axis])
             total = moved.cpu()
-    norm = float(total.sqrt())
+    return total
+
+
+def clip_sharded_grad_norm(hybrid: HybridModel, optimizer: ShardedOptimizer, max_norm: float) -> float:
+    """``clip_grad_norm`` under ZeRO 1: each dp rank holds 1/dp of every gradient, so the
+    squares are also summed over the dp group (tp-replicated buckets on tp rank 0)."""
+    norm = float(_summed_over(hybrid, optimizer.grad_square_sum(hybrid.tp_rank), ("dp", "tp", "pp")).sqrt())
     if max_norm and norm > max_norm:
         optimizer.scale_gradients(max_norm / (norm + 1e-6))
     return norm

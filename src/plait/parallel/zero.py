@@ -471,7 +471,7 @@ class ZeRO(nn.Module):
         kept = _snapshot_unused(self.units, self.optimizer, self.group, self.world_size, self.rank)
         self.optimizer.step()
         _restore(kept)
-        for unit in self.units:  # stage 3: only the root's stay gathered; the others gather at use
+        for unit in self.units:  # stages 1-2: every unit; stage 3: none (each gathers at its next use)
             if unit.gathered:
                 unit.gather(self.group, self.algorithm)
 
