@@ -14,7 +14,7 @@ _LAZY = {"DataParallel": "plait.parallel.data", "StepStats": "plait.parallel.dat
          "ParameterServer": "plait.parallel.param_server",
          "ParameterServerConfig": "plait.parallel.ps_config", "ParameterServerStats": "plait.parallel.ps_config",
          "shard_by_size": "plait.parallel.ps_config", "ZeRO": "plait.parallel.zero",
-         "ShardedOptimizer": "plait.parallel.zero"}
+         "ShardedOptimizer": "plait.parallel.sharded_optimizer"}
 
 __all__ = ["DataParallel", "ParameterServer", "ParameterServerConfig", "ParameterServerStats", "ShardedOptimizer",
            "StepStats", "ZeRO", "shard_by_size"]

@@ -39,7 +39,7 @@ from plait.parallel.pipeline.partition import build_stage, split_layers
 from plait.parallel.precision import AUTOCAST_DTYPE, GRAD_REDUCE_DTYPES, PRECISIONS, REDUCE_DTYPE, autocast
 from plait.parallel.recompute import set_block_recompute
 from plait.parallel.tensor.dropout import ConsistentDropout
-from plait.parallel.zero import ShardedOptimizer
+from plait.parallel.sharded_optimizer import ShardedOptimizer
 
 BUCKET_BYTES = 25 << 20  # DDP's default bucket cap
 _EVAL_TAG = tags.EVALUATION.start  # evaluation's own tag range (plait.comm.tags)

@@ -55,11 +55,9 @@ from torch import nn
 
 from plait import comm
 from plait.parallel.data import verify_replicas
+from plait.parallel.flat_units import FlatUnit, check_elementwise, restore_unused, snapshot_unused
 
 STAGES = (1, 2, 3)
-ELEMENTWISE_OPTIMIZERS = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad,
-                          torch.optim.Adadelta, torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam,
-                          torch.optim.RMSprop)
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
 
 
@@ -72,93 +70,6 @@ def default_wrap(module: nn.Module) -> list[nn.Module]:
         elif any(True for _ in child.parameters()):
             units.append(child)
     return units
-
-
-def _alias(tensor: torch.Tensor) -> torch.Tensor:
-    """A tensor on ``tensor``'s storage with a version counter of its own: writing
-    through it does not mark autograd's saved views of ``tensor`` as modified."""
-    return torch.empty(0, dtype=tensor.dtype, device=tensor.device).set_(
-        tensor.untyped_storage(), tensor.storage_offset(), tensor.shape, tensor.stride())
-
-
-class _Unit:
-    """One unit's parameters as one flat buffer, padded to N equal shards."""
-
-    def __init__(self, index: int, named: list[tuple[str, nn.Parameter]], world_size: int, rank: int,
-                 shard_params: bool):
-        self.index = index
-        self.names = [name for name, _ in named]
-        self.params = [param for _, param in named]
-        dtypes = {param.dtype for param in self.params}
-        if len(dtypes) > 1:
-            raise ValueError(f"ZeRO: unit {index} mixes parameter dtypes {sorted(map(str, dtypes))} "
-                             f"({', '.join(self.names)}); give every parameter one dtype")
-        self.dtype = self.params[0].dtype
-        self.device = self.params[0].device
-        self.numel = sum(param.numel() for param in self.params)
-        self.shard_numel = math.ceil(self.numel / world_size)
-        self.padded = self.shard_numel * world_size
-        self.rank, self.world_size = rank, world_size
-        self.offsets = []
-        full = torch.zeros(self.padded, dtype=self.dtype, device=self.device)
-        offset = 0
-        for param in self.params:
-            self.offsets.append(offset)
-            full[offset:offset + param.numel()].copy_(param.detach().reshape(-1))
-            offset += param.numel()
-        self.full = full
-        self._attach()
-        start = rank * self.shard_numel
-        # what the optimizer steps: with the parameters kept whole (stages 1, 2), this rank's
-        # slice of the buffer itself (the step updates the parameters in place, no copy);
-        # with them sharded (stage 3), a copy of its own, the only one kept between uses
-        view = full[start:start + self.shard_numel].detach()
-        self.shard = nn.Parameter(view.clone() if shard_params else view)
-        self.gathered = True
-        self.pending = 0  # parameters whose gradient this backward has not delivered yet
-        self.ready: list[bool] = []
-        self.used = [True] * len(self.params)  # had a gradient at the last reduce
-        self.handle = None  # a prefetch's all-gather in flight
-
-    def _attach(self) -> None:
-        for param, offset in zip(self.params, self.offsets):
-            param.data = self.full[offset:offset + param.numel()].view(param.shape)
-
-    def flat_grad(self) -> torch.Tensor:
-        """The parameters' gradients, flat and padded (zeros where there is none)."""
-        flat = torch.zeros(self.padded, dtype=self.dtype, device=self.device)
-        for param, offset in zip(self.params, self.offsets):
-            if param.grad is not None:
-                flat[offset:offset + param.numel()].copy_(param.grad.reshape(-1))
-        return flat
-
-    def free(self) -> None:
-        """Release the gathered buffer (stage 3); the views keep their metadata."""
-        self.wait()  # a prefetch still writing into it
-        if self.gathered:
-            self.full.untyped_storage().resize_(0)
-            self.gathered = False
-
-    def wait(self) -> None:
-        handle, self.handle = self.handle, None
-        if handle is not None:
-            handle.wait()
-
-    def gather(self, group, algorithm, async_op: bool = False):
-        """Allocate the buffer again (if freed) and all-gather every rank's shard into it."""
-        storage = self.full.untyped_storage()
-        nbytes = self.padded * self.full.element_size()
-        if storage.nbytes() != nbytes:
-            storage.resize_(nbytes)
-        self.gathered = True
-        source = self.shard.detach()
-        if source.untyped_storage().data_ptr() == storage.data_ptr():
-            source = source.clone()  # a slice of the buffer the gather writes
-        if self.world_size == 1:
-            _alias(self.full).copy_(source)
-            return None
-        return comm.all_gather_into_tensor(_alias(self.full), source, group=group, async_op=async_op,
-                                           algorithm=algorithm)
 
 
 class ZeRO(nn.Module):
@@ -212,7 +123,7 @@ class ZeRO(nn.Module):
             self._install_unit_hooks()
 
     # ----- wrap time -------------------------------------------------------------------
-    def _build_units(self, wrap: Callable, bucket_bytes: int) -> list[_Unit]:
+    def _build_units(self, wrap: Callable, bucket_bytes: int) -> list[FlatUnit]:
         named = [(name, param) for name, param in self.module.named_parameters() if param.requires_grad]
         if not named:
             raise ValueError("ZeRO: the module has no parameter that requires a gradient")
@@ -227,7 +138,7 @@ class ZeRO(nn.Module):
                 size += nbytes
             groups.append(current)
             self._unit_modules: list[nn.Module | None] = [None] * len(groups)
-            return [_Unit(i, group, self.world_size, self.rank, False) for i, group in enumerate(groups)]
+            return [FlatUnit(i, group, self.world_size, self.rank, False) for i, group in enumerate(groups)]
         modules = [unit for unit in wrap(self.module) if unit is not self.module]
         owners: dict[int, list[int]] = {}
         for index, unit_module in enumerate(modules):
@@ -244,19 +155,15 @@ class ZeRO(nn.Module):
         self._unit_modules = [self.module] + modules
         keep = [i for i, group in enumerate(groups) if group]
         self._unit_modules = [self._unit_modules[i] for i in keep]
-        return [_Unit(j, groups[i], self.world_size, self.rank, True) for j, i in enumerate(keep)]
+        return [FlatUnit(j, groups[i], self.world_size, self.rank, True) for j, i in enumerate(keep)]
 
-    def _is_root(self, unit: _Unit) -> bool:
+    def _is_root(self, unit: FlatUnit) -> bool:
         """Stage 3's root unit (the module's own and shared parameters): gathered for
         the whole forward and backward of a step, freed when its gradients are in."""
         return self._unit_modules[unit.index] is self.module
 
     def _check_optimizer(self) -> None:
-        if not isinstance(self.optimizer, ELEMENTWISE_OPTIMIZERS):
-            raise ValueError(
-                f"ZeRO: {type(self.optimizer).__name__} is not an element-wise optimizer: ZeRO steps flat shards "
-                "of the parameters, which equals stepping the parameters only when each element's update depends "
-                f"on that element alone; use one of {', '.join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)}")
+        check_elementwise(self.optimizer)
         given = [param for group in self.optimizer.param_groups for param in group["params"]]
         if len(given) != len(self.units) or any(a is not b for a, b in zip(given, (u.shard for u in self.units))):
             raise ValueError("ZeRO: the optimizer must be built over exactly the parameters it is given "
@@ -313,19 +220,19 @@ class ZeRO(nn.Module):
             raise RuntimeError("ZeRO: the module's parameters were added, removed or resized after wrapping; "
                                "wrap the finished model")
 
-    def _ready(self, unit: _Unit) -> None:
+    def _ready(self, unit: FlatUnit) -> None:
         """``unit``'s parameters gathered: its prefetch waited for, or gathered now."""
         if unit.handle is not None:
             unit.wait()
         elif not unit.gathered:
             unit.gather(self.group, self.algorithm)
 
-    def _prefetch(self, unit: _Unit | None) -> None:
+    def _prefetch(self, unit: FlatUnit | None) -> None:
         """Start gathering ``unit`` on the comm thread while the current unit computes."""
         if unit is not None and not unit.gathered:
             unit.handle = unit.gather(self.group, self.algorithm, async_op=True)
 
-    def _neighbour(self, unit: _Unit, step: int) -> _Unit | None:
+    def _neighbour(self, unit: FlatUnit, step: int) -> FlatUnit | None:
         """The unit after (step 1) or before (step -1) ``unit`` in the last forward's order."""
         order = self._order
         if unit.index not in order:
@@ -333,13 +240,13 @@ class ZeRO(nn.Module):
         position = order.index(unit.index) + step
         return self.units[order[position]] if 0 <= position < len(order) else None
 
-    def _before_forward(self, unit: _Unit) -> None:
+    def _before_forward(self, unit: FlatUnit) -> None:
         self._ready(unit)
         if unit.index not in self._order_now:
             self._order_now.append(unit.index)
         self._prefetch(self._neighbour(unit, 1))
 
-    def _after_forward(self, unit: _Unit, output) -> None:
+    def _after_forward(self, unit: FlatUnit, output) -> None:
         if torch.is_grad_enabled():
             tensors = [t for t in _tensors(output) if t.requires_grad]
             if tensors:
@@ -347,7 +254,7 @@ class ZeRO(nn.Module):
                     tensors, lambda _grads, unit=unit: self._before_backward(unit), mode="any")
         unit.free()
 
-    def _before_backward(self, unit: _Unit) -> None:
+    def _before_backward(self, unit: FlatUnit) -> None:
         if not self._in_backward:
             self._begin_backward()
         self._ready(unit)
@@ -384,14 +291,14 @@ class ZeRO(nn.Module):
         if unit.pending == 0:
             self._unit_done(unit)
 
-    def _unit_done(self, unit: _Unit) -> None:
+    def _unit_done(self, unit: FlatUnit) -> None:
         """Every gradient of ``unit`` is in (or will not come this backward)."""
         if self._require_sync and self.stage >= 2:
             self._reduce(unit, async_op=True)
         if self.stage == 3:
             unit.free()
 
-    def _reduce(self, unit: _Unit, async_op: bool) -> None:
+    def _reduce(self, unit: FlatUnit, async_op: bool) -> None:
         unit.used = [param.grad is not None for param in unit.params]
         flat = unit.flat_grad()
         for param in unit.params:
@@ -468,9 +375,9 @@ class ZeRO(nn.Module):
         parameter no rank gave a gradient is left as it was, its optimizer state too
         (as torch's optimizers skip a parameter whose .grad is None)."""
         self._reduce_pending()
-        kept = _snapshot_unused(self.units, self.optimizer, self.group, self.world_size, self.rank)
+        kept = snapshot_unused(self.units, self.optimizer, self.group, self.world_size, self.rank)
         self.optimizer.step()
-        _restore(kept)
+        restore_unused(kept)
         for unit in self.units:  # stages 1-2: every unit; stage 3: none (each gathers at its next use)
             if unit.gathered:
                 unit.gather(self.group, self.algorithm)
@@ -571,193 +478,3 @@ def _tensors(output):
     elif isinstance(output, dict):
         for item in output.values():
             yield from _tensors(item)
-
-
-class ShardedOptimizer:
-    """ZeRO stage 1 for a model whose gradients something else computes (plait
-    train's pipeline): ``optimizer``, built over the full parameters as usual (its
-    param groups and options are kept), is rebuilt over this rank's shards of flat
-    buckets of them, each bucket within one param group and one tensor-parallel kind
-    (``tp_shard`` set or not). Per step: ``reduce_gradients()`` (reduce-scatter, the
-    average over ``group``; the full gradients are dropped), ``clip_grad_norm_``,
-    ``step()`` (the shards, then an all-gather of each bucket). ``param_groups`` are
-    the rebuilt optimizer's (set ``lr`` there); ``full_state(names)`` and
-    ``load_full_state`` give and take torch's per-parameter optimizer state, so a
-    checkpoint does not depend on the dp degree."""
-
-    def __init__(self, optimizer: torch.optim.Optimizer, group, *, bucket_mb: float = 25,
-                 algorithm: str = "auto"):
-        if not isinstance(optimizer, ELEMENTWISE_OPTIMIZERS):
-            raise ValueError(f"ZeRO: {type(optimizer).__name__} is not an element-wise optimizer; use one of "
-                             f"{', '.join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)}")
-        if optimizer.state:
-            raise ValueError("ZeRO: give the optimizer before its first step (its state is rebuilt on shards)")
-        self.group, self.algorithm = group, algorithm
-        self.world_size, self.rank = dist.get_world_size(group), dist.get_rank(group)
-        bucket_bytes = int(bucket_mb * (1 << 20))
-        self.units: list[_Unit] = []
-        self.unit_replicated: list[bool] = []
-        groups = []
-        for options in optimizer.param_groups:
-            params = [param for param in options["params"] if param.requires_grad]
-            shards = []
-            for replicated in (True, False):
-                kind = [param for param in params if (getattr(param, "tp_shard", None) is None) == replicated]
-                current, size = [], 0
-                for param in kind + [None]:
-                    if param is None or (current and (size + param.numel() * param.element_size() > bucket_bytes
-                                                      or param.dtype != current[0][1].dtype)):
-                        if current:
-                            unit = _Unit(len(self.units), current, self.world_size, self.rank, False)
-                            self.units.append(unit)
-                            self.unit_replicated.append(replicated)
-                            shards.append(unit.shard)
-                        current, size = [], 0
-                    if param is not None:
-                        current.append((f"param{len(self.units)}.{len(current)}", param))
-                        size += param.numel() * param.element_size()
-            groups.append({**{k: v for k, v in options.items() if k != "params"}, "params": shards})
-        # each group carries every option (torch fills them in), so the class defaults do not matter
-        self.optimizer = type(optimizer)([group for group in groups if group["params"]])
-        self.param_groups = self.optimizer.param_groups
-        self._where = {id(param): (unit, slot) for unit in self.units for slot, param in enumerate(unit.params)}
-
-    @property
-    def shards(self) -> list[nn.Parameter]:
-        return [unit.shard for unit in self.units]
-
-    @property
-    def state(self) -> dict:
-        """The rebuilt optimizer's state: keyed by shard, this rank's part only."""
-        return self.optimizer.state
-
-    def reduce_gradients(self) -> None:
-        """Each bucket's gradient reduce-scattered: this rank's shard of the average."""
-        for unit in self.units:
-            unit.used = [param.grad is not None for param in unit.params]
-            flat = unit.flat_grad()
-            for param in unit.params:
-                param.grad = None
-            out = torch.empty(unit.shard_numel, dtype=unit.dtype, device=unit.device)
-            if self.world_size == 1:
-                out.copy_(flat)
-            else:
-                comm.reduce_scatter_tensor(out, flat, group=self.group, algorithm=self.algorithm)
-            unit.shard.grad = out.div_(self.world_size)
-
-    def grad_square_sum(self, tp_rank: int) -> torch.Tensor:
-        """Σ g² over this rank's shards (tp-replicated buckets only on tp rank 0), float64."""
-        total = torch.zeros((), dtype=torch.float64)
-        for unit, replicated in zip(self.units, self.unit_replicated):
-            if unit.shard.grad is not None and (not replicated or tp_rank == 0):
-                total += unit.shard.grad.double().pow(2).sum().cpu()
-        return total
-
-    def scale_gradients(self, factor: float) -> None:
-        for unit in self.units:
-            if unit.shard.grad is not None:
-                unit.shard.grad.mul_(factor)
-
-    def step(self) -> None:
-        """Step the shards (a parameter no rank gave a gradient is left as it was), then
-        all-gather every bucket."""
-        kept = _snapshot_unused(self.units, self.optimizer, self.group, self.world_size, self.rank)
-        self.optimizer.step()
-        _restore(kept)
-        for unit in self.units:
-            unit.gather(self.group, self.algorithm)
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        for unit in self.units:
-            unit.shard.grad = None
-            for param in unit.params:
-                param.grad = None
-
-    def state_bytes(self) -> int:
-        """Bytes of this rank's optimizer state (each storage once)."""
-        seen, total = set(), 0
-        for entry in self.optimizer.state.values():
-            for value in entry.values():
-                if torch.is_tensor(value) and value.untyped_storage().data_ptr() not in seen:
-                    seen.add(value.untyped_storage().data_ptr())
-                    total += value.untyped_storage().nbytes()
-        return total
-
-    def full_state(self, names: dict[int, str]) -> dict[str, dict]:
-        """torch's per-parameter state ({name: {key: tensor}}) of every parameter, each
-        tensor all-gathered from the shards (every rank of the group calls it)."""
-        out: dict[str, dict] = {}
-        for unit in self.units:
-            state = self.optimizer.state.get(unit.shard, {})
-            for key in sorted(state):
-                value = state[key]
-                if torch.is_tensor(value) and value.shape == unit.shard.shape:
-                    full = torch.empty(unit.padded, dtype=value.dtype, device=value.device)
-                    if self.world_size == 1:
-                        full.copy_(value)
-                    else:
-                        comm.all_gather_into_tensor(full, value.contiguous(), group=self.group,
-                                                    algorithm=self.algorithm)
-                    for param, offset in zip(unit.params, unit.offsets):
-                        out.setdefault(names[id(param)], {})[key] = \
-                            full[offset:offset + param.numel()].view(param.shape).clone()
-                else:
-                    for param in unit.params:
-                        out.setdefault(names[id(param)], {})[key] = value.clone() if torch.is_tensor(value) \
-                            else torch.tensor(value)
-        return out
-
-    def load_full_state(self, state: dict[str, dict], names: dict[int, str]) -> None:
-        """The inverse of ``full_state``: this rank's slice of every parameter's state."""
-        for unit in self.units:
-            entries = [state.get(names[id(param)]) for param in unit.params]
-            if not any(entries):
-                continue
-            keys = next(entry for entry in entries if entry).keys()
-            start = self.rank * unit.shard_numel
-            shard_state = {}
-            for key in keys:
-                sample = next(entry[key] for entry in entries if entry)
-                if sample.dim() == 0:
-                    shard_state[key] = sample.clone()
-                    continue
-                flat = torch.zeros(unit.padded, dtype=sample.dtype, device=unit.device)
-                for param, offset, entry in zip(unit.params, unit.offsets, entries):
-                    if entry:
-                        flat[offset:offset + param.numel()].copy_(entry[key].reshape(-1))
-                shard_state[key] = flat[start:start + unit.shard_numel].clone()
-            self.optimizer.state[unit.shard] = shard_state
-
-
-def _snapshot_unused(units: list[_Unit], optimizer, group, world_size: int, rank: int) -> list:
-    """The shard elements (and their optimizer state) of parameters that no rank gave
-    a gradient this step: one all-reduce of a flag per parameter."""
-    flags = torch.tensor([int(used) for unit in units for used in unit.used], dtype=torch.int32)
-    if world_size > 1:
-        comm.all_reduce(flags, group=group)
-    kept, index = [], 0
-    for unit in units:
-        start, end = rank * unit.shard_numel, (rank + 1) * unit.shard_numel
-        positions = []
-        for param, offset in zip(unit.params, unit.offsets):
-            if int(flags[index]) == 0:
-                low, high = max(offset, start), min(offset + param.numel(), end)
-                if low < high:
-                    positions.append(torch.arange(low - start, high - start))
-            index += 1
-        if positions:
-            where = torch.cat(positions)
-            state = optimizer.state.get(unit.shard, {})
-            state_values = {key: value[where].clone() for key, value in state.items()
-                            if torch.is_tensor(value) and value.shape == unit.shard.shape}
-            kept.append((unit.shard, optimizer, where, unit.shard.detach()[where].clone(), state_values))
-    return kept
-
-
-def _restore(kept: list) -> None:
-    with torch.no_grad():
-        for shard, optimizer, positions, values, state_values in kept:
-            shard[positions] = values
-            state = optimizer.state[shard]
-            for key, value in state_values.items():
-                state[key][positions] = value

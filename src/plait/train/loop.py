@@ -36,7 +36,7 @@ from plait.models.mlp import MLP
 from plait.parallel.hybrid import build_hybrid, evaluate, HybridModel, train_step
 from plait.parallel.mesh import DeviceMesh, ParallelDims
 from plait.parallel.precision import check_device
-from plait.parallel.zero import ShardedOptimizer
+from plait.parallel.sharded_optimizer import ShardedOptimizer
 from plait.train import checkpoint as ckpt, rundir, runlock
 from plait.train.config import TrainConfig
 from plait.train.data import load_digits, rank_batch

@@ -1,0 +1,150 @@
+"""The flat buffers ZeRO shards (plait.parallel.zero, plait.parallel.sharded_optimizer):
+a unit's parameters packed into one buffer, padded with zeros to a multiple of N and
+cut into N equal shards (rank r owns shard r), the module's parameters made views into
+it; gathered with an all-gather, released with ``resize_(0)``. Also what both need
+around an optimizer step: which optimizers may step flat shards, and how a parameter
+no rank used keeps its value and state.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from plait import comm
+
+ELEMENTWISE_OPTIMIZERS = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad,
+                          torch.optim.Adadelta, torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam,
+                          torch.optim.RMSprop)
+
+
+def check_elementwise(optimizer) -> None:
+    """Refuse an optimizer whose update mixes the elements of a tensor."""
+    if not isinstance(optimizer, ELEMENTWISE_OPTIMIZERS):
+        raise ValueError(
+            f"ZeRO: {type(optimizer).__name__} is not an element-wise optimizer: ZeRO steps flat shards "
+            "of the parameters, which equals stepping the parameters only when each element's update depends "
+            f"on that element alone; use one of {', '.join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)}")
+
+
+def alias(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor on ``tensor``'s storage with a version counter of its own: writing
+    through it does not mark autograd's saved views of ``tensor`` as modified."""
+    return torch.empty(0, dtype=tensor.dtype, device=tensor.device).set_(
+        tensor.untyped_storage(), tensor.storage_offset(), tensor.shape, tensor.stride())
+
+
+class FlatUnit:
+    """One unit's parameters as one flat buffer, padded to N equal shards."""
+
+    def __init__(self, index: int, named: list[tuple[str, nn.Parameter]], world_size: int, rank: int,
+                 shard_params: bool):
+        self.index = index
+        self.names = [name for name, _ in named]
+        self.params = [param for _, param in named]
+        dtypes = {param.dtype for param in self.params}
+        if len(dtypes) > 1:
+            raise ValueError(f"ZeRO: unit {index} mixes parameter dtypes {sorted(map(str, dtypes))} "
+                             f"({', '.join(self.names)}); give every parameter one dtype")
+        self.dtype = self.params[0].dtype
+        self.device = self.params[0].device
+        self.numel = sum(param.numel() for param in self.params)
+        self.shard_numel = math.ceil(self.numel / world_size)
+        self.padded = self.shard_numel * world_size
+        self.rank, self.world_size = rank, world_size
+        self.offsets = []
+        full = torch.zeros(self.padded, dtype=self.dtype, device=self.device)
+        offset = 0
+        for param in self.params:
+            self.offsets.append(offset)
+            full[offset:offset + param.numel()].copy_(param.detach().reshape(-1))
+            offset += param.numel()
+        self.full = full
+        self._attach()
+        start = rank * self.shard_numel
+        # what the optimizer steps: with the parameters kept whole (stages 1, 2), this rank's
+        # slice of the buffer itself (the step updates the parameters in place, no copy);
+        # with them sharded (stage 3), a copy of its own, the only one kept between uses
+        view = full[start:start + self.shard_numel].detach()
+        self.shard = nn.Parameter(view.clone() if shard_params else view)
+        self.gathered = True
+        self.pending = 0  # parameters whose gradient this backward has not delivered yet
+        self.ready: list[bool] = []
+        self.used = [True] * len(self.params)  # had a gradient at the last reduce
+        self.handle = None  # a prefetch's all-gather in flight
+
+    def _attach(self) -> None:
+        for param, offset in zip(self.params, self.offsets):
+            param.data = self.full[offset:offset + param.numel()].view(param.shape)
+
+    def flat_grad(self) -> torch.Tensor:
+        """The parameters' gradients, flat and padded (zeros where there is none)."""
+        flat = torch.zeros(self.padded, dtype=self.dtype, device=self.device)
+        for param, offset in zip(self.params, self.offsets):
+            if param.grad is not None:
+                flat[offset:offset + param.numel()].copy_(param.grad.reshape(-1))
+        return flat
+
+    def free(self) -> None:
+        """Release the gathered buffer (stage 3); the views keep their metadata."""
+        self.wait()  # a prefetch still writing into it
+        if self.gathered:
+            self.full.untyped_storage().resize_(0)
+            self.gathered = False
+
+    def wait(self) -> None:
+        handle, self.handle = self.handle, None
+        if handle is not None:
+            handle.wait()
+
+    def gather(self, group, algorithm, async_op: bool = False):
+        """Allocate the buffer again (if freed) and all-gather every rank's shard into it."""
+        storage = self.full.untyped_storage()
+        nbytes = self.padded * self.full.element_size()
+        if storage.nbytes() != nbytes:
+            storage.resize_(nbytes)
+        self.gathered = True
+        source = self.shard.detach()
+        if source.untyped_storage().data_ptr() == storage.data_ptr():
+            source = source.clone()  # a slice of the buffer the gather writes
+        if self.world_size == 1:
+            alias(self.full).copy_(source)
+            return None
+        return comm.all_gather_into_tensor(alias(self.full), source, group=group, async_op=async_op,
+                                           algorithm=algorithm)
+
+
+def snapshot_unused(units: list[FlatUnit], optimizer, group, world_size: int, rank: int) -> list:
+    """The shard elements (and their optimizer state) of parameters that no rank gave
+    a gradient this step: one all-reduce of a flag per parameter."""
+    flags = torch.tensor([int(used) for unit in units for used in unit.used], dtype=torch.int32)
+    if world_size > 1:
+        comm.all_reduce(flags, group=group)
+    kept, index = [], 0
+    for unit in units:
+        start, end = rank * unit.shard_numel, (rank + 1) * unit.shard_numel
+        positions = []
+        for param, offset in zip(unit.params, unit.offsets):
+            if int(flags[index]) == 0:
+                low, high = max(offset, start), min(offset + param.numel(), end)
+                if low < high:
+                    positions.append(torch.arange(low - start, high - start))
+            index += 1
+        if positions:
+            where = torch.cat(positions)
+            state = optimizer.state.get(unit.shard, {})
+            state_values = {key: value[where].clone() for key, value in state.items()
+                            if torch.is_tensor(value) and value.shape == unit.shard.shape}
+            kept.append((unit.shard, optimizer, where, unit.shard.detach()[where].clone(), state_values))
+    return kept
+
+
+def restore_unused(kept: list) -> None:
+    with torch.no_grad():
+        for shard, optimizer, positions, values, state_values in kept:
+            shard[positions] = values
+            state = optimizer.state[shard]
+            for key, value in state_values.items():
+                state[key][positions] = value
