@@ -215,6 +215,9 @@ def p2p_global_ranks(rank, p):
         t = torch.zeros(4)
         out["from"] = comm.recv(t, group=group)  # any source
         out["value"] = t[0].item()
+    # rank 3's any-source receive must be over before rank 2 sends it anything else: without
+    # this barrier rank 2's swap message could be the one it takes (the test's own race)
+    dist.barrier()
     messages = []
     if rank in (2, 3):  # batch_isend_irecv: 2 and 3 swap in one batch
         peer = 5 - rank
