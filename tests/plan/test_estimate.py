@@ -12,7 +12,8 @@ from plait.parallel.pipeline.schedules import build
 from plait.plan import Layout, cluster_preset, estimate_layout, model_preset
 from plait.plan.cluster import Cluster
 from plait.plan.device import DeviceSpec
-from plait.plan.estimate import PRECISIONS, Unit, estimate, in_flight, precision_for
+from plait.plan.estimate import Unit, estimate, in_flight
+from plait.plan.precision import PRECISIONS, precision_for
 from plait.plan.layers import LayerCost
 from plait.plan.transformer import TensorParallelComm
 

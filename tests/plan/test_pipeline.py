@@ -11,7 +11,8 @@ from plait.parallel.pipeline.replay import peak_in_flight, replay
 from plait.parallel.pipeline.schedules import build
 from plait.plan import Layout, plan
 from plait.plan import pipeline
-from plait.plan.estimate import PRECISIONS, estimate
+from plait.plan.estimate import estimate
+from plait.plan.precision import PRECISIONS
 from plait.plan.pipeline import RATIO_STEPS, _base, _closed_form, _replay, price_schedule, schedule_problem
 
 from tests.plan.test_estimate import _cluster, _uniform_groups

@@ -202,7 +202,7 @@ def test_a_traced_model_is_priced_in_the_planned_precision():
     layer = LayerCost(name="l", forward_flops=10.0, backward_flops=20.0, activation_bytes=400.0, output_bytes=40.0,
                       forward_bytes=80.0)
     model = ModuleModel(name="m", layers=(layer, layer), traced_batch=2, traced_element_bytes=4)
-    from plait.plan.estimate import PRECISIONS
+    from plait.plan.precision import PRECISIONS
 
     half = model.groups(4, 1, False, PRECISIONS["bf16-mixed"], "plait")[0][0].cost
     assert (half.activation_bytes, half.output_bytes, half.forward_bytes) == (400.0, 40.0, 80.0)  # x2 batch, /2 dtype

@@ -46,6 +46,11 @@ def format_nbytes(nbytes: float) -> str:
     return f"{int(nbytes)}"
 
 
+def mib(nbytes: float) -> str:
+    """Bytes as MiB with one decimal (the training benches' tables)."""
+    return f"{nbytes / 2 ** 20:.1f}"
+
+
 def _format_time_us(time_us: float) -> str:
     # nccl-tests: fewer decimals as the time grows.
     if time_us >= 10000.0:

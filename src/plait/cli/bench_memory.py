@@ -16,7 +16,7 @@ from pathlib import Path
 from plait.bench.launch import in_torchrun
 from plait.bench.memory import (MemoryBenchConfig, plot_frontier, run_peer_bench, run_sweep, summary)
 from plait.bench.memory_peers import render as render_peers
-from plait.bench.report import write_json_document
+from plait.bench.report import mib, write_json_document
 from plait.cli.output_paths import output_file, prepare_output_paths
 from plait.train.config import TrainConfig
 from plait.train.corpus import load_corpus
@@ -68,10 +68,6 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     return parser
 
 
-def _mib(nbytes: float) -> str:
-    return f"{nbytes / 2 ** 20:.1f}"
-
-
 def run(args) -> int:
     if in_torchrun():
         raise ValueError("plait bench memory starts its own plait train runs: run it without torchrun")
@@ -95,9 +91,9 @@ def run(args) -> int:
         m, p = row["measured"], row["predicted"]
         print(f"{'dp%d tp%d pp%d' % (row['dp'], row['tp'], row['pp']):<12}{row['recompute']:<10}"
               f"{row['precision']:<11}{'on' if row['offload'] else 'off':<8}{m['step_s']:>7.2f}"
-              f"{_mib(m['activations_bytes']):>10}{_mib(p['activations_bytes']):>9}{row['ratio']:>7.3f}"
-              f"{_mib(row['paper_bytes']):>9}{_mib(m['resident_peak_bytes']):>9}"
-              f"{_mib(m['model_state_bytes']) + ' / ' + _mib(p['model_state_bytes']):>13}", flush=True)
+              f"{mib(m['activations_bytes']):>10}{mib(p['activations_bytes']):>9}{row['ratio']:>7.3f}"
+              f"{mib(row['paper_bytes']):>9}{mib(m['resident_peak_bytes']):>9}"
+              f"{mib(m['model_state_bytes']) + ' / ' + mib(p['model_state_bytes']):>13}", flush=True)
 
     rows = run_sweep(config, vocab, on_row)
     png = Path(config.out) / "frontier.png"

@@ -13,7 +13,7 @@ import argparse
 import os
 
 from plait.bench.launch import in_torchrun, run_in_fresh_worlds
-from plait.bench.report import write_json_document
+from plait.bench.report import mib, write_json_document
 from plait.bench.zero import VARIANTS, ZeroBenchConfig, run_zero_bench, summarize
 from plait.cli.output_paths import output_file, prepare_output_paths
 
@@ -33,10 +33,6 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     return parser
 
 
-def _mib(nbytes: float) -> str:
-    return f"{nbytes / 2 ** 20:.1f}"
-
-
 def run(args) -> int:
     if in_torchrun():
         raise ValueError("plait bench zero starts its own world: run it without torchrun")
@@ -54,8 +50,8 @@ def run(args) -> int:
 
     def on_event(kind, row):
         if kind == "row":
-            print(f"{row['round']:>5} {row['variant']:<14}{row['step_s'] * 1e3:>9.1f}{_mib(row['state_bytes']):>11}"
-                  f"{_mib(row['resident_peak_bytes']):>14}", flush=True)
+            print(f"{row['round']:>5} {row['variant']:<14}{row['step_s'] * 1e3:>9.1f}{mib(row['state_bytes']):>11}"
+                  f"{mib(row['resident_peak_bytes']):>14}", flush=True)
 
     rows = run_in_fresh_worlds(run_zero_bench, config, [config.nprocs], on_event, "plait bench zero")
     if rows is None:
@@ -65,7 +61,7 @@ def run(args) -> int:
     print(f"{'variant':<14}{'step ms':>24}{'state MiB':>11}{'peak RSS MiB':>14}")
     for row in result["variants"]:
         print(f"{row['variant']:<14}{row['step_s'] * 1e3:>10.1f} [{row['step_s_min'] * 1e3:.1f}-"
-              f"{row['step_s_max'] * 1e3:.1f}]{_mib(row['state_bytes']):>11}{_mib(row['resident_peak_bytes']):>14}")
+              f"{row['step_s_max'] * 1e3:.1f}]{mib(row['state_bytes']):>11}{mib(row['resident_peak_bytes']):>14}")
     for pair in result["pairs"]:
         print(f"throughput {pair['plait']} / {pair['peer']}: median {pair['median']:.3f} (per round "
               f"{', '.join(f'{r:.3f}' for r in pair['throughput_ratios'])})")

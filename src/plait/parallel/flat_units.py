@@ -141,6 +141,26 @@ def snapshot_unused(units: list[FlatUnit], optimizer, group, world_size: int, ra
     return kept
 
 
+def step_and_gather(units: list[FlatUnit], optimizer, group, world_size: int, rank: int, algorithm) -> None:
+    """Step the shards (a parameter no rank gave a gradient keeps its value and its
+    state), then all-gather every unit whose buffer is allocated (stage 3's freed ones
+    gather at their next use)."""
+    kept = snapshot_unused(units, optimizer, group, world_size, rank)
+    optimizer.step()
+    restore_unused(kept)
+    for unit in units:
+        if unit.gathered:
+            unit.gather(group, algorithm)
+
+
+def clear_grads(units: list[FlatUnit]) -> None:
+    """Drop the shards' and the parameters' gradients."""
+    for unit in units:
+        unit.shard.grad = None
+        for param in unit.params:
+            param.grad = None
+
+
 def restore_unused(kept: list) -> None:
     with torch.no_grad():
         for shard, optimizer, positions, values, state_values in kept:

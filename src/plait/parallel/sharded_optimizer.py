@@ -8,7 +8,7 @@ import torch.distributed as dist
 from torch import nn
 
 from plait import comm
-from plait.parallel.flat_units import FlatUnit, check_elementwise, restore_unused, snapshot_unused
+from plait.parallel.flat_units import FlatUnit, check_elementwise, clear_grads, step_and_gather
 
 
 class ShardedOptimizer:
@@ -97,17 +97,10 @@ class ShardedOptimizer:
     def step(self) -> None:
         """Step the shards (a parameter no rank gave a gradient is left as it was), then
         all-gather every bucket."""
-        kept = snapshot_unused(self.units, self.optimizer, self.group, self.world_size, self.rank)
-        self.optimizer.step()
-        restore_unused(kept)
-        for unit in self.units:
-            unit.gather(self.group, self.algorithm)
+        step_and_gather(self.units, self.optimizer, self.group, self.world_size, self.rank, self.algorithm)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        for unit in self.units:
-            unit.shard.grad = None
-            for param in unit.params:
-                param.grad = None
+        clear_grads(self.units)
 
     def state_bytes(self) -> int:
         """Bytes of this rank's optimizer state (each storage once)."""

@@ -55,7 +55,7 @@ from torch import nn
 
 from plait import comm
 from plait.parallel.data import verify_replicas
-from plait.parallel.flat_units import FlatUnit, check_elementwise, restore_unused, snapshot_unused
+from plait.parallel.flat_units import FlatUnit, check_elementwise, clear_grads, step_and_gather
 
 STAGES = (1, 2, 3)
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
@@ -375,18 +375,10 @@ class ZeRO(nn.Module):
         parameter no rank gave a gradient is left as it was, its optimizer state too
         (as torch's optimizers skip a parameter whose .grad is None)."""
         self._reduce_pending()
-        kept = snapshot_unused(self.units, self.optimizer, self.group, self.world_size, self.rank)
-        self.optimizer.step()
-        restore_unused(kept)
-        for unit in self.units:  # stages 1-2: every unit; stage 3: none (each gathers at its next use)
-            if unit.gathered:
-                unit.gather(self.group, self.algorithm)
+        step_and_gather(self.units, self.optimizer, self.group, self.world_size, self.rank, self.algorithm)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        for unit in self.units:
-            unit.shard.grad = None
-            for param in unit.params:
-                param.grad = None
+        clear_grads(self.units)
         self._reduced = False
 
     # ----- state -----------------------------------------------------------------------

@@ -53,68 +53,22 @@ from dataclasses import asdict, dataclass, field, fields
 from plait.plan.cluster import Cluster
 from plait.plan.layers import RECOMPUTE_MODES, LayerCost
 from plait.plan.pipeline import LIST_SCHEDULED, cost_units, price_schedule, schedule_problem
+from plait.plan.precision import Precision
 from plait.plan.stages import alpa_partition, minmax_partition
 from plait.plan.transformer import TensorParallelComm
 
-__all__ = ["Layout", "Precision", "PRECISIONS", "AUTOCAST_PRECISIONS", "precision_for", "Estimate", "estimate", "SCHEDULES", "Unit", "GroupCosts",
+__all__ = ["Layout", "Estimate", "estimate", "SCHEDULES", "Unit", "GroupCosts",
            "layout_problems", "summarize", "split_groups", "alpa_split", "combine", "in_flight"]
 
 SCHEDULES = ("none", "gpipe", "1f1b", "interleaved", "chimera", "zero_bubble")
 _COST_FIELDS = tuple(f.name for f in fields(LayerCost) if f.name != "name")
 
 
-@dataclass(frozen=True, kw_only=True)
-class Precision:
-    """Bytes per element and per parameter of a training precision."""
-
-    name: str
-    dtype: str                # the matmul dtype (selects the device peak)
-    element_bytes: int        # activations
-    param_bytes: int
-    grad_bytes: int
-    optimizer_bytes: int      # per parameter: Adam's states (+ fp32 master weights when mixed)
-    optimizer_traffic_bytes: int  # read + written per parameter by one optimizer step
-    residual_bytes: int | None = None  # the residual stream's element (None: element_bytes)
-    weight_copy_bytes: int = 0  # a 16-bit copy of each matmul weight kept per forward (autocast)
-
-
-PRECISIONS = {
-    # ZeRO's accounting (Rajbhandari et al. 2020): 2 + 2 + 12 = 16 bytes per parameter
-    "bf16-mixed": Precision(name="bf16-mixed", dtype="bfloat16", element_bytes=2, param_bytes=2, grad_bytes=2,
-                            optimizer_bytes=12, optimizer_traffic_bytes=32),
-    "fp16-mixed": Precision(name="fp16-mixed", dtype="float16", element_bytes=2, param_bytes=2, grad_bytes=2,
-                            optimizer_bytes=12, optimizer_traffic_bytes=32),
-    # plain float32 AdamW (plait train's default dtype): 4 + 4 + 8
-    "fp32": Precision(name="fp32", dtype="float32", element_bytes=4, param_bytes=4, grad_bytes=4,
-                      optimizer_bytes=8, optimizer_traffic_bytes=28),
-}
-
-# What plait train's --precision runs (torch.autocast over fp32 weights, plait.parallel.precision):
-# parameters, gradients and AdamW's two states stay float32 (4 + 4 + 8 bytes per parameter),
-# the residual stream stays float32, matmuls save their 16-bit inputs and a 16-bit copy of
-# their weights (plait.plan.transformer's module docstring)
-AUTOCAST_PRECISIONS = {
-    name: Precision(name=name, dtype=dtype, element_bytes=2, param_bytes=4, grad_bytes=4, optimizer_bytes=8,
-                    optimizer_traffic_bytes=28, residual_bytes=4, weight_copy_bytes=2)
-    for name, dtype in (("bf16-mixed", "bfloat16"), ("fp16-mixed", "float16"))
-}
-
 # With --offload-activations, the micro-batches whose saved tensors are in memory at once
 # at most: the one whose backward runs and the next backward's, prefetched meanwhile
 # (plait.parallel.offload); every other one is in files, except the activation a chunk
 # received from the previous pipeline stage, which the engine holds for the backward.
 OFFLOAD_RESIDENT_MICROBATCHES = 2
-
-
-def precision_for(name: str, accounting: str) -> Precision:
-    """The bytes of precision ``name`` as the accounting's trainer keeps them: under
-    "plait" (plait train) a mixed precision is autocast over fp32 weights; under
-    "megatron", 16-bit weights with fp32 master copies in the optimizer (ZeRO's 2+2+12)."""
-    if name not in PRECISIONS:
-        raise ValueError(f"precision={name!r} must be one of {', '.join(PRECISIONS)}")
-    if accounting == "plait" and name in AUTOCAST_PRECISIONS:
-        return AUTOCAST_PRECISIONS[name]
-    return PRECISIONS[name]
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from plait.plan.estimate import Precision, Unit
+from plait.plan.estimate import Unit
+from plait.plan.precision import Precision
 from plait.plan.layers import LayerCost, check_recompute
 from plait.plan.transformer import TensorParallelComm, TransformerSpec
 

@@ -33,8 +33,9 @@ from collections import Counter
 from dataclasses import dataclass, field, replace
 
 from plait.plan.cluster import MAX_DEVICES, Cluster
-from plait.plan.estimate import (PRECISIONS, SCHEDULES, Estimate, Layout, alpa_split, combine, estimate,
-                                 layout_problems, precision_for, split_groups, summarize)
+from plait.plan.estimate import (SCHEDULES, Estimate, Layout, alpa_split, combine, estimate, layout_problems,
+                                 split_groups, summarize)
+from plait.plan.precision import PRECISIONS, precision_for
 from plait.plan.grid import (DEFAULT_MAX_LAYOUTS, Family, Pruning, divisors, enumerate_families, fit_budget,
                              variant_choices)
 from plait.plan.layers import RECOMPUTE_MODES

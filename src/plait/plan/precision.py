@@ -1,0 +1,57 @@
+"""Training precisions as the planner prices them: bytes per activation element and
+per parameter (the parameter, its gradient, the optimizer's state), and which dtype's
+matmul peak applies. Two trainers: Megatron-style 16-bit weights with fp32 master
+copies (ZeRO's 2 + 2 + 12 bytes), and plait train's autocast over fp32 weights."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["Precision", "PRECISIONS", "AUTOCAST_PRECISIONS", "precision_for"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Precision:
+    """Bytes per element and per parameter of a training precision."""
+
+    name: str
+    dtype: str                # the matmul dtype (selects the device peak)
+    element_bytes: int        # activations
+    param_bytes: int
+    grad_bytes: int
+    optimizer_bytes: int      # per parameter: Adam's states (+ fp32 master weights when mixed)
+    optimizer_traffic_bytes: int  # read + written per parameter by one optimizer step
+    residual_bytes: int | None = None  # the residual stream's element (None: element_bytes)
+    weight_copy_bytes: int = 0  # a 16-bit copy of each matmul weight kept per forward (autocast)
+
+
+PRECISIONS = {
+    # ZeRO's accounting (Rajbhandari et al. 2020): 2 + 2 + 12 = 16 bytes per parameter
+    "bf16-mixed": Precision(name="bf16-mixed", dtype="bfloat16", element_bytes=2, param_bytes=2, grad_bytes=2,
+                            optimizer_bytes=12, optimizer_traffic_bytes=32),
+    "fp16-mixed": Precision(name="fp16-mixed", dtype="float16", element_bytes=2, param_bytes=2, grad_bytes=2,
+                            optimizer_bytes=12, optimizer_traffic_bytes=32),
+    # plain float32 AdamW (plait train's default dtype): 4 + 4 + 8
+    "fp32": Precision(name="fp32", dtype="float32", element_bytes=4, param_bytes=4, grad_bytes=4,
+                      optimizer_bytes=8, optimizer_traffic_bytes=28),
+}
+
+# What plait train's --precision runs (torch.autocast over fp32 weights, plait.parallel.precision):
+# parameters, gradients and AdamW's two states stay float32 (4 + 4 + 8 bytes per parameter),
+# the residual stream stays float32, matmuls save their 16-bit inputs and a 16-bit copy of
+# their weights (plait.plan.transformer's module docstring)
+AUTOCAST_PRECISIONS = {
+    name: Precision(name=name, dtype=dtype, element_bytes=2, param_bytes=4, grad_bytes=4, optimizer_bytes=8,
+                    optimizer_traffic_bytes=28, residual_bytes=4, weight_copy_bytes=2)
+    for name, dtype in (("bf16-mixed", "bfloat16"), ("fp16-mixed", "float16"))
+}
+
+def precision_for(name: str, accounting: str) -> Precision:
+    """The bytes of precision ``name`` as the accounting's trainer keeps them: under
+    "plait" (plait train) a mixed precision is autocast over fp32 weights; under
+    "megatron", 16-bit weights with fp32 master copies in the optimizer (ZeRO's 2+2+12)."""
+    if name not in PRECISIONS:
+        raise ValueError(f"precision={name!r} must be one of {', '.join(PRECISIONS)}")
+    if accounting == "plait" and name in AUTOCAST_PRECISIONS:
+        return AUTOCAST_PRECISIONS[name]
+    return PRECISIONS[name]
