@@ -19,10 +19,15 @@ def test_every_variant_runs_and_zero3_holds_less(tmp_path, capsys):
     assert "throughput zero3 / fsdp2" in out and "throughput zero1 / dataparallel" in out
     result = json.loads((tmp_path / "zero.json").read_text())
     state = {row["variant"]: row["state_bytes"] for row in result["variants"]}
-    assert set(state) == {"dataparallel", "ddp", "zero1", "zero2", "zero3", "fsdp2", "fsdp2-keep"}
+    assert set(state) == {"dataparallel", "ddp", "zero1", "zero2", "zero3", "fsdp2", "fsdp2-keep", "zero1-disk",
+                          "zero2-disk", "zero3-disk"}
     # AdamW, N = 2: DataParallel keeps 16 bytes per parameter (+ its gradient buckets), ZeRO-3 ~16/N
     assert state["zero3"] < 0.6 * state["dataparallel"]
     assert state["zero1"] < state["dataparallel"]
+    # offloaded: Adam's two moments (8 bytes per parameter, 1/N of them here) leave the process's memory
+    for stage in (1, 2, 3):
+        assert state[f"zero{stage}-disk"] < state[f"zero{stage}"]
+    assert "throughput zero2-disk / zero2" in out
 
 
 @pytest.mark.parametrize("argv,message", [

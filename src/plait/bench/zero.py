@@ -10,17 +10,22 @@ backward, optimizer step, zero_grad, then a barrier so a step ends on every rank
   zero1          plait.parallel.ZeRO stage 1
   zero2          stage 2 (gradients reduce-scattered during the backward)
   zero3          stage 3 (each block gathered before use and freed after)
+  zero1-disk, zero2-disk, zero3-disk
+                 the same with offload="disk": the optimizer state in memory-mapped
+                 files under the system's temporary directory between steps
   fsdp2          fully_shard on every block and the root (reshard after forward: ~ stage 3)
   fsdp2-keep     the same with reshard_after_forward=False (~ stage 2)
 
 Per round every variant runs ``steps`` timed steps after one warm-up, in an order
 rotated each round. Reported per variant: the median step time over rounds (each
-round's median step) with its spread; the model state this rank holds after a step,
-from live storages (parameters, gradients, optimizer state; DTensors by their local
-shards); the peak resident set during a step (VmHWM, reset per step), largest rank.
-Ratios are per round, plait against its peer run in the same round: zero3 / fsdp2,
-zero2 / fsdp2-keep and zero1, zero2 / dataparallel (throughput: the peer's step time
-over plait's, so > 1 means plait is faster).
+round's median step) with its spread; the model state this rank holds in memory
+after a step, from live storages (parameters, gradients, optimizer state; DTensors by
+their local shards; offloaded state not counted); the resident set after the last step
+(VmRSS) and its peak during a step (VmHWM, reset per step), largest rank. Ratios are
+per round, plait against its peer run in the same round: zero3 / fsdp2, zero2 /
+fsdp2-keep and zero1, zero2 / dataparallel, and each zeroN-disk / zeroN (throughput:
+the peer's step time over plait's, so > 1 means plait is faster; for offload, the time
+it adds).
 """
 
 from __future__ import annotations
@@ -36,10 +41,12 @@ import torch.nn.functional as F
 from plait.models import GPT, GPTConfig
 from plait.parallel.data import DataParallel
 from plait.parallel.zero import ZeRO
-from plait.train.memory import read_peak_resident_bytes, reset_peak_resident
+from plait.train.memory import read_peak_resident_bytes, read_resident_bytes, reset_peak_resident
 
-VARIANTS = ("dataparallel", "ddp", "zero1", "zero2", "zero3", "fsdp2", "fsdp2-keep")
-PAIRS = (("zero3", "fsdp2"), ("zero2", "fsdp2-keep"), ("zero1", "dataparallel"), ("zero2", "dataparallel"))
+VARIANTS = ("dataparallel", "ddp", "zero1", "zero2", "zero3", "fsdp2", "fsdp2-keep", "zero1-disk", "zero2-disk",
+            "zero3-disk")
+PAIRS = (("zero3", "fsdp2"), ("zero2", "fsdp2-keep"), ("zero1", "dataparallel"), ("zero2", "dataparallel"),
+         ("zero1-disk", "zero1"), ("zero2-disk", "zero2"), ("zero3-disk", "zero3"))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -97,8 +104,9 @@ class _Runner:
         elif variant.startswith("zero"):
             # the units FSDP2 gets below: the embedding and each block (GPT's final LayerNorm and head
             # are used by the root's own forward, so they stay with the root)
-            self.zero = self.wrapped = ZeRO(model, _adamw, stage=int(variant[-1]),
-                                            wrap=lambda gpt: [gpt.embedding, *gpt.blocks])
+            self.zero = self.wrapped = ZeRO(model, _adamw, stage=int(variant[4]),
+                                            wrap=lambda gpt: [gpt.embedding, *gpt.blocks],
+                                            offload="disk" if variant.endswith("-disk") else None)
             self.optimizer = None
         else:
             from torch.distributed.device_mesh import init_device_mesh
@@ -126,7 +134,8 @@ class _Runner:
     def state_bytes(self) -> int:
         """Parameters, gradients and optimizer state this rank holds (live storages, once each)."""
         if self.zero is not None:
-            return sum(self.zero.model_state_bytes().values())
+            held = self.zero.model_state_bytes()
+            return sum(held.values()) - held["offloaded_bytes"]
         tensors = []
         for param in self.wrapped.parameters():
             tensors += [param, param.grad]
@@ -174,7 +183,8 @@ def run_zero_bench(config: ZeroBenchConfig, *, device=None, emit=None) -> list[d
                 times.append(time.perf_counter() - start_s)
                 peaks.append(read_peak_resident_bytes() or 0)
             row = {"round": round_index, "variant": variant, "step_s": _largest(statistics.median(times)),
-                   "state_bytes": _largest(runner.state_bytes()), "resident_peak_bytes": _largest(max(peaks))}
+                   "state_bytes": _largest(runner.state_bytes()), "resident_peak_bytes": _largest(max(peaks)),
+                   "resident_after_bytes": _largest(read_resident_bytes() or 0)}
             rows.append(row)
             if rank == 0 and emit:
                 emit("row", row)
@@ -192,7 +202,8 @@ def summarize(rows: list[dict], variants) -> dict:
         times = [row["step_s"] for row in mine]
         table.append({"variant": variant, "step_s": statistics.median(times), "step_s_min": min(times),
                       "step_s_max": max(times), "state_bytes": statistics.median(row["state_bytes"] for row in mine),
-                      "resident_peak_bytes": statistics.median(row["resident_peak_bytes"] for row in mine)})
+                      "resident_peak_bytes": statistics.median(row["resident_peak_bytes"] for row in mine),
+                      "resident_after_bytes": statistics.median(row["resident_after_bytes"] for row in mine)})
     pairs = []
     for mine, peer in PAIRS:
         if by_variant.get(mine) and by_variant.get(peer):

@@ -46,22 +46,23 @@ def run(args) -> int:
     print(f"# plait bench zero: GPT {config.layers} layers, h {config.hidden}, {config.heads} heads, s {config.seq_len}, "
           f"vocab {config.vocab}; {config.batch} sequences per rank; AdamW; {config.nprocs} gloo processes on "
           f"{os.cpu_count()} cores, 1 thread each; {config.rounds} rounds x {config.steps} steps (after 1 warm-up)")
-    print(f"{'round':>5} {'variant':<14}{'step ms':>9}{'state MiB':>11}{'peak RSS MiB':>14}")
+    print(f"{'round':>5} {'variant':<14}{'step ms':>9}{'state MiB':>11}{'RSS after MiB':>15}{'peak RSS MiB':>14}")
 
     def on_event(kind, row):
         if kind == "row":
             print(f"{row['round']:>5} {row['variant']:<14}{row['step_s'] * 1e3:>9.1f}{mib(row['state_bytes']):>11}"
-                  f"{mib(row['resident_peak_bytes']):>14}", flush=True)
+                  f"{mib(row['resident_after_bytes']):>15}{mib(row['resident_peak_bytes']):>14}", flush=True)
 
     rows = run_in_fresh_worlds(run_zero_bench, config, [config.nprocs], on_event, "plait bench zero")
     if rows is None:
         return 1
     result = summarize(rows, config.variants)
     print("# medians over rounds [min-max]; state and RSS: the largest rank")
-    print(f"{'variant':<14}{'step ms':>24}{'state MiB':>11}{'peak RSS MiB':>14}")
+    print(f"{'variant':<14}{'step ms':>24}{'state MiB':>11}{'RSS after MiB':>15}{'peak RSS MiB':>14}")
     for row in result["variants"]:
         print(f"{row['variant']:<14}{row['step_s'] * 1e3:>10.1f} [{row['step_s_min'] * 1e3:.1f}-"
-              f"{row['step_s_max'] * 1e3:.1f}]{mib(row['state_bytes']):>11}{mib(row['resident_peak_bytes']):>14}")
+              f"{row['step_s_max'] * 1e3:.1f}]{mib(row['state_bytes']):>11}{mib(row['resident_after_bytes']):>15}"
+              f"{mib(row['resident_peak_bytes']):>14}")
     for pair in result["pairs"]:
         print(f"throughput {pair['plait']} / {pair['peer']}: median {pair['median']:.3f} (per round "
               f"{', '.join(f'{r:.3f}' for r in pair['throughput_ratios'])})")

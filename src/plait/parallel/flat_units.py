@@ -141,16 +141,43 @@ def snapshot_unused(units: list[FlatUnit], optimizer, group, world_size: int, ra
     return kept
 
 
-def step_and_gather(units: list[FlatUnit], optimizer, group, world_size: int, rank: int, algorithm) -> None:
+def step_and_gather(units: list[FlatUnit], optimizer, group, world_size: int, rank: int, algorithm,
+                    offload=None) -> None:
     """Step the shards (a parameter no rank gave a gradient keeps its value and its
     state), then all-gather every unit whose buffer is allocated (stage 3's freed ones
-    gather at their next use)."""
+    gather at their next use). With ``offload`` (a ``StateFiles``) the units step one
+    at a time, each unit's state back in its files before the next one's step."""
     kept = snapshot_unused(units, optimizer, group, world_size, rank)
-    optimizer.step()
-    restore_unused(kept)
+    if offload is None:
+        optimizer.step()
+        restore_unused(kept)
+    else:
+        _step_unit_by_unit(units, optimizer, offload, kept)
     for unit in units:
         if unit.gathered:
             unit.gather(group, algorithm)
+
+
+def _step_unit_by_unit(units: list[FlatUnit], optimizer, offload, kept: list) -> None:
+    """One ``optimizer.step()`` per unit with only that unit's gradient set: torch's
+    optimizers skip a parameter whose .grad is None and keep per-parameter state (and
+    step counts), so this equals one step over all of them, with one unit's state
+    resident at a time."""
+    grads = [unit.shard.grad for unit in units]
+    for unit in units:
+        unit.shard.grad = None
+    try:
+        for unit, grad in zip(units, grads):
+            if grad is None:
+                continue
+            unit.shard.grad = grad
+            optimizer.step()
+            unit.shard.grad = None
+            restore_unused([entry for entry in kept if entry[0] is unit.shard])
+            offload.adopt(optimizer.state.get(unit.shard, {}), unit.shard)
+    finally:
+        for unit, grad in zip(units, grads):
+            unit.shard.grad = grad
 
 
 def clear_grads(units: list[FlatUnit]) -> None:

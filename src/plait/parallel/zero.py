@@ -41,12 +41,21 @@ Gradient accumulation: inside ``no_sync()`` the backward only accumulates full l
 gradients (stage 3 keeps them in ``.grad`` between the gathers); the next backward
 outside reduces the sums. Buffers (BatchNorm statistics) are broadcast from rank 0
 before every forward, as DataParallel does.
+
+Offload: ``offload="disk"`` keeps the optimizer state in memory-mapped files under
+``offload_dir`` (default: the system's temporary directory) between steps, read back
+during the backward and stepped one unit at a time on the CPU (see
+``plait.parallel.state_offload``); with the parameters on the CPU their float32
+values are the master weights, so nothing else moves. ``offload="cpu"`` (host memory
+for the state of a model on a GPU) and any offload of a model on a GPU are not built
+yet, and are refused.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
+import tempfile
 from collections.abc import Callable
 
 import torch
@@ -56,8 +65,10 @@ from torch import nn
 from plait import comm
 from plait.parallel.data import verify_replicas
 from plait.parallel.flat_units import FlatUnit, check_elementwise, clear_grads, step_and_gather
+from plait.parallel.state_offload import StateFiles
 
 STAGES = (1, 2, 3)
+OFFLOADS = (None, "cpu", "disk")
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
 
 
@@ -83,7 +94,8 @@ class ZeRO(nn.Module):
 
     def __init__(self, module: nn.Module, optimizer: Callable, *, stage: int = 1, group=None,
                  bucket_mb: float = 25, algorithm: str = "auto", wrap: Callable | None = None,
-                 init: str = "check", broadcast_buffers: bool = True):
+                 init: str = "check", broadcast_buffers: bool = True, offload: str | None = None,
+                 offload_dir=None):
         super().__init__()
         problems = []
         if isinstance(stage, bool) or stage not in STAGES:
@@ -94,6 +106,7 @@ class ZeRO(nn.Module):
         if not callable(optimizer) or isinstance(optimizer, torch.optim.Optimizer):
             problems.append("optimizer must be a function of the parameters that builds the optimizer, e.g. "
                             "lambda params: torch.optim.AdamW(params, lr=3e-4) (ZeRO gives it this rank's shards)")
+        problems += _offload_problems(module, offload)
         if problems:
             raise ValueError("ZeRO: " + "; ".join(problems))
         if not dist.is_initialized():
@@ -109,6 +122,7 @@ class ZeRO(nn.Module):
         self._shape = [(id(param), tuple(param.shape)) for unit in self.units for param in unit.params]
         self.optimizer = optimizer([unit.shard for unit in self.units])
         self._check_optimizer()
+        self.offload = StateFiles(offload_dir or tempfile.gettempdir()) if offload == "disk" else None
         self._require_sync = True
         self._in_backward = False
         self._reduced = False  # this step's gradients are in the shards
@@ -279,6 +293,8 @@ class ZeRO(nn.Module):
             unit.ready = [False] * len(unit.params)
             unit.pending = len(unit.params)
         torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+        if self.offload is not None:  # the state's pages read in while the backward computes
+            self.offload.prefetch()
 
     def _on_grad_ready(self, param: torch.Tensor) -> None:
         if not self._in_backward:
@@ -375,7 +391,8 @@ class ZeRO(nn.Module):
         parameter no rank gave a gradient is left as it was, its optimizer state too
         (as torch's optimizers skip a parameter whose .grad is None)."""
         self._reduce_pending()
-        step_and_gather(self.units, self.optimizer, self.group, self.world_size, self.rank, self.algorithm)
+        step_and_gather(self.units, self.optimizer, self.group, self.world_size, self.rank, self.algorithm,
+                        self.offload)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         clear_grads(self.units)
@@ -433,14 +450,20 @@ class ZeRO(nn.Module):
                 if unit.gathered:
                     unit.gather(self.group, self.algorithm)
         self.optimizer.load_state_dict(state["optimizer"])
+        if self.offload is not None:  # the loaded state into files, the replaced files let go
+            for unit in self.units:
+                self.offload.adopt(self.optimizer.state.get(unit.shard, {}), unit.shard)
+            self.offload.forget([value for entry in self.optimizer.state.values() for value in entry.values()])
         for name, buffer in self.module.named_buffers():
             buffer.copy_(state["buffers"][name])
 
     # ----- measured memory -------------------------------------------------------------
     def model_state_bytes(self) -> dict[str, int]:
         """Bytes of live storages this rank holds now: gathered parameter buffers, full
-        and sharded gradients, master shards and optimizer state (each storage once)."""
+        and sharded gradients, master shards and optimizer state in memory, and
+        optimizer state in offload files (each storage once)."""
         seen: set[int] = set()
+        state = [value for entry in self.optimizer.state.values() for value in entry.values() if torch.is_tensor(value)]
 
         def add(tensors) -> int:
             total = 0
@@ -457,8 +480,24 @@ class ZeRO(nn.Module):
                 "grads_bytes": add([param.grad for unit in self.units for param in unit.params]
                                    + [unit.shard.grad for unit in self.units]),
                 "master_bytes": add(unit.shard for unit in self.units),
-                "optimizer_bytes": add(value for entry in self.optimizer.state.values() for value in entry.values()
-                                       if torch.is_tensor(value))}
+                "optimizer_bytes": add(value for value in state if not self._offloaded(value)),
+                "offloaded_bytes": add(value for value in state if self._offloaded(value))}
+
+    def _offloaded(self, tensor: torch.Tensor) -> bool:
+        return self.offload is not None and self.offload.owns(tensor)
+
+
+def _offload_problems(module: nn.Module, offload) -> list[str]:
+    if offload not in OFFLOADS:
+        return [f"offload={offload!r} must be None, 'cpu' or 'disk'"]
+    devices = {param.device.type for param in module.parameters()}
+    if offload == "cpu" and devices == {"cpu"}:
+        return ["offload='cpu' moves the optimizer state of a model on a GPU to host memory, and this model's "
+                "parameters are already in host memory: use offload='disk' (memory-mapped files) or None"]
+    if offload is not None and devices != {"cpu"}:
+        return [f"offload={offload!r} with parameters on {sorted(devices)} is not built yet (only the state of a "
+                "model on the CPU can be offloaded, to disk): use offload=None"]
+    return []
 
 
 def _tensors(output):

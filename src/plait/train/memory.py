@@ -52,8 +52,17 @@ def model_state_bytes(params: list[torch.nn.Parameter], optimizer) -> dict[str, 
 
 def read_peak_resident_bytes() -> int | None:
     """This process's peak resident set since the last reset (Linux), or None."""
+    return _status_bytes("VmHWM")
+
+
+def read_resident_bytes() -> int | None:
+    """This process's resident set now (Linux), or None."""
+    return _status_bytes("VmRSS")
+
+
+def _status_bytes(key: str) -> int | None:
     try:
-        match = re.search(r"VmHWM:\s+(\d+) kB", _STATUS.read_text())
+        match = re.search(key + r":\s+(\d+) kB", _STATUS.read_text())
     except OSError:
         return None
     return int(match.group(1)) * 1024 if match else None
