@@ -1,5 +1,6 @@
-"""plait train --zero-stage 1: AdamW's state and step sharded over the dp group
-(plait.parallel.zero.ShardedOptimizer), with tensor and pipeline parallelism.
+"""plait train --zero-stage 1|2 [--offload optimizer]: AdamW's state and step (stage 2:
+the gradients too) sharded over the dp group (plait.parallel.sharded_optimizer), with
+tensor and pipeline parallelism.
 
 - float64 on dp2 x tp2 x pp2... on 4 processes dp2 x pp2 and dp2 x tp2: the loss
   curve equals --zero-stage 0 bitwise without clipping (with 2 dp ranks each averaged
@@ -7,9 +8,17 @@
   float64 roundoff with clipping (the norm sums the squares in another order:
   relative 1e-15, stated bound 1e-12);
 - the optimizer state measured from live storages is 1/dp of stage 0's;
+- stage 2 (each micro-batch's gradients reduce-scattered inside its backward) equals
+  stage 0 within float64 roundoff (it sums over the dp ranks inside each micro-batch,
+  then over micro-batches: the same terms in another order, relative ~1e-15; stated
+  bound 1e-12), and keeps 1/dp of the gradients;
+- with the optimizer state offloaded to files the loss curve is bitwise the same, the
+  state is out of memory (the report's optimizer_bytes: the step counts only) and the
+  offload directory is gone after the run;
 - a resume at the same layout is bitwise; a zero-stage-1 checkpoint resumes into
   plain data parallelism (stage 0, another dp) with the same loss to roundoff
-  (checkpoints hold torch's per-parameter state, gathered from the shards);
+  (checkpoints hold torch's per-parameter state, gathered from the shards), and a
+  stage-2 offloaded one into stage 1 at another dp;
 - bad settings are refused by name."""
 
 from __future__ import annotations
@@ -63,6 +72,28 @@ def test_zero_one_trains_as_plain_data_parallelism(tmp_path, mesh):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("mesh", [dict(dp=2, pp=2), dict(dp=2, tp=2, pp=1)])
+def test_zero_two_and_offload_train_as_plain_data_parallelism(tmp_path, mesh):
+    overrides = [dict(zero_stage=0), dict(zero_stage=2), dict(zero_stage=2, offload="optimizer"),
+                 dict(zero_stage=1, offload="optimizer"), dict(zero_stage=1)]
+    configs = [_config(tmp_path / f"run{index}", grad_clip=0.05, **mesh, **extra)
+               for index, extra in enumerate(overrides)]
+    run_distributed(_train_each, 4, configs, timeout_s=300)
+    plain, zero2, zero2_offloaded, zero1_offloaded, zero1 = (_metrics(config.out) for config in configs)
+    for got, want in zip(zero2, plain, strict=True):
+        assert got["loss"] == pytest.approx(want["loss"], rel=1e-12, abs=0)
+    assert [row["loss"] for row in zero2_offloaded] == [row["loss"] for row in zero2]  # bitwise
+    assert [row["loss"] for row in zero1_offloaded] == [row["loss"] for row in zero1]
+    memory = [_report_memory(config.out) for config in configs]
+    for stage0, stage2, offloaded in zip(memory[0], memory[1], memory[2]):
+        assert stage2["grads_bytes"] * 2 == pytest.approx(stage0["grads_bytes"], rel=0.02)
+        assert offloaded["offloaded_bytes"] == pytest.approx(stage2["optimizer_bytes"], rel=0.02)
+        assert offloaded["optimizer_bytes"] < 0.02 * stage2["optimizer_bytes"]  # the step counts
+    for config in configs:
+        assert not (Path(config.out) / "offload").exists()
+
+
+@pytest.mark.slow
 def test_zero_checkpoints_resume_bitwise_and_into_plain_dp(tmp_path):
     whole = _config(tmp_path / "whole", zero_stage=1, steps=4)
     first = _config(tmp_path / "resumed", zero_stage=1, steps=2, checkpoint_interval=2, keep_checkpoints=2)
@@ -79,9 +110,28 @@ def test_zero_checkpoints_resume_bitwise_and_into_plain_dp(tmp_path):
     assert got == pytest.approx(want, rel=1e-12, abs=0)
 
 
+@pytest.mark.slow
+def test_an_offloaded_zero_two_checkpoint_resumes_bitwise_and_into_zero_one(tmp_path):
+    settings = dict(zero_stage=2, offload="optimizer", checkpoint_interval=2, keep_checkpoints=2)
+    whole = _config(tmp_path / "whole", zero_stage=2, offload="optimizer", steps=4)
+    first = _config(tmp_path / "resumed", steps=2, **settings)
+    run_distributed(_train_each, 4, [whole, first], timeout_s=300)
+    second = _config(tmp_path / "resumed", steps=4, **settings)
+    run_distributed(_train_each, 4, [second], "auto", timeout_s=300)
+    want = [row["loss"] for row in _metrics(whole.out)]
+    assert [row["loss"] for row in _metrics(second.out)] == want
+    checkpoint = sorted((tmp_path / "resumed" / "checkpoints").iterdir())[0]
+    other = _config(tmp_path / "other", zero_stage=1, dp=1, pp=2, steps=4)
+    run_distributed(_train_each, 2, [other], str(checkpoint), timeout_s=300)
+    assert [row["loss"] for row in _metrics(other.out)] == pytest.approx(want[2:], rel=1e-12, abs=0)
+
+
 @pytest.mark.parametrize("overrides,message", [
-    (dict(zero_stage=2), "zero_stage=2: plait train runs ZeRO stage 1"),
-    (dict(zero_stage=5), "zero_stage=5 is not valid: 0, 1"),
+    (dict(zero_stage=3), "zero_stage=3: plait train runs ZeRO stages 1 and 2"),
+    (dict(zero_stage=5), "zero_stage=5 is not valid: 0, 1 or 2"),
+    (dict(zero_stage=2, schedule="chimera"), "zero_stage=2 with schedule='chimera'"),
+    (dict(offload="optimizer"), "offload='optimizer' with zero_stage=0"),
+    (dict(offload="cpu"), "offload='cpu' is not valid"),
     (dict(zero_stage=1, schedule="chimera"), "zero_stage=1 with schedule='chimera'"),
     (dict(zero_stage=1, compression="topk:0.01"), "zero_stage=1 with compression='topk:0.01'"),
     (dict(zero_stage=1, optimizer="sgd", grad_reduce_dtype="bf16"), "zero_stage=1 with grad_reduce_dtype='bf16'"),

@@ -32,6 +32,7 @@ from plait import comm
 from plait.comm.algorithms import algorithms_for, builder
 from plait.compress.base import Compressor
 from plait.parallel.buckets import Bucket, build_buckets, unflatten_into
+from plait.parallel.weak_hooks import weak_method
 
 _INIT_MODES = ("check", "broadcast")
 
@@ -204,7 +205,7 @@ class DataParallel(nn.Module):
         self._backward_start_s = 0.0
         self.step_count = 0
         self.history: list[StepStats] = []
-        self._hooks = [param.register_post_accumulate_grad_hook(self._on_grad_ready) for _, param in self._named]
+        self._hooks = [param.register_post_accumulate_grad_hook(weak_method(self._on_grad_ready)) for _, param in self._named]
 
     # ----- wrap time -------------------------------------------------------------------
     def _also_for(self, collectives) -> str:

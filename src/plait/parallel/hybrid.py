@@ -167,13 +167,16 @@ def train_step(hybrid: HybridModel, inputs, targets, optimizer, *, step: int, gr
     (mean loss over the global batch, gradient norm before clipping, times)."""
     start_s = time.perf_counter()
     collectives_before_s = _collective_time_s()
+    sharded = isinstance(optimizer, ShardedOptimizer)  # ZeRO: reduce-scatter instead of all-reduce
+    if sharded:  # the last step's shard gradients go as the engine drops the parameters' (at its start)
+        optimizer.zero_grad()
+        optimizer.prefetch_state()  # offloaded optimizer state read in while the schedule computes
     loss = hybrid.engine.train_step(inputs, targets, optimizer=None)
     engine_s = time.perf_counter() - start_s
     record = hybrid.engine.history[-1]
     busy_s = sum(interval.end_s - interval.start_s for interval in record.intervals)
     inside_s = _collective_time_s() - collectives_before_s
     sync_start_s = time.perf_counter()
-    sharded = isinstance(optimizer, ShardedOptimizer)  # ZeRO 1: reduce-scatter instead of all-reduce
     if sharded:
         optimizer.reduce_gradients()
     else:

@@ -66,6 +66,7 @@ from plait import comm
 from plait.parallel.data import verify_replicas
 from plait.parallel.flat_units import FlatUnit, check_elementwise, clear_grads, step_and_gather
 from plait.parallel.state_offload import StateFiles
+from plait.parallel.weak_hooks import weak_method
 
 STAGES = (1, 2, 3)
 OFFLOADS = (None, "cpu", "disk")
@@ -129,7 +130,7 @@ class ZeRO(nn.Module):
         self._handles: list = []
         self._order: list[int] = []  # stage 3: the units in the last forward's order (for prefetching)
         self._order_now: list[int] = []
-        self._hooks = [param.register_post_accumulate_grad_hook(self._on_grad_ready)
+        self._hooks = [param.register_post_accumulate_grad_hook(weak_method(self._on_grad_ready))
                        for unit in self.units for param in unit.params]
         if stage == 3:
             for unit in self.units:

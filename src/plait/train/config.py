@@ -42,6 +42,7 @@ RECOMPUTE_MODES = ("none", "selective", "full")  # plait.parallel.recompute's (t
 PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed")  # plait.parallel.precision's
 GRAD_REDUCE_DTYPES = ("fp32", "bf16", "fp16")
 OPTIMIZERS = ("adamw", "sgd")
+OFFLOADS = ("none", "optimizer")
 LR_SCHEDULES = ("cosine", "linear", "constant")
 AXES = ("tp", "dp", "pp")
 TABLES = ("model", "data", "batch", "parallel", "optim", "run")
@@ -104,8 +105,11 @@ class TrainConfig:
                                                         "16-bit compute dtype (bf16 / fp16)", GRAD_REDUCE_DTYPES)
     algorithm: str = _field("auto", "parallel", "collective algorithm for gradient all-reduce (auto = cost model)")
     compression: str = _field("none", "parallel", "dp gradient compression spec, e.g. topk:0.01+ef, powersgd:4, none")
-    zero_stage: int = _field(0, "parallel", "ZeRO over the dp group: 0 (off) or 1 (the optimizer state and its "
-                                            "step sharded over the dp ranks)")
+    zero_stage: int = _field(0, "parallel", "ZeRO over the dp group: 0 (off), 1 (the optimizer state and its step "
+                                            "sharded over the dp ranks) or 2 (the gradients too: reduce-scattered "
+                                            "inside every micro-batch's backward)")
+    offload: str = _field("none", "parallel", "optimizer: ZeRO's optimizer state in memory-mapped files under "
+                                              "<out>/offload between steps (zero_stage 1 or 2, CPU)", OFFLOADS)
     # ----- optim -----
     optimizer: str = _field("adamw", "optim", "optimiser", OPTIMIZERS)
     lr: float = _field(3e-3, "optim", "peak learning rate")
@@ -505,24 +509,27 @@ def _model_problems(c: TrainConfig, ok) -> list[str]:
         problems.append(f"grad_reduce_dtype={c.grad_reduce_dtype!r} with compression={c.compression!r}: the "
                         "compressor decides what is sent; leave grad_reduce_dtype=fp32")
     if ok("zero_stage"):
-        if c.zero_stage in (2, 3):
-            problems.append(f"zero_stage={c.zero_stage}: plait train runs ZeRO stage 1 (the optimizer state and its "
-                            "step sharded over dp); stages 2 and 3 shard the gradients and parameters inside each "
-                            "backward, which plait train's pipeline runs once per micro-batch: use "
-                            "plait.parallel.ZeRO in a training loop of your own, or zero_stage=1")
-        elif c.zero_stage not in (0, 1):
-            problems.append(f"zero_stage={c.zero_stage} is not valid: 0, 1 in plait train (1, 2, 3 in "
-                            "plait.parallel.ZeRO)")
-        elif c.zero_stage == 1:
+        z = c.zero_stage
+        if z == 3:
+            problems.append("zero_stage=3: plait train runs ZeRO stages 1 and 2; stage 3 (the parameters sharded "
+                            "too, gathered around each block's forward and backward) is not built into plait "
+                            "train's pipeline engine yet: use plait.parallel.ZeRO(stage=3) in a training loop of "
+                            "your own, or zero_stage=2")
+        elif z not in (0, 1, 2):
+            problems.append(f"zero_stage={z} is not valid: 0, 1 or 2 in plait train (1, 2, 3 in plait.parallel.ZeRO)")
+        elif z in (1, 2):
             if ok("schedule") and c.schedule == "chimera":
-                problems.append("zero_stage=1 with schedule='chimera': Chimera keeps two replicas of every stage, "
+                problems.append(f"zero_stage={z} with schedule='chimera': Chimera keeps two replicas of every stage, "
                                 "summed outside the dp group; use another schedule or zero_stage=0")
             if ok("compression") and c.compression != "none":
-                problems.append(f"zero_stage=1 with compression={c.compression!r}: ZeRO reduce-scatters the exact "
+                problems.append(f"zero_stage={z} with compression={c.compression!r}: ZeRO reduce-scatters the exact "
                                 "gradients; set compression=none or zero_stage=0")
             if ok("grad_reduce_dtype") and c.grad_reduce_dtype != "fp32":
-                problems.append(f"zero_stage=1 with grad_reduce_dtype={c.grad_reduce_dtype!r}: ZeRO reduces in the "
+                problems.append(f"zero_stage={z} with grad_reduce_dtype={c.grad_reduce_dtype!r}: ZeRO reduces in the "
                                 "parameters' dtype; set grad_reduce_dtype=fp32")
+        if ok("offload") and c.offload == "optimizer" and z not in (1, 2):
+            problems.append(f"offload='optimizer' with zero_stage={z}: the offloaded state is ZeRO's shards; set "
+                            "zero_stage=1 or 2 (or offload=none)")
     if ok("recompute_layers") and c.recompute_layers < -1:
         problems.append(f"recompute_layers={c.recompute_layers}: give a block count >= 0, or -1 for every block")
     if c.model == "mlp":

@@ -190,8 +190,12 @@ class Trainer:
             stage.to(self.device)
         del model, layers
         self.optimizer = make_optimizer(self.hybrid.names.items(), config)
-        if config.zero_stage == 1:  # optimizer state (and the step) sharded over the dp group
-            self.optimizer = ShardedOptimizer(self.optimizer, self.mesh.group["dp"], algorithm=config.algorithm)
+        if config.zero_stage in (1, 2):  # optimizer state (and stage 2: gradients) sharded over the dp group
+            shared = set(self.hybrid.engine.shared_parameters)  # summed over pipeline ranks after the backward
+            self.optimizer = ShardedOptimizer(
+                self.optimizer, self.mesh.group["dp"], algorithm=config.algorithm, stage=config.zero_stage,
+                late=[param for name, param in self.hybrid.names.items() if name in shared],
+                offload_dir=self._offload_dir() if config.offload == "optimizer" else None)
             self.hybrid.engine.parameters_moved()  # the parameters now live in the flat buckets
         self.out = Path(config.out)
         self.start_step = 0
@@ -210,23 +214,27 @@ class Trainer:
             probe.write_bytes(b"plait")
             probe.unlink()
         except OSError as error:
-            problem = f"rank {self.rank} cannot write its activation offload directory {directory}: {error}"
+            problem = f"rank {self.rank} cannot write its offload directory {directory}: {error}"
         everyone = [None] * self.world_size
         dist.all_gather_object(everyone, problem)
         problems = [entry for entry in everyone if entry]
         if problems:
-            raise OSError("; ".join(problems) + " (offload_activations=true needs a writable --out on every node)")
+            raise OSError("; ".join(problems) + " (offload_activations=true and offload=optimizer need a writable "
+                          "--out on every node)")
         return directory
 
     def _close_offload(self) -> None:
-        """Stop the prefetch thread and remove this rank's (by now empty) offload directory."""
+        """Stop the prefetch thread and remove this rank's (by now empty) offload directory
+        (the optimizer state's files were unlinked as soon as they were mapped)."""
         offloader = self.hybrid.engine.offloader
-        if offloader is None:
+        if offloader is None and self.config.offload == "none":
             return
-        offloader.close()
-        shutil.rmtree(offloader.directory, ignore_errors=True)
+        if offloader is not None:
+            offloader.close()
+        directory = Path(self.config.out) / "offload" / f"rank{self.rank}"
+        shutil.rmtree(directory, ignore_errors=True)
         try:
-            offloader.directory.parent.rmdir()  # the last rank out removes offload/ itself
+            directory.parent.rmdir()  # the last rank out removes offload/ itself
         except OSError:
             pass
 

@@ -44,10 +44,14 @@ def _storage_bytes(tensors) -> int:
 
 
 def model_state_bytes(params: list[torch.nn.Parameter], optimizer) -> dict[str, int]:
-    """Bytes of the parameters, their gradients and the optimizer's state (each storage once)."""
-    state = [value for entry in optimizer.state.values() for value in entry.values()]
+    """Bytes of the parameters, their gradients and the optimizer's state in memory,
+    and of optimizer state offloaded to files (each storage once)."""
+    state = [value for entry in optimizer.state.values() for value in entry.values() if torch.is_tensor(value)]
+    offload = getattr(optimizer, "offload", None)
+    in_files = [offload is not None and offload.owns(value) for value in state]
     return {"params_bytes": _storage_bytes(params), "grads_bytes": _storage_bytes(param.grad for param in params),
-            "optimizer_bytes": _storage_bytes(state)}
+            "optimizer_bytes": _storage_bytes(value for value, filed in zip(state, in_files) if not filed),
+            "offloaded_bytes": _storage_bytes(value for value, filed in zip(state, in_files) if filed)}
 
 
 def read_peak_resident_bytes() -> int | None:
@@ -122,7 +126,7 @@ class MemoryMonitor:
 
 
 MEMORY_COLUMNS = ("saved_activations_peak_bytes", "engine_activations_peak_bytes", "params_bytes", "grads_bytes",
-                  "optimizer_bytes", "resident_peak_bytes")
+                  "optimizer_bytes", "offloaded_bytes", "resident_peak_bytes")
 
 
 def memory_rows(ranks: list[dict]) -> list[dict]:
@@ -143,9 +147,10 @@ def render_memory(rows: list[dict]) -> list[str]:
              "MiB per rank, peaks over the steps run. saved activations: live storages autograd held for the "
              "backward, measured through weak references (recomputation's kept inputs and regenerated tensors "
              "included); engine: the pipeline engine's schedule bookkeeping of the same; params, grads, "
-             f"optimizer: live storages after the first step; resident: {rows[0].get('resident_source', 'n/a')}.",
-             "", "| rank | coords | saved activations | engine | params | grads | optimizer | resident |",
-             "|---|---|---|---|---|---|---|---|"]
+             f"optimizer: live storages after the first step (optimizer in files: its state offloaded to memory-mapped "
+             "files, not in memory); resident: {rows[0].get('resident_source', 'n/a')}.",
+             "", "| rank | coords | saved activations | engine | params | grads | optimizer | optimizer in files | "
+             "resident |", "|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
         coords = " ".join(f"{axis}{value}" for axis, value in row["coords"].items())
         lines.append(f"| {row['rank']} | {coords} | " + " | ".join(_mib(row.get(key)) for key in MEMORY_COLUMNS) + " |")
@@ -153,4 +158,4 @@ def render_memory(rows: list[dict]) -> list[str]:
 
 
 __all__ = ["MEMORY_COLUMNS", "MemoryMonitor", "memory_rows", "model_state_bytes", "read_peak_resident_bytes",
-           "render_memory", "reset_peak_resident"]
+           "read_resident_bytes", "render_memory", "reset_peak_resident"]
