@@ -2,7 +2,8 @@
 for every (dp, tp, pp) layout of 4 processes, on plait train's default GPT.
 
     .venv/bin/python bench/plan_vs_train.py [--steps 40] [--warmup 5] [--layouts 4x1x1,1x1x4]
-                                           [--recompute none,selective,full] [--zero-stages 0,1]
+                                           [--recompute none,selective,full] [--zero-stages 0,1,2]
+                                           [--offload-optimizer]
                                            [--out bench-results/plan-vs-train/summary.json]
 
 Per layout (dp x tp x pp, 4 processes, gloo on CPU):
@@ -21,7 +22,9 @@ Per layout (dp x tp x pp, 4 processes, gloo on CPU):
 
 Each layout runs once per --recompute mode (plait train --recompute MODE, the plan
 priced with the same mode) and, with dp > 1, once per --zero-stages stage (plait train
---zero-stage S, the plan priced with --zero-stage S). A memory table sets the plan's per-rank bytes (its worst
+--zero-stage S, the plan priced with --zero-stage S; with --offload-optimizer each stage
+> 0 once more with plait train --offload optimizer, priced with plait plan
+--offload-optimizer). A memory table sets the plan's per-rank bytes (its worst
 pipeline rank: activations, parameters, gradients, optimizer state) beside the
 run's report (the largest over the ranks: activations measured from live storages
 through weak references, model state from live tensors).
@@ -165,13 +168,14 @@ def run_command(command: list[str], env: dict, timeout_s: float) -> subprocess.C
     return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
 
 
-def predict(dp: int, tp: int, pp: int, env: dict, timeout_s: float, recompute: str = "none", zero: int = 0) -> dict:
+def predict(dp: int, tp: int, pp: int, env: dict, timeout_s: float, recompute: str = "none", zero: int = 0,
+            offload: bool = False) -> dict:
     """One `plait plan --json` for this fixed layout: its first (only) plan."""
     command = [sys.executable, "-m", "plait", "plan", "--cluster", "local", "--nprocs", str(NPROCS),
                "--global-batch", str(GLOBAL_BATCH), "--dp", str(dp), "--tp", str(tp), "--pp", str(pp),
                "--micro-batch", str(MICRO_BATCH), "--schedule", "none" if pp == 1 else "1f1b",
                "--recompute", recompute, "--zero-stage", str(zero), "--no-sequence-parallel", "--untied-head", "--top", "1",
-               "--json"]
+               "--json"] + (["--offload-optimizer"] if offload else [])
     started_s = time.perf_counter()
     result = run_command(command, env, timeout_s)
     if result.returncode:
@@ -190,12 +194,13 @@ def predict(dp: int, tp: int, pp: int, env: dict, timeout_s: float, recompute: s
 
 
 def measure(dp: int, tp: int, pp: int, steps: int, warmup: int, run_dir: Path, env: dict,
-            timeout_s: float, recompute: str = "none", zero: int = 0) -> dict:
+            timeout_s: float, recompute: str = "none", zero: int = 0, offload: bool = False) -> dict:
     """One `plait train` run of this layout: median step time after warm-up, and the split."""
     shutil.rmtree(run_dir, ignore_errors=True)
     command = [sys.executable, "-m", "plait", "train", "--dp", str(dp), "--tp", str(tp), "--pp", str(pp),
                "--steps", str(steps), "--eval-interval", "0", "--checkpoint-interval", "0",
-               "--sample-chars", "0", "--recompute", recompute, "--zero-stage", str(zero), "--out", str(run_dir)]
+               "--sample-chars", "0", "--recompute", recompute, "--zero-stage", str(zero), "--out", str(run_dir)] \
+        + (["--offload", "optimizer"] if offload else [])
     load_before = os.getloadavg()
     started_s = time.perf_counter()
     result = run_command(command, env, timeout_s)
@@ -238,7 +243,7 @@ def measured_memory(rows: list[dict]) -> dict:
     """The largest figure over the ranks (the plan prices the worst pipeline rank):
     activations measured from live storages, parameters, gradients, optimizer state."""
     keys = {"activations": "saved_activations_peak_bytes", "parameters": "params_bytes",
-            "gradients": "grads_bytes", "optimizer": "optimizer_bytes"}
+            "gradients": "grads_bytes", "optimizer": "optimizer_bytes", "optimizer_in_files": "offloaded_bytes"}
     return {name: max((row.get(key) or 0) for row in rows) if rows else None for name, key in keys.items()}
 
 
@@ -281,7 +286,9 @@ def main() -> int:
                         help="summary JSON; the runs go next to it (default bench-results/plan-vs-train/...)")
     parser.add_argument("--timeout-s", type=float, default=1200.0, help="per plait command (default 1200)")
     parser.add_argument("--zero-stages", default="0",
-                        help="comma list of ZeRO stages (0, 1) to run each layout with dp > 1 with (default 0)")
+                        help="comma list of ZeRO stages (0, 1, 2) to run each layout with dp > 1 with (default 0)")
+    parser.add_argument("--offload-optimizer", action="store_true",
+                        help="run each ZeRO stage > 0 once more with its optimizer state offloaded to files")
     parser.add_argument("--recompute", default="none",
                         help="comma list of recompute modes to run each layout with (none, selective, full; "
                              "default none)")
@@ -296,21 +303,24 @@ def main() -> int:
         stages = [int(stage) for stage in args.zero_stages.split(",") if stage.strip()]
     except ValueError:
         stages = []
-    if not stages or any(stage not in (0, 1) for stage in stages):
-        parser.error(f"--zero-stages {args.zero_stages!r}: give stages out of 0, 1 (plait train runs those)")
+    if not stages or any(stage not in (0, 1, 2) for stage in stages):
+        parser.error(f"--zero-stages {args.zero_stages!r}: give stages out of 0, 1, 2 (plait train runs those)")
     out = Path(args.out)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     rows = []
-    combos = [(layout, mode, zero) for layout in layouts for mode in modes for zero in stages
+    combos = [(layout, mode, zero, offload) for layout in layouts for mode in modes for zero in stages
+              for offload in ((False, True) if args.offload_optimizer and zero else (False,))
               if zero == 0 or layout[0] > 1]
-    for (dp, tp, pp), mode, zero in combos:
-        name = name_of(dp, tp, pp) + ("" if modes == ["none"] else f" {mode}") + (f" zero{zero}" if zero else "")
-        row = {"layout": name, "dp": dp, "tp": tp, "pp": pp, "recompute": mode, "zero_stage": zero}
+    for (dp, tp, pp), mode, zero, offload in combos:
+        name = name_of(dp, tp, pp) + ("" if modes == ["none"] else f" {mode}") + (f" zero{zero}" if zero else "") \
+            + (" offload" if offload else "")
+        row = {"layout": name, "dp": dp, "tp": tp, "pp": pp, "recompute": mode, "zero_stage": zero,
+               "offload_optimizer": offload}
         run_dir = out.parent / (f"dp{dp}-tp{tp}-pp{pp}" + ("" if mode == "none" else f"-{mode}")
-                                + (f"-zero{zero}" if zero else ""))
-        for key, job in (("predicted", lambda: predict(dp, tp, pp, env, args.timeout_s, mode, zero)),
+                                + (f"-zero{zero}" if zero else "") + ("-offload" if offload else ""))
+        for key, job in (("predicted", lambda: predict(dp, tp, pp, env, args.timeout_s, mode, zero, offload)),
                          ("measured", lambda: measure(dp, tp, pp, args.steps, args.warmup, run_dir, env,
-                                                      args.timeout_s, mode, zero))):
+                                                      args.timeout_s, mode, zero, offload))):
             try:
                 row[key] = job()
             except (RuntimeError, OSError, ValueError, KeyError) as error:

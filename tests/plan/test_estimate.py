@@ -93,6 +93,27 @@ def test_zero_stages_shard_the_model_states(zero, divisors):
         assert result.memory_bytes[key] == pytest.approx(params * per_param / divisor, rel=1e-12)
 
 
+def test_zero_two_in_a_pipeline_reduces_every_micro_batch_and_offload_frees_the_optimizer():
+    """Stage 2 with pp > 1 (what plait train runs): one reduce-scatter of the stage's
+    gradients per micro-batch and one all-gather per step, so its data-parallel time
+    is stage 1's plus (m - 1) reduce-scatters; with the optimizer offloaded, no
+    optimizer bytes in memory and nothing else changed."""
+    spec = model_preset("gpt-1.3b")
+    m = 4
+    base = dict(pp=2, dp=4, micro_batch=1, num_microbatches=m, schedule="1f1b")
+    one = estimate_layout(spec, "dgx-a100", Layout(**base, zero_stage=1), gpus=8)
+    two = estimate_layout(spec, "dgx-a100", Layout(**base, zero_stage=2), gpus=8)
+    offloaded = estimate_layout(spec, "dgx-a100", Layout(**base, zero_stage=2, offload_optimizer=True), gpus=8)
+    cluster = cluster_preset("dgx-a100", gpus=8)
+    heavy = two.memory_bytes["gradients"] * 4  # the heaviest stage's gradient bytes (sharded 4 ways)
+    reduce_scatter, _ = cluster.collective_time_s("reduce_scatter", heavy, 4, 1)
+    assert two.time_s["dp_comm"] - one.time_s["dp_comm"] == pytest.approx((m - 1) * reduce_scatter, rel=1e-9)
+    assert two.memory_bytes["gradients"] * 4 == pytest.approx(one.memory_bytes["gradients"], rel=1e-12)
+    assert offloaded.memory_bytes["optimizer"] == 0
+    assert {key: value for key, value in offloaded.memory_bytes.items() if key != "optimizer"} == \
+        {key: value for key, value in two.memory_bytes.items() if key != "optimizer"}
+
+
 def test_data_parallel_time_is_the_cheapest_collective():
     cluster = cluster_preset("dgx-a100", gpus=16)
     spec = model_preset("gpt-350m")
@@ -122,12 +143,14 @@ def test_group_shapes_follow_the_mesh_order():
 def test_an_invalid_layout_is_refused_with_every_rule_named():
     with pytest.raises(ValueError) as error:
         estimate_layout("gpt-1.3b", "dgx-a100", Layout(tp=3, pp=2, dp=1, micro_batch=1, num_microbatches=2,
-                                                        schedule="none", zero_stage=2), gpus=8)
+                                                        schedule="none", zero_stage=3,
+                                                        offload_optimizer=True), gpus=8)
     text = str(error.value)
     assert "tp(3) * pp(2) * dp(1) = 6 != devices(8)" in text
     assert "tp=3 does not divide heads=16" in text
     assert "pp=2 needs a pipeline schedule" in text
-    assert "zero_stage=2" in text
+    assert "zero_stage=3 with pp > 1" in text
+    assert "offload_optimizer with zero_stage=3" in text
 
 
 @pytest.mark.parametrize("collective", ["all_reduce", "reduce_scatter", "all_gather"])

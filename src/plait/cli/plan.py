@@ -101,6 +101,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     layout.add_argument("--offload-activations", action="store_true",
                         help="price plait train --offload-activations: at most two micro-batches' saved "
                              "activations in memory per rank (the running backward's and the prefetched next)")
+    layout.add_argument("--offload-optimizer", action="store_true",
+                        help="price plait train --offload optimizer: ZeRO's optimizer state (zero stage 1 or 2) in "
+                             "memory-mapped files, not in memory (its disk time is not priced)")
     layout.add_argument("--accounting", default=None, choices=("megatron", "plait"),
                         help="activation accounting: megatron's fused kernels (default on GPUs) or plait's "
                              "eager GPT (default local)")
@@ -265,7 +268,7 @@ def run(args) -> int:
         global_batch=args.global_batch, tp=args.tp, pp=args.pp, dp=args.dp, micro_batch=args.micro_batch,
         schedule=args.schedule, virtual=args.virtual, recompute=args.recompute, zero_stage=args.zero_stage,
         sequence_parallel=args.sequence_parallel, precision=precision, accounting=accounting,
-        offload=args.offload_activations,
+        offload=args.offload_activations, offload_optimizer=args.offload_optimizer,
         memory_limit_bytes=None if args.memory_limit_gib is None else args.memory_limit_gib * GIB,
         max_micro_batch=args.max_micro_batch, top=args.top, max_layouts=args.max_layouts)
     processes = args.nprocs if args.nprocs is not None else args.gpus

@@ -86,6 +86,7 @@ class Layout:
     zero_stage: int = 0
     sequence_parallel: bool = False
     offload: bool = False  # plait train's --offload-activations
+    offload_optimizer: bool = False  # plait train's --offload optimizer: ZeRO's state in files, not in memory
 
     @property
     def devices(self) -> int:
@@ -102,7 +103,8 @@ class Layout:
         schedule = self.schedule + (f" v={self.virtual}" if self.schedule == "interleaved" else "")
         return (f"tp={self.tp} pp={self.pp} dp={self.dp} mb={self.micro_batch} m={self.num_microbatches} {schedule}"
                 f"{' sp' if self.sequence_parallel else ''}{f' recompute={self.recompute}' if self.recompute != 'none' else ''}"
-                f"{f' zero{self.zero_stage}' if self.zero_stage else ''}{' offload' if self.offload else ''}")
+                f"{f' zero{self.zero_stage}' if self.zero_stage else ''}{' offload' if self.offload else ''}"
+                f"{' offload-optimizer' if self.offload_optimizer else ''}")
 
 
 @dataclass(frozen=True)
@@ -123,8 +125,9 @@ def layout_problems(layout: Layout, *, num_groups: int, world_size: int, global_
         value = getattr(layout, key)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             problems.append(f"{key}={value!r} must be a whole number >= 1")
-    if not isinstance(layout.offload, bool):
-        problems.append(f"offload={layout.offload!r} must be True or False")
+    for key in ("offload", "offload_optimizer"):
+        if not isinstance(getattr(layout, key), bool):
+            problems.append(f"{key}={getattr(layout, key)!r} must be True or False")
     if isinstance(layout.recompute, bool) or layout.recompute not in RECOMPUTE_MODES:
         problems.append(f"recompute={layout.recompute!r} must be one of {', '.join(RECOMPUTE_MODES)}")
     if problems:
@@ -162,9 +165,12 @@ def layout_problems(layout: Layout, *, num_groups: int, world_size: int, global_
                         f"{num_groups} layers (each chunk needs at least one)")
     if layout.zero_stage not in (0, 1, 2, 3):
         problems.append(f"zero_stage={layout.zero_stage!r} must be 0, 1, 2 or 3")
-    elif layout.zero_stage >= 2 and layout.pp > 1:
-        problems.append(f"zero_stage={layout.zero_stage} shards gradients, which every micro-batch of a pipeline "
-                        "accumulates: use zero_stage <= 1 with pp > 1 (as DeepSpeed requires)")
+    elif layout.zero_stage == 3 and layout.pp > 1:
+        problems.append("zero_stage=3 with pp > 1: plait runs stage 3 (plait.parallel.ZeRO) without a pipeline; "
+                        "use zero_stage <= 2 with pp > 1")
+    if layout.offload_optimizer is True and layout.zero_stage not in (1, 2):
+        problems.append(f"offload_optimizer with zero_stage={layout.zero_stage}: plait offloads ZeRO's sharded "
+                        "optimizer state (plait train --zero-stage 1|2 --offload optimizer); use zero_stage 1 or 2")
     if layout.sequence_parallel:
         if layout.tp == 1:
             problems.append("sequence_parallel needs tp > 1")
@@ -503,9 +509,10 @@ def estimate(groups: list[list[Unit]], layout: Layout, cluster: Cluster, precisi
     def memory_of(r: int) -> dict[str, float]:
         count = ranks[r]["params"]
         z = layout.zero_stage
+        optimizer = 0.0 if layout.offload_optimizer else count * precision.optimizer_bytes / (dp if z >= 1 else 1)
         return {"parameters": count * precision.param_bytes / (dp if z >= 3 else 1),
                 "gradients": count * precision.grad_bytes / (dp if z >= 2 else 1),
-                "optimizer": count * precision.optimizer_bytes / (dp if z >= 1 else 1),
+                "optimizer": optimizer,
                 "activations": ranks[r]["activations"]}
 
     memories = [memory_of(r) for r in range(p)]

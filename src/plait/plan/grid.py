@@ -218,7 +218,8 @@ def enumerate_families(model, world: int, request) -> list[Family]:
                     valid_counts[key] = sum(
                         not layout_problems(Layout(tp=tp, pp=pp, dp=dp, micro_batch=mb, num_microbatches=m,
                                                    schedule=schedule, virtual=virtual, recompute=rc,
-                                                   zero_stage=zero, sequence_parallel=sp),
+                                                   zero_stage=zero, sequence_parallel=sp,
+                                                   offload_optimizer=request.offload_optimizer),
                                             num_groups=model.num_groups, world_size=world, global_batch=batch,
                                             tp_problem=None, seq_len=getattr(model, "seq_len", None))
                         for sp in sps for rc in rcs for schedule, virtual in schedules for zero in zeros)

@@ -81,6 +81,7 @@ class PlanRequest:
     precision: str = "bf16-mixed"
     accounting: str = "megatron"
     offload: bool = False  # plait train's --offload-activations (fixed, not searched)
+    offload_optimizer: bool = False  # plait train's --offload optimizer (fixed, not searched)
     memory_limit_bytes: float | None = None
     memory_reserve_fraction: float = 0.1
     max_micro_batch: int = 32
@@ -121,8 +122,9 @@ class PlanRequest:
             problems.append(f"schedule={self.schedule!r} must be one of {', '.join(SCHEDULES)}")
         if self.precision not in PRECISIONS:
             problems.append(f"precision={self.precision!r} must be one of {', '.join(PRECISIONS)}")
-        if not isinstance(self.offload, bool):
-            problems.append(f"offload={self.offload!r} must be True or False")
+        for key in ("offload", "offload_optimizer"):
+            if not isinstance(getattr(self, key), bool):
+                problems.append(f"{key}={getattr(self, key)!r} must be True or False")
         if self.accounting not in ACCOUNTINGS:
             problems.append(f"accounting={self.accounting!r} must be one of {', '.join(ACCOUNTINGS)}")
         if not (isinstance(self.memory_reserve_fraction, (int, float)) and 0 <= self.memory_reserve_fraction < 1):
@@ -247,7 +249,8 @@ def search(model, cluster: Cluster, request: PlanRequest, *, suggest: bool = Tru
                         for zero in zeros:
                             layout = Layout(tp=tp, pp=pp, dp=dp, micro_batch=mb, num_microbatches=m,
                                             schedule=schedule, virtual=virtual, recompute=rc, zero_stage=zero,
-                                            sequence_parallel=sp, offload=request.offload)
+                                            sequence_parallel=sp, offload=request.offload,
+                                            offload_optimizer=request.offload_optimizer)
                             problems = layout_problems(layout, num_groups=model.num_groups, world_size=world,
                                                        global_batch=batch, tp_problem=None,
                                                        seq_len=getattr(model, "seq_len", None))
