@@ -12,13 +12,17 @@ terms in another order, so each gradient element differs by at most ~B·ε·Σ|t
 m/(√v + eps) is a smooth function of the gradient, so 3 steps of lr 1e-2 keep the
 parameters within 1e-12 absolute (rtol 1e-10 for the larger ones)."""
 
+import time
+
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from plait import comm
+from plait.parallel.data import DataParallel
 from plait.parallel.zero import ZeRO, default_wrap
-from plait.testing import run_distributed
+from plait.testing import run_distributed, run_fresh_world
 
 BATCH, SEQ, VOCAB = 12, 5, 11
 
@@ -318,3 +322,75 @@ def test_a_resnet_from_outside_plait_trains_as_under_ddp(stage):
     statistics as torch's DistributedDataParallel, within 1e-12 (the two average the
     same gradients in another order: roundoff, as in the module docstring)."""
     assert max(run_distributed(_zero_against_ddp, 3, stage)) <= 1e-12
+
+
+def _mixed_precision(rank, world_size, stage):
+    """bf16 autocast over float32 weights (plait's mixed precision): ZeRO and plait's
+    DataParallel see the same per-rank batch, so the same bf16 forward and backward."""
+    results = []
+    for kind in ("dataparallel", "zero"):
+        torch.manual_seed(0)
+        model = TiedNet()
+        if kind == "zero":
+            wrapped = ZeRO(model, _optimizer, stage=stage)
+            step, clear = wrapped.step, wrapped.zero_grad
+        else:
+            wrapped = DataParallel(model)
+            optimizer = _optimizer(wrapped.parameters())
+            step, clear = optimizer.step, optimizer.zero_grad
+        for index in range(3):
+            tokens, targets = _data(index)
+            mine = slice(rank * 6, rank * 6 + 6)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                logits = wrapped(tokens[mine])
+            assert logits.dtype == torch.bfloat16  # the head's matmul ran in bf16
+            nn.functional.cross_entropy(logits.float().reshape(-1, VOCAB), targets[mine].reshape(-1)).backward()
+            step()
+            clear()
+        results.append(wrapped.full_state_dict() if kind == "zero" else
+                       {name: value.clone() for name, value in model.state_dict().items()})
+    return results
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_mixed_precision_trains_as_data_parallel(stage):
+    """Under bf16 autocast with float32 master weights, N = 2, 3 AdamW steps: bitwise
+    equal to plait's DataParallel. Each rank runs the same bf16 forward and backward
+    on the same rows either way; the float32 gradients are averaged as (a + b) / 2 by
+    both (one addition, a division by 2 that is exact), and AdamW steps each element
+    alone. The Linear no forward uses is left out: DataParallel gives it a zero
+    gradient (so weight decay moves it), ZeRO leaves it as torch's optimizers leave a
+    parameter without one (the float64 tests above check that against one process)."""
+    for reference, zero in run_distributed(_mixed_precision, 2, stage):
+        for name, value in reference.items():
+            if not name.startswith("unused."):
+                assert torch.equal(zero[name], value), name
+
+
+def _dies_mid_step(rank, world_size, stage):
+    comm.init_communicator(None, comm.CommConfig(timeout_s=10.0))
+    zero = ZeRO(_model(), _optimizer, stage=stage)
+    tokens, targets = _data(0)
+    loss = _loss(zero, tokens[rank::world_size], targets[rank::world_size])
+    if rank == 2:
+        dist.destroy_process_group()  # its connections close, as when a process dies
+        time.sleep(2.0)
+        return None
+    start = time.monotonic()
+    try:
+        loss.backward()
+        zero.step()
+    except comm.CommError as error:
+        return str(error), time.monotonic() - start
+    return "no error", 0.0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_a_rank_dying_mid_step_is_named(stage):
+    results = run_fresh_world(_dies_mid_step, 3, stage, timeout_s=90)
+    for rank in (0, 1):
+        message, elapsed_s = results[rank]
+        assert f"rank {rank}" in message and "peer 2" in message, message
+        assert elapsed_s < 10.5  # the closed connection or the 10 s deadline, never a hang
