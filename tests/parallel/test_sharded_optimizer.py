@@ -1,14 +1,18 @@
-"""ShardedOptimizer (ZeRO 1 and 2 for a loop that computes its own gradients, as plait
+"""ShardedOptimizer (ZeRO 1-3 for a loop that computes its own gradients, as plait
 train's pipeline does) on real gloo ranks, with 3 micro-batches a step:
 
-- stages 1 and 2 train as one process on the whole batch, float64, within roundoff
-  (stage 2 sums over the ranks inside each micro-batch and then over micro-batches,
-  stage 1 the other way round: the same terms in another order, ~1e-15 relative per
-  gradient; AdamW's update is smooth in the gradient, so 3 steps stay within 1e-12);
-- stage 2 keeps no full gradient after a backward (every ``.grad`` is None once the
-  micro-batch's backward returns), and sends, counted at the transport with ring
-  algorithms, one reduce-scatter of Ψ(N-1)/N per micro-batch and one all-gather of
-  Ψ(N-1)/N per step, Ψ the padded parameter bytes; stage 1 one of each per step;
+- stages 1-3 train as one process on the whole batch, float64, within roundoff
+  (stages 2 and 3 sum over the ranks inside each micro-batch and then over
+  micro-batches, stage 1 the other way round: the same terms in another order,
+  ~1e-15 relative per gradient; AdamW's update is smooth in the gradient, so 3 steps
+  stay within 1e-12);
+- stages 2 and 3 keep no full gradient after a backward (every ``.grad`` is None once
+  the micro-batch's backward returns), and send, counted at the transport with ring
+  algorithms, one reduce-scatter of Ψ(N-1)/N per micro-batch, Ψ the padded parameter
+  bytes; stages 1 and 2 one all-gather of Ψ(N-1)/N per step, stage 3 two per
+  micro-batch (before each unit's forward and before its backward) and none at the
+  step; stage 1 one reduce-scatter per step;
+- stage 3 holds no gathered parameter between steps (each unit's storage freed);
 - offload="disk" (``offload_dir``) trains bitwise as without it."""
 
 import tempfile
@@ -56,13 +60,14 @@ def _reference(steps: int):
 def _train(rank, world_size, stage, offload_dir, steps):
     model = _model()
     sharded = ShardedOptimizer(_optimizer(model), None, stage=stage, algorithm="ring", bucket_mb=0.0004,
-                               offload_dir=offload_dir)
+                               offload_dir=offload_dir, modules=[model] if stage == 3 else None)
     per_rank = ROWS // world_size
     left_after_backward, sent = [], []
     for step in range(steps):
         x, y = _data(step)
         x, y = x[rank * per_rank:(rank + 1) * per_rank], y[rank * per_rank:(rank + 1) * per_rank]
         comm.reset_stats()
+        sharded.begin_step()
         for part in range(MICRO):
             rows = slice(part * per_rank // MICRO, (part + 1) * per_rank // MICRO)
             (nn.functional.mse_loss(model(x[rows]), y[rows], reduction="sum") / (per_rank * 2)).backward()
@@ -70,29 +75,32 @@ def _train(rank, world_size, stage, offload_dir, steps):
         sharded.reduce_gradients()
         sharded.step()
         sent.append({name: entry["bytes_sent"] for name, entry in comm.stats().items()})
-        sharded.zero_grad()
-    return {"params": [param.detach().clone() for param in model.parameters()], "left": left_after_backward,
-            "sent": sent, "padded": [unit.padded * 8 for unit in sharded.units]}
+    held = sum(param.untyped_storage().nbytes() for param in model.parameters())
+    with sharded.whole_parameters():
+        params = [param.detach().clone() for param in model.parameters()]
+    return {"params": params, "left": left_after_backward, "sent": sent, "held": held,
+            "padded": [unit.padded * 8 for unit in sharded.units]}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("stage", [1, 2, 3])
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_stages_one_and_two_train_as_one_process(stage, world_size):
+def test_stages_one_to_three_train_as_one_process(stage, world_size):
     want = _reference(3)
     for result in run_distributed(_train, world_size, stage, None, 3):
         for got, expected in zip(result["params"], want, strict=True):
             torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
         psi, n = sum(result["padded"]), world_size
         for sent in result["sent"]:
-            assert sent["reduce_scatter"] == (MICRO if stage == 2 else 1) * psi * (n - 1) // n
-            assert sent["all_gather"] == psi * (n - 1) // n
-        # stage 2: no full gradient outlives its backward; stage 1 keeps every one
-        assert result["left"] == [0 if stage == 2 else len(want)] * (3 * MICRO)
+            assert sent["reduce_scatter"] == (1 if stage == 1 else MICRO) * psi * (n - 1) // n
+            assert sent["all_gather"] == (2 * MICRO if stage == 3 else 1) * psi * (n - 1) // n
+        # stages 2 and 3: no full gradient outlives its backward; stage 1 keeps every one
+        assert result["left"] == [0 if stage >= 2 else len(want)] * (3 * MICRO)
+        assert (result["held"] == 0) == (stage == 3)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("stage", [1, 2, 3])
 def test_offloaded_state_trains_bitwise_as_in_memory(stage):
     plain = run_distributed(_train, 2, stage, None, 3)
     with tempfile.TemporaryDirectory() as directory:
@@ -104,7 +112,7 @@ def test_offloaded_state_trains_bitwise_as_in_memory(stage):
 
 def _bad(rank, world_size):
     errors = []
-    for kwargs in ({"stage": 3},):
+    for kwargs in ({"stage": 4}, {"stage": 3}):
         try:
             ShardedOptimizer(_optimizer(_model()), None, **kwargs)
         except ValueError as error:
@@ -114,4 +122,6 @@ def _bad(rank, world_size):
 
 @pytest.mark.slow
 def test_bad_stage_is_named():
-    assert "stage=3 must be 1 or 2 (stage 3 is plait.parallel.ZeRO)" in run_distributed(_bad, 2)[0][0]
+    errors = run_distributed(_bad, 2)[0]
+    assert "stage=4 must be 1, 2 or 3" in errors[0]
+    assert "stage 3 needs modules=" in errors[1]

@@ -12,6 +12,10 @@ tensor and pipeline parallelism.
   stage 0 within float64 roundoff (it sums over the dp ranks inside each micro-batch,
   then over micro-batches: the same terms in another order, relative ~1e-15; stated
   bound 1e-12), and keeps 1/dp of the gradients;
+- stage 3 (the parameters gathered around each block's forward and backward, pp=1)
+  equals stage 0 within the same roundoff, with 1/dp of the parameters, gradients
+  and optimizer state held after a step; its checkpoints resume bitwise and into
+  stage 0 at another dp;
 - with the optimizer state offloaded to files the loss curve is bitwise the same, the
   state is out of memory (the report's optimizer_bytes: the step counts only) and the
   offload directory is gone after the run;
@@ -94,6 +98,43 @@ def test_zero_two_and_offload_train_as_plain_data_parallelism(tmp_path, mesh):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("mesh", [dict(dp=2, tp=2, pp=1), dict(dp=4, pp=1)])
+def test_zero_three_trains_as_plain_data_parallelism(tmp_path, mesh):
+    overrides = [dict(zero_stage=0), dict(zero_stage=3), dict(zero_stage=3, offload="optimizer")]
+    configs = [_config(tmp_path / f"run{index}", grad_clip=0.05, **mesh, **extra)
+               for index, extra in enumerate(overrides)]
+    run_distributed(_train_each, 4, configs, timeout_s=300)
+    plain, zero3, offloaded = (_metrics(config.out) for config in configs)
+    for got, want in zip(zero3, plain, strict=True):
+        assert got["loss"] == pytest.approx(want["loss"], rel=1e-12, abs=0)
+    assert [row["loss"] for row in offloaded] == [row["loss"] for row in zero3]  # bitwise
+    dp = mesh["dp"]
+    for stage0, stage3 in zip(_report_memory(configs[0].out), _report_memory(configs[1].out)):
+        # 1/dp of each, plus the padding of every unit to dp shards (a few elements each)
+        for key in ("params_bytes", "grads_bytes", "optimizer_bytes"):
+            assert stage3[key] * dp == pytest.approx(stage0[key], rel=0.02), key
+        # the gathered parameters autograd keeps for the backward are parameters, not activations
+        assert stage3["saved_activations_peak_bytes"] == stage0["saved_activations_peak_bytes"]
+        assert stage3["engine_activations_peak_bytes"] == stage0["engine_activations_peak_bytes"]
+
+
+@pytest.mark.slow
+def test_zero_three_checkpoints_resume_bitwise_and_into_plain_dp(tmp_path):
+    settings = dict(zero_stage=3, dp=2, tp=2, pp=1, checkpoint_interval=2, keep_checkpoints=2)
+    whole = _config(tmp_path / "whole", zero_stage=3, dp=2, tp=2, pp=1, steps=4)
+    first = _config(tmp_path / "resumed", steps=2, **settings)
+    run_distributed(_train_each, 4, [whole, first], timeout_s=300)
+    second = _config(tmp_path / "resumed", steps=4, **settings)
+    run_distributed(_train_each, 4, [second], "auto", timeout_s=300)
+    want = [row["loss"] for row in _metrics(whole.out)]
+    assert [row["loss"] for row in _metrics(second.out)] == want
+    checkpoint = sorted((tmp_path / "resumed" / "checkpoints").iterdir())[0]
+    other = _config(tmp_path / "other", zero_stage=0, dp=1, tp=2, pp=1, steps=4)
+    run_distributed(_train_each, 2, [other], str(checkpoint), timeout_s=300)
+    assert [row["loss"] for row in _metrics(other.out)] == pytest.approx(want[2:], rel=1e-12, abs=0)
+
+
+@pytest.mark.slow
 def test_zero_checkpoints_resume_bitwise_and_into_plain_dp(tmp_path):
     whole = _config(tmp_path / "whole", zero_stage=1, steps=4)
     first = _config(tmp_path / "resumed", zero_stage=1, steps=2, checkpoint_interval=2, keep_checkpoints=2)
@@ -127,8 +168,9 @@ def test_an_offloaded_zero_two_checkpoint_resumes_bitwise_and_into_zero_one(tmp_
 
 
 @pytest.mark.parametrize("overrides,message", [
-    (dict(zero_stage=3), "zero_stage=3: plait train runs ZeRO stages 1 and 2"),
-    (dict(zero_stage=5), "zero_stage=5 is not valid: 0, 1 or 2"),
+    (dict(zero_stage=3), "zero_stage=3 with pp=2: stage 3 gathers"),
+    (dict(zero_stage=3, pp=1, dp=4, offload_activations=True), "zero_stage=3 with offload_activations=true"),
+    (dict(zero_stage=5), "zero_stage=5 is not valid: 0 (off), 1, 2 or 3"),
     (dict(zero_stage=2, schedule="chimera"), "zero_stage=2 with schedule='chimera'"),
     (dict(offload="optimizer"), "offload='optimizer' with zero_stage=0"),
     (dict(offload="cpu"), "offload='cpu' is not valid"),

@@ -168,9 +168,8 @@ def train_step(hybrid: HybridModel, inputs, targets, optimizer, *, step: int, gr
     start_s = time.perf_counter()
     collectives_before_s = _collective_time_s()
     sharded = isinstance(optimizer, ShardedOptimizer)  # ZeRO: reduce-scatter instead of all-reduce
-    if sharded:  # the last step's shard gradients go as the engine drops the parameters' (at its start)
-        optimizer.zero_grad()
-        optimizer.prefetch_state()  # offloaded optimizer state read in while the schedule computes
+    if sharded:  # shard gradients dropped, offloaded state asked for, stage 3's prefetch order
+        optimizer.begin_step()
     loss = hybrid.engine.train_step(inputs, targets, optimizer=None)
     engine_s = time.perf_counter() - start_s
     record = hybrid.engine.history[-1]

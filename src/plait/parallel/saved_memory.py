@@ -44,6 +44,7 @@ class SavedTensorMeter:
 
     def __init__(self, exclude=()):
         self.exclude: set[int] = set(exclude)  # storage data_ptrs never counted
+        self.exclude_storages: set[int] = set()  # storages never counted, by identity (see reset)
         self.enabled = False
         self._holders: Counter = Counter()  # storage data_ptr -> live holders
         self._nbytes: dict[int, int] = {}
@@ -51,8 +52,12 @@ class SavedTensorMeter:
         self.peak_bytes = 0
 
     def reset(self, exclude=()) -> None:
-        """Start a new peak; ``exclude``: storages (tensors or data_ptrs) that never count."""
+        """Start a new peak; ``exclude``: storages (tensors or data_ptrs) that never count.
+        A tensor's storage is excluded by identity too (``_cdata``, the storage object,
+        which a resize keeps): ZeRO 3 frees and re-gathers its parameters' storages, so
+        their addresses change within a step."""
         self.exclude = {item if isinstance(item, int) else item.untyped_storage().data_ptr() for item in exclude}
+        self.exclude_storages = {item.untyped_storage()._cdata for item in exclude if not isinstance(item, int)}
         self.peak_bytes = self.live_bytes
 
     def pack(self, tensor: torch.Tensor) -> _Saved:
@@ -61,7 +66,7 @@ class SavedTensorMeter:
         holder = _Saved(tensor)
         storage = tensor.untyped_storage()
         key = storage.data_ptr()
-        if key in self.exclude or storage.nbytes() == 0:
+        if key in self.exclude or storage._cdata in self.exclude_storages or storage.nbytes() == 0:
             return holder
         if self._holders[key] == 0:
             self._nbytes[key] = storage.nbytes()

@@ -1,7 +1,9 @@
-"""ZeRO stages 1 and 2 as an optimizer (what plait train --zero-stage 1|2 runs): see
+"""ZeRO stages 1-3 as an optimizer (what plait train --zero-stage 1|2|3 runs): see
 ``ShardedOptimizer``."""
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import torch.distributed as dist
@@ -10,11 +12,12 @@ from torch import nn
 from plait import comm
 from plait.parallel.flat_units import FlatUnit, check_elementwise, clear_grads, step_and_gather
 from plait.parallel.state_offload import StateFiles
+from plait.parallel.unit_gathering import UnitGatherer, default_wrap
 from plait.parallel.weak_hooks import weak_method
 
 
 class ShardedOptimizer:
-    """ZeRO stage 1 or 2 for a model whose gradients something else computes (plait
+    """ZeRO stages 1-3 for a model whose gradients something else computes (plait
     train's pipeline): ``optimizer``, built over the full parameters as usual (its
     param groups and options are kept), is rebuilt over this rank's shards of flat
     buckets of them, each bucket within one param group and one tensor-parallel kind
@@ -35,63 +38,80 @@ class ShardedOptimizer:
     ``reduce_gradients()`` as in stage 1. Each dp rank must run the same backwards
     over the same parameters (no data-dependent unused parameters), as for DDP.
 
+    Stage 3 shards the parameters too: ``modules`` (the modules the forward runs) are
+    cut into units as ``plait.parallel.ZeRO`` does (every child holding parameters,
+    containers looked inside), each unit's parameters gathered around its forward
+    and its backward and freed after (``plait.parallel.unit_gathering``), its
+    gradients reduce-scattered inside each backward as in stage 2; parameters of no
+    single unit stay gathered. ``whole_parameters()`` gathers everything for reading
+    or loading them (checkpoints).
+
     ``offload_dir``: the optimizer state in memory-mapped files there between steps
-    (``plait.parallel.state_offload``; parameters on the CPU only). Call
-    ``prefetch_state()`` when the step's forward begins so the reads overlap it."""
+    (``plait.parallel.state_offload``; parameters on the CPU only).
+
+    Call ``begin_step()`` before each step's first forward."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, group, *, bucket_mb: float = 25,
-                 algorithm: str = "auto", stage: int = 1, late=(), offload_dir=None):
+                 algorithm: str = "auto", stage: int = 1, late=(), offload_dir=None, modules=None):
         check_elementwise(optimizer)
         if optimizer.state:
             raise ValueError("ZeRO: give the optimizer before its first step (its state is rebuilt on shards)")
-        if stage not in (1, 2):
-            raise ValueError(f"ShardedOptimizer: stage={stage!r} must be 1 or 2 (stage 3 is plait.parallel.ZeRO)")
+        if stage not in (1, 2, 3):
+            raise ValueError(f"ShardedOptimizer: stage={stage!r} must be 1, 2 or 3")
+        if (stage == 3) != (modules is not None):
+            raise ValueError("ShardedOptimizer: stage 3 needs modules= (the modules the forward runs, whose "
+                             "children become the gathered units), and only stage 3 takes them")
         devices = {param.device.type for group in optimizer.param_groups for param in group["params"]}
         if offload_dir is not None and devices != {"cpu"}:
             raise ValueError(f"ZeRO: optimizer offload with parameters on {sorted(devices)} is not built yet (only "
                              "the state of a model on the CPU can be offloaded, to disk): turn offload off")
         self.stage = stage
         self.offload = StateFiles(offload_dir) if offload_dir is not None else None
-        late_ids = {id(param) for param in late}
         self.group, self.algorithm = group, algorithm
         self.world_size, self.rank = dist.get_world_size(group), dist.get_rank(group)
-        bucket_bytes = int(bucket_mb * (1 << 20))
         self.units: list[FlatUnit] = []
         self.unit_replicated: list[bool] = []
-        self.unit_early: list[bool] = []  # stage 2: reduced inside each backward
+        self.unit_early: list[bool] = []  # stages 2 and 3: reduced inside each backward
+        self.unit_root: list[bool] = []  # stage 3: parameters of no single unit module, kept gathered
+        unit_modules = [unit for module in modules or () for unit in default_wrap(module)]
+        owners: dict[int, list[int]] = {}
+        for index, unit_module in enumerate(unit_modules):
+            for param in unit_module.parameters():
+                owners.setdefault(id(param), []).append(index)
+        late_ids = {id(param) for param in late}
+        by_module: list[list[FlatUnit]] = [[] for _ in unit_modules]
         groups = []
         for options in optimizer.param_groups:
-            params = [param for param in options["params"] if param.requires_grad]
             shards = []
-            kinds = [(replicated, is_late) for replicated in (True, False) for is_late in (False, True)]
-            for replicated, is_late in kinds:
-                kind = [param for param in params if (getattr(param, "tp_shard", None) is None) == replicated
-                        and (id(param) in late_ids) == is_late]
-                current, size = [], 0
-                for param in kind + [None]:
-                    if param is None or (current and (size + param.numel() * param.element_size() > bucket_bytes
-                                                      or param.dtype != current[0][1].dtype)):
-                        if current:
-                            unit = FlatUnit(len(self.units), current, self.world_size, self.rank, False)
-                            self.units.append(unit)
-                            self.unit_replicated.append(replicated)
-                            self.unit_early.append(stage == 2 and not is_late)
-                            shards.append(unit.shard)
-                        current, size = [], 0
-                    if param is not None:
-                        current.append((f"param{len(self.units)}.{len(current)}", param))
-                        size += param.numel() * param.element_size()
+            for key, named in _buckets(options["params"], stage, late_ids, owners, int(bucket_mb * (1 << 20))):
+                replicated, is_late, owner = key
+                unit = FlatUnit(len(self.units), named, self.world_size, self.rank, stage == 3)
+                self.units.append(unit)
+                self.unit_replicated.append(replicated)
+                self.unit_early.append(stage >= 2 and not is_late)
+                self.unit_root.append(stage == 3 and owner is None)
+                if owner is not None:
+                    by_module[owner].append(unit)
+                shards.append(unit.shard)
             groups.append({**{k: v for k, v in options.items() if k != "params"}, "params": shards})
         # each group carries every option (torch fills them in), so the class defaults do not matter
         self.optimizer = type(optimizer)([group for group in groups if group["params"]])
         self.param_groups = self.optimizer.param_groups
         self._where = {id(param): (unit, slot) for unit in self.units for slot, param in enumerate(unit.params)}
         self._in_backward = False
-        self._in_flight: list = []  # stage 2: (unit, out, flat, handle) of reduce-scatters not yet waited for
+        self._in_flight: list = []  # (unit, out, flat, handle) of reduce-scatters not yet waited for
         self._hooks = [param.register_post_accumulate_grad_hook(weak_method(self._on_grad_ready))
                        for unit, early in zip(self.units, self.unit_early) if early for param in unit.params]
         for unit in self.units:
             unit.used = [False] * len(unit.params)
+        self._gatherer = None
+        if stage == 3:
+            kept = [index for index, units in enumerate(by_module) if units]
+            self._gatherer = UnitGatherer([unit_modules[index] for index in kept], [by_module[i] for i in kept],
+                                          group, algorithm, self._begin_backward)
+            for unit, root in zip(self.units, self.unit_root):
+                if not root:
+                    unit.free()
 
     @property
     def shards(self) -> list[nn.Parameter]:
@@ -102,31 +122,66 @@ class ShardedOptimizer:
         """The rebuilt optimizer's state: keyed by shard, this rank's part only."""
         return self.optimizer.state
 
-    def prefetch_state(self) -> None:
-        """Offload: ask for the state's pages now, so that reading them overlaps the compute."""
+    def begin_step(self) -> None:
+        """Before a step's first forward: the last step's shard gradients dropped (as the
+        pipeline engine drops the parameters'), offloaded state asked for (its reads
+        overlap the compute), and stage 3's prefetch order taken from the last step."""
+        self.zero_grad()
         if self.offload is not None:
             self.offload.prefetch()
+        if self._gatherer is not None:
+            self._gatherer.new_step()
+
+    @contextlib.contextmanager
+    def whole_parameters(self, write: bool = False):
+        """Stage 3: every parameter gathered inside (every rank of the group enters);
+        ``write``: what was written into them is kept (copied into the shards) on exit.
+        Stages 1 and 2 keep the parameters whole anyway."""
+        freed = [unit for unit in self.units if not unit.gathered]
+        for unit in freed:
+            unit.gather(self.group, self.algorithm)
+        try:
+            yield
+        finally:
+            if write and self.stage == 3:
+                with torch.no_grad():
+                    for unit in self.units:
+                        start = self.rank * unit.shard_numel
+                        unit.shard.copy_(unit.full[start:start + unit.shard_numel])
+            for unit in freed:
+                unit.free()
 
     # ----- stage 2: inside each backward ---------------------------------------------------
+    def _begin_backward(self) -> None:
+        if self._in_backward:
+            return
+        self._in_backward = True
+        self._wait_in_flight()  # the previous backward's, long done by now
+        for unit in self.units:
+            unit.ready = [False] * len(unit.params)
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+
     def _on_grad_ready(self, param: torch.Tensor) -> None:
-        if not self._in_backward:
-            self._in_backward = True
-            self._wait_in_flight()  # the previous backward's, long done by now
-            for unit in self.units:
-                unit.ready = [False] * len(unit.params)
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+        self._begin_backward()
         unit, slot = self._where[id(param)]
         unit.ready[slot] = True
         if all(unit.ready):
             self._reduce(unit, async_op=True)
+            if self.stage == 3 and not self.unit_root[unit.index]:
+                unit.free()  # its backward is done: the parameters go until the next forward
 
     def _end_backward(self) -> None:
         """Buckets this backward gave only some of their gradients: reduced now, in
-        bucket order (the same on every rank)."""
+        bucket order (the same on every rank); stage 3: every unit gathered for this
+        backward is freed."""
         self._in_backward = False
         for unit, early in zip(self.units, self.unit_early):
             if early and any(unit.ready) and not all(unit.ready):
                 self._reduce(unit, async_op=True)
+        if self.stage == 3:
+            for unit, root in zip(self.units, self.unit_root):
+                if not root:
+                    unit.free()
 
     def _reduce(self, unit: FlatUnit, async_op: bool) -> None:
         """``unit``'s gradients, flat, reduce-scattered; the full ones dropped."""
@@ -252,3 +307,35 @@ class ShardedOptimizer:
             self.optimizer.state[unit.shard] = shard_state
             if self.offload is not None:
                 self.offload.adopt(shard_state, unit.shard)
+
+
+def _buckets(params, stage: int, late_ids: set[int], owners: dict[int, list[int]], bucket_bytes: int):
+    """(key, [(name, param)]) per flat unit of one param group: key = (tp-replicated,
+    late, owner). Stages 1-2: buckets of at most ``bucket_bytes`` per (replicated,
+    late); stage 3: one unit per (owner module, replicated), owner None for a
+    parameter of no single unit module (the root's own, or one two modules share)."""
+    params = [param for param in params if param.requires_grad]
+    if stage == 3:
+        keys: dict[tuple, list] = {}
+        for param in params:
+            where = owners.get(id(param), [])
+            owner = where[0] if len(where) == 1 else None
+            key = (getattr(param, "tp_shard", None) is None, False, owner)
+            keys.setdefault((key, param.dtype), []).append(param)
+        for (key, _dtype), chosen in keys.items():
+            yield key, [(f"param.{slot}", param) for slot, param in enumerate(chosen)]
+        return
+    for replicated in (True, False):
+        for is_late in (False, True):
+            kind = [param for param in params if (getattr(param, "tp_shard", None) is None) == replicated
+                    and (id(param) in late_ids) == is_late]
+            current, size = [], 0
+            for param in kind + [None]:
+                if param is None or (current and (size + param.numel() * param.element_size() > bucket_bytes
+                                                  or param.dtype != current[0][1].dtype)):
+                    if current:
+                        yield (replicated, is_late, None), current
+                    current, size = [], 0
+                if param is not None:
+                    current.append((f"param.{len(current)}", param))
+                    size += param.numel() * param.element_size()

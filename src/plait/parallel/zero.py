@@ -66,22 +66,11 @@ from plait import comm
 from plait.parallel.data import verify_replicas
 from plait.parallel.flat_units import FlatUnit, check_elementwise, clear_grads, step_and_gather
 from plait.parallel.state_offload import StateFiles
+from plait.parallel.unit_gathering import UnitGatherer, default_wrap
 from plait.parallel.weak_hooks import weak_method
 
 STAGES = (1, 2, 3)
 OFFLOADS = (None, "cpu", "disk")
-_CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
-
-
-def default_wrap(module: nn.Module) -> list[nn.Module]:
-    """Stage 3's units: every child holding parameters, containers looked inside."""
-    units = []
-    for child in module.children():
-        if isinstance(child, _CONTAINERS):
-            units.extend(default_wrap(child))
-        elif any(True for _ in child.parameters()):
-            units.append(child)
-    return units
 
 
 class ZeRO(nn.Module):
@@ -128,14 +117,15 @@ class ZeRO(nn.Module):
         self._in_backward = False
         self._reduced = False  # this step's gradients are in the shards
         self._handles: list = []
-        self._order: list[int] = []  # stage 3: the units in the last forward's order (for prefetching)
-        self._order_now: list[int] = []
+        self._gatherer: UnitGatherer | None = None  # stage 3
         self._hooks = [param.register_post_accumulate_grad_hook(weak_method(self._on_grad_ready))
                        for unit in self.units for param in unit.params]
         if stage == 3:
             for unit in self.units:
                 unit.free()
-            self._install_unit_hooks()
+            units = [unit for unit in self.units if not self._is_root(unit)]
+            self._gatherer = UnitGatherer([self._unit_modules[unit.index] for unit in units], [[u] for u in units],
+                                          group, algorithm, self._backward_starts)
 
     # ----- wrap time -------------------------------------------------------------------
     def _build_units(self, wrap: Callable, bucket_bytes: int) -> list[FlatUnit]:
@@ -184,13 +174,6 @@ class ZeRO(nn.Module):
             raise ValueError("ZeRO: the optimizer must be built over exactly the parameters it is given "
                              "(this rank's shards), in one param group")
 
-    def _install_unit_hooks(self) -> None:
-        for unit, unit_module in zip(self.units, self._unit_modules):
-            if self._is_root(unit):
-                continue
-            unit_module.register_forward_pre_hook(lambda _m, _a, unit=unit: self._before_forward(unit))
-            unit_module.register_forward_hook(lambda _m, _a, out, unit=unit: self._after_forward(unit, out))
-
     # ----- forward ---------------------------------------------------------------------
     def forward(self, *args, **kwargs):
         self._check_unchanged()
@@ -206,12 +189,12 @@ class ZeRO(nn.Module):
                 for buffer in buffers:
                     buffer.copy_(flat[offset:offset + buffer.numel()].view(buffer.shape))
                     offset += buffer.numel()
-        if self._order_now:
-            self._order = self._order_now
-        self._order_now = []
-        roots = [unit for unit in self.units if self.stage == 3 and self._is_root(unit)]
+        roots = []
+        if self._gatherer is not None:
+            self._gatherer.new_step()
+            roots = [unit for unit in self.units if self._is_root(unit)]
         for unit in roots:
-            self._ready(unit)
+            self._gatherer.ready(unit)
         try:
             output = self.module(*args, **kwargs)
             if not torch.is_grad_enabled():  # no backward to come: the root's parameters go now
@@ -235,45 +218,10 @@ class ZeRO(nn.Module):
             raise RuntimeError("ZeRO: the module's parameters were added, removed or resized after wrapping; "
                                "wrap the finished model")
 
-    def _ready(self, unit: FlatUnit) -> None:
-        """``unit``'s parameters gathered: its prefetch waited for, or gathered now."""
-        if unit.handle is not None:
-            unit.wait()
-        elif not unit.gathered:
-            unit.gather(self.group, self.algorithm)
-
-    def _prefetch(self, unit: FlatUnit | None) -> None:
-        """Start gathering ``unit`` on the comm thread while the current unit computes."""
-        if unit is not None and not unit.gathered:
-            unit.handle = unit.gather(self.group, self.algorithm, async_op=True)
-
-    def _neighbour(self, unit: FlatUnit, step: int) -> FlatUnit | None:
-        """The unit after (step 1) or before (step -1) ``unit`` in the last forward's order."""
-        order = self._order
-        if unit.index not in order:
-            return None
-        position = order.index(unit.index) + step
-        return self.units[order[position]] if 0 <= position < len(order) else None
-
-    def _before_forward(self, unit: FlatUnit) -> None:
-        self._ready(unit)
-        if unit.index not in self._order_now:
-            self._order_now.append(unit.index)
-        self._prefetch(self._neighbour(unit, 1))
-
-    def _after_forward(self, unit: FlatUnit, output) -> None:
-        if torch.is_grad_enabled():
-            tensors = [t for t in _tensors(output) if t.requires_grad]
-            if tensors:
-                torch.autograd.graph.register_multi_grad_hook(
-                    tensors, lambda _grads, unit=unit: self._before_backward(unit), mode="any")
-        unit.free()
-
-    def _before_backward(self, unit: FlatUnit) -> None:
+    def _backward_starts(self) -> None:
+        """Stage 3: a unit's backward is about to run (before any of its gradients)."""
         if not self._in_backward:
             self._begin_backward()
-        self._ready(unit)
-        self._prefetch(self._neighbour(unit, -1))  # the backward runs the forward's order in reverse
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -499,14 +447,3 @@ def _offload_problems(module: nn.Module, offload) -> list[str]:
         return [f"offload={offload!r} with parameters on {sorted(devices)} is not built yet (only the state of a "
                 "model on the CPU can be offloaded, to disk): use offload=None"]
     return []
-
-
-def _tensors(output):
-    if isinstance(output, torch.Tensor):
-        yield output
-    elif isinstance(output, (list, tuple)):
-        for item in output:
-            yield from _tensors(item)
-    elif isinstance(output, dict):
-        for item in output.values():
-            yield from _tensors(item)

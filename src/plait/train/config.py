@@ -106,10 +106,11 @@ class TrainConfig:
     algorithm: str = _field("auto", "parallel", "collective algorithm for gradient all-reduce (auto = cost model)")
     compression: str = _field("none", "parallel", "dp gradient compression spec, e.g. topk:0.01+ef, powersgd:4, none")
     zero_stage: int = _field(0, "parallel", "ZeRO over the dp group: 0 (off), 1 (the optimizer state and its step "
-                                            "sharded over the dp ranks) or 2 (the gradients too: reduce-scattered "
-                                            "inside every micro-batch's backward)")
+                                            "sharded over the dp ranks), 2 (the gradients too: reduce-scattered "
+                                            "inside every micro-batch's backward) or 3 (the parameters too: each "
+                                            "block gathered around its forward and backward; pp=1)")
     offload: str = _field("none", "parallel", "optimizer: ZeRO's optimizer state in memory-mapped files under "
-                                              "<out>/offload between steps (zero_stage 1 or 2, CPU)", OFFLOADS)
+                                              "<out>/offload between steps (zero_stage 1-3, CPU)", OFFLOADS)
     # ----- optim -----
     optimizer: str = _field("adamw", "optim", "optimiser", OPTIMIZERS)
     lr: float = _field(3e-3, "optim", "peak learning rate")
@@ -510,14 +511,17 @@ def _model_problems(c: TrainConfig, ok) -> list[str]:
                         "compressor decides what is sent; leave grad_reduce_dtype=fp32")
     if ok("zero_stage"):
         z = c.zero_stage
-        if z == 3:
-            problems.append("zero_stage=3: plait train runs ZeRO stages 1 and 2; stage 3 (the parameters sharded "
-                            "too, gathered around each block's forward and backward) is not built into plait "
-                            "train's pipeline engine yet: use plait.parallel.ZeRO(stage=3) in a training loop of "
-                            "your own, or zero_stage=2")
-        elif z not in (0, 1, 2):
-            problems.append(f"zero_stage={z} is not valid: 0, 1 or 2 in plait train (1, 2, 3 in plait.parallel.ZeRO)")
-        elif z in (1, 2):
+        if z not in (0, 1, 2, 3):
+            problems.append(f"zero_stage={z} is not valid: 0 (off), 1, 2 or 3")
+        elif z == 3 and ok("pp") and c.pp > 1:
+            problems.append(f"zero_stage=3 with pp={c.pp}: stage 3 gathers each block's parameters around its "
+                            "forward and backward and drops its gradients inside the backward, but a pipeline sums "
+                            "the gradients of parameters its stages share after the backward; use pp=1 with "
+                            "zero_stage=3, or zero_stage <= 2 with a pipeline")
+        elif z == 3 and ok("offload_activations") and c.offload_activations:
+            problems.append("zero_stage=3 with offload_activations=true: the activation offloader would move the "
+                            "gathered parameters autograd keeps for the backward to files; use one of the two")
+        if z in (1, 2, 3):
             if ok("schedule") and c.schedule == "chimera":
                 problems.append(f"zero_stage={z} with schedule='chimera': Chimera keeps two replicas of every stage, "
                                 "summed outside the dp group; use another schedule or zero_stage=0")
@@ -527,9 +531,9 @@ def _model_problems(c: TrainConfig, ok) -> list[str]:
             if ok("grad_reduce_dtype") and c.grad_reduce_dtype != "fp32":
                 problems.append(f"zero_stage={z} with grad_reduce_dtype={c.grad_reduce_dtype!r}: ZeRO reduces in the "
                                 "parameters' dtype; set grad_reduce_dtype=fp32")
-        if ok("offload") and c.offload == "optimizer" and z not in (1, 2):
-            problems.append(f"offload='optimizer' with zero_stage={z}: the offloaded state is ZeRO's shards; set "
-                            "zero_stage=1 or 2 (or offload=none)")
+        if ok("offload") and c.offload == "optimizer" and z == 0:
+            problems.append("offload='optimizer' with zero_stage=0: the offloaded state is ZeRO's shards; set "
+                            "zero_stage 1, 2 or 3 (or offload=none)")
     if ok("recompute_layers") and c.recompute_layers < -1:
         problems.append(f"recompute_layers={c.recompute_layers}: give a block count >= 0, or -1 for every block")
     if c.model == "mlp":

@@ -16,6 +16,7 @@ run sees exactly the batches the uninterrupted one would.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -190,18 +191,25 @@ class Trainer:
             stage.to(self.device)
         del model, layers
         self.optimizer = make_optimizer(self.hybrid.names.items(), config)
-        if config.zero_stage in (1, 2):  # optimizer state (and stage 2: gradients) sharded over the dp group
+        if config.zero_stage:  # optimizer state (2: and gradients; 3: and parameters) sharded over the dp group
             shared = set(self.hybrid.engine.shared_parameters)  # summed over pipeline ranks after the backward
             self.optimizer = ShardedOptimizer(
                 self.optimizer, self.mesh.group["dp"], algorithm=config.algorithm, stage=config.zero_stage,
                 late=[param for name, param in self.hybrid.names.items() if name in shared],
-                offload_dir=self._offload_dir() if config.offload == "optimizer" else None)
+                offload_dir=self._offload_dir() if config.offload == "optimizer" else None,
+                modules=list(self.hybrid.engine.stages.values()) if config.zero_stage == 3 else None)
             self.hybrid.engine.parameters_moved()  # the parameters now live in the flat buckets
         self.out = Path(config.out)
         self.start_step = 0
         self.resumed_from = None
         self.times = {"wall_s": 0.0, "compute_s": 0.0, "comm_s": 0.0, "bubble_s": 0.0, "other_s": 0.0}
         self._resume(resume)
+
+    def _whole_parameters(self, write: bool = False):
+        """ZeRO 3: every parameter gathered inside (all dp ranks enter); else nothing to do."""
+        if isinstance(self.optimizer, ShardedOptimizer):
+            return self.optimizer.whole_parameters(write=write)
+        return contextlib.nullcontext()
 
     def _offload_dir(self) -> Path:
         """This rank's offload directory, checked writable on every rank at once (one
@@ -293,7 +301,7 @@ class Trainer:
         names = list(self.hybrid.names)
         model_shard, optimizer_shard = ckpt.reshard(model_state, optimizer_state, specs, self.coords["tp"],
                                                     self.config.tp, names)
-        with torch.no_grad():
+        with torch.no_grad(), self._whole_parameters(write=True):
             for name, param in self.hybrid.names.items():
                 param.copy_(model_shard[name].to(param.device, param.dtype))
         if isinstance(self.optimizer, ShardedOptimizer):
@@ -341,6 +349,9 @@ class Trainer:
         entry = None
         if isinstance(self.optimizer, ShardedOptimizer):  # every dp rank takes part in gathering the state
             full = self.optimizer.full_state({id(p): name for name, p in self.hybrid.names.items()})
+        with self._whole_parameters():  # ZeRO 3: every dp rank takes part in gathering the parameters
+            model = {name: self.hybrid.names[name].detach().cpu().clone() for name in self.hybrid.saved_names} \
+                if self.coords["dp"] == 0 else None
         if self.coords["dp"] == 0:
             if isinstance(self.optimizer, ShardedOptimizer):
                 state = {name: full.get(name, {}) for name in self.hybrid.saved_names}
@@ -350,7 +361,7 @@ class Trainer:
             payload = {
                 "format": 1, "tp_rank": self.coords["tp"], "tp_size": self.config.tp,
                 "pp_rank": self.coords["pp"], "pp_size": self.config.pp,
-                "model": {name: self.hybrid.names[name].detach().cpu().clone() for name in self.hybrid.saved_names},
+                "model": model,
                 "specs": {name: spec for name, spec in self.hybrid.named_specs().items()
                           if name in self.hybrid.saved_names},
                 "optimizer": {name: {key: value.detach().cpu().clone() if torch.is_tensor(value)

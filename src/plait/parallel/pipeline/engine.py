@@ -129,6 +129,7 @@ class PipelineEngine:
         first = next((param for module in self.stages.values() for param in module.parameters()), None)
         self.device = first.device if first is not None else comm.default_device(group)
         self._parameter_storages: set[int] = set()
+        self._parameter_storage_objects: set[int] = set()
         self.parameters_moved()
         # name -> pipeline ranks holding it, for parameters held by more than one rank
         self.shared_parameters: dict[str, tuple[int, ...]] = {}
@@ -276,6 +277,8 @@ class PipelineEngine:
         as ZeRO's flat buckets do): they never count as activations, never go to files."""
         old = self._parameter_storages
         self._parameter_storages = {param.untyped_storage().data_ptr() for param in self.parameters()}
+        # by identity too: ZeRO 3 frees and re-gathers the storages, at other addresses
+        self._parameter_storage_objects = {param.untyped_storage()._cdata for param in self.parameters()}
         if self.offloader is not None:  # parameters stay where they are
             self.offloader.keep_storages = (self.offloader.keep_storages - old) | self._parameter_storages
 
@@ -405,7 +408,9 @@ class PipelineEngine:
         def pack(tensor):
             key = (tensor.data_ptr(), tensor.numel() * tensor.element_size())
             storage = tensor.untyped_storage().data_ptr()
-            if key not in counted and storage not in self._parameter_storages and storage not in batch_storages:
+            parameter = storage in self._parameter_storages or \
+                tensor.untyped_storage()._cdata in self._parameter_storage_objects
+            if key not in counted and not parameter and storage not in batch_storages:
                 counted.add(key)
                 saved[0] += key[1]
             if offloader is not None and storage != input_storage and storage not in batch_storages:
