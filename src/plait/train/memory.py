@@ -147,8 +147,8 @@ def render_memory(rows: list[dict]) -> list[str]:
              "MiB per rank, peaks over the steps run. saved activations: live storages autograd held for the "
              "backward, measured through weak references (recomputation's kept inputs and regenerated tensors "
              "included); engine: the pipeline engine's schedule bookkeeping of the same; params, grads, "
-             f"optimizer: live storages after the first step (optimizer in files: its state offloaded to memory-mapped "
-             "files, not in memory); resident: {rows[0].get('resident_source', 'n/a')}.",
+             "optimizer: live storages after the first step (optimizer in files: its state offloaded to memory-mapped "
+             f"files, not in memory); resident: {rows[0].get('resident_source', 'n/a')}.",
              "", "| rank | coords | saved activations | engine | params | grads | optimizer | optimizer in files | "
              "resident |", "|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
