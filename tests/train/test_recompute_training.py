@@ -86,5 +86,5 @@ def test_an_offload_directory_nobody_can_write_is_named_on_every_rank(tmp_path):
     (out / "offload").write_text("a file where the offload directory would go")
     config = _config(out, offload_activations=True)
     for message in run_distributed(_train_expecting_error, 4, config, timeout_s=120):
-        assert "rank 0 cannot write its activation offload directory" in message
+        assert "rank 0 cannot write its offload directory" in message
         assert "rank 3 cannot write" in message and "needs a writable --out on every node" in message

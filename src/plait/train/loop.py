@@ -227,8 +227,10 @@ class Trainer:
         dist.all_gather_object(everyone, problem)
         problems = [entry for entry in everyone if entry]
         if problems:
-            raise OSError("; ".join(problems) + " (offload_activations=true and offload=optimizer need a writable "
-                          "--out on every node)")
+            wanting = [what for what, wanted in (("offload_activations=true", self.config.offload_activations),
+                                                 ("offload=optimizer", self.config.offload == "optimizer")) if wanted]
+            raise OSError("; ".join(problems) + f" ({' and '.join(wanting)} need{'s' if len(wanting) == 1 else ''} "
+                          "a writable --out on every node)")
         return directory
 
     def _close_offload(self) -> None:
