@@ -394,3 +394,33 @@ def test_a_rank_dying_mid_step_is_named(stage):
         message, elapsed_s = results[rank]
         assert f"rank {rank}" in message and "peer 2" in message, message
         assert elapsed_s < 10.5  # the closed connection or the 10 s deadline, never a hang
+
+
+def _stage3_peak(rank, world_size):
+    zero = ZeRO(_model(), _optimizer, stage=3)
+    peak = [0]
+
+    def sample(tensor):
+        peak[0] = max(peak[0], zero.model_state_bytes()["params_bytes"])
+        return tensor
+
+    tokens, targets = _data(0)
+    for _ in range(2):  # the second step prefetches in the first one's order
+        with torch.autograd.graph.saved_tensors_hooks(sample, sample):
+            _loss(zero, tokens[:4], targets[:4]).backward()
+        zero.step()
+        zero.zero_grad()
+    units = {("root" if zero._is_root(unit) else f"unit{unit.index}"): unit.padded * 8 for unit in zero.units}
+    return peak[0], units
+
+
+@pytest.mark.slow
+def test_stage_three_holds_at_most_the_computing_unit_and_the_prefetched_one():
+    """Peak bytes of gathered parameter buffers during forward and backward (sampled,
+    from live storages, whenever autograd saves or reads a tensor): the root unit (its
+    own and the tied parameters, gathered for the whole step) plus at most two units
+    (the one computing and the one being prefetched), never every unit at once."""
+    for peak, units in run_distributed(_stage3_peak, 2):
+        others = sorted((nbytes for name, nbytes in units.items() if name != "root"), reverse=True)
+        assert units["root"] + others[0] <= peak <= units["root"] + others[0] + others[1]
+        assert peak < sum(units.values())
