@@ -2,7 +2,7 @@
 for every (dp, tp, pp) layout of 4 processes, on plait train's default GPT.
 
     .venv/bin/python bench/plan_vs_train.py [--steps 40] [--warmup 5] [--layouts 4x1x1,1x1x4]
-                                           [--recompute none,selective,full] [--zero-stages 0,1,2]
+                                           [--recompute none,selective,full] [--zero-stages 0,1,2,3]
                                            [--offload-optimizer]
                                            [--out bench-results/plan-vs-train/summary.json]
 
@@ -286,7 +286,8 @@ def main() -> int:
                         help="summary JSON; the runs go next to it (default bench-results/plan-vs-train/...)")
     parser.add_argument("--timeout-s", type=float, default=1200.0, help="per plait command (default 1200)")
     parser.add_argument("--zero-stages", default="0",
-                        help="comma list of ZeRO stages (0, 1, 2) to run each layout with dp > 1 with (default 0)")
+                        help="comma list of ZeRO stages (0-3) to run each layout with dp > 1 with (3: layouts with "
+                             "pp = 1 only; default 0)")
     parser.add_argument("--offload-optimizer", action="store_true",
                         help="run each ZeRO stage > 0 once more with its optimizer state offloaded to files")
     parser.add_argument("--recompute", default="none",
@@ -303,14 +304,14 @@ def main() -> int:
         stages = [int(stage) for stage in args.zero_stages.split(",") if stage.strip()]
     except ValueError:
         stages = []
-    if not stages or any(stage not in (0, 1, 2) for stage in stages):
-        parser.error(f"--zero-stages {args.zero_stages!r}: give stages out of 0, 1, 2 (plait train runs those)")
+    if not stages or any(stage not in (0, 1, 2, 3) for stage in stages):
+        parser.error(f"--zero-stages {args.zero_stages!r}: give stages out of 0, 1, 2, 3")
     out = Path(args.out)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     rows = []
     combos = [(layout, mode, zero, offload) for layout in layouts for mode in modes for zero in stages
               for offload in ((False, True) if args.offload_optimizer and zero else (False,))
-              if zero == 0 or layout[0] > 1]
+              if (zero == 0 or layout[0] > 1) and (zero < 3 or layout[2] == 1)]
     for (dp, tp, pp), mode, zero, offload in combos:
         name = name_of(dp, tp, pp) + ("" if modes == ["none"] else f" {mode}") + (f" zero{zero}" if zero else "") \
             + (" offload" if offload else "")
