@@ -424,3 +424,35 @@ def test_stage_three_holds_at_most_the_computing_unit_and_the_prefetched_one():
         others = sorted((nbytes for name, nbytes in units.items() if name != "root"), reverse=True)
         assert units["root"] + others[0] <= peak <= units["root"] + others[0] + others[1]
         assert peak < sum(units.values())
+
+
+def _rank0_state(rank, world_size, stage):
+    trained = _zero_train(rank, world_size, stage, 1, 1, None)  # every rank: the whole state
+    zero = ZeRO(_model(), _optimizer, stage=stage)
+    mine = ZeRO(_model(), _optimizer, stage=stage)
+    mine.load_full_state_dict(trained)
+    only_rank0 = mine.full_state_dict(rank0_only=True)
+    zero.load_full_state_dict(only_rank0 if rank == 0 else None, from_rank0=True)
+    errors = []
+    for bad in ({**trained, "embed.weight": torch.zeros(3, 7, dtype=torch.float64)}, ["not", "a", "dict"]):
+        try:
+            zero.load_full_state_dict(bad if rank == 0 else None, from_rank0=True)
+        except ValueError as error:
+            errors.append(str(error))
+    return trained, only_rank0, zero.full_state_dict(), errors
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [1, 3])
+def test_full_state_dicts_on_rank_zero_only(stage):
+    """full_state_dict(rank0_only=True) gives the state on rank 0 and {} elsewhere;
+    load_full_state_dict(from_rank0=True) loads rank 0's into every rank (the others
+    pass None); a bad dict on rank 0 is named on every rank, no rank left waiting."""
+    for rank, (trained, only_rank0, loaded, errors) in enumerate(run_distributed(_rank0_state, 3, stage)):
+        assert (only_rank0 == {}) == (rank != 0)
+        for name, value in trained.items():
+            assert torch.equal(loaded[name], value), name
+            if rank == 0:
+                assert torch.equal(only_rank0[name], value), name
+        assert "embed.weight (3, 7) (the model's: (11, 7))" in errors[0]
+        assert "needs a dict of tensors, got list" in errors[1]

@@ -102,7 +102,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         help="price plait train --offload-activations: at most two micro-batches' saved "
                              "activations in memory per rank (the running backward's and the prefetched next)")
     layout.add_argument("--offload-optimizer", action="store_true",
-                        help="price plait train --offload optimizer: ZeRO's optimizer state (zero stage 1 or 2) in "
+                        help="price plait train --offload optimizer: ZeRO's optimizer state (zero stage 1-3) in "
                              "memory-mapped files, not in memory (its disk time is not priced)")
     layout.add_argument("--accounting", default=None, choices=("megatron", "plait"),
                         help="activation accounting: megatron's fused kernels (default on GPUs) or plait's "

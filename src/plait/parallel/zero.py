@@ -348,25 +348,40 @@ class ZeRO(nn.Module):
         self._reduced = False
 
     # ----- state -----------------------------------------------------------------------
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The unsharded parameters and buffers (every rank gets them), as
-        ``module.state_dict()`` would give without ZeRO."""
+    def full_state_dict(self, rank0_only: bool = False) -> dict[str, torch.Tensor]:
+        """The unsharded parameters and buffers, as ``module.state_dict()`` would give
+        without ZeRO: on every rank, or (``rank0_only``) on rank 0 of the group only, the
+        others getting ``{}``. Every rank of the group must call it (stage 3 gathers)."""
         freed = [unit for unit in self.units if not unit.gathered]
         for unit in freed:
             unit.gather(self.group, self.algorithm)
-        state = {name: tensor.detach().clone() for name, tensor in self.module.state_dict().items()}
+        state = {} if rank0_only and self.rank != 0 else \
+            {name: tensor.detach().clone() for name, tensor in self.module.state_dict().items()}
         for unit in freed:
             unit.free()
         return state
 
-    def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        """Load unsharded parameters and buffers (names must match the module's)."""
-        expected = set(self.module.state_dict())
-        missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
-        if missing or unexpected:
-            raise ValueError(f"ZeRO: the state dict does not fit this model: missing {missing[:8]}"
-                             f"{' ...' if len(missing) > 8 else ''}, unexpected {unexpected[:8]}"
-                             f"{' ...' if len(unexpected) > 8 else ''}")
+    def load_full_state_dict(self, state: dict[str, torch.Tensor] | None, from_rank0: bool = False) -> None:
+        """Load unsharded parameters and buffers (names and shapes must match the
+        module's). ``from_rank0``: only rank 0's ``state`` is read and broadcast (the
+        other ranks may pass None); every rank of the group must call it."""
+        template = self.module.state_dict()
+        if from_rank0 and self.world_size > 1:
+            verdict = [self._state_problem(state, template) if self.rank == 0 else None]
+            dist.broadcast_object_list(verdict, src=self._src, group=self.group)
+            if verdict[0]:
+                raise ValueError(verdict[0])
+            received = {}
+            for name in sorted(template):
+                value = state[name].detach().to(template[name].dtype).contiguous().clone() if self.rank == 0 \
+                    else torch.empty(template[name].shape, dtype=template[name].dtype)
+                comm.broadcast(value, src=self._src, group=self.group)
+                received[name] = value
+            state = received
+        else:
+            problem = self._state_problem(state, template)
+            if problem:
+                raise ValueError(problem)
         names = {id(param): name for name, param in self.module.named_parameters()}
         for unit in self.units:
             start = self.rank * unit.shard_numel
@@ -377,9 +392,26 @@ class ZeRO(nn.Module):
                 unit.shard.copy_(flat[start:start + unit.shard_numel])
             if unit.gathered:
                 unit.gather(self.group, self.algorithm)
-        params = {name for name, _ in self.module.named_parameters()}
+        # every name of every parameter (a tied one has two): only the buffers remain to load
+        params = {name for name, _ in self.module.named_parameters(remove_duplicate=False)}
         buffers = {name: value for name, value in state.items() if name not in params}
         self.module.load_state_dict(buffers, strict=False)
+
+    @staticmethod
+    def _state_problem(state, template: dict) -> str | None:
+        """What keeps ``state`` from loading into a module whose state dict is ``template``."""
+        if not isinstance(state, dict):
+            return f"ZeRO: load_full_state_dict needs a dict of tensors, got {type(state).__name__}"
+        missing, unexpected = sorted(set(template) - set(state)), sorted(set(state) - set(template))
+        if missing or unexpected:
+            return (f"ZeRO: the state dict does not fit this model: missing {missing[:8]}"
+                    f"{' ...' if len(missing) > 8 else ''}, unexpected {unexpected[:8]}"
+                    f"{' ...' if len(unexpected) > 8 else ''}")
+        shapes = [f"{name} {tuple(state[name].shape)} (the model's: {tuple(value.shape)})"
+                  for name, value in template.items() if tuple(state[name].shape) != tuple(value.shape)]
+        if shapes:
+            return f"ZeRO: the state dict's shapes do not fit this model: {', '.join(shapes[:8])}"
+        return None
 
     def state_dict(self, *args, **kwargs) -> dict:  # noqa: D102 - sharded: this rank's shards
         return {"stage": self.stage, "world_size": self.world_size, "rank": self.rank,

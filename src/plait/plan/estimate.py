@@ -168,9 +168,9 @@ def layout_problems(layout: Layout, *, num_groups: int, world_size: int, global_
     elif layout.zero_stage == 3 and layout.pp > 1:
         problems.append("zero_stage=3 with pp > 1: plait runs stage 3 (plait.parallel.ZeRO) without a pipeline; "
                         "use zero_stage <= 2 with pp > 1")
-    if layout.offload_optimizer is True and layout.zero_stage not in (1, 2):
-        problems.append(f"offload_optimizer with zero_stage={layout.zero_stage}: plait offloads ZeRO's sharded "
-                        "optimizer state (plait train --zero-stage 1|2 --offload optimizer); use zero_stage 1 or 2")
+    if layout.offload_optimizer is True and layout.zero_stage == 0:
+        problems.append("offload_optimizer with zero_stage=0: plait offloads ZeRO's sharded optimizer state "
+                        "(plait train --zero-stage 1|2|3 --offload optimizer); use zero_stage 1, 2 or 3")
     if layout.sequence_parallel:
         if layout.tp == 1:
             problems.append("sequence_parallel needs tp > 1")
