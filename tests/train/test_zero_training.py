@@ -119,50 +119,24 @@ def test_zero_three_trains_as_plain_data_parallelism(tmp_path, mesh):
 
 
 @pytest.mark.slow
-def test_zero_three_checkpoints_resume_bitwise_and_into_plain_dp(tmp_path):
-    settings = dict(zero_stage=3, dp=2, tp=2, pp=1, checkpoint_interval=2, keep_checkpoints=2)
-    whole = _config(tmp_path / "whole", zero_stage=3, dp=2, tp=2, pp=1, steps=4)
-    first = _config(tmp_path / "resumed", steps=2, **settings)
+@pytest.mark.parametrize("saved,resumed", [
+    (dict(zero_stage=1), dict(zero_stage=0, dp=1, pp=2)),  # into plain data parallelism, another dp
+    (dict(zero_stage=2, offload="optimizer"), dict(zero_stage=1, dp=1, pp=2)),
+    (dict(zero_stage=3, dp=2, tp=2, pp=1), dict(zero_stage=0, dp=1, tp=2, pp=1)),
+])
+def test_zero_checkpoints_resume_bitwise_and_into_another_layout(tmp_path, saved, resumed):
+    """A run stopped at step 2 and resumed at the same layout equals the run of 4 steps
+    bitwise; its step-2 checkpoint, resumed by ``resumed`` on 2 processes, gives the
+    same losses to float64 roundoff."""
+    whole = _config(tmp_path / "whole", steps=4, **saved)
+    first = _config(tmp_path / "resumed", steps=2, checkpoint_interval=2, keep_checkpoints=2, **saved)
     run_distributed(_train_each, 4, [whole, first], timeout_s=300)
-    second = _config(tmp_path / "resumed", steps=4, **settings)
+    second = _config(tmp_path / "resumed", steps=4, checkpoint_interval=2, keep_checkpoints=2, **saved)
     run_distributed(_train_each, 4, [second], "auto", timeout_s=300)
     want = [row["loss"] for row in _metrics(whole.out)]
     assert [row["loss"] for row in _metrics(second.out)] == want
     checkpoint = sorted((tmp_path / "resumed" / "checkpoints").iterdir())[0]
-    other = _config(tmp_path / "other", zero_stage=0, dp=1, tp=2, pp=1, steps=4)
-    run_distributed(_train_each, 2, [other], str(checkpoint), timeout_s=300)
-    assert [row["loss"] for row in _metrics(other.out)] == pytest.approx(want[2:], rel=1e-12, abs=0)
-
-
-@pytest.mark.slow
-def test_zero_checkpoints_resume_bitwise_and_into_plain_dp(tmp_path):
-    whole = _config(tmp_path / "whole", zero_stage=1, steps=4)
-    first = _config(tmp_path / "resumed", zero_stage=1, steps=2, checkpoint_interval=2, keep_checkpoints=2)
-    run_distributed(_train_each, 4, [whole, first], timeout_s=300)
-    second = _config(tmp_path / "resumed", zero_stage=1, steps=4, checkpoint_interval=2, keep_checkpoints=2)
-    run_distributed(_train_each, 4, [second], "auto", timeout_s=300)
-    assert [row["loss"] for row in _metrics(second.out)] == [row["loss"] for row in _metrics(whole.out)]
-    # the stage-1 checkpoint of step 2, resumed by plain dp1 x pp2 (2 processes)
-    checkpoint = sorted((tmp_path / "resumed" / "checkpoints").iterdir())[0]
-    plain = _config(tmp_path / "plain", zero_stage=0, dp=1, pp=2, steps=4)
-    run_distributed(_train_each, 2, [plain], str(checkpoint), timeout_s=300)
-    got = [row["loss"] for row in _metrics(plain.out)]
-    want = [row["loss"] for row in _metrics(whole.out)][2:]
-    assert got == pytest.approx(want, rel=1e-12, abs=0)
-
-
-@pytest.mark.slow
-def test_an_offloaded_zero_two_checkpoint_resumes_bitwise_and_into_zero_one(tmp_path):
-    settings = dict(zero_stage=2, offload="optimizer", checkpoint_interval=2, keep_checkpoints=2)
-    whole = _config(tmp_path / "whole", zero_stage=2, offload="optimizer", steps=4)
-    first = _config(tmp_path / "resumed", steps=2, **settings)
-    run_distributed(_train_each, 4, [whole, first], timeout_s=300)
-    second = _config(tmp_path / "resumed", steps=4, **settings)
-    run_distributed(_train_each, 4, [second], "auto", timeout_s=300)
-    want = [row["loss"] for row in _metrics(whole.out)]
-    assert [row["loss"] for row in _metrics(second.out)] == want
-    checkpoint = sorted((tmp_path / "resumed" / "checkpoints").iterdir())[0]
-    other = _config(tmp_path / "other", zero_stage=1, dp=1, pp=2, steps=4)
+    other = _config(tmp_path / "other", steps=4, **resumed)
     run_distributed(_train_each, 2, [other], str(checkpoint), timeout_s=300)
     assert [row["loss"] for row in _metrics(other.out)] == pytest.approx(want[2:], rel=1e-12, abs=0)
 

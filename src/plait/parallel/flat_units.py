@@ -180,6 +180,24 @@ def _step_unit_by_unit(units: list[FlatUnit], optimizer, offload, kept: list) ->
             unit.shard.grad = grad
 
 
+def add_reduced(in_flight: list, world_size: int) -> None:
+    """Wait for each (unit, out, flat, handle) reduce-scatter of ``in_flight`` and add
+    its average (out / N) into the unit's shard gradient; every handle is waited for,
+    then the first error is raised."""
+    errors = []
+    for unit, out, _flat, handle in in_flight:
+        try:
+            if handle is not None:
+                handle.wait()
+        except BaseException as error:  # noqa: BLE001 - every handle waited; the first raised
+            errors.append(error)
+            continue
+        average = out.div_(world_size).to(unit.shard.dtype)
+        unit.shard.grad = average if unit.shard.grad is None else unit.shard.grad.add_(average)
+    if errors:
+        raise errors[0]
+
+
 def clear_grads(units: list[FlatUnit]) -> None:
     """Drop the shards' and the parameters' gradients."""
     for unit in units:

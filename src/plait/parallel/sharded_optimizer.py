@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch import nn
 
 from plait import comm
-from plait.parallel.flat_units import FlatUnit, check_elementwise, clear_grads, step_and_gather
+from plait.parallel.flat_units import FlatUnit, add_reduced, check_elementwise, clear_grads, step_and_gather
 from plait.parallel.state_offload import StateFiles
 from plait.parallel.unit_gathering import UnitGatherer, default_wrap
 from plait.parallel.weak_hooks import weak_method
@@ -201,18 +201,7 @@ class ShardedOptimizer:
     def _wait_in_flight(self) -> None:
         """The average of every reduce-scatter issued, added into its shard's gradient."""
         in_flight, self._in_flight = self._in_flight, []
-        errors = []
-        for unit, out, _flat, handle in in_flight:
-            try:
-                if handle is not None:
-                    handle.wait()
-            except BaseException as error:  # noqa: BLE001 - every handle waited; the first raised
-                errors.append(error)
-                continue
-            average = out.div_(self.world_size)
-            unit.shard.grad = average if unit.shard.grad is None else unit.shard.grad.add_(average)
-        if errors:
-            raise errors[0]
+        add_reduced(in_flight, self.world_size)
 
     # ----- the step ------------------------------------------------------------------------
     def reduce_gradients(self) -> None:

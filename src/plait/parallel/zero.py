@@ -64,7 +64,7 @@ from torch import nn
 
 from plait import comm
 from plait.parallel.data import verify_replicas
-from plait.parallel.flat_units import FlatUnit, check_elementwise, clear_grads, step_and_gather
+from plait.parallel.flat_units import FlatUnit, add_reduced, check_elementwise, clear_grads, step_and_gather
 from plait.parallel.state_offload import StateFiles
 from plait.parallel.unit_gathering import UnitGatherer, default_wrap
 from plait.parallel.weak_hooks import weak_method
@@ -288,19 +288,8 @@ class ZeRO(nn.Module):
 
     def _collect(self) -> None:
         """Wait for the reduce-scatters and add the averages into the shards' gradients."""
-        errors = []
-        for unit, out, _flat, handle in self._handles:
-            try:
-                if handle is not None:
-                    handle.wait()
-            except BaseException as error:  # noqa: BLE001 - every handle waited; the first raised
-                errors.append(error)
-                continue
-            average = out.div_(self.world_size).to(unit.shard.dtype)
-            unit.shard.grad = average if unit.shard.grad is None else unit.shard.grad.add_(average)
-        self._handles = []
-        if errors:
-            raise errors[0]
+        handles, self._handles = self._handles, []
+        add_reduced(handles, self.world_size)
         self._reduced = True
 
     # ----- step ------------------------------------------------------------------------
