@@ -42,6 +42,7 @@ from plait.train import checkpoint as ckpt, rundir, runlock
 from plait.train.config import TrainConfig
 from plait.train.data import load_digits, rank_batch
 from plait.train.memory import MemoryMonitor
+from plait.train.offload_dirs import prepare_offload_dir, remove_offload_dir
 from plait.train.report import measure_peak_flops, summary_lines, write_report
 
 FAULT_ENV = "PLAIT_FAULT_KILL"  # "RANK:STEP": that rank kills itself before STEP, first attempt only (tests)
@@ -212,41 +213,19 @@ class Trainer:
         return contextlib.nullcontext()
 
     def _offload_dir(self) -> Path:
-        """This rank's offload directory, checked writable on every rank at once (one
-        all-gather): a rank that cannot write is named on all of them before any step."""
-        directory = Path(self.config.out) / "offload" / f"rank{self.rank}"
-        problem = None
-        try:
-            directory.mkdir(parents=True, exist_ok=True)
-            probe = directory / ".probe"
-            probe.write_bytes(b"plait")
-            probe.unlink()
-        except OSError as error:
-            problem = f"rank {self.rank} cannot write its offload directory {directory}: {error}"
-        everyone = [None] * self.world_size
-        dist.all_gather_object(everyone, problem)
-        problems = [entry for entry in everyone if entry]
-        if problems:
-            wanting = [what for what, wanted in (("offload_activations=true", self.config.offload_activations),
-                                                 ("offload=optimizer", self.config.offload == "optimizer")) if wanted]
-            raise OSError("; ".join(problems) + f" ({' and '.join(wanting)} need{'s' if len(wanting) == 1 else ''} "
-                          "a writable --out on every node)")
-        return directory
+        """This rank's offload directory, checked writable on every rank (collective)."""
+        wanting = [what for what, wanted in (("offload_activations=true", self.config.offload_activations),
+                                             ("offload=optimizer", self.config.offload == "optimizer")) if wanted]
+        return prepare_offload_dir(Path(self.config.out), self.rank, self.world_size, wanting)
 
     def _close_offload(self) -> None:
         """Stop the prefetch thread and remove this rank's (by now empty) offload directory
         (the optimizer state's files were unlinked as soon as they were mapped)."""
         offloader = self.hybrid.engine.offloader
-        if offloader is None and self.config.offload == "none":
-            return
         if offloader is not None:
             offloader.close()
-        directory = Path(self.config.out) / "offload" / f"rank{self.rank}"
-        shutil.rmtree(directory, ignore_errors=True)
-        try:
-            directory.parent.rmdir()  # the last rank out removes offload/ itself
-        except OSError:
-            pass
+        if offloader is not None or self.config.offload != "none":
+            remove_offload_dir(Path(self.config.out), self.rank)
 
     # ----- checkpoints ---------------------------------------------------------------------
     def _check_agreement(self) -> None:
