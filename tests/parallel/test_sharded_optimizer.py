@@ -12,7 +12,10 @@ train's pipeline does) on real gloo ranks, with 3 micro-batches a step:
   bytes; stages 1 and 2 one all-gather of Ψ(N-1)/N per step, stage 3 two per
   micro-batch (before each unit's forward and before its backward) and none at the
   step; stage 1 one reduce-scatter per step;
-- stage 3 holds no gathered parameter between steps (each unit's storage freed);
+- stage 3 holds no gathered parameter between steps (each unit's storage freed),
+  and moves a module's units (one per optimizer param group) in one call: one
+  all-gather per module before its forward and its backward, one reduce-scatter
+  after its backward;
 - offload="disk" (``offload_dir``) trains bitwise as without it."""
 
 import tempfile
@@ -62,7 +65,7 @@ def _train(rank, world_size, stage, offload_dir, steps):
     sharded = ShardedOptimizer(_optimizer(model), None, stage=stage, algorithm="ring", bucket_mb=0.0004,
                                offload_dir=offload_dir, modules=[model] if stage == 3 else None)
     per_rank = ROWS // world_size
-    left_after_backward, sent = [], []
+    left_after_backward, sent, calls = [], [], []
     for step in range(steps):
         x, y = _data(step)
         x, y = x[rank * per_rank:(rank + 1) * per_rank], y[rank * per_rank:(rank + 1) * per_rank]
@@ -75,10 +78,11 @@ def _train(rank, world_size, stage, offload_dir, steps):
         sharded.reduce_gradients()
         sharded.step()
         sent.append({name: entry["bytes_sent"] for name, entry in comm.stats().items()})
+        calls.append({name: entry["calls"] for name, entry in comm.stats().items()})
     held = sum(param.untyped_storage().nbytes() for param in model.parameters())
     with sharded.whole_parameters():
         params = [param.detach().clone() for param in model.parameters()]
-    return {"params": params, "left": left_after_backward, "sent": sent, "held": held,
+    return {"params": params, "left": left_after_backward, "sent": sent, "calls": calls, "held": held,
             "padded": [unit.padded * 8 for unit in sharded.units]}
 
 
@@ -97,6 +101,9 @@ def test_stages_one_to_three_train_as_one_process(stage, world_size):
         # stages 2 and 3: no full gradient outlives its backward; stage 1 keeps every one
         assert result["left"] == [0 if stage >= 2 else len(want)] * (3 * MICRO)
         assert (result["held"] == 0) == (stage == 3)
+        if stage == 3:  # each Linear's two units (weights; biases: two param groups) in one call each time
+            for calls in result["calls"]:
+                assert calls["all_gather"] == 2 * MICRO * 3 and calls["reduce_scatter"] == MICRO * 3
 
 
 @pytest.mark.slow

@@ -116,6 +116,94 @@ class FlatUnit:
                                            algorithm=algorithm)
 
 
+class _Scattered:
+    """A coalesced gather's handle: waiting copies each unit's slices out of the one
+    buffer the collective filled (once; later waits only wait)."""
+
+    def __init__(self, handle, finish):
+        self.handle, self._finish = handle, finish
+
+    def wait(self) -> None:
+        if self.handle is not None:
+            self.handle.wait()
+        finish, self._finish = self._finish, None
+        if finish is not None:
+            finish()
+
+
+def gather_units(units: list[FlatUnit], group, algorithm, async_op: bool = False):
+    """``FlatUnit.gather`` for several units in one all-gather (one call's overhead
+    instead of one each; the same bytes): every rank sends its shards back to back
+    and each unit's slices are copied into its buffer. Returns the handle every unit
+    then holds (async), or None."""
+    if len(units) == 1 or len({unit.dtype for unit in units}) > 1 or units[0].world_size == 1:
+        handles = [unit.gather(group, algorithm, async_op=async_op) for unit in units]
+        for unit, handle in zip(units, handles):
+            unit.handle = handle
+        return None
+    world_size = units[0].world_size
+    sizes = [unit.shard_numel for unit in units]
+    total = sum(sizes)
+    for unit in units:
+        storage = unit.full.untyped_storage()
+        if storage.nbytes() != unit.padded * unit.full.element_size():
+            storage.resize_(unit.padded * unit.full.element_size())
+        unit.gathered = True
+    sent = torch.cat([unit.shard.detach() for unit in units])
+    received = torch.empty(total * world_size, dtype=sent.dtype, device=sent.device)
+
+    def finish():
+        for rank in range(world_size):
+            offset = rank * total
+            for unit, size in zip(units, sizes):
+                alias(unit.full)[rank * size:(rank + 1) * size].copy_(received[offset:offset + size])
+                offset += size
+
+    handle = comm.all_gather_into_tensor(received, sent, group=group, async_op=async_op, algorithm=algorithm)
+    combined = _Scattered(handle if async_op else None, finish)
+    if not async_op:
+        combined.wait()
+        return None
+    for unit in units:
+        unit.handle = combined
+    return combined
+
+
+def reduce_units(units: list[FlatUnit], group, algorithm, async_op: bool) -> list:
+    """Reduce-scatter several units' gradients in one call (rank-major: rank r's
+    slice of every unit, back to back); the full gradients are dropped. Returns
+    (unit, out, flat, handle) per unit, ``out`` this rank's summed slice once the
+    handle is waited for (``add_reduced``)."""
+    world_size = units[0].world_size
+    flats = []
+    for unit in units:
+        unit.used = [was or param.grad is not None for was, param in zip(unit.used, unit.params)]
+        flats.append(unit.flat_grad())
+        for param in unit.params:
+            param.grad = None
+    sizes = [unit.shard_numel for unit in units]
+    total = sum(sizes)
+    if world_size == 1 or len(units) == 1 or len({flat.dtype for flat in flats}) > 1:
+        entries = []
+        for unit, flat in zip(units, flats):
+            out = torch.empty(unit.shard_numel, dtype=unit.dtype, device=unit.device)
+            handle = None
+            if world_size == 1:
+                out.copy_(flat)
+            else:
+                handle = comm.reduce_scatter_tensor(out, flat, group=group, algorithm=algorithm, async_op=async_op)
+            entries.append((unit, out, flat, handle))
+        return entries
+    laid = torch.cat([flat.view(world_size, size) for flat, size in zip(flats, sizes)], dim=1).reshape(-1)
+    out = torch.empty(total, dtype=laid.dtype, device=laid.device)
+    handle = comm.reduce_scatter_tensor(out, laid, group=group, algorithm=algorithm, async_op=async_op)
+    entries, offset = [], 0
+    for unit, size in zip(units, sizes):
+        entries.append((unit, out[offset:offset + size], laid, handle))
+        offset += size
+    return entries
+
+
 def snapshot_unused(units: list[FlatUnit], optimizer, group, world_size: int, rank: int) -> list:
     """The shard elements (and their optimizer state) of parameters that no rank gave
     a gradient this step: one all-reduce of a flag per parameter."""

@@ -10,7 +10,8 @@ import torch.distributed as dist
 from torch import nn
 
 from plait import comm
-from plait.parallel.flat_units import FlatUnit, add_reduced, check_elementwise, clear_grads, step_and_gather
+from plait.parallel.flat_units import (FlatUnit, add_reduced, check_elementwise, clear_grads, reduce_units,
+                                       step_and_gather)
 from plait.parallel.state_offload import StateFiles
 from plait.parallel.unit_gathering import UnitGatherer, default_wrap
 from plait.parallel.weak_hooks import weak_method
@@ -105,6 +106,8 @@ class ShardedOptimizer:
         for unit in self.units:
             unit.used = [False] * len(unit.params)
         self._gatherer = None
+        self._siblings = {unit.index: units for units in by_module for unit in units}  # stage 3: a module's units
+        self._reduced_now = set()
         if stage == 3:
             kept = [index for index, units in enumerate(by_module) if units]
             self._gatherer = UnitGatherer([unit_modules[index] for index in kept], [by_module[i] for i in kept],
@@ -157,6 +160,7 @@ class ShardedOptimizer:
             return
         self._in_backward = True
         self._wait_in_flight()  # the previous backward's, long done by now
+        self._reduced_now: set[int] = set()
         for unit in self.units:
             unit.ready = [False] * len(unit.params)
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
@@ -165,10 +169,15 @@ class ShardedOptimizer:
         self._begin_backward()
         unit, slot = self._where[id(param)]
         unit.ready[slot] = True
-        if all(unit.ready):
-            self._reduce(unit, async_op=True)
+        if not all(unit.ready) or unit.index in self._reduced_now:
+            return
+        # stage 3: a module's units together (one call), once each has all its gradients
+        together = self._siblings.get(unit.index, [unit])
+        if all(all(other.ready) for other in together):
+            self._reduce(together, async_op=True)
             if self.stage == 3 and not self.unit_root[unit.index]:
-                unit.free()  # its backward is done: the parameters go until the next forward
+                for other in together:
+                    other.free()  # the module's backward is done: its parameters go until the next forward
 
     def _end_backward(self) -> None:
         """Buckets this backward gave only some of their gradients: reduced now, in
@@ -176,27 +185,17 @@ class ShardedOptimizer:
         backward is freed."""
         self._in_backward = False
         for unit, early in zip(self.units, self.unit_early):
-            if early and any(unit.ready) and not all(unit.ready):
-                self._reduce(unit, async_op=True)
+            if early and any(unit.ready) and unit.index not in self._reduced_now:
+                self._reduce([unit], async_op=True)
         if self.stage == 3:
             for unit, root in zip(self.units, self.unit_root):
                 if not root:
                     unit.free()
 
-    def _reduce(self, unit: FlatUnit, async_op: bool) -> None:
-        """``unit``'s gradients, flat, reduce-scattered; the full ones dropped."""
-        unit.used = [was or param.grad is not None for was, param in zip(unit.used, unit.params)]
-        flat = unit.flat_grad()
-        for param in unit.params:
-            param.grad = None
-        out = torch.empty(unit.shard_numel, dtype=unit.dtype, device=unit.device)
-        handle = None
-        if self.world_size == 1:
-            out.copy_(flat)
-        else:
-            handle = comm.reduce_scatter_tensor(out, flat, group=self.group, algorithm=self.algorithm,
-                                                async_op=async_op)
-        self._in_flight.append((unit, out, flat, handle))
+    def _reduce(self, units: list[FlatUnit], async_op: bool) -> None:
+        """The units' gradients reduce-scattered in one call; the full ones dropped."""
+        self._in_flight += reduce_units(units, self.group, self.algorithm, async_op)
+        self._reduced_now.update(unit.index for unit in units)
 
     def _wait_in_flight(self) -> None:
         """The average of every reduce-scatter issued, added into its shard's gradient."""
@@ -210,7 +209,7 @@ class ShardedOptimizer:
         backwards started and reduces the late buckets."""
         for unit, early in zip(self.units, self.unit_early):
             if not early:
-                self._reduce(unit, async_op=False)
+                self._reduce([unit], async_op=False)
         self._wait_in_flight()
 
     def grad_square_sum(self, tp_rank: int) -> torch.Tensor:

@@ -16,7 +16,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from plait.parallel.flat_units import FlatUnit
+from plait.parallel.flat_units import FlatUnit, gather_units
 
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
 
@@ -59,12 +59,24 @@ class UnitGatherer:
         elif not unit.gathered:
             unit.gather(self.group, self.algorithm)
 
+    def _ready_all(self, index: int) -> None:
+        """Module ``index``'s units gathered: prefetches waited for, the rest in one call."""
+        missing = []
+        for unit in self.units[index]:
+            if unit.handle is not None:
+                unit.wait()
+            elif not unit.gathered:
+                missing.append(unit)
+        if missing:
+            gather_units(missing, self.group, self.algorithm)
+
     def _prefetch(self, index: int | None) -> None:
+        """Start gathering module ``index``'s units (one call) on the comm thread."""
         if index is None:
             return
-        for unit in self.units[index]:
-            if not unit.gathered:
-                unit.handle = unit.gather(self.group, self.algorithm, async_op=True)
+        missing = [unit for unit in self.units[index] if not unit.gathered]
+        if missing:
+            gather_units(missing, self.group, self.algorithm, async_op=True)
 
     def _neighbour(self, index: int, step: int) -> int | None:
         if index not in self._order:
@@ -73,8 +85,7 @@ class UnitGatherer:
         return self._order[position] if 0 <= position < len(self._order) else None
 
     def _before_forward(self, index: int) -> None:
-        for unit in self.units[index]:
-            self.ready(unit)
+        self._ready_all(index)
         if index not in self._order_now:
             self._order_now.append(index)
         self._prefetch(self._neighbour(index, 1))
@@ -90,8 +101,7 @@ class UnitGatherer:
 
     def _before_backward(self, index: int) -> None:
         self.on_backward()
-        for unit in self.units[index]:
-            self.ready(unit)
+        self._ready_all(index)
         self._prefetch(self._neighbour(index, -1))  # the backward runs the forward's order in reverse
 
 
