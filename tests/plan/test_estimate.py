@@ -114,6 +114,23 @@ def test_zero_two_in_a_pipeline_reduces_every_micro_batch_and_offload_frees_the_
         {key: value for key, value in two.memory_bytes.items() if key != "optimizer"}
 
 
+def test_zero_three_moves_each_unit_in_calls_of_its_own():
+    """ZeRO 3 as plait runs it: per micro-batch, every unit (each block, the embedding
+    and the head: layers + 2 without a pipeline) gathered before its forward and its
+    backward and reduce-scattered after, one call each, so each call carries 1/units
+    of the bytes and pays its own latency."""
+    spec = model_preset("gpt-1.3b")
+    m, dp = 2, 8
+    result = estimate_layout(spec, "dgx-a100", Layout(dp=dp, micro_batch=1, num_microbatches=m, zero_stage=3),
+                             gpus=8)
+    cluster = cluster_preset("dgx-a100", gpus=8)
+    units = spec.layers + 2
+    reduce_scatter, _ = cluster.collective_time_s("reduce_scatter", result.memory_bytes["gradients"] * dp / units,
+                                                  dp, 1)
+    all_gather, _ = cluster.collective_time_s("all_gather", result.memory_bytes["parameters"] * dp / units, dp, 1)
+    assert result.time_s["dp_comm"] == pytest.approx(m * units * (reduce_scatter + 2 * all_gather), rel=1e-9)
+
+
 def test_data_parallel_time_is_the_cheapest_collective():
     cluster = cluster_preset("dgx-a100", gpus=16)
     spec = model_preset("gpt-350m")

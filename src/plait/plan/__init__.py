@@ -78,4 +78,4 @@ def estimate_layout(model, cluster, layout: Layout, *, gpus: int | None = None, 
     groups = model.groups(layout.micro_batch, layout.tp, layout.sequence_parallel, chosen, accounting)
     return estimate(groups, layout, cluster, chosen, model_flops=model.training_flops(layout.global_batch, "none"),
                     hardware_flops=model.training_flops(layout.global_batch, layout.recompute),
-                    tied_embedding_params=model.tied_embedding_params(layout.tp))
+                    tied_embedding_params=model.tied_embedding_params(layout.tp), end_modules=model.end_modules)

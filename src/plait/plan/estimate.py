@@ -396,14 +396,16 @@ def _rank_chunks(layout: Layout, rank: int) -> list[int]:
 
 
 def estimate(groups: list[list[Unit]], layout: Layout, cluster: Cluster, precision: Precision, *,
-             model_flops: float, hardware_flops: float, tied_embedding_params: int = 0,
+             model_flops: float, hardware_flops: float, tied_embedding_params: int = 0, end_modules: int = 0,
              summaries: list[GroupCosts] | None = None, split: list[list[int]] | None = None,
              chunks: list[GroupCosts] | None = None, algorithms: dict | None = None) -> Estimate:
     """Price ``layout`` (see the module docstring). ``groups`` are the model's layers
     for one micro-batch on one tp rank, grouped where no stage boundary may fall;
     ``model_flops`` / ``hardware_flops`` are the global step's FLOPs without / with
     recomputation; ``tied_embedding_params`` (per tp rank) are kept a second time on the
-    last stage and all-reduced between the two ends when pp > 1. ``summaries``,
+    last stage and all-reduced between the two ends when pp > 1; ``end_modules``: modules
+    outside the groups at each end (ZeRO 3's units: one per group, plus these on the
+    first and the last stage). ``summaries``,
     ``split``, ``chunks`` (the split's combined groups) and ``algorithms`` let a search
     reuse ``summarize`` and ``split_groups``."""
     dtype = precision.dtype
@@ -436,7 +438,9 @@ def estimate(groups: list[list[Unit]], layout: Layout, cluster: Cluster, precisi
         params = sum(c.params for c in mine) + (tied_embedding_params if holds_head else 0)
         # a received activation (a chunk's input from another chunk) stays in memory under offload
         received = max((chunks[c - 1].output_bytes for c in indices if c > 0), default=0.0)
+        zero_units = sum(len(split[c]) for c in indices) + end_modules * ((0 in indices) + (p * v - 1 in indices))
         ranks.append({"compute": compute, "tp_comm": tp_comm, "p2p": p2p, "params": params, "mine": mine,
+                      "units": zero_units,
                       "received": received,
                       "forward": share * sum(c.forward_s for c in mine) + p2p / 2,
                       "weight": share * sum(c.weight_s for c in mine), "total": compute + tp_comm + p2p})
@@ -487,9 +491,12 @@ def estimate(groups: list[list[Unit]], layout: Layout, cluster: Cluster, precisi
         dp_s = collective("reduce_scatter", grad_bytes) + collective("all_gather", param_bytes)
     elif layout.zero_stage == 2:
         dp_s = m * collective("reduce_scatter", grad_bytes) + collective("all_gather", param_bytes)
-    else:  # ZeRO 3: gather for the forward and the backward (and a recomputed forward)
+    else:  # ZeRO 3, per micro-batch and unit (one call each): a gather for the forward and one for the
+        # backward (and one for a recomputed forward), a reduce-scatter after the backward
         gathers = 3 if layout.recompute == "full" else 2
-        dp_s = m * (collective("reduce_scatter", grad_bytes) + gathers * collective("all_gather", param_bytes))
+        zero_units = max(ranks[heavy]["units"], 1)
+        dp_s = m * zero_units * (collective("reduce_scatter", grad_bytes / zero_units)
+                                 + gathers * collective("all_gather", param_bytes / zero_units))
     if chimera:  # the two replicas of each stage (ranks r and p-1-r) sum their gradients
         seconds, algorithms["chimera replicas"] = cluster.collective_time_s(
             "all_reduce", grad_bytes / (dp if layout.zero_stage >= 1 else 1), 2, layout.tp * dp * (p - 1))

@@ -55,6 +55,12 @@ class TransformerModel:
     def tied_embedding_params(self, tp: int) -> int:
         return self.spec.padded_vocab(tp) // tp * self.spec.hidden if self.spec.tied_head else 0
 
+    @property
+    def end_modules(self) -> int:
+        """Modules outside the layer groups at each end: the embedding before the first
+        block, the head after the last (ZeRO 3 gathers each as a unit of its own)."""
+        return 1
+
     def groups(self, micro_batch: int, tp: int, sequence_parallel: bool, precision: Precision,
                accounting: str) -> list[list[Unit]]:
         costs = self.spec.layer_costs(micro_batch, tp=tp, sequence_parallel=sequence_parallel,
@@ -117,6 +123,11 @@ class ModuleModel:
         return flops * scale
 
     def tied_embedding_params(self, tp: int) -> int:
+        return 0
+
+    @property
+    def end_modules(self) -> int:
+        """Every traced layer is a group of its own: nothing outside them."""
         return 0
 
     def groups(self, micro_batch: int, tp: int, sequence_parallel: bool, precision: Precision,

@@ -271,7 +271,7 @@ def search(model, cluster: Cluster, request: PlanRequest, *, suggest: bool = Tru
                             result = estimate(groups, layout, cluster, precision, model_flops=flops[rc][0],
                                               hardware_flops=flops[rc][1],
                                               tied_embedding_params=model.tied_embedding_params(tp),
-                                              summaries=summaries, split=split_cache[split_key][0],
+                                              end_modules=model.end_modules, summaries=summaries, split=split_cache[split_key][0],
                                               chunks=split_cache[split_key][1], algorithms=algorithms)
                             if result.memory_per_gpu_bytes > limit:
                                 reject(layout, "exceeds memory")
