@@ -20,7 +20,7 @@ from plait import __version__
 EXIT_BROKEN_PIPE = 141
 
 SUBCOMMANDS = ("train", "bench", "bench_dp", "bench_tp", "bench_pp", "bench_memory", "bench_zero", "schedule", "cost",
-               "tune", "calibrate", "simulate", "checkpoint", "plan")
+               "tune", "calibrate", "simulate", "checkpoint", "plan", "testbed")
 
 
 def build_parser() -> argparse.ArgumentParser:

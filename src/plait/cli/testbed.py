@@ -1,0 +1,74 @@
+"""`plait testbed`: a multi-host cluster on one machine, from network namespaces joined
+by veths through a bridge, with the links between hosts shaped (plait.testbed).
+
+    plait testbed up --preset 2x2-slow
+    plait testbed up --hosts 3 --ranks-per-host 2 --link 0-1:rate=100mbit --link 0-2:rate=1gbit
+    plait testbed status
+    plait testbed down
+
+Host i is the namespace plait-tb-h<i> with address 198.18.0.<i+1> (198.18.0.0/15 is
+reserved for benchmarking); the bridge lives in plait-tb-sw. Nothing is created
+outside those namespaces, and `down` deletes them all (their veths and qdiscs with
+them). A link's rate is an htb class at each end for the other's address. Delay is
+not offered: this kernel has no netem qdisc. Needs root. Presets: 2x2-slow (2 hosts x
+2 ranks, 100 Mbit between), partial-3+5 (3 ranks on one host, 5 on the other, 200
+Mbit between).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from plait.testbed import netns
+from plait.testbed.spec import PRESETS, spec_from
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser("testbed", prog="plait testbed", help="a multi-host cluster on this machine",
+                                   description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    actions = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
+    up = actions.add_parser("up", prog="plait testbed up", help="create the namespaces, links and shaping")
+    up.add_argument("--preset", default=None, help=f"one of {', '.join(PRESETS)}")
+    up.add_argument("--hosts", type=int, default=None, help="number of hosts (namespaces)")
+    up.add_argument("--ranks-per-host", type=int, default=None, help="ranks each host runs (default 1)")
+    up.add_argument("--link", action="append", default=[], metavar="A-B:rate=RATE",
+                    help="the rate between hosts A and B, e.g. 0-1:rate=100mbit (repeatable)")
+    up.set_defaults(run=run_up)
+    actions.add_parser("down", prog="plait testbed down", help="delete every testbed namespace").set_defaults(
+        run=run_down)
+    actions.add_parser("status", prog="plait testbed status", help="the testbed's hosts, addresses and rates") \
+        .set_defaults(run=run_status)
+    return parser
+
+
+def run_up(args) -> int:
+    spec = spec_from(args.preset, args.hosts, args.ranks_per_host, args.link)
+    testbed = netns.Testbed(spec)
+    try:
+        testbed.up()
+    except netns.TestbedError as error:
+        raise ValueError(str(error)) from None
+    for host in testbed.hosts:
+        print(f"host {host.index}: namespace {host.namespace}, {host.address}, {host.ranks} rank(s)")
+    for link in spec.links:
+        print(f"link {link.a}-{link.b}: {link.rate_bits_per_s / 1e6:g} Mbit/s each way")
+    return 0
+
+
+def run_down(args) -> int:
+    try:
+        netns.check_privileges()
+        removed = netns.down()
+    except netns.TestbedError as error:
+        raise ValueError(str(error)) from None
+    print(f"removed {', '.join(removed)}" if removed else "no testbed is up")
+    return 0
+
+
+def run_status(args) -> int:
+    try:
+        lines = netns.status()
+    except netns.TestbedError as error:
+        raise ValueError(str(error)) from None
+    print("\n".join(lines) if lines else "no testbed is up")
+    return 0

@@ -1,0 +1,147 @@
+"""A testbed built from Linux network namespaces (see ``plait.testbed.spec``).
+
+Namespaces, all named ``<prefix>-...``: ``<prefix>-sw`` holds the bridge (the switch),
+``<prefix>-h<i>`` is host i. Each host gets one veth pair, created directly inside the
+two namespaces (its ``eth0`` in the host, ``p<i>`` in the switch, a bridge port), and
+its address; nothing is ever created in the namespace plait runs in. A link spec
+between hosts a and b shapes both directions at each host's egress: an htb qdisc
+whose class for the peer's address has the link's rate (u32 filter on the
+destination), every other destination unshaped.
+
+Deleting a namespace deletes its veths (and so their peers) and their qdiscs, so
+``down`` removes everything by deleting every namespace with the prefix; ``up``
+removes what it made when any step fails (and refuses to start while a namespace
+with the prefix exists)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from dataclasses import dataclass
+
+from plait.testbed.spec import TestbedSpec, host_address
+
+PREFIX = "plait-tb"
+UNSHAPED = "10gbit"  # htb's default class: far above what a veth moves here
+
+
+class TestbedError(RuntimeError):
+    """A testbed command failed: the command and what it printed."""
+
+
+@dataclass(frozen=True)
+class Host:
+    index: int
+    namespace: str
+    address: str
+    ranks: int
+
+
+def _ip(*args: str) -> str:
+    return _run(["ip", *args])
+
+
+def _run(command: list[str]) -> str:
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=30)
+    except FileNotFoundError as error:
+        raise TestbedError(f"{command[0]} is not installed (iproute2 provides ip and tc): {error}") from None
+    if done.returncode:
+        raise TestbedError(f"`{' '.join(command)}` failed ({done.returncode}): {(done.stderr or done.stdout).strip()}")
+    return done.stdout
+
+
+def namespaces(prefix: str = PREFIX) -> list[str]:
+    """This machine's network namespaces that belong to a testbed with ``prefix``."""
+    names = [line.split()[0] for line in _ip("netns", "list").splitlines() if line.strip()]
+    return sorted(name for name in names if name == f"{prefix}-sw" or name.startswith(f"{prefix}-h"))
+
+
+def check_privileges() -> None:
+    """Creating namespaces needs root (CAP_SYS_ADMIN and CAP_NET_ADMIN)."""
+    if os.geteuid() != 0:
+        raise TestbedError("plait testbed creates network namespaces, veths and qdiscs, which needs root "
+                           "(CAP_SYS_ADMIN and CAP_NET_ADMIN): run it as root")
+
+
+class Testbed:
+    """``spec`` built under ``prefix`` (tests use a prefix of their own)."""
+
+    def __init__(self, spec: TestbedSpec, prefix: str = PREFIX):
+        problems = spec.problems()
+        if problems:
+            raise ValueError("; ".join(problems))
+        self.spec, self.prefix = spec, prefix
+        self.switch = f"{prefix}-sw"
+        self.hosts = [Host(i, f"{prefix}-h{i}", host_address(i), count) for i, count in enumerate(spec.ranks)]
+
+    def up(self) -> None:
+        """Create every namespace, veth, address and qdisc; on any failure remove
+        what was made and raise."""
+        check_privileges()
+        existing = namespaces(self.prefix)
+        if existing:
+            raise TestbedError(f"a testbed is already up ({', '.join(existing)}): run `plait testbed down` first")
+        try:
+            self._build()
+        except BaseException:
+            down(self.prefix)
+            raise
+
+    def _build(self) -> None:
+        _ip("netns", "add", self.switch)
+        _ip("-n", self.switch, "link", "add", "br0", "type", "bridge")
+        _ip("-n", self.switch, "link", "set", "br0", "up")
+        for host in self.hosts:
+            _ip("netns", "add", host.namespace)
+            _ip("link", "add", "eth0", "netns", host.namespace, "type", "veth",
+                "peer", "name", f"p{host.index}", "netns", self.switch)
+            _ip("-n", self.switch, "link", "set", f"p{host.index}", "master", "br0")
+            _ip("-n", self.switch, "link", "set", f"p{host.index}", "up")
+            _ip("-n", host.namespace, "link", "set", "lo", "up")
+            _ip("-n", host.namespace, "addr", "add", f"{host.address}/24", "dev", "eth0")
+            _ip("-n", host.namespace, "link", "set", "eth0", "up")
+        for host in self.hosts:
+            self._shape(host)
+
+    def _shape(self, host: Host) -> None:
+        peers = [(peer, self.spec.rate_between(host.index, peer.index)) for peer in self.hosts if peer is not host]
+        shaped = [(peer, rate) for peer, rate in peers if rate is not None]
+        if not shaped:
+            return
+        tc = ["ip", "netns", "exec", host.namespace, "tc"]
+        _run([*tc, "qdisc", "add", "dev", "eth0", "root", "handle", "1:", "htb", "default", "1"])
+        _run([*tc, "class", "add", "dev", "eth0", "parent", "1:", "classid", "1:1", "htb", "rate", UNSHAPED])
+        for peer, rate in shaped:
+            classid = f"1:{peer.index + 10}"
+            _run([*tc, "class", "add", "dev", "eth0", "parent", "1:", "classid", classid, "htb",
+                  "rate", f"{int(rate)}bit"])
+            _run([*tc, "filter", "add", "dev", "eth0", "parent", "1:", "protocol", "ip", "prio", "1", "u32",
+                  "match", "ip", "dst", f"{peer.address}/32", "flowid", classid])
+
+    def command_in(self, host: int, command: list[str]) -> list[str]:
+        """``command`` run inside host ``host``'s namespace."""
+        return ["ip", "netns", "exec", self.hosts[host].namespace, *command]
+
+
+def down(prefix: str = PREFIX) -> list[str]:
+    """Delete every namespace of the testbed ``prefix`` (their veths and qdiscs go with
+    them); returns their names."""
+    removed = []
+    for name in namespaces(prefix):
+        _ip("netns", "delete", name)
+        removed.append(name)
+    return removed
+
+
+def status(prefix: str = PREFIX) -> list[str]:
+    """One line per namespace of the testbed: its addresses and its qdiscs' classes."""
+    lines = []
+    for name in namespaces(prefix):
+        addresses = [line.split()[3] for line in _ip("-n", name, "-o", "-4", "addr", "show").splitlines()
+                     if " lo " not in line]
+        classes = _run(["ip", "netns", "exec", name, "tc", "class", "show", "dev", "eth0"]) \
+            if name != f"{prefix}-sw" else ""
+        rates = [" ".join(line.split()[2:3] + line.split()[6:8]) for line in classes.splitlines() if "rate" in line]
+        lines.append(f"{name}: {', '.join(addresses) or 'bridge br0'}" + (f"; htb {'; '.join(rates)}" if rates else ""))
+    return lines

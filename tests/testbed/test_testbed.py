@@ -1,0 +1,112 @@
+"""plait testbed: link specs and presets are checked before anything is built; a real
+testbed of network namespaces carries, measured by one TCP stream timed at the
+receiver, the rates its links were given (and much more where none was), refuses to
+start twice, and leaves nothing behind: not after `down`, not after a failure in the
+middle of `up`. The namespace tests need root (they skip, saying so, without it) and
+use a prefix of their own, so a testbed someone has up is never touched."""
+
+import os
+import re
+import subprocess
+
+import pytest
+
+from plait.cli.main import main
+from plait.testbed import netns
+from plait.testbed.measure import tcp_rate_bits_per_s
+from plait.testbed.spec import PRESETS, LinkSpec, TestbedSpec, parse_rate, spec_from
+
+PREFIX = f"plt-test{os.getpid()}"
+
+
+def _can_make_namespaces() -> str | None:
+    if os.geteuid() != 0:
+        return "needs root to create network namespaces"
+    probe = f"{PREFIX}-probe"
+    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
+    if made.returncode:
+        return f"cannot create network namespaces here: {made.stderr.strip()}"
+    subprocess.run(["ip", "netns", "delete", probe], capture_output=True)
+    return None
+
+
+def _root_links() -> set[str]:
+    """The interfaces of the namespace the tests run in (the testbed must add none)."""
+    out = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
+    return {line.split(":")[1].strip() for line in out.splitlines()}
+
+
+needs_namespaces = pytest.mark.skipif(_can_make_namespaces() is not None, reason=str(_can_make_namespaces()))
+
+
+def test_rates_and_links_parse_as_tc_reads_them():
+    assert parse_rate("100mbit") == 100e6 and parse_rate("1.5gbit") == 1.5e9 and parse_rate("64kbit") == 64e3
+    assert LinkSpec.parse("0-2:rate=20mbit") == LinkSpec(0, 2, 20e6)
+
+
+@pytest.mark.parametrize("flags,message", [
+    (dict(links=["0-1:rate=10mbps"]), "rate '10mbps' is not a rate tc takes"),
+    (dict(links=["0-1:rate=10mbit,delay=1ms"]), "delay needs the kernel's netem qdisc"),
+    (dict(links=["0-5:rate=10mbit"]), "link 0-5: hosts are numbered 0 to 1"),
+    (dict(links=["0-1:rate=1mbit", "1-0:rate=2mbit"]), "link 1-0 is given twice"),
+    (dict(links=["0:1"]), "write A-B:rate=RATE"),
+    (dict(hosts=1), "1 hosts: a testbed has 2 to 200"),
+    (dict(preset="2x2-slow", hosts=2), "--preset names the whole testbed"),
+    (dict(preset="nope", hosts=None), "--preset 'nope' is unknown; presets: 2x2-slow, partial-3+5"),
+])
+def test_bad_specs_are_named_before_anything_is_built(flags, message):
+    arguments = {"preset": None, "hosts": 2, "ranks_per_host": None, "links": [], **flags}
+    with pytest.raises(ValueError, match=re.escape(message)):
+        spec_from(arguments["preset"], arguments["hosts"], arguments["ranks_per_host"], arguments["links"])
+
+
+def test_the_presets_are_what_their_names_say():
+    assert PRESETS["2x2-slow"].ranks == (2, 2) and PRESETS["2x2-slow"].rate_between(0, 1) == 100e6
+    assert PRESETS["partial-3+5"].ranks == (3, 5)
+
+
+@pytest.mark.slow
+@needs_namespaces
+def test_links_carry_their_rates_and_down_leaves_nothing():
+    """Payload rate of one TCP stream, timed at the receiver: a shaped link carries
+    85-100% of its rate (TCP/IP headers take ~4% of what htb counts), an unshaped
+    pair far more (a veth moves gigabits here)."""
+    before = _root_links()
+    testbed = netns.Testbed(TestbedSpec(ranks=(1, 2, 1), links=(LinkSpec(0, 1, 100e6), LinkSpec(0, 2, 20e6))),
+                            prefix=PREFIX)
+    testbed.up()
+    try:
+        assert netns.namespaces(PREFIX) == [f"{PREFIX}-h0", f"{PREFIX}-h1", f"{PREFIX}-h2", f"{PREFIX}-sw"]
+        with pytest.raises(netns.TestbedError, match="a testbed is already up"):
+            testbed.up()
+        lines = netns.status(PREFIX)
+        assert any("198.18.0.1/24" in line and "rate 100Mbit" in line and "rate 20Mbit" in line for line in lines)
+        fast = tcp_rate_bits_per_s(testbed, 1, 0, 8 << 20)
+        slow = tcp_rate_bits_per_s(testbed, 0, 2, 2 << 20)
+        free = tcp_rate_bits_per_s(testbed, 1, 2, 32 << 20)
+        assert 0.85 * 100e6 <= fast <= 100e6
+        assert 0.85 * 20e6 <= slow <= 20e6
+        assert free > 5 * 100e6
+        assert _root_links() == before  # nothing was made outside the testbed's namespaces
+    finally:
+        removed = netns.down(PREFIX)
+    assert len(removed) == 4 and netns.namespaces(PREFIX) == [] and _root_links() == before
+
+
+@pytest.mark.slow
+@needs_namespaces
+def test_a_failure_inside_up_removes_what_it_made(monkeypatch):
+    def broken(self, host):
+        raise netns.TestbedError("shaping failed on purpose")
+
+    monkeypatch.setattr(netns.Testbed, "_shape", broken)
+    with pytest.raises(netns.TestbedError, match="on purpose"):
+        netns.Testbed(PRESETS["2x2-slow"], prefix=PREFIX).up()
+    assert netns.namespaces(PREFIX) == []
+
+
+def test_the_cli_names_bad_flags(capsys):
+    assert main(["testbed", "up", "--hosts", "2", "--link", "0-1:rate=fast"]) == 2
+    assert "rate 'fast' is not a rate tc takes" in capsys.readouterr().err
+    assert main(["testbed", "up"]) == 2
+    assert "give --preset NAME, or --hosts H" in capsys.readouterr().err
