@@ -5,15 +5,18 @@ start twice, and leaves nothing behind: not after `down`, not after a failure in
 middle of `up`. The namespace tests need root (they skip, saying so, without it) and
 use a prefix of their own, so a testbed someone has up is never touched."""
 
+import json
 import os
 import re
 import subprocess
+import time
 
 import pytest
 
 from plait.cli.main import main
 from plait.testbed import netns
 from plait.testbed.measure import tcp_rate_bits_per_s
+from plait.testbed.run import run_on_testbed
 from plait.testbed.spec import PRESETS, LinkSpec, TestbedSpec, parse_rate, spec_from
 
 PREFIX = f"plt-test{os.getpid()}"
@@ -110,3 +113,33 @@ def test_the_cli_names_bad_flags(capsys):
     assert "rate 'fast' is not a rate tc takes" in capsys.readouterr().err
     assert main(["testbed", "up"]) == 2
     assert "give --preset NAME, or --hosts H" in capsys.readouterr().err
+
+
+JOB = os.path.join(os.path.dirname(__file__), "allreduce_job.py")
+
+
+@pytest.mark.slow
+@needs_namespaces
+def test_a_job_runs_across_hosts_over_the_shaped_link(tmp_path):
+    """`run`: one torchrun agent per host, 2 x 2 ranks. The world is 4, the all-reduce
+    right, each rank reaches the rendezvous host from its own host's address, and 5
+    MiB between hosts take the 100 Mbit link's time (>= 0.85 x 5 MiB / 100 Mbit =
+    0.37 s; measured 0.44 s) while on one host they take a small fraction of it."""
+    testbed = netns.Testbed(PRESETS["2x2-slow"], prefix=PREFIX)
+    testbed.up()
+    try:
+        assert run_on_testbed(testbed, [JOB, str(tmp_path / "job.json")], timeout_s=120) == 0
+        sleeper = tmp_path / "sleep.py"
+        sleeper.write_text("import time\ntime.sleep(60)\n")
+        started = time.monotonic()
+        assert run_on_testbed(testbed, [str(sleeper)], timeout_s=3) == 124  # stopped, every agent with its ranks
+        assert time.monotonic() - started < 30
+    finally:
+        netns.down(PREFIX)
+    result = json.loads((tmp_path / "job.json").read_text())
+    assert result["world"] == 4 and result["sum"] == 10.0
+    assert [(entry["host"], entry["address"]) for entry in result["ranks"]] == \
+        [(0, "198.18.0.1"), (0, "198.18.0.1"), (1, "198.18.0.2"), (1, "198.18.0.2")]
+    seconds = result["send_5MiB_s"]
+    assert seconds["other_host"] >= 0.85 * 5 * 2**20 * 8 / 100e6
+    assert seconds["same_host"] < seconds["other_host"] / 5

@@ -4,12 +4,16 @@ by veths through a bridge, with the links between hosts shaped (plait.testbed).
     plait testbed up --preset 2x2-slow
     plait testbed up --hosts 3 --ranks-per-host 2 --link 0-1:rate=100mbit --link 0-2:rate=1gbit
     plait testbed status
+    plait testbed run [--timeout SECONDS] -- job.py [ARGS...]
     plait testbed down
 
 Host i is the namespace plait-tb-h<i> with address 198.18.0.<i+1> (198.18.0.0/15 is
 reserved for benchmarking); the bridge lives in plait-tb-sw. Nothing is created
 outside those namespaces, and `down` deletes them all (their veths and qdiscs with
-them). A link's rate is an htb class at each end for the other's address. Delay is
+them). `run` starts one torchrun agent per host inside its namespace (c10d rendezvous
+on host 0's address, gloo on each host's eth0), so the job is multi-node: the shaped
+links between hosts, loopback inside one. A link's rate is an htb class at each end
+for the other's address. Delay is
 not offered: this kernel has no netem qdisc. Needs root. Presets: 2x2-slow (2 hosts x
 2 ranks, 100 Mbit between), partial-3+5 (3 ranks on one host, 5 on the other, 200
 Mbit between).
@@ -20,6 +24,7 @@ from __future__ import annotations
 import argparse
 
 from plait.testbed import netns
+from plait.testbed.run import run_on_testbed
 from plait.testbed.spec import PRESETS, spec_from
 
 
@@ -38,7 +43,22 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         run=run_down)
     actions.add_parser("status", prog="plait testbed status", help="the testbed's hosts, addresses and rates") \
         .set_defaults(run=run_status)
+    job = actions.add_parser("run", prog="plait testbed run", help="run a torchrun job across the testbed's hosts")
+    job.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
+                     help="stop every agent after this long (exit 124)")
+    job.add_argument("command", nargs=argparse.REMAINDER, help="-- then the script and its arguments, as for torchrun")
+    job.set_defaults(run=run_job)
     return parser
+
+
+def run_job(args) -> int:
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    try:
+        netns.check_privileges()
+        testbed = netns.Testbed.current()
+    except netns.TestbedError as error:
+        raise ValueError(str(error)) from None
+    return run_on_testbed(testbed, command, timeout_s=args.timeout)
 
 
 def run_up(args) -> int:

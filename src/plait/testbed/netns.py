@@ -15,13 +15,16 @@ with the prefix exists)."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 from dataclasses import dataclass
+from pathlib import Path
 
-from plait.testbed.spec import TestbedSpec, host_address
+from plait.testbed.spec import LinkSpec, TestbedSpec, host_address
 
 PREFIX = "plait-tb"
+STATE_DIR = Path("/run/plait-testbed")  # what `up` built, for `run` and `status`; removed by `down`
 UNSHAPED = "10gbit"  # htb's default class: far above what a veth moves here
 
 
@@ -84,9 +87,23 @@ class Testbed:
             raise TestbedError(f"a testbed is already up ({', '.join(existing)}): run `plait testbed down` first")
         try:
             self._build()
+            STATE_DIR.mkdir(parents=True, exist_ok=True)
+            state_file(self.prefix).write_text(json.dumps(
+                {"ranks": list(self.spec.ranks),
+                 "links": [[link.a, link.b, link.rate_bits_per_s] for link in self.spec.links]}))
         except BaseException:
             down(self.prefix)
             raise
+
+    @staticmethod
+    def current(prefix: str = PREFIX) -> Testbed:
+        """The testbed ``up`` built under ``prefix`` (read back from its state file)."""
+        path = state_file(prefix)
+        if not namespaces(prefix) or not path.exists():
+            raise TestbedError("no testbed is up: run `plait testbed up` first")
+        state = json.loads(path.read_text())
+        return Testbed(TestbedSpec(ranks=tuple(state["ranks"]),
+                                   links=tuple(LinkSpec(a, b, rate) for a, b, rate in state["links"])), prefix)
 
     def _build(self) -> None:
         _ip("netns", "add", self.switch)
@@ -124,13 +141,18 @@ class Testbed:
         return ["ip", "netns", "exec", self.hosts[host].namespace, *command]
 
 
+def state_file(prefix: str) -> Path:
+    return STATE_DIR / f"{prefix}.json"
+
+
 def down(prefix: str = PREFIX) -> list[str]:
     """Delete every namespace of the testbed ``prefix`` (their veths and qdiscs go with
-    them); returns their names."""
+    them) and its state file; returns the namespaces' names."""
     removed = []
     for name in namespaces(prefix):
         _ip("netns", "delete", name)
         removed.append(name)
+    state_file(prefix).unlink(missing_ok=True)
     return removed
 
 

@@ -45,7 +45,7 @@ class LinkSpec:
         options = dict(part.split("=", 1) for part in match.group(3).split(",") if "=" in part)
         unknown = sorted(set(options) - {"rate"})
         if unknown or "rate" not in options:
-            extra = (f"; delay needs the kernel's netem qdisc, which this kernel lacks" if "delay" in unknown else "")
+            extra = ("; delay needs the kernel's netem qdisc, which this kernel lacks" if "delay" in unknown else "")
             raise ValueError(f"--link {text!r}: give rate=RATE only (unknown: {', '.join(unknown) or 'none'}; "
                              f"rate {'missing' if 'rate' not in options else 'given'}){extra}")
         return LinkSpec(int(match.group(1)), int(match.group(2)), parse_rate(options["rate"]))

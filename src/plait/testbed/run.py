@@ -1,0 +1,71 @@
+"""`plait testbed run -- CMD...`: one torchrun agent per testbed host, inside the
+host's namespace, so a job really is multi-node. The agents meet at a c10d
+rendezvous on host 0's address (host 0's agent told it hosts the store: its address
+is not its hostname's, so torchrun could not tell, and every agent given its
+address as its own, which torchrun hands the ranks as MASTER_ADDR); each starts that host's ranks (its share of the
+world, which may differ between hosts: partial-3+5). Gloo is told to use the host's
+``eth0`` (``GLOO_SOCKET_IFNAME``), so ranks on different hosts talk over the shaped
+links and ranks on one host through the kernel's local delivery (loopback speed).
+Every rank sees ``PLAIT_TESTBED_HOST`` (its host's index). When the command ends, is
+interrupted or fails on one host, every agent (and its ranks) is stopped."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from plait.testbed.netns import Testbed
+
+RENDEZVOUS_PORT = 29400
+
+
+def agent_commands(testbed: Testbed, command: list[str], port: int = RENDEZVOUS_PORT) -> list[list[str]]:
+    """Each host's torchrun agent, run inside its namespace."""
+    endpoint = f"{testbed.hosts[0].address}:{port}"
+    return [testbed.command_in(host.index, [
+        sys.executable, "-m", "torch.distributed.run", "--nnodes", str(len(testbed.hosts)),
+        "--nproc-per-node", str(host.ranks), "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
+        "--rdzv-id", f"{testbed.prefix}-run", "--rdzv-conf", f"is_host={int(host.index == 0)}",
+        "--local-addr", host.address,
+        "--max-restarts", "0", *command]) for host in testbed.hosts]
+
+
+def run_on_testbed(testbed: Testbed, command: list[str], *, timeout_s: float | None = None,
+                   port: int = RENDEZVOUS_PORT) -> int:
+    """Run ``command`` (a program and its arguments: python scripts as torchrun takes
+    them) on every rank of ``testbed``; the first failing agent's exit status, else 0.
+    Past ``timeout_s`` every agent is stopped and 124 returned."""
+    if not command:
+        raise ValueError("give the command to run after --, e.g. plait testbed run -- train.py")
+    agents = []
+    try:
+        for host, argv in zip(testbed.hosts, agent_commands(testbed, command, port)):
+            environment = {**os.environ, "GLOO_SOCKET_IFNAME": "eth0", "PLAIT_TESTBED_HOST": str(host.index)}
+            agents.append(subprocess.Popen(argv, env=environment, start_new_session=True))
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            codes = [agent.poll() for agent in agents]
+            failed = [code for code in codes if code not in (None, 0)]
+            if failed:
+                return failed[0]
+            if all(code == 0 for code in codes):
+                return 0
+            if deadline is not None and time.monotonic() > deadline:
+                return 124
+            time.sleep(0.1)
+    finally:
+        for agent in agents:  # each agent leads its own session: it and its ranks go together
+            if agent.poll() is None:
+                try:
+                    os.killpg(agent.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+        for agent in agents:
+            try:
+                agent.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                os.killpg(agent.pid, signal.SIGKILL)
+                agent.wait()
