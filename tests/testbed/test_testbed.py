@@ -14,8 +14,10 @@ import time
 import pytest
 
 from plait.cli.main import main
+from plait.cost.topology_io import load_topology, save_topology
 from plait.testbed import netns
 from plait.testbed.measure import tcp_rate_bits_per_s
+from plait.testbed.probe import probe, profiled_topology
 from plait.testbed.run import run_on_testbed
 from plait.testbed.spec import PRESETS, LinkSpec, TestbedSpec, parse_rate, spec_from
 
@@ -94,6 +96,7 @@ def test_links_carry_their_rates_and_down_leaves_nothing():
     finally:
         removed = netns.down(PREFIX)
     assert len(removed) == 4 and netns.namespaces(PREFIX) == [] and _root_links() == before
+    assert not netns.state_file(PREFIX).exists()
 
 
 @pytest.mark.slow
@@ -143,3 +146,28 @@ def test_a_job_runs_across_hosts_over_the_shaped_link(tmp_path):
     seconds = result["send_5MiB_s"]
     assert seconds["other_host"] >= 0.85 * 5 * 2**20 * 8 / 100e6
     assert seconds["same_host"] < seconds["other_host"] / 5
+
+
+@pytest.mark.slow
+@needs_namespaces
+def test_the_probe_recovers_the_given_rates_and_writes_a_topology(tmp_path):
+    """Every host pair measured by TCP: the shaped pairs within 10% of their rates
+    (payload, so a few percent under), the unshaped one far above; the topology file
+    loads back with a device per rank and a link per host pair."""
+    testbed = netns.Testbed(TestbedSpec(ranks=(1, 2, 1), links=(LinkSpec(0, 1, 100e6), LinkSpec(0, 2, 20e6))),
+                            prefix=PREFIX)
+    testbed.up()
+    try:
+        measured = {(entry.a, entry.b): entry for entry in probe(testbed)}
+        path = save_topology(profiled_topology(testbed, list(measured.values())), tmp_path / "testbed.json")
+    finally:
+        netns.down(PREFIX)
+    assert 0.9 <= measured[0, 1].bytes_per_s * 8 / 100e6 <= 1.0
+    assert 0.9 <= measured[0, 2].bytes_per_s * 8 / 20e6 <= 1.0
+    assert measured[1, 2].bytes_per_s * 8 > 5 * 100e6
+    assert all(0 < entry.latency_s < 0.01 for entry in measured.values())
+    topology = load_topology(path)
+    assert [node.name for node in topology.nodes if node.kind == "device"] == ["h0.r0", "h1.r0", "h1.r1", "h2.r0"]
+    between = {frozenset(link.endpoints): link.bandwidth_bytes_per_s for link in topology.links
+               if all(".r" not in end for end in link.endpoints)}
+    assert between[frozenset(("h0", "h1"))] == measured[0, 1].bytes_per_s

@@ -5,6 +5,7 @@ by veths through a bridge, with the links between hosts shaped (plait.testbed).
     plait testbed up --hosts 3 --ranks-per-host 2 --link 0-1:rate=100mbit --link 0-2:rate=1gbit
     plait testbed status
     plait testbed run [--timeout SECONDS] -- job.py [ARGS...]
+    plait testbed probe --out topology.json
     plait testbed down
 
 Host i is the namespace plait-tb-h<i> with address 198.18.0.<i+1> (198.18.0.0/15 is
@@ -13,7 +14,8 @@ outside those namespaces, and `down` deletes them all (their veths and qdiscs wi
 them). `run` starts one torchrun agent per host inside its namespace (c10d rendezvous
 on host 0's address, gloo on each host's eth0), so the job is multi-node: the shaped
 links between hosts, loopback inside one. A link's rate is an htb class at each end
-for the other's address. Delay is
+for the other's address. `probe` measures every host pair's TCP rate and latency (and
+each host's own) and writes them as a plait topology file. Delay is
 not offered: this kernel has no netem qdisc. Needs root. Presets: 2x2-slow (2 hosts x
 2 ranks, 100 Mbit between), partial-3+5 (3 ranks on one host, 5 on the other, 200
 Mbit between).
@@ -23,7 +25,10 @@ from __future__ import annotations
 
 import argparse
 
+from plait.cli.output_paths import output_file, prepare_output_paths
+from plait.cost.topology_io import save_topology
 from plait.testbed import netns
+from plait.testbed.probe import probe, profiled_topology
 from plait.testbed.run import run_on_testbed
 from plait.testbed.spec import PRESETS, spec_from
 
@@ -48,7 +53,30 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                      help="stop every agent after this long (exit 124)")
     job.add_argument("command", nargs=argparse.REMAINDER, help="-- then the script and its arguments, as for torchrun")
     job.set_defaults(run=run_job)
+    measure = actions.add_parser("probe", prog="plait testbed probe",
+                                 help="measure every host pair and write a plait topology file")
+    measure.add_argument("--out", required=True, metavar="PATH", help="topology file to write (.json or .toml)")
+    measure.set_defaults(run=run_probe)
     return parser
+
+
+def run_probe(args) -> int:
+    try:
+        netns.check_privileges()
+        testbed = netns.Testbed.current()
+    except netns.TestbedError as error:
+        raise ValueError(str(error)) from None
+    prepare_output_paths(output_file("--out", args.out))
+    measured = probe(testbed)
+    print(f"{'hosts':<8}{'given Mbit/s':>14}{'measured Mbit/s':>17}{'ratio':>7}{'latency us':>12}")
+    for entry in measured:
+        given = None if entry.a == entry.b else testbed.spec.rate_between(entry.a, entry.b)
+        rate = entry.bytes_per_s * 8
+        print(f"{f'{entry.a}-{entry.b}':<8}{'-' if given is None else f'{given / 1e6:g}':>14}{rate / 1e6:>17.1f}"
+              f"{'' if given is None else f'{rate / given:.3f}':>7}{entry.latency_s * 1e6:>12.1f}")
+    path = save_topology(profiled_topology(testbed, measured), args.out)
+    print(f"topology: {path}")
+    return 0
 
 
 def run_job(args) -> int:

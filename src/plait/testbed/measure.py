@@ -66,3 +66,53 @@ def tcp_rate_bits_per_s(testbed: Testbed, sender: int, receiver: int, nbytes: in
     if listening.returncode or len(fields) != 2 or int(fields[0]) != nbytes:
         raise TestbedError(f"the receiver on host {receiver} got {output.strip() or 'nothing'}: {errors.strip()}")
     return 8 * nbytes / float(fields[1])
+
+
+_ECHO = """
+import socket, sys
+address, port, rounds = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+server = socket.create_server((address, port))
+server.settimeout(20)
+print("listening", flush=True)
+connection, _ = server.accept()
+connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+for _ in range(rounds):
+    connection.sendall(connection.recv(1))
+"""
+
+_PING = """
+import socket, statistics, sys, time
+address, port, rounds = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+connection = socket.create_connection((address, port), timeout=20)
+connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+times = []
+for _ in range(rounds):
+    start = time.perf_counter()
+    connection.sendall(b"x")
+    connection.recv(1)
+    times.append(time.perf_counter() - start)
+print(statistics.median(times[rounds // 5:]))
+"""
+
+
+def tcp_latency_s(testbed: Testbed, sender: int, receiver: int, rounds: int = 60, port: int = 29518) -> float:
+    """Half the median round trip of a one-byte TCP ping-pong between two hosts (the
+    first fifth of the rounds left out as warm-up)."""
+    address = testbed.hosts[receiver].address
+    echo = subprocess.Popen(testbed.command_in(receiver, [sys.executable, "-c", _ECHO, address, str(port),
+                                                          str(rounds)]),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        if echo.stdout.readline().strip() != "listening":
+            raise TestbedError(f"the echo on host {receiver} did not start: {echo.stderr.read().strip()}")
+        ping = subprocess.run(testbed.command_in(sender, [sys.executable, "-c", _PING, address, str(port),
+                                                          str(rounds)]),
+                              capture_output=True, text=True, timeout=60)
+        if ping.returncode:
+            raise TestbedError(f"the ping on host {sender} failed: {ping.stderr.strip()}")
+        echo.wait(timeout=20)
+    finally:
+        if echo.poll() is None:
+            echo.kill()
+            echo.wait()
+    return float(ping.stdout) / 2

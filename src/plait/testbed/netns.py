@@ -153,6 +153,10 @@ def down(prefix: str = PREFIX) -> list[str]:
         _ip("netns", "delete", name)
         removed.append(name)
     state_file(prefix).unlink(missing_ok=True)
+    try:
+        STATE_DIR.rmdir()  # the last testbed gone: its directory too
+    except OSError:
+        pass
     return removed
 
 
