@@ -42,29 +42,38 @@ connection.recv(1)
 """
 
 
-def tcp_rate_bits_per_s(testbed: Testbed, sender: int, receiver: int, nbytes: int, port: int = 29517) -> float:
-    """Send ``nbytes`` from host ``sender`` to host ``receiver`` over one TCP stream;
-    the payload rate the receiver saw, in bits per second."""
-    address = testbed.hosts[receiver].address
-    listening = subprocess.Popen(testbed.command_in(receiver, [sys.executable, "-c", _RECEIVE, address, str(port),
-                                                               str(nbytes)]),
+def _serve_and_run(testbed: Testbed, server: int, server_script: str, client: int, client_script: str,
+                   arguments: list[str]) -> tuple[str, str]:
+    """Start ``server_script`` on host ``server`` (it prints "listening" once ready),
+    run ``client_script`` on host ``client`` with the same ``arguments``, and return
+    (client's output, server's output); the server is killed if it outlives this."""
+    listening = subprocess.Popen(testbed.command_in(server, [sys.executable, "-c", server_script, *arguments]),
                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         if listening.stdout.readline().strip() != "listening":
-            raise TestbedError(f"the receiver on host {receiver} did not start: {listening.stderr.read().strip()}")
-        sent = subprocess.run(testbed.command_in(sender, [sys.executable, "-c", _SEND, address, str(port),
-                                                          str(nbytes)]),
+            raise TestbedError(f"the listener on host {server} did not start: {listening.stderr.read().strip()}")
+        done = subprocess.run(testbed.command_in(client, [sys.executable, "-c", client_script, *arguments]),
                               capture_output=True, text=True, timeout=60)
-        if sent.returncode:
-            raise TestbedError(f"the sender on host {sender} failed: {sent.stderr.strip()}")
+        if done.returncode:
+            raise TestbedError(f"the client on host {client} failed: {done.stderr.strip()}")
         output, errors = listening.communicate(timeout=60)
     finally:
         if listening.poll() is None:
             listening.kill()
             listening.wait()
+    if listening.returncode:
+        raise TestbedError(f"the listener on host {server} failed: {errors.strip()}")
+    return done.stdout, output
+
+
+def tcp_rate_bits_per_s(testbed: Testbed, sender: int, receiver: int, nbytes: int, port: int = 29517) -> float:
+    """Send ``nbytes`` from host ``sender`` to host ``receiver`` over one TCP stream;
+    the payload rate the receiver saw, in bits per second."""
+    _, output = _serve_and_run(testbed, receiver, _RECEIVE, sender, _SEND,
+                               [testbed.hosts[receiver].address, str(port), str(nbytes)])
     fields = output.split()
-    if listening.returncode or len(fields) != 2 or int(fields[0]) != nbytes:
-        raise TestbedError(f"the receiver on host {receiver} got {output.strip() or 'nothing'}: {errors.strip()}")
+    if len(fields) != 2 or int(fields[0]) != nbytes:
+        raise TestbedError(f"the receiver on host {receiver} got {output.strip() or 'nothing'} of {nbytes} bytes")
     return 8 * nbytes / float(fields[1])
 
 
@@ -98,21 +107,6 @@ print(statistics.median(times[rounds // 5:]))
 def tcp_latency_s(testbed: Testbed, sender: int, receiver: int, rounds: int = 60, port: int = 29518) -> float:
     """Half the median round trip of a one-byte TCP ping-pong between two hosts (the
     first fifth of the rounds left out as warm-up)."""
-    address = testbed.hosts[receiver].address
-    echo = subprocess.Popen(testbed.command_in(receiver, [sys.executable, "-c", _ECHO, address, str(port),
-                                                          str(rounds)]),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        if echo.stdout.readline().strip() != "listening":
-            raise TestbedError(f"the echo on host {receiver} did not start: {echo.stderr.read().strip()}")
-        ping = subprocess.run(testbed.command_in(sender, [sys.executable, "-c", _PING, address, str(port),
-                                                          str(rounds)]),
-                              capture_output=True, text=True, timeout=60)
-        if ping.returncode:
-            raise TestbedError(f"the ping on host {sender} failed: {ping.stderr.strip()}")
-        echo.wait(timeout=20)
-    finally:
-        if echo.poll() is None:
-            echo.kill()
-            echo.wait()
-    return float(ping.stdout) / 2
+    output, _ = _serve_and_run(testbed, receiver, _ECHO, sender, _PING,
+                               [testbed.hosts[receiver].address, str(port), str(rounds)])
+    return float(output) / 2
