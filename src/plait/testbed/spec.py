@@ -55,6 +55,8 @@ class LinkSpec:
 class TestbedSpec:
     """Hosts with ``ranks[i]`` ranks each, and the shaped links between them."""
 
+    __test__ = False  # not a pytest test class, whatever its name
+
     ranks: tuple[int, ...]
     links: tuple[LinkSpec, ...] = ()
 
