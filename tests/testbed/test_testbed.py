@@ -41,7 +41,8 @@ def _root_links() -> set[str]:
     return {line.split(":")[1].strip() for line in out.splitlines()}
 
 
-needs_namespaces = pytest.mark.skipif(_can_make_namespaces() is not None, reason=str(_can_make_namespaces()))
+_NO_NAMESPACES = _can_make_namespaces()  # why namespace tests cannot run here (not root, no netns), or None
+needs_namespaces = pytest.mark.skipif(_NO_NAMESPACES is not None, reason=_NO_NAMESPACES or "")
 
 
 def test_rates_and_links_parse_as_tc_reads_them():
