@@ -1,6 +1,8 @@
 """One TCP stream between two testbed hosts, timed at the receiver: the rate a link
-really carries (payload bits per second, from the first byte received to the last),
-independent of what the qdiscs were told."""
+really carries (payload bits per second over the bytes that arrive after the first
+read, from that read to the last), independent of what the qdiscs were told. The first
+read's bytes are left out: they may have queued before the clock started, which would
+put the rate above the link's."""
 
 from __future__ import annotations
 
@@ -17,16 +19,18 @@ server.settimeout(20)
 print("listening", flush=True)
 connection, _ = server.accept()
 connection.settimeout(20)
-got, first = 0, None
+got, first, timed = 0, None, 0
 while got < nbytes:
     chunk = connection.recv(1 << 20)
     if not chunk:
         break
     if first is None:
         first = time.perf_counter()
+    else:
+        timed += len(chunk)
     got += len(chunk)
 last = time.perf_counter()
-print(got, last - first, flush=True)
+print(got, timed, last - first, flush=True)
 """
 
 _SEND = """
@@ -72,9 +76,12 @@ def tcp_rate_bits_per_s(testbed: Testbed, sender: int, receiver: int, nbytes: in
     _, output = _serve_and_run(testbed, receiver, _RECEIVE, sender, _SEND,
                                [testbed.hosts[receiver].address, str(port), str(nbytes)])
     fields = output.split()
-    if len(fields) != 2 or int(fields[0]) != nbytes:
+    if len(fields) != 3 or int(fields[0]) != nbytes:
         raise TestbedError(f"the receiver on host {receiver} got {output.strip() or 'nothing'} of {nbytes} bytes")
-    return 8 * nbytes / float(fields[1])
+    timed_bytes, seconds = int(fields[1]), float(fields[2])
+    if timed_bytes == 0 or seconds <= 0:
+        raise TestbedError(f"the {nbytes} bytes reached host {receiver} in one read: send more to time the link")
+    return 8 * timed_bytes / seconds
 
 
 _ECHO = """
