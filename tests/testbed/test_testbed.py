@@ -56,9 +56,10 @@ def test_rates_and_links_parse_as_tc_reads_them():
     (dict(links=["0-5:rate=10mbit"]), "link 0-5: hosts are numbered 0 to 1"),
     (dict(links=["0-1:rate=1mbit", "1-0:rate=2mbit"]), "link 1-0 is given twice"),
     (dict(links=["0:1"]), "write A-B:rate=RATE"),
-    (dict(hosts=1), "1 hosts: a testbed has 2 to 200"),
+    (dict(hosts=1), "1 hosts: a testbed has 2 to 9"),
     (dict(preset="2x2-slow", hosts=2), "--preset names the whole testbed"),
-    (dict(preset="nope", hosts=None), "--preset 'nope' is unknown; presets: 2x2-slow, partial-3+5"),
+    (dict(preset="nope", hosts=None), "--preset 'nope' is unknown; presets: 2x2-slow, partial-3+5, ring-one-slow"),
+    (dict(hosts=10), "10 hosts: a testbed has 2 to 9"),
 ])
 def test_bad_specs_are_named_before_anything_is_built(flags, message):
     arguments = {"preset": None, "hosts": 2, "ranks_per_host": None, "links": [], **flags}
@@ -69,6 +70,9 @@ def test_bad_specs_are_named_before_anything_is_built(flags, message):
 def test_the_presets_are_what_their_names_say():
     assert PRESETS["2x2-slow"].ranks == (2, 2) and PRESETS["2x2-slow"].rate_between(0, 1) == 100e6
     assert PRESETS["partial-3+5"].ranks == (3, 5)
+    ring = PRESETS["ring-one-slow"]
+    assert ring.ranks == (2, 2, 2)
+    assert [ring.rate_between(0, 1), ring.rate_between(1, 2), ring.rate_between(2, 0)] == [200e6, 200e6, 50e6]
 
 
 @pytest.mark.slow

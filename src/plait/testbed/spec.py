@@ -14,7 +14,10 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-MAX_HOSTS = 200  # addresses 198.18.0.1 .. 198.18.0.200
+# torchrun's c10d rendezvous numbers the agents in the order of their addresses as
+# strings; up to 9 hosts (198.18.0.1 .. 198.18.0.9) that is host order, so host h runs
+# a consecutive block of ranks, which the probed topology's devices follow.
+MAX_HOSTS = 9
 _RATE = re.compile(r"^(\d+(?:\.\d+)?)(bit|kbit|mbit|gbit)$")
 _UNITS = {"bit": 1.0, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
 
@@ -97,6 +100,11 @@ PRESETS = {
     "2x2-slow": TestbedSpec(ranks=(2, 2), links=(LinkSpec(0, 1, 100e6),)),
     # Blink's partial allocation: 3 ranks on one server, 5 on another, a slow link between
     "partial-3+5": TestbedSpec(ranks=(3, 5), links=(LinkSpec(0, 1, 200e6),)),
+    # a ring of 3 hosts x 2 ranks, one of its links 4x slower: h0-h1 and h1-h2 at 200
+    # Mbit, h2-h0 at 50 Mbit. Three hosts are each other's neighbours, so every pair has
+    # its own link and no host forwards (a bridge with per-destination shaping is exact).
+    "ring-one-slow": TestbedSpec(ranks=(2, 2, 2), links=(LinkSpec(0, 1, 200e6), LinkSpec(1, 2, 200e6),
+                                                         LinkSpec(0, 2, 50e6))),
 }
 
 
