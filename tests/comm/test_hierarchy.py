@@ -51,11 +51,13 @@ def test_commconfig_replace_changes_only_what_it_names():
     from plait.comm import CommConfig
     from plait.comm.tuner import Tuner
     from plait.cost import LinkModel
+    from plait.cost.presets import preset
 
     base = CommConfig(timeout_s=9.0, check="deep", segment_bytes=123, pipeline_segment_bytes=456, hierarchy="2x2",
-                      algorithms={"all_reduce": "ring"}, tuner=Tuner(LinkModel(1e-3, 1e-9)))
+                      topology=preset("local"), algorithms={"all_reduce": "ring"},
+                      tuner=Tuner(LinkModel(1e-3, 1e-9)))
     names = [field.name for field in dataclasses.fields(CommConfig)]
-    assert len(names) == 7
+    assert len(names) == 8
     for name in names:
         changed = base.replace(**{name: getattr(CommConfig(), name)})
         for other in names:

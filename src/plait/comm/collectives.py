@@ -34,7 +34,8 @@ import torch
 import torch.distributed as dist
 
 from plait.comm import layout
-from plait.comm.algorithms import DEFAULT_NAMES, REDUCING, TORCH, build_schedule, builder
+from plait.comm.algorithms import (DEFAULT_NAMES, REDUCING, TOPOLOGY_ALGORITHMS, TORCH, build_schedule, builder,
+                                   checked_topology_fingerprint)
 from plait.comm.algorithms.hierarchical import parse_hierarchy
 from plait.comm.communicator import Communicator, all_communicators, communicator_for
 from plait.comm.engine import merge_stats
@@ -224,13 +225,18 @@ def _launch(collective, communicator, async_op, algorithm, prepare, *, tensor, n
         check_reducible(dtype, op, collective)
     algorithm = _resolve_algorithm(algorithm, collective, nbytes, communicator)
     prepared = prepare(rank, p) if algorithm != TORCH else None  # validates this rank's arguments now
-    tree = None
+    tree = shape = None
     if algorithm == "hierarchical":
         spec = hierarchy if hierarchy is not None else config.hierarchy
         world = communicator.group is dist.group.WORLD
         tree = parse_hierarchy(spec, p, None if world else 1)
+        shape = repr(tree)
+    elif algorithm in TOPOLOGY_ALGORITHMS:
+        # refused now (no topology, or one for another group size), not inside the job; ranks
+        # given other clusters are stopped by the argument check
+        shape = checked_topology_fingerprint(config.topology, algorithm, p)
     signature = CallSignature(collective, algorithm, tensor.numel() if check_numel is None else check_numel, dtype,
-                              op, root, 0 if tree is None else _code(repr(tree)), config.segment_bytes,
+                              op, root, 0 if shape is None else _code(shape), config.segment_bytes,
                               config.pipeline_segment_bytes)
     grouped = _grouped(tensor)
     check = "off" if p == 1 else ("deep" if config.check == "inband" and grouped else config.check)
@@ -247,7 +253,8 @@ def _launch(collective, communicator, async_op, algorithm, prepare, *, tensor, n
         sent = messages = 0
         if p > 1:
             segments = pipeline_segments(nbytes, config.pipeline_segment_bytes)
-            schedule = build_schedule(collective, algorithm, p, prepared.numel, root, segments, tree)
+            schedule = build_schedule(collective, algorithm, p, prepared.numel, root, segments, tree,
+                                      config.topology)
             transport = communicator.transport
             if check == "inband":
                 small = buffer.numel() * buffer.element_size() <= INLINE_BYTES

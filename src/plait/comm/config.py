@@ -17,6 +17,9 @@ the library never does.
                             0 never splits); every rank of the group must agree
     pipeline_segment_bytes  segment size of pipelined chains and binary trees (256 KiB)
     hierarchy               default hierarchy of algorithm="hierarchical"
+    topology                the group's cluster (a plait.cost.topology.Topology, rank i
+                            on its i-th device), which algorithm="blink" and "synth"
+                            are built from; None: those algorithms are refused
     algorithms              per-collective algorithm that algorithm="auto" runs instead
                             of the tuner's choice, e.g. {"all_reduce": "ring"}
     tuner                   a plait.comm.tuner.Tuner (built from a named calibration
@@ -30,6 +33,8 @@ from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 
 from plait.comm.settings import checked_setting, from_environment
+from plait.cost.topology import Topology
+from plait.cost.topology_io import topology_fingerprint
 
 CHECK_MODES = ("inband", "deep", "off")
 
@@ -43,6 +48,7 @@ class CommConfig:
     segment_bytes: int = 4 << 20
     pipeline_segment_bytes: int = 256 << 10
     hierarchy: object = None
+    topology: object = None
     algorithms: MappingProxyType = field(default_factory=lambda: MappingProxyType({}))
     tuner: object = None
 
@@ -63,6 +69,9 @@ class CommConfig:
                 or self.pipeline_segment_bytes <= 0):
             problems.append(f"pipeline_segment_bytes={self.pipeline_segment_bytes!r}: must be a whole number of "
                             "bytes > 0, e.g. 262144")
+        if self.topology is not None and not isinstance(self.topology, Topology):
+            problems.append(f"topology={self.topology!r}: must be a plait.cost.topology.Topology (e.g. "
+                            "plait.cost.topology_io.load_topology(path)) or None")
         if self.tuner is not None and not callable(getattr(self.tuner, "choose", None)):
             problems.append(f"tuner={self.tuner!r}: must be a plait.comm.tuner.Tuner (or None for the default "
                             "table)")
@@ -88,7 +97,8 @@ class CommConfig:
     def agreement_key(self) -> tuple:
         """What every rank of a group must agree on (the messages' shapes and the check)."""
         return (self.check, self.segment_bytes, self.pipeline_segment_bytes, repr(self.hierarchy),
-                tuple(sorted(self.algorithms.items())))
+                tuple(sorted(self.algorithms.items())),
+                None if self.topology is None else topology_fingerprint(self.topology))
 
 
 ENVIRONMENT = {"timeout_s": "PLAIT_COMM_TIMEOUT_S", "check": "PLAIT_COMM_CHECK",

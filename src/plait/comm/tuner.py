@@ -22,10 +22,13 @@ import math
 import threading
 from typing import Sequence
 
-from plait.comm.algorithms import COLLECTIVES, ROOTED, TORCH, algorithms_for, build_schedule, builder
+from plait.comm.algorithms import (COLLECTIVES, ROOTED, TOPOLOGY_ALGORITHMS, TORCH, algorithms_for, build_schedule,
+                                   builder)
 from plait.comm.algorithms.hierarchical import parse_hierarchy
 from plait.cost import LinkModel
 from plait.cost.alpha_beta import pipeline_segments, predict_time_s, shared_host_terms, uniform_hierarchy_dims
+from plait.cost.simulator import simulate
+from plait.cost.topology import Topology
 
 __all__ = ["Tuner", "tuner_from_profile", "parse_overrides", "size_bucket", "size_ranges"]
 
@@ -93,12 +96,21 @@ class Tuner:
     ``shared_host_ranks`` switches from the one-port closed forms to the shared-host
     model (``plait.cost.alpha_beta.shared_host_terms``, priced on the schedule): for
     ranks that share one host's cores, as plait calibrate's profile on CPU measures.
+    ``topology`` (a Topology of the group's ranks, e.g. `plait testbed probe`'s) prices
+    every candidate's schedule with the contention simulator on those links instead,
+    and adds the topology algorithms (blink, synth) and ``hierarchical`` over its hosts
+    to the candidates; ``link`` may then be None.
     """
 
-    def __init__(self, link: LinkModel | Sequence[LinkModel], *, call_overhead_s: float = 0.0,
+    def __init__(self, link: LinkModel | Sequence[LinkModel] | None, *, call_overhead_s: float = 0.0,
                  hierarchy=None, source: str = "given link", candidates: dict | None = None,
-                 shared_host_ranks: int | None = None) -> None:
-        if isinstance(link, LinkModel):
+                 shared_host_ranks: int | None = None, topology: Topology | None = None) -> None:
+        if topology is not None and not isinstance(topology, Topology):
+            raise TypeError(f"topology must be a plait.cost.topology.Topology, got {type(topology).__name__}")
+        self.topology = topology
+        if link is None and topology is not None:
+            self.links = []
+        elif isinstance(link, LinkModel):
             self.links = [link]
         else:
             self.links = list(link)
@@ -117,6 +129,8 @@ class Tuner:
         self._lock = threading.Lock()
 
     def _hierarchy_for(self, world_size: int):
+        if self.topology is not None:
+            return self.topology.hierarchy if len(self.topology.hierarchy) > 1 else None
         if self.hierarchy is None:
             return None
         tree = parse_hierarchy(self.hierarchy, world_size)
@@ -127,6 +141,8 @@ class Tuner:
         """Candidates for ``collective``: every plait algorithm with a model
         (``hierarchical`` only with a multi-level hierarchy of equal groups)."""
         names = self.candidates.get(collective) or algorithms_for(collective)
+        if self.topology is None:
+            names = [n for n in names if n not in TOPOLOGY_ALGORITHMS]
         if "hierarchical" in names and self._hierarchy_for(world_size) is None:
             names = [n for n in names if n != "hierarchical"]
         return list(names)
@@ -136,6 +152,8 @@ class Tuner:
         if world_size == 1:
             return 0.0
         hierarchy = self._hierarchy_for(world_size) if algorithm == "hierarchical" else None
+        if self.topology is not None:
+            return self.call_overhead_s + self._simulated_s(collective, algorithm, nbytes, world_size, hierarchy)
         if self.shared_host_ranks is not None:
             return self.call_overhead_s + self._shared_host_s(collective, algorithm, nbytes, world_size, hierarchy)
         links = self.links if algorithm == "hierarchical" else self.links[:1]
@@ -146,14 +164,23 @@ class Tuner:
         return self.call_overhead_s + predict_time_s(collective, algorithm, nbytes, world_size, link,
                                                      hierarchy=hierarchy)
 
-    def _shared_host_s(self, collective, algorithm, nbytes, world_size, hierarchy) -> float:
+    def _schedule(self, collective, algorithm, nbytes, world_size, hierarchy):
+        """(the schedule a call of ``nbytes`` runs, its itemsize)."""
         itemsize = 4 if nbytes % (4 * world_size) == 0 else 1  # whole elements where the size allows
         numel = nbytes // itemsize
         if collective == "all_to_all":
             numel = 2 * (numel - numel % world_size)  # [input | output]
         root = 0 if collective in ROOTED else None
-        schedule = build_schedule(collective, algorithm, world_size, numel, root, pipeline_segments(nbytes), hierarchy)
+        return build_schedule(collective, algorithm, world_size, numel, root, pipeline_segments(nbytes), hierarchy,
+                              self.topology), itemsize
+
+    def _shared_host_s(self, collective, algorithm, nbytes, world_size, hierarchy) -> float:
+        schedule, itemsize = self._schedule(collective, algorithm, nbytes, world_size, hierarchy)
         return shared_host_terms(schedule, itemsize, self.shared_host_ranks).time_s(self.links[0])
+
+    def _simulated_s(self, collective, algorithm, nbytes, world_size, hierarchy) -> float:
+        schedule, itemsize = self._schedule(collective, algorithm, nbytes, world_size, hierarchy)
+        return simulate(schedule, self.topology, itemsize).total_time_s
 
     def predictions(self, collective: str, nbytes: int, world_size: int) -> dict[str, float]:
         return {name: self.predict_s(collective, name, nbytes, world_size)

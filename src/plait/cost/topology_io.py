@@ -21,13 +21,15 @@ Every problem names its place (``links[3].bandwidth_bytes_per_s``) and the fix.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import tomllib
 from pathlib import Path
 
 from plait.cost.topology import Link, Node, Topology, link_problems, node_problems
 
-__all__ = ["topology_to_dict", "topology_from_dict", "save_topology", "load_topology", "FORMAT_VERSION"]
+__all__ = ["topology_to_dict", "topology_from_dict", "topology_fingerprint", "save_topology", "load_topology",
+           "FORMAT_VERSION"]
 
 FORMAT_VERSION = 1
 _NODE_KEYS = ("name", "kind", "host", "reduce_bytes_per_s")
@@ -51,6 +53,16 @@ def topology_to_dict(topology: Topology) -> dict:
               "latency_s": link.latency_s} for link in topology.links]
     return {"version": FORMAT_VERSION, "name": topology.name, "allocation": list(topology.allocation),
             "nodes": nodes, "links": links}
+
+
+def topology_fingerprint(topology: Topology) -> str:
+    """A short stable digest of the nodes, links and allocation (the name left out):
+    equal on every rank that loaded the same cluster, so schedules built from it can be
+    cached and compared by it."""
+    data = topology_to_dict(topology)
+    data.pop("name")
+    text = json.dumps(data, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def _entries(data: dict, key: str, keys: tuple, required: tuple, problems: list[str]) -> list[dict]:

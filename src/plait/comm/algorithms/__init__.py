@@ -11,6 +11,8 @@ from functools import lru_cache
 
 from plait.comm.algorithms import bruck, butterfly, direct, hierarchical, ring, tree
 from plait.comm.schedule import Schedule, make_schedule
+from plait.cost.topology import Topology
+from plait.cost.topology_io import topology_fingerprint
 
 COLLECTIVES = (
     "all_reduce",
@@ -39,6 +41,10 @@ ALGORITHMS: dict[str, dict] = {
     "hierarchical": hierarchical.BUILDERS,
     "pairwise": direct.PAIRWISE_BUILDERS,
 }
+# Algorithms built from the cluster itself: they need the group's topology (a
+# plait.cost.topology.Topology whose ranks are the group's), given to build_schedule
+# or set as CommConfig(topology=...).
+TOPOLOGY_ALGORITHMS = ("blink", "synth")
 TORCH = "torch"
 # Names that pick an algorithm from the default table (the tuner replaces it later).
 DEFAULT_NAMES = (None, "default", "auto")
@@ -80,18 +86,57 @@ def build_schedule(
     root: int | None = None,
     segments: int = 1,
     hierarchy=None,
+    topology=None,
 ) -> Schedule:
     """The validated schedule of ``algorithm`` for ``collective`` (cached).
 
     ``hierarchy`` (hierarchical only) is any spec ``parse_hierarchy`` takes; it is
     validated against ``world_size`` here, so a group that leaves out a rank is
-    refused instead of silently not reducing it.
+    refused instead of silently not reducing it. ``topology`` (the algorithms of
+    TOPOLOGY_ALGORITHMS only) is the group's cluster, rank i on its i-th device.
     """
     if algorithm == "hierarchical":
         hierarchy = hierarchical.parse_hierarchy(hierarchy, world_size)
     else:
         hierarchy = None
-    return _build_schedule(collective, algorithm, world_size, buffer_numel, root, max(1, int(segments)), hierarchy)
+    cluster = None
+    if algorithm in TOPOLOGY_ALGORITHMS:
+        builder(collective, algorithm)  # an unknown pair is named before the topology is
+        cluster = _Cluster.of(topology, algorithm, world_size)
+    return _build_schedule(collective, algorithm, world_size, buffer_numel, root, max(1, int(segments)), hierarchy,
+                           cluster)
+
+
+def checked_topology_fingerprint(topology, algorithm: str, world_size: int) -> str:
+    """``topology``'s fingerprint, once it is checked to be one a topology algorithm of
+    ``world_size`` ranks can be built from (else the error that says what to give)."""
+    return _Cluster.of(topology, algorithm, world_size).fingerprint
+
+
+class _Cluster:
+    """A topology as a cache key: equal when the fingerprints are."""
+
+    def __init__(self, topology, fingerprint: str) -> None:
+        self.topology, self.fingerprint = topology, fingerprint
+
+    @staticmethod
+    def of(topology, algorithm: str, world_size: int) -> "_Cluster":
+        if topology is None:
+            raise ValueError(f"algorithm {algorithm!r} is built from the cluster's links and needs its topology: "
+                             "pass topology= (a plait.cost.topology.Topology, e.g. from `plait testbed probe`) "
+                             "or set CommConfig(topology=...)")
+        if not isinstance(topology, Topology):
+            raise TypeError(f"topology must be a plait.cost.topology.Topology, got {type(topology).__name__}")
+        if topology.world_size != world_size:
+            raise ValueError(f"topology {topology.name!r} places {topology.world_size} ranks but the group has "
+                             f"{world_size}: give the group's own topology (allocate {world_size} devices)")
+        return _Cluster(topology, topology_fingerprint(topology))
+
+    def __hash__(self) -> int:
+        return hash(self.fingerprint)
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, _Cluster) and other.fingerprint == self.fingerprint
 
 
 @lru_cache(maxsize=512)
@@ -103,6 +148,7 @@ def _build_schedule(
     root: int | None = None,
     segments: int = 1,
     hierarchy: tuple | None = None,
+    cluster: _Cluster | None = None,
 ) -> Schedule:
     build = builder(collective, algorithm)
     if world_size < 1:
@@ -119,6 +165,8 @@ def _build_schedule(
     options = {"segments": segments}
     if algorithm == "hierarchical":
         options["hierarchy"] = hierarchy
+    if cluster is not None:
+        options["topology"] = cluster.topology
     steps = build(world_size, buffer_numel, root, options) if world_size > 1 else []
     return make_schedule(collective, algorithm, world_size, buffer_numel, steps, root)
 
