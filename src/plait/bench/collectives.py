@@ -42,6 +42,10 @@ from plait.bench.buffers import (
     ROOTED_COLLECTIVES,
     TORCH_ALGORITHM,
 )
+from plait.comm.algorithms import TOPOLOGY_ALGORITHMS
+from plait.comm.tuner import Tuner, tuner_from_profile
+from plait.cost.profile import load_profile
+from plait.cost.topology_io import load_topology
 
 AUTO_ALGORITHM = "auto"
 
@@ -108,12 +112,15 @@ def available_algorithms(collective: str) -> list[str]:
     if collective not in COLLECTIVES:
         raise ValueError(f"unknown collective {collective!r}; valid: {', '.join(COLLECTIVES)}")
 
-    return [TORCH_ALGORITHM, *comm.algorithms_for(collective), AUTO_ALGORITHM]
+    return [TORCH_ALGORITHM, *(name for name in comm.algorithms_for(collective) if name not in TOPOLOGY_ALGORITHMS),
+            AUTO_ALGORITHM]
 
 
 def accepted_algorithms(collective: str) -> list[str]:
-    """The names --algorithms accepts (the same as those run by default)."""
-    return available_algorithms(collective)
+    """The names --algorithms accepts: those run by default and the topology algorithms
+    (which need --topology)."""
+    return [*available_algorithms(collective),
+            *(name for name in comm.algorithms_for(collective) if name in TOPOLOGY_ALGORITHMS)]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -137,6 +144,7 @@ class BenchConfig:
     seed: int = 1234
     rounds: int = 1
     profile_path: str | None = None  # algorithm="auto" follows this calibration profile
+    topology_path: str | None = None  # the cluster's topology: blink/synth built from it, auto priced on it
     arg_check: str = "inband"  # plait's argument check: inband (the default users run), deep or off
 
     def __post_init__(self) -> None:
@@ -168,6 +176,10 @@ class BenchConfig:
                 problems.append(f"op avg needs a floating dtype, got {self.dtype}")
         if self.root < 0:
             problems.append(f"root({self.root}) must be >= 0")
+        needs_topology = [name for name in self.algorithms if name in TOPOLOGY_ALGORITHMS]
+        if needs_topology and self.topology_path is None:
+            problems.append(f"algorithm(s) {', '.join(needs_topology)} are built from the cluster's links: give "
+                            "--topology FILE (e.g. from plait testbed probe)")
         if self.time_budget_s < 0 or self.timeout_s <= 0:
             problems.append(f"need time_budget_s({self.time_budget_s}) >= 0 and "
                             f"timeout_s({self.timeout_s}) > 0")
@@ -256,16 +268,24 @@ def _configure_plait(config: BenchConfig) -> None:
 
     # the world's communicator, with the argument check asked for (the default, in-band,
     # is what users run; --check off times the bare messages)
-    tuner = None
+    tuner = topology = profile = None
     if config.profile_path is not None:
-        from plait.comm.tuner import tuner_from_profile
-        from plait.cost.profile import load_profile
-
         profile = load_profile(config.profile_path)
         if profile is None:
             raise ValueError(f"no calibration profile at {config.profile_path}")
         tuner = tuner_from_profile(profile, source=config.profile_path)
-    comm.init_communicator(None, comm.CommConfig(timeout_s=config.timeout_s, check=config.arg_check, tuner=tuner))
+    if config.topology_path is not None:
+        topology = load_topology(config.topology_path)
+        tuner = topology_tuner(topology, profile, config.topology_path)
+    comm.init_communicator(None, comm.CommConfig(timeout_s=config.timeout_s, check=config.arg_check, tuner=tuner,
+                                                 topology=topology))
+
+
+def topology_tuner(topology, profile, source: str) -> Tuner:
+    """auto on a topology: every candidate simulated on its links, plus the profile's
+    fixed call overhead when there is a profile."""
+    return Tuner(None, topology=topology, call_overhead_s=profile.call_overhead_s if profile else 0.0,
+                 source=f"topology {source}")
 
 
 def measure_one(config: BenchConfig, algorithm: str, count: int, size_bytes: int, *,

@@ -1,7 +1,9 @@
 """`plait bench --predict`: the cost model's time next to every measured row.
 
 For each plait algorithm row: predicted = call overhead + closed-form alpha-beta-gamma
-time on the calibrated profile, and the error (predicted - measured) / measured.
+time on the calibrated profile (with ``--topology``: the simulator's time for the
+schedule on that topology, which prices every plait algorithm), and the error
+(predicted - measured) / measured.
 ``auto`` rows are priced as the algorithm the tuner chose, and get a regret: their
 time over the best plait algorithm measured at that size, minus one. torch rows
 have no schedule to price and get no prediction.
@@ -15,7 +17,7 @@ from __future__ import annotations
 import statistics
 
 from plait.bench.buffers import TORCH_ALGORITHM
-from plait.bench.collectives import AUTO_ALGORITHM, BenchRow
+from plait.bench.collectives import AUTO_ALGORITHM, BenchRow, topology_tuner
 from plait.bench.report import format_nbytes
 from plait.comm.tuner import tuner_from_profile
 from plait.cost.alpha_beta import closed_form_algorithms
@@ -26,17 +28,21 @@ LARGE_NBYTES = 1 << 20
 class Predictor:
     """Prices bench rows with one calibration profile."""
 
-    def __init__(self, profile, *, world_size: int, source: str) -> None:
+    def __init__(self, profile, *, world_size: int, source: str, topology=None) -> None:
         self.profile = profile
         self.world_size = world_size
-        self.tuner = tuner_from_profile(profile, source=source)
+        self.topology = topology
+        self.tuner = (topology_tuner(topology, profile, source) if topology is not None
+                      else tuner_from_profile(profile, source=source))
         self.source = source
 
     def algorithm_of(self, row: BenchRow) -> str | None:
         """The algorithm a row ran: auto resolves through the tuner."""
         if row.algorithm == AUTO_ALGORITHM:
             return self.tuner.choose(row.collective, row.size_bytes, row.nprocs)
-        if row.algorithm == TORCH_ALGORITHM or row.algorithm not in closed_form_algorithms(row.collective):
+        if row.algorithm == TORCH_ALGORITHM:
+            return None
+        if self.topology is None and row.algorithm not in closed_form_algorithms(row.collective):
             return None
         return row.algorithm
 
@@ -62,6 +68,11 @@ class Predictor:
         return text
 
     def header(self) -> list[str]:
+        if self.topology is not None:
+            overhead = self.profile.call_overhead_s if self.profile else 0.0
+            return [f"# --predict: every schedule simulated on topology {self.source} ({self.topology.summary()}), "
+                    f"plus a call overhead of {overhead * 1e6:.1f} us",
+                    "# extra columns: pred(us) = overhead + simulated time; err = (pred - time) / time"]
         link = self.profile.link
         return [
             f"# --predict: profile {self.source}: alpha {link.alpha_s * 1e6:.1f} us, "

@@ -30,6 +30,7 @@ from plait.bench.launch import choose_backend, in_torchrun, run_in_current_world
 from plait.bench.predict import Predictor
 from plait.cli.output_paths import output_file, prepare_output_paths
 from plait.cost.profile import default_profile_path, load_profile
+from plait.cost.topology_io import load_topology
 
 _SIZE_PATTERN = re.compile(r"^\s*(\d+(?:\.\d*)?)\s*([kmgt]?)(?:i?b)?\s*$", re.IGNORECASE)
 _SIZE_SCALES = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
@@ -141,6 +142,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                              "MAPE per algorithm and auto's regret (needs plait calibrate's profile)")
     parser.add_argument("--profile", default=None, metavar="PATH",
                         help="calibration profile for --predict and for auto (default: the saved one)")
+    parser.add_argument("--topology", default=None, metavar="PATH",
+                        help="the cluster's topology file (e.g. from plait testbed probe): algorithms blink and "
+                             "synth are built from it, auto and --predict price schedules on it with the simulator")
     parser.add_argument("--plot", metavar="FILE.png", default=None,
                         help="plot busbw against size (log2 axis), one line per algorithm")
     parser.set_defaults(run=run)
@@ -153,7 +157,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         min_nbytes=args.min_bytes, max_nbytes=args.max_bytes, factor=args.factor, iters=args.iters,
         warmup=args.warmup, op=args.op, dtype=args.dtype, root=args.root, check=args.check,
         time_budget_s=args.time_budget, timeout_s=args.timeout, seed=args.seed, arg_check=args.arg_check,
-        rounds=args.rounds, profile_path=args.profile)
+        rounds=args.rounds, profile_path=args.profile, topology_path=args.topology)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -214,9 +218,16 @@ def _predictor(args: argparse.Namespace, config: BenchConfig, backend: str, npro
 
     path = args.profile or str(default_profile_path(backend))
     profile = load_profile(path)
+    if args.topology is not None:
+        if args.profile is not None and profile is None:
+            raise ValueError(f"--profile {path}: no calibration profile there")
+        topology = load_topology(args.topology, allocation=None)
+        return (Predictor(profile, world_size=nprocs, source=args.topology, topology=topology),
+                dataclasses.replace(config, profile_path=path if args.profile else None))
     if profile is None:
         raise ValueError(f"--predict needs a calibration profile and there is none at {path}: "
-                         f"run plait calibrate --nprocs {nprocs} first, or pass --profile PATH")
+                         f"run plait calibrate --nprocs {nprocs} first, or pass --profile PATH "
+                         "(or --topology PATH to price on a topology)")
     return Predictor(profile, world_size=nprocs, source=path), dataclasses.replace(config, profile_path=path)
 
 
