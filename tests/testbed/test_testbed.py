@@ -5,6 +5,7 @@ start twice, and leaves nothing behind: not after `down`, not after a failure in
 middle of `up`. The namespace tests need root (they skip, saying so, without it) and
 use a prefix of their own, so a testbed someone has up is never touched."""
 
+import concurrent.futures
 import json
 import os
 import re
@@ -94,6 +95,10 @@ def test_links_carry_their_rates_and_down_leaves_nothing():
         fast = tcp_rate_bits_per_s(testbed, 1, 0, 8 << 20)
         slow = tcp_rate_bits_per_s(testbed, 0, 2, 2 << 20)
         free = tcp_rate_bits_per_s(testbed, 1, 2, 32 << 20)
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:  # both ways at once: a full-duplex link
+            both = [pool.submit(tcp_rate_bits_per_s, testbed, a, b, 16 << 20, 29600 + a) for a, b in ((0, 1), (1, 0))]
+            both = [future.result() for future in both]
+        assert all(0.9 * 100e6 <= rate <= 100e6 for rate in both), both
         # Payload is 1448 of every 1514 bytes on the wire (0.956 of the rate); a stream can
         # run ahead by one 64 KiB packet (probe.FIRST_PROBE_BYTES), at most 1/32 over 2 MiB:
         # so never above the rate.

@@ -130,7 +130,8 @@ class Tuner:
 
     def _hierarchy_for(self, world_size: int):
         if self.topology is not None:
-            return self.topology.hierarchy if len(self.topology.hierarchy) > 1 else None
+            hierarchy = self.topology.hierarchy()
+            return hierarchy if len(hierarchy) > 1 else None
         if self.hierarchy is None:
             return None
         tree = parse_hierarchy(self.hierarchy, world_size)

@@ -6,7 +6,11 @@ two namespaces (its ``eth0`` in the host, ``p<i>`` in the switch, a bridge port)
 its address; nothing is ever created in the namespace plait runs in. A link spec
 between hosts a and b shapes both directions at each host's egress: an htb qdisc
 whose class for the peer's address has the link's rate (u32 filter on the
-destination), every other destination unshaped.
+destination), every other destination unshaped. Inside that class, packets under
+128 bytes (TCP's acknowledgements) have a queue of their own served first: with one
+queue they wait behind up to 1,000 full packets of the other direction's stream (120
+ms at 100 Mbit), which cut a stream's rate by up to 15% whenever both directions were
+busy, as every all-reduce keeps them. The link's rate caps both queues together.
 
 Deleting a namespace deletes its veths (and so their peers) and their qdiscs, so
 ``down`` removes everything by deleting every namespace with the prefix; ``up``
@@ -26,6 +30,7 @@ from plait.testbed.spec import LinkSpec, TestbedSpec, host_address
 PREFIX = "plait-tb"
 STATE_DIR = Path("/run/plait-testbed")  # what `up` built, for `run` and `status`; removed by `down`
 UNSHAPED = "10gbit"  # htb's default class: far above what a veth moves here
+SMALL_SHARE = 0.05  # of a link's rate promised to its small packets; either queue may use all of it
 
 
 class TestbedError(RuntimeError):
@@ -130,11 +135,16 @@ class Testbed:
         _run([*tc, "qdisc", "add", "dev", "eth0", "root", "handle", "1:", "htb", "default", "1"])
         _run([*tc, "class", "add", "dev", "eth0", "parent", "1:", "classid", "1:1", "htb", "rate", UNSHAPED])
         for peer, rate in shaped:
-            classid = f"1:{peer.index + 10}"
-            _run([*tc, "class", "add", "dev", "eth0", "parent", "1:", "classid", classid, "htb",
-                  "rate", f"{int(rate)}bit"])
+            link, data, small = (f"1:{peer.index + offset}" for offset in (10, 110, 210))  # tc reads them as hex
+            _run([*tc, "class", "add", "dev", "eth0", "parent", "1:", "classid", link, "htb", "rate", f"{int(rate)}bit"])
+            for classid, share, priority in ((small, SMALL_SHARE, "0"), (data, 1 - SMALL_SHARE, "1")):
+                _run([*tc, "class", "add", "dev", "eth0", "parent", link, "classid", classid, "htb",
+                      "rate", f"{int(rate * share)}bit", "ceil", f"{int(rate)}bit", "prio", priority])
+            destination = ["match", "ip", "dst", f"{peer.address}/32"]
             _run([*tc, "filter", "add", "dev", "eth0", "parent", "1:", "protocol", "ip", "prio", "1", "u32",
-                  "match", "ip", "dst", f"{peer.address}/32", "flowid", classid])
+                  *destination, "match", "u16", "0", "0xff80", "at", "2", "flowid", small])  # IP length < 128
+            _run([*tc, "filter", "add", "dev", "eth0", "parent", "1:", "protocol", "ip", "prio", "2", "u32",
+                  *destination, "flowid", data])
 
     def command_in(self, host: int, command: list[str]) -> list[str]:
         """``command`` run inside host ``host``'s namespace."""
@@ -168,6 +178,10 @@ def status(prefix: str = PREFIX) -> list[str]:
                      if " lo " not in line]
         classes = _run(["ip", "netns", "exec", name, "tc", "class", "show", "dev", "eth0"]) \
             if name != f"{prefix}-sw" else ""
-        rates = [" ".join(line.split()[2:3] + line.split()[6:8]) for line in classes.splitlines() if "rate" in line]
+        rates = []
+        for line in classes.splitlines():
+            words = line.split()
+            if "root" in words and "rate" in words:  # a link's class (its two queues are its children)
+                rates.append(f"{words[2]} rate {words[words.index('rate') + 1]}")
         lines.append(f"{name}: {', '.join(addresses) or 'bridge br0'}" + (f"; htb {'; '.join(rates)}" if rates else ""))
     return lines
