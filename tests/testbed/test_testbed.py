@@ -132,6 +132,7 @@ def test_the_cli_names_bad_flags(capsys):
 
 
 JOB = os.path.join(os.path.dirname(__file__), "allreduce_job.py")
+DYING_JOB = os.path.join(os.path.dirname(__file__), "dying_rank_job.py")
 
 
 @pytest.mark.slow
@@ -184,3 +185,25 @@ def test_the_probe_recovers_the_given_rates_and_writes_a_topology(tmp_path):
     between = {frozenset(link.endpoints): link.bandwidth_bytes_per_s for link in topology.links
                if all(".r" not in end for end in link.endpoints)}
     assert between[frozenset(("h0", "h1"))] == measured[0, 1].bytes_per_s
+
+
+@pytest.mark.slow
+@needs_namespaces
+def test_a_rank_that_dies_is_named_by_its_peers_and_down_still_cleans_up(tmp_path):
+    """Rank 3 (host 1) exits after a barrier; the ring all-reduce of the others fails
+    well within its 20 s deadline, with an error naming peer 3; the run ends with a
+    failure status and `down` leaves nothing."""
+    testbed = netns.Testbed(PRESETS["2x2-slow"], prefix=PREFIX)
+    testbed.up()
+    try:
+        started = time.monotonic()
+        status = run_on_testbed(testbed, [DYING_JOB, str(tmp_path)], timeout_s=60)
+        elapsed_s = time.monotonic() - started
+    finally:
+        removed = netns.down(PREFIX)
+    assert status not in (0, 124) and elapsed_s < 40
+    reports = {path.name: path.read_text() for path in tmp_path.glob("rank*.txt")}
+    assert "rank3.txt" not in reports and reports, reports
+    assert any("with peer 3" in text for text in reports.values()), reports
+    assert all(text != "finished" for text in reports.values())
+    assert len(removed) == 3 and netns.namespaces(PREFIX) == []
