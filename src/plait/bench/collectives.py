@@ -112,15 +112,14 @@ def available_algorithms(collective: str) -> list[str]:
     if collective not in COLLECTIVES:
         raise ValueError(f"unknown collective {collective!r}; valid: {', '.join(COLLECTIVES)}")
 
-    return [TORCH_ALGORITHM, *(name for name in comm.algorithms_for(collective) if name not in TOPOLOGY_ALGORITHMS),
-            AUTO_ALGORITHM]
+    return [TORCH_ALGORITHM, *comm.algorithms_for(collective), AUTO_ALGORITHM]
 
 
 def accepted_algorithms(collective: str) -> list[str]:
     """The names --algorithms accepts: those run by default and the topology algorithms
     (which need --topology)."""
     return [*available_algorithms(collective),
-            *(name for name in comm.algorithms_for(collective) if name in TOPOLOGY_ALGORITHMS)]
+            *(name for name in comm.algorithms_for(collective, with_topology=True) if name in TOPOLOGY_ALGORITHMS)]
 
 
 @dataclass(frozen=True, kw_only=True)

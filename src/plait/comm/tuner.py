@@ -22,7 +22,7 @@ import math
 import threading
 from typing import Sequence
 
-from plait.comm.algorithms import (COLLECTIVES, ROOTED, TOPOLOGY_ALGORITHMS, TORCH, algorithms_for, build_schedule,
+from plait.comm.algorithms import (COLLECTIVES, ROOTED, TORCH, algorithms_for, build_schedule,
                                    builder)
 from plait.comm.algorithms.hierarchical import parse_hierarchy
 from plait.cost import LinkModel
@@ -141,9 +141,7 @@ class Tuner:
     def algorithms(self, collective: str, world_size: int) -> list[str]:
         """Candidates for ``collective``: every plait algorithm with a model
         (``hierarchical`` only with a multi-level hierarchy of equal groups)."""
-        names = self.candidates.get(collective) or algorithms_for(collective)
-        if self.topology is None:
-            names = [n for n in names if n not in TOPOLOGY_ALGORITHMS]
+        names = self.candidates.get(collective) or algorithms_for(collective, with_topology=self.topology is not None)
         if "hierarchical" in names and self._hierarchy_for(world_size) is None:
             names = [n for n in names if n != "hierarchical"]
         return list(names)

@@ -211,7 +211,7 @@ class DataParallel(nn.Module):
     def _also_for(self, collectives) -> str:
         if self.algorithm in ("auto", None, "torch"):
             return self.algorithm or "auto"
-        ok = all(self.algorithm in algorithms_for(collective) for collective in collectives)
+        ok = all(self.algorithm in algorithms_for(collective, with_topology=True) for collective in collectives)
         return self.algorithm if ok else "auto"
 
     def _verify_and_broadcast(self, init: str) -> None:

@@ -34,17 +34,19 @@ def agent_commands(testbed: Testbed, command: list[str], port: int = RENDEZVOUS_
 
 
 def run_on_testbed(testbed: Testbed, command: list[str], *, timeout_s: float | None = None,
-                   port: int = RENDEZVOUS_PORT) -> int:
+                   port: int = RENDEZVOUS_PORT, output=None) -> int:
     """Run ``command`` (a program and its arguments: python scripts as torchrun takes
     them) on every rank of ``testbed``; the first failing agent's exit status, else 0.
-    Past ``timeout_s`` every agent is stopped and 124 returned."""
+    Past ``timeout_s`` every agent is stopped and 124 returned. ``output``: a file the
+    agents' and ranks' stdout and stderr go to (None: this process's)."""
     if not command:
         raise ValueError("give the command to run after --, e.g. plait testbed run -- train.py")
     agents = []
     try:
         for host, argv in zip(testbed.hosts, agent_commands(testbed, command, port)):
             environment = {**os.environ, "GLOO_SOCKET_IFNAME": "eth0", "PLAIT_TESTBED_HOST": str(host.index)}
-            agents.append(subprocess.Popen(argv, env=environment, start_new_session=True))
+            agents.append(subprocess.Popen(argv, env=environment, start_new_session=True, stdout=output,
+                                           stderr=None if output is None else subprocess.STDOUT))
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
             codes = [agent.poll() for agent in agents]

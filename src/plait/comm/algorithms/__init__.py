@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from plait.comm.algorithms import bruck, butterfly, direct, hierarchical, ring, tree
+from plait.comm.algorithms import blink, bruck, butterfly, direct, hierarchical, ring, synth, tree
 from plait.comm.schedule import Schedule, make_schedule
 from plait.cost.topology import Topology
 from plait.cost.topology_io import topology_fingerprint
@@ -40,6 +40,8 @@ ALGORITHMS: dict[str, dict] = {
     "bruck": bruck.BUILDERS,
     "hierarchical": hierarchical.BUILDERS,
     "pairwise": direct.PAIRWISE_BUILDERS,
+    "blink": blink.BUILDERS,
+    "synth": synth.BUILDERS,
 }
 # Algorithms built from the cluster itself: they need the group's topology (a
 # plait.cost.topology.Topology whose ranks are the group's), given to build_schedule
@@ -50,10 +52,12 @@ TORCH = "torch"
 DEFAULT_NAMES = (None, "default", "auto")
 
 
-def algorithms_for(collective: str) -> list[str]:
-    """plait's algorithms that implement ``collective`` ("torch" is always valid too)."""
+def algorithms_for(collective: str, *, with_topology: bool = False) -> list[str]:
+    """plait's algorithms that implement ``collective`` ("torch" is always valid too);
+    the TOPOLOGY_ALGORITHMS, which need the cluster's topology, only ``with_topology``."""
     check_collective(collective)
-    return [name for name, builders in ALGORITHMS.items() if collective in builders]
+    return [name for name, builders in ALGORITHMS.items()
+            if collective in builders and (with_topology or name not in TOPOLOGY_ALGORITHMS)]
 
 
 def check_collective(collective: str) -> None:
@@ -73,7 +77,7 @@ def builder(collective: str, algorithm: str):
     if collective not in builders:
         raise ValueError(
             f"algorithm {algorithm!r} does not implement {collective}; "
-            f"algorithms for {collective}: {', '.join(algorithms_for(collective))}, '{TORCH}'"
+            f"algorithms for {collective}: {', '.join(algorithms_for(collective, with_topology=True))}, '{TORCH}'"
         )
     return builders[collective]
 

@@ -102,8 +102,9 @@ def _steps(events: dict) -> list[Step]:
 
 def best_all_reduce_packing(topology, root: int | None = None) -> Packing:
     """The up+down packing rooted at ``root``; without one, at the rank whose packing
-    has the highest rate (ties: the lowest rank). Trying all p roots costs p packings,
-    once per topology (they are cached)."""
+    has the highest rate (ties: the lowest rank). Trying all p roots costs p packings
+    once per topology (cached): ~0.7 s at p = 16 on one switch, ~4 s on a 16-GPU fat
+    tree; pass options["root"] to skip the search."""
     if root is not None:
         return pack_trees(topology, root, "all_reduce")
     packings = [pack_trees(topology, r, "all_reduce") for r in range(topology.world_size)]

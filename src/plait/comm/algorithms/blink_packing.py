@@ -42,8 +42,6 @@ fingerprint, collective, root).
 
 from __future__ import annotations
 
-import hashlib
-import json
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -52,7 +50,9 @@ import scipy.sparse as sparse
 from scipy.optimize import linprog
 from scipy.sparse.csgraph import maximum_flow
 
-__all__ = ["Tree", "Packing", "topology_fingerprint", "min_arborescence", "pack_trees", "pack_all_gather",
+from plait.cost.topology_io import topology_fingerprint
+
+__all__ = ["Tree", "Packing", "min_arborescence", "pack_trees", "pack_all_gather",
            "max_flow_bytes_per_s", "broadcast_upper_bound_bytes_per_s"]
 
 DIRECTIONS = {"broadcast": "down", "reduce": "up", "all_reduce": "both"}
@@ -61,8 +61,8 @@ _TOLERANCE = 1e-9
 _CACHE: dict[tuple, "Packing"] = {}
 _CACHE_SIZE = 256
 # maximum_flow works in int32 (larger int64 values overflow silently): capacities are
-# rounded up to multiples of max_capacity / 2**20, so each is within 1e-6 of the largest.
-_FLOW_UNITS = 1 << 20
+# rounded up to whole units with every capacity and the flow itself <= 2**29 units.
+_FLOW_UNITS = 1 << 29
 
 
 class Tree(NamedTuple):
@@ -83,6 +83,7 @@ class Tree(NamedTuple):
             d = 0
             while self.parent[v] != -1:
                 v, d = self.parent[v], d + 1
+                assert d < len(self.parent), f"parent array {self.parent} has a cycle"
             depth.append(d)
         return tuple(depth)
 
@@ -106,16 +107,6 @@ class Packing:
 
     def trees_of(self, root: int) -> tuple[Tree, ...]:
         return tuple(tree for tree in self.trees if tree.root == root)
-
-
-def topology_fingerprint(topology) -> str:
-    """A stable hex digest of the nodes, links and allocation: equal for equal clusters."""
-    text = json.dumps({
-        "nodes": [[n.name, n.kind, n.host, n.reduce_bytes_per_s] for n in topology.nodes],
-        "links": [[list(l.endpoints), float(l.bandwidth_bytes_per_s), float(l.latency_s)] for l in topology.links],
-        "allocation": list(topology.allocation),
-    }, sort_keys=True)
-    return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
 # ----- minimum-weight spanning arborescence (Chu-Liu/Edmonds) ----------------------------
@@ -345,20 +336,21 @@ def pack_all_gather(topology) -> Packing:
 # ----- the independent optimum: max-flow in the physical graph ------------------------------
 def max_flow_bytes_per_s(topology, src_rank: int, dst_rank: int) -> float:
     """Max-flow from ``src_rank``'s device to ``dst_rank``'s over every node and directed
-    link (capacities rounded up to multiples of max capacity / 2**20, so the result
-    errs high by at most that per link of the minimum cut)."""
+    link. scipy's maximum_flow needs int32 capacities: each is rounded up to whole
+    units of max(largest capacity, capacity out of the source) / 2**29, so the result
+    errs high by at most one unit (~2e-9 of that) per link of the minimum cut."""
     capacity = np.asarray(topology.capacity_bytes_per_s, dtype=np.float64)
-    unit = float(capacity.max()) / _FLOW_UNITS
     ends = np.asarray(topology._index["ends"], dtype=np.int64).reshape(-1, 2)
     tails = np.empty(2 * len(ends), dtype=np.int64)
     heads = np.empty(2 * len(ends), dtype=np.int64)
     tails[0::2], heads[0::2] = ends[:, 0], ends[:, 1]
     tails[1::2], heads[1::2] = ends[:, 1], ends[:, 0]
+    source, sink = (topology._index["rank_node"][r] for r in (src_rank, dst_rank))
+    unit = max(float(capacity.max()), float(capacity[tails == source].sum())) / _FLOW_UNITS
     units = np.ceil(capacity / unit).astype(np.int32)
     n = len(topology.nodes)
     graph = sparse.coo_matrix((units, (tails, heads)), shape=(n, n)).tocsr()  # parallel links add up
-    nodes = topology._index["rank_node"]
-    return float(maximum_flow(graph, nodes[src_rank], nodes[dst_rank]).flow_value) * unit
+    return float(maximum_flow(graph, source, sink).flow_value) * unit
 
 
 def broadcast_upper_bound_bytes_per_s(topology, root: int) -> float:
