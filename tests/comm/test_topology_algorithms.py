@@ -73,14 +73,16 @@ def test_the_tuner_on_a_topology_prices_by_simulation_and_picks_around_the_slow_
     assert tuner.choose("all_reduce", nbytes, 4) in ("blink", "synth", "hierarchical")
 
 
+# hierarchical: grouped by the topology's hosts when no hierarchy is given
 CASES = [("broadcast", "blink"), ("reduce", "blink"), ("all_reduce", "blink"), ("all_gather", "blink"),
-         ("all_reduce", "synth"), ("all_gather", "synth")]
+         ("all_reduce", "synth"), ("all_gather", "synth"), ("all_reduce", "hierarchical")]
 
 
 def topology_collectives(rank, p, numel):
-    """Every (collective, algorithm) of CASES on this world, whose topology is two hosts;
+    """Every (collective, algorithm) of CASES on this world, whose topology is hosts of
+    1 and 3 ranks;
     returns failures (wrong elements or bits other than the virtual executor's)."""
-    topology = two_hosts()
+    topology = two_hosts(ranks=(1, 3))
     comm.init_communicator(None, comm.CommConfig(topology=topology, pipeline_segment_bytes=1024))
     failures = []
     try:
@@ -106,7 +108,8 @@ def topology_collectives(rank, p, numel):
             if count_wrong(out, expected[rank], bounds[rank]):
                 failures.append((collective, algorithm, rank, "wrong vs reference"))
             schedule = build_schedule(collective, algorithm, p, total, 1 if collective in ("broadcast", "reduce")
-                                      else None, max(1, total * 8 // 1024), topology=topology)
+                                      else None, max(1, total * 8 // 1024), hierarchy=topology.hierarchy(),
+                                      topology=topology)
             buffers = [x.clone() if collective != "all_gather" else _gather_buffer(x, r, p)
                        for r, x in enumerate(inputs)]
             run_schedule(schedule, buffers)

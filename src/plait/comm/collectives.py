@@ -228,6 +228,8 @@ def _launch(collective, communicator, async_op, algorithm, prepare, *, tensor, n
     tree = shape = None
     if algorithm == "hierarchical":
         spec = hierarchy if hierarchy is not None else config.hierarchy
+        if spec is None and config.topology is not None and config.topology.world_size == p:
+            spec = config.topology.hierarchy()  # the group's hosts, as its topology has them
         world = communicator.group is dist.group.WORLD
         tree = parse_hierarchy(spec, p, None if world else 1)
         shape = repr(tree)

@@ -19,7 +19,9 @@ the library never does.
     hierarchy               default hierarchy of algorithm="hierarchical"
     topology                the group's cluster (a plait.cost.topology.Topology, rank i
                             on its i-th device), which algorithm="blink" and "synth"
-                            are built from; None: those algorithms are refused
+                            are built from (None: those algorithms are refused); it
+                            also groups "hierarchical" by host when no hierarchy is
+                            given
     algorithms              per-collective algorithm that algorithm="auto" runs instead
                             of the tuner's choice, e.g. {"all_reduce": "ring"}
     tuner                   a plait.comm.tuner.Tuner (built from a named calibration

@@ -177,7 +177,7 @@ def _route_problem(topology, sketch: Sketch, chunk_bytes: int) -> RouteProblem:
         edge_links=tuple(tuple(route) for route in routes),
         edge_latency_s=tuple(float(sum(latency[link] for link in route)) for route in routes),
         capacity_bytes_per_s=tuple(float(b) for b in topology.capacity_bytes_per_s),
-        chunk_bytes=chunk_bytes, rounds=sketch.rounds_for(topology))
+        chunk_bytes=chunk_bytes, rounds=sketch.rounds_for(topology), groups=topology.hierarchy())
 
 
 def _unreachable(problem: RouteProblem, sketch: Sketch) -> str | None:

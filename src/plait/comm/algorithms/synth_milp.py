@@ -62,6 +62,8 @@ __all__ = ["RouteProblem", "RouteResult", "hop_distances", "solve_routes", "roun
 
 # (chunk, src rank, dst rank): one chunk crossing one edge
 Send = tuple[int, int, int]
+AGGREGATE = False
+CUTS = True
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -81,6 +83,7 @@ class RouteProblem:
     capacity_bytes_per_s: tuple[float, ...]
     chunk_bytes: int
     rounds: int
+    groups: tuple[tuple[int, ...], ...] = ()  # ranks of each host, for the cut rows
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -199,10 +202,28 @@ def solve_routes(problem: RouteProblem, *, node_limit: int, mip_rel_gap: float,
     h = {key[1:]: col for key, col in cols.index.items() if key[0] == "h"}
 
     rows = _Rows()
-    for (c, e, t), col in x.items():  # send only what was held at the end of round t-1
+    if AGGREGATE:
+        out_of: dict[tuple, list[int]] = {}
+        for (c, e, t), col in x.items():
+            u = edges[e][0]
+            if u != owners[c]:
+                out_of.setdefault((c, u, t), []).append(col)
+        for (c, u, t), out in out_of.items():
+            rows.add([(col, 1.0) for col in out] + [(h[c, u, t - 1], -float(len(out)))], -math.inf, 0.0)
+    else:
+      for (c, e, t), col in x.items():  # send only what was held at the end of round t-1
         u = edges[e][0]
         if u != owners[c]:
             rows.add([(col, 1.0), (h[c, u, t - 1], -1.0)], -math.inf, 0.0)
+    if CUTS:
+        for c, owner in enumerate(owners):
+            for group in problem.groups:
+                if owner in group:
+                    continue
+                inside = set(group)
+                entering = [(col, 1.0) for (c2, e, t), col in x.items()
+                            if c2 == c and edges[e][1] in inside and edges[e][0] not in inside]
+                rows.add(entering, 1.0, math.inf)
     link_terms: dict[tuple[int, int], list[tuple[int, float]]] = {}
     for (c, e, t), col in x.items():
         for link in problem.edge_links[e]:
