@@ -3,6 +3,8 @@ activations in flight against the schedules, ZeRO's memory, the collectives' pri
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from plait.cost import LinkModel
@@ -292,3 +294,30 @@ def test_mixed_precision_bytes_follow_the_trainer_of_the_accounting():
         precision_for("fp8", "plait")
     with pytest.raises(ValueError, match="offload='yes' must be True or False"):
         estimate_layout(model_preset("gpt-125m"), "dgx-a100", Layout(dp=8, offload="yes"), gpus=8)
+
+
+def test_the_mesh_order_decides_which_axis_crosses_the_nodes():
+    """2 nodes x 2 devices, dp=2 x pp=2. tp,dp,pp (the default): each dp pair is
+    consecutive (one node) and the pipeline crosses; tp,pp,dp: each pipeline sits in a
+    node and the dp pairs cross. With a slow link between nodes each pays it on its own
+    axis: the gradient all-reduce over the slow link in one, the micro-batches'
+    activations in the other."""
+    slow, fast = LinkModel(1e-3, 1 / 12.5e6), LinkModel(1e-4, 1e-9)
+    cluster = Cluster(name="unit", nodes=2, devices_per_node=2, device=cluster_preset("dgx-a100", gpus=8).device,
+                      intra_link=fast, inter_link=slow)
+    spec = dataclasses.replace(model_preset("gpt-125m"), tied_head=False)  # no embedding all-reduce across stages
+    results = {}
+    for order in ("tp,dp,pp", "tp,pp,dp"):
+        layout = Layout(pp=2, dp=2, micro_batch=1, num_microbatches=4, schedule="1f1b", mesh_order=order)
+        assert (layout.stride("dp"), layout.stride("pp")) == ((1, 2) if order == "tp,dp,pp" else (2, 1))
+        results[order] = estimate_layout(spec, cluster, layout)
+    grad_bytes = 2 * spec.num_parameters() / 2  # bf16 gradients of one stage (about half the model)
+    pipeline_inside, dp_inside = results["tp,pp,dp"], results["tp,dp,pp"]
+    assert dp_inside.time_s["dp_comm"] < grad_bytes * fast.beta_s_per_byte * 2
+    assert pipeline_inside.time_s["dp_comm"] > grad_bytes * slow.beta_s_per_byte * 0.9
+    boundary = spec.block_input_bytes(1, tp=1, element_bytes=2)
+    assert dp_inside.time_s["pp_comm"] == pytest.approx(4 * 2 * cluster.p2p_time_s(boundary, True) / 2, rel=0.5)
+    assert pipeline_inside.time_s["pp_comm"] < dp_inside.time_s["pp_comm"] / 10
+    with pytest.raises(ValueError, match="mesh_order='dp,tp,pp' must be one of tp,dp,pp, tp,pp,dp"):
+        estimate_layout(spec, cluster, Layout(pp=2, dp=2, micro_batch=1, num_microbatches=4, schedule="1f1b",
+                                              mesh_order="dp,tp,pp"))

@@ -41,7 +41,9 @@ from plait.plan import (
     TransformerModel,
     TransformerSpec,
 )
-from plait.plan.cluster import check_count, MAX_DEVICES
+from plait.cost.topology_io import load_topology
+from plait.plan.cluster import check_count, MAX_DEVICES, topology_cluster
+from plait.plan.estimate import MESH_ORDERS
 from plait.plan.device import measure_device
 from plait.plan.grid import DEFAULT_MAX_LAYOUTS
 from plait.plan.layers import RECOMPUTE_MODES
@@ -81,12 +83,19 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     cluster.add_argument("--nprocs", type=int, default=None, help="local: processes on this machine")
     cluster.add_argument("--profile", default=None, help="local: calibration profile for the link "
                                                          "(default: the one plait calibrate saved)")
+    cluster.add_argument("--topology", default=None, metavar="FILE",
+                         help="local: the links between this machine's ranks from a topology file (e.g. plait "
+                              "testbed probe's: its hosts become nodes, their ranks devices); the calibration "
+                              "profile's link stays the one within a host")
     cluster.add_argument("--memory-limit-gib", type=float, default=None,
                          help="usable memory per device (default: the device's)")
     layout = parser.add_argument_group("layout (each fixes that choice; the rest are searched)")
     layout.add_argument("--global-batch", type=int, required=True, help="sequences (samples) per optimizer step")
     for flag in ("tp", "pp", "dp", "micro-batch", "virtual", "zero-stage"):
         layout.add_argument(f"--{flag}", type=int, default=None)
+    layout.add_argument("--mesh-order", default="tp,dp,pp", choices=MESH_ORDERS,
+                        help="plait train's --mesh-order (axes innermost first): tp,pp,dp puts each pipeline on "
+                             "consecutive ranks, so dp groups span the hosts (default tp,dp,pp)")
     layout.add_argument("--schedule", default=None,
                         choices=("none", "gpipe", "1f1b", "interleaved", "chimera", "zero_bubble"))
     layout.add_argument("--recompute", default=None, choices=RECOMPUTE_MODES,
@@ -228,8 +237,11 @@ def _local_cluster(args, precision_name: str, emit, model=None):
         link, overhead, source = profile.link, profile.call_overhead_s, "calibration profile"
     emit(f"link: {source}: alpha {link.alpha_s * 1e6:.3g} us, {1e-9 / link.beta_s_per_byte:.3g} GB/s, "
          f"{overhead * 1e6:.3g} us per call")
-    return cluster_preset("local", nprocs=nprocs, device=device, local_link=link, call_overhead_s=overhead,
-                          link_source=source)
+    if args.topology is None:
+        return cluster_preset("local", nprocs=nprocs, device=device, local_link=link, call_overhead_s=overhead,
+                              link_source=source)
+    return topology_cluster(load_topology(args.topology), nprocs=nprocs, device=device, local_link=link,
+                            call_overhead_s=overhead, link_source=f"{source}; between hosts: {args.topology}")
 
 
 def _check_flag_combinations(args, local: bool) -> None:
@@ -253,6 +265,8 @@ def _check_flag_combinations(args, local: bool) -> None:
             problems.append(f"--nprocs is for --cluster local; {args.cluster} takes --gpus or --nodes")
         if args.profile is not None:
             problems.append(f"--profile is for --cluster local; {args.cluster}'s links come from its topology")
+        if args.topology is not None:
+            problems.append(f"--topology is for --cluster local (the testbed's links); {args.cluster} has its own")
     if problems:
         raise ValueError("; ".join(problems))
 
@@ -268,7 +282,7 @@ def run(args) -> int:
         global_batch=args.global_batch, tp=args.tp, pp=args.pp, dp=args.dp, micro_batch=args.micro_batch,
         schedule=args.schedule, virtual=args.virtual, recompute=args.recompute, zero_stage=args.zero_stage,
         sequence_parallel=args.sequence_parallel, precision=precision, accounting=accounting,
-        offload=args.offload_activations, offload_optimizer=args.offload_optimizer,
+        offload=args.offload_activations, offload_optimizer=args.offload_optimizer, mesh_order=args.mesh_order,
         memory_limit_bytes=None if args.memory_limit_gib is None else args.memory_limit_gib * GIB,
         max_micro_batch=args.max_micro_batch, top=args.top, max_layouts=args.max_layouts)
     processes = args.nprocs if args.nprocs is not None else args.gpus

@@ -26,7 +26,7 @@ from plait.cost.alpha_beta import closed_form_algorithms, level_terms, pipeline_
 from plait.cost.presets import preset
 from plait.plan.device import device_preset, DeviceSpec
 
-__all__ = ["Cluster", "CLUSTER_PRESETS", "cluster_preset", "GroupShape", "MAX_DEVICES", "check_count"]
+__all__ = ["Cluster", "CLUSTER_PRESETS", "cluster_preset", "GroupShape", "MAX_DEVICES", "check_count", "topology_cluster"]
 
 # The most devices a cluster may have: 16x the largest cluster built so far, and where the
 # search's divisor enumeration (O(sqrt devices)) still takes milliseconds.
@@ -298,3 +298,22 @@ def check_count(name: str, value, most: int | None = None) -> None:
     if most is not None and value > most:
         raise ValueError(f"{name}={value:,} is above the limit of {most:,} ({MAX_DEVICES:,} devices): plan a part "
                          "of the cluster (the same layout repeats over identical parts)")
+
+
+def topology_cluster(topology, *, nprocs: int, device: DeviceSpec, local_link: LinkModel, call_overhead_s: float,
+                     link_source: str) -> Cluster:
+    """This machine's ranks grouped into the hosts of ``topology`` (e.g. `plait testbed
+    probe`'s, whose hosts share this machine's cores): within a host ``local_link``
+    (the calibrated one), between hosts the topology's slowest host pair, its latency
+    added to the local link's per-message cost."""
+    groups = topology.hierarchy()
+    sizes = {len(group) for group in groups}
+    if topology.world_size != nprocs or len(sizes) != 1:
+        raise ValueError(f"topology {topology.name!r} places {topology.world_size} ranks as "
+                         f"{'+'.join(str(len(g)) for g in groups)} per host; the plan needs --nprocs {nprocs} ranks "
+                         "in hosts of equal size")
+    between, _ = topology.level_link_models()
+    inter = LinkModel(local_link.alpha_s + between.alpha_s, max(between.beta_s_per_byte, local_link.beta_s_per_byte),
+                      local_link.gamma_s_per_byte)
+    return Cluster(name="local", nodes=len(groups), devices_per_node=sizes.pop(), device=device,
+                   intra_link=local_link, inter_link=inter, call_overhead_s=call_overhead_s, link_source=link_source)

@@ -48,6 +48,7 @@ micro-batch at its weight gradient).
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field, fields
 
 from plait.plan.cluster import Cluster
@@ -71,6 +72,9 @@ _COST_FIELDS = tuple(f.name for f in fields(LayerCost) if f.name != "name")
 OFFLOAD_RESIDENT_MICROBATCHES = 2
 
 
+MESH_ORDERS = ("tp,dp,pp", "tp,pp,dp")
+
+
 @dataclass(frozen=True, kw_only=True)
 class Layout:
     """tp x pp x dp, micro-batching, schedule and memory options."""
@@ -87,6 +91,13 @@ class Layout:
     sequence_parallel: bool = False
     offload: bool = False  # plait train's --offload-activations
     offload_optimizer: bool = False  # plait train's --offload optimizer: ZeRO's state in files, not in memory
+    mesh_order: str = "tp,dp,pp"  # plait train's --mesh-order, tp first (tp groups are priced as consecutive)
+
+    def stride(self, axis: str) -> int:
+        """Ranks between neighbours of ``axis``'s groups: the product of the axes
+        inside it in ``mesh_order``."""
+        order = self.mesh_order.split(",")
+        return math.prod(getattr(self, name) for name in order[:order.index(axis)])
 
     @property
     def devices(self) -> int:
@@ -125,6 +136,9 @@ def layout_problems(layout: Layout, *, num_groups: int, world_size: int, global_
         value = getattr(layout, key)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             problems.append(f"{key}={value!r} must be a whole number >= 1")
+    if layout.mesh_order not in MESH_ORDERS:
+        problems.append(f"mesh_order={layout.mesh_order!r} must be one of {', '.join(MESH_ORDERS)} (the plan prices "
+                        "tp groups as consecutive ranks)")
     for key in ("offload", "offload_optimizer"):
         if not isinstance(getattr(layout, key), bool):
             problems.append(f"{key}={getattr(layout, key)!r} must be True or False")
@@ -339,10 +353,11 @@ def split_groups(summaries: list[GroupCosts], chunks: int, ranks: int | None = N
 
 
 def pipeline_crosses_node(layout: Layout, cluster: Cluster) -> bool:
-    """Whether some pair of pipeline neighbours (tp·dp ranks apart) sits on different
-    nodes. A pipeline spans every rank of the layout, so on more than one node some
-    boundary always crosses, and the slowest boundary paces the pipeline."""
-    return cluster.nodes > 1 and layout.pp > 1
+    """Whether some pair of pipeline neighbours (``layout.stride("pp")`` ranks apart)
+    sits on different nodes; the slowest boundary paces the pipeline. With pp
+    outermost (the default order) a pipeline spans every rank, so on more than one
+    node some boundary always crosses."""
+    return cluster.nodes > 1 and layout.pp > 1 and cluster.group_shape(layout.pp, layout.stride("pp")).nodes > 1
 
 
 def alpa_split(summaries: list[GroupCosts], layout: Layout, cluster: Cluster) -> list[list[int]]:
@@ -476,7 +491,7 @@ def estimate(groups: list[list[Unit]], layout: Layout, cluster: Cluster, precisi
     heavy = max(range(p), key=lambda r: ranks[r]["params"])
     params = ranks[heavy]["params"]
     grad_bytes, param_bytes = params * precision.grad_bytes, params * precision.param_bytes
-    dp, stride = layout.dp, layout.tp
+    dp, stride = layout.dp, layout.stride("dp")
 
     def collective(name: str, nbytes: float) -> float:
         seconds, algorithm = cluster.collective_time_s(name, nbytes, dp, stride)
@@ -499,11 +514,11 @@ def estimate(groups: list[list[Unit]], layout: Layout, cluster: Cluster, precisi
                                  + gathers * collective("all_gather", param_bytes / zero_units))
     if chimera:  # the two replicas of each stage (ranks r and p-1-r) sum their gradients
         seconds, algorithms["chimera replicas"] = cluster.collective_time_s(
-            "all_reduce", grad_bytes / (dp if layout.zero_stage >= 1 else 1), 2, layout.tp * dp * (p - 1))
+            "all_reduce", grad_bytes / (dp if layout.zero_stage >= 1 else 1), 2, layout.stride("pp") * (p - 1))
         dp_s += seconds
     if p > 1 and tied_embedding_params:
         seconds, algorithms["tied embedding"] = cluster.collective_time_s(
-            "all_reduce", tied_embedding_params * precision.grad_bytes, 2, layout.tp * layout.dp * (p - 1))
+            "all_reduce", tied_embedding_params * precision.grad_bytes, 2, layout.stride("pp") * (p - 1))
         dp_s += seconds
     times["dp_comm"] = dp_s
     sharded = params / dp if layout.zero_stage >= 1 else params

@@ -33,8 +33,8 @@ from collections import Counter
 from dataclasses import dataclass, field, replace
 
 from plait.plan.cluster import MAX_DEVICES, Cluster
-from plait.plan.estimate import (SCHEDULES, Estimate, Layout, alpa_split, combine, estimate, layout_problems,
-                                 split_groups, summarize)
+from plait.plan.estimate import (MESH_ORDERS, SCHEDULES, Estimate, Layout, alpa_split, combine, estimate,
+                                 layout_problems, split_groups, summarize)
 from plait.plan.precision import PRECISIONS, precision_for
 from plait.plan.grid import (DEFAULT_MAX_LAYOUTS, Family, Pruning, divisors, enumerate_families, fit_budget,
                              variant_choices)
@@ -82,6 +82,7 @@ class PlanRequest:
     accounting: str = "megatron"
     offload: bool = False  # plait train's --offload-activations (fixed, not searched)
     offload_optimizer: bool = False  # plait train's --offload optimizer (fixed, not searched)
+    mesh_order: str = "tp,dp,pp"  # plait train's --mesh-order (fixed, not searched)
     memory_limit_bytes: float | None = None
     memory_reserve_fraction: float = 0.1
     max_micro_batch: int = 32
@@ -250,7 +251,8 @@ def search(model, cluster: Cluster, request: PlanRequest, *, suggest: bool = Tru
                             layout = Layout(tp=tp, pp=pp, dp=dp, micro_batch=mb, num_microbatches=m,
                                             schedule=schedule, virtual=virtual, recompute=rc, zero_stage=zero,
                                             sequence_parallel=sp, offload=request.offload,
-                                            offload_optimizer=request.offload_optimizer)
+                                            offload_optimizer=request.offload_optimizer,
+                                            mesh_order=request.mesh_order)
                             problems = layout_problems(layout, num_groups=model.num_groups, world_size=world,
                                                        global_batch=batch, tp_problem=None,
                                                        seq_len=getattr(model, "seq_len", None))
@@ -349,6 +351,9 @@ def _kind(problem: str) -> str:
 def _check_fixed(model, world: int, request: PlanRequest) -> None:
     """Reject fixed degrees that no layout can honour, naming the rule broken."""
     problems = []
+    if request.mesh_order not in MESH_ORDERS:
+        problems.append(f"mesh_order={request.mesh_order!r} must be one of {', '.join(MESH_ORDERS)} (the plan "
+                        "prices tp groups as consecutive ranks)")
     for key in ("tp", "pp", "dp"):
         value = getattr(request, key)
         if value is not None and world % value:
