@@ -129,6 +129,9 @@ def test_the_cli_names_bad_flags(capsys):
     assert "rate 'fast' is not a rate tc takes" in capsys.readouterr().err
     assert main(["testbed", "up"]) == 2
     assert "give --preset NAME, or --hosts H" in capsys.readouterr().err
+    if _NO_NAMESPACES is None and not netns.namespaces():  # no testbed of the default name up here
+        assert main(["testbed", "run", "--", "job.py"]) == 2
+        assert "plait testbed: error: no testbed is up: run `plait testbed up` first" in capsys.readouterr().err
 
 
 JOB = os.path.join(os.path.dirname(__file__), "allreduce_job.py")

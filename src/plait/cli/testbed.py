@@ -51,7 +51,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     job = actions.add_parser("run", prog="plait testbed run", help="run a torchrun job across the testbed's hosts")
     job.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
                      help="stop every agent after this long (exit 124)")
-    job.add_argument("command", nargs=argparse.REMAINDER, help="-- then the script and its arguments, as for torchrun")
+    job.add_argument("job", metavar="command", nargs=argparse.REMAINDER, help="-- then the script and its arguments, as for torchrun")
     job.set_defaults(run=run_job)
     measure = actions.add_parser("probe", prog="plait testbed probe",
                                  help="measure every host pair and write a plait topology file")
@@ -80,7 +80,7 @@ def run_probe(args) -> int:
 
 
 def run_job(args) -> int:
-    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    command = args.job[1:] if args.job[:1] == ["--"] else args.job
     try:
         netns.check_privileges()
         testbed = netns.Testbed.current()
