@@ -169,6 +169,8 @@ class Tuner:
         numel = nbytes // itemsize
         if collective == "all_to_all":
             numel = 2 * (numel - numel % world_size)  # [input | output]
+        elif collective == "all_gather":
+            numel = max(world_size, numel - numel % world_size)  # p equal inputs, as a real call has
         root = 0 if collective in ROOTED else None
         return build_schedule(collective, algorithm, world_size, numel, root, pipeline_segments(nbytes), hierarchy,
                               self.topology), itemsize
