@@ -33,6 +33,7 @@ with a warning, to the ring algorithm.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import math
 import os
@@ -41,19 +42,20 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from plait.comm.algorithms import ring
-from plait.comm.algorithms.synth_milp import RouteProblem, hop_distances, round_time_s, solve_routes
+from plait.comm.algorithms.synth_milp import RouteProblem, solve_routes, unreachable
 from plait.comm.schedule import Step, Transfer, chunk_bounds
+from plait.cost.topology_io import topology_fingerprint
 
-__all__ = ["Sketch", "Synthesis", "synthesize", "topology_fingerprint", "model_time_s", "clear_cache",
+__all__ = ["Sketch", "Synthesis", "synthesize", "model_time_s", "clear_cache",
            "BUILDERS", "NODE_LIMIT", "MIP_REL_GAP", "BACKSTOP_TIME_LIMIT_S"]
 
 NODE_LIMIT = 200  # branch-and-bound nodes: a deterministic amount of work
-MIP_REL_GAP = 1e-2  # stop once within 1% of the best bound
+MIP_REL_GAP = 5e-2  # stop once within 5% of the best bound
 BACKSTOP_TIME_LIMIT_S = 60.0  # only against a runaway solve; hitting it means fallback
 INTER_HOST = ("all", "matching")
 _FORMAT = "plait-synth-routes/1"
 _MAX_CACHED = 256
-_ROUTES: dict[tuple, dict] = {}  # cache key -> {"rounds", "objective_s", "solve_s", "reason"}
+_ROUTES: dict[str, dict] = {}  # cache key (JSON) -> {"rounds", "objective_s", "solve_s", "reason"}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -68,11 +70,17 @@ class Sketch:
     ceil(log2 hosts) + ceil(log2 largest host) + 1, enough for a doubling tree over
     the hosts and a doubling fan-out inside each, plus one round of slack to detour
     around a slow link or, with "matching", to reach a rank that has a partner.
+    ``symmetry``: local rank k's chunks follow local rank 0's routes with every host's
+    local indices shifted by k, and, where a permutation of the hosts keeps every
+    route's latency and bandwidths, one host's chunks follow another's through it
+    (TACCL's symmetry offsets): the MILP shrinks by the host size (up to p), at no
+    loss where ranks and hosts are interchangeable.
     """
 
     chunks_per_rank: int = 1
     inter_host: str = "all"
     rounds: int | None = None
+    symmetry: bool = True
 
     def __post_init__(self) -> None:
         problems = []
@@ -84,6 +92,8 @@ class Sketch:
         if self.rounds is not None and (isinstance(self.rounds, bool) or not isinstance(self.rounds, int)
                                         or self.rounds < 1):
             problems.append(f"rounds={self.rounds!r} must be an int >= 1 or None (automatic)")
+        if not isinstance(self.symmetry, bool):
+            problems.append(f"symmetry={self.symmetry!r} must be True or False")
         if problems:
             raise ValueError("Sketch: " + "; ".join(problems))
 
@@ -105,26 +115,17 @@ class Sketch:
 class Synthesis:
     """A synthesised schedule: its steps, which algorithm they are (``"synth"`` or
     ``"ring (fallback: <why>)"``), their time under the MILP's cost model at the
-    actual chunk sizes, the solver's wall time and whether the routes came from a
-    cache."""
+    actual chunk sizes (``model_time_s``), the solver's wall time, whether the routes
+    came from a cache, the size bucket and the MILP's own objective for an all-gather
+    of chunks of exactly ``bucket_bytes`` (nan after a fallback)."""
 
     steps: tuple[Step, ...]
     used: str
     objective_s: float
     solve_s: float
     from_cache: bool = False
-
-
-def topology_fingerprint(topology) -> str:
-    """sha256 of the nodes, links and allocation (not the display name): equal for
-    equal clusters, whatever process computes it."""
-    description = {
-        "nodes": [[n.name, n.kind, n.host, n.reduce_bytes_per_s] for n in topology.nodes],
-        "links": [[list(l.endpoints), repr(float(l.bandwidth_bytes_per_s)), repr(float(l.latency_s))]
-                  for l in topology.links],
-        "allocation": list(topology.allocation),
-    }
-    return hashlib.sha256(json.dumps(description, sort_keys=True).encode()).hexdigest()
+    bucket_bytes: int = 0
+    milp_objective_s: float = math.nan
 
 
 def clear_cache() -> None:
@@ -171,25 +172,80 @@ def _route_problem(topology, sketch: Sketch, chunk_bytes: int) -> RouteProblem:
     edges = sketch.edges(topology)
     routes = [topology.route(u, v) for u, v in edges]
     latency = topology.latency_s
-    p, chunks = topology.world_size, sketch.chunks_per_rank
+    p, pieces = topology.world_size, sketch.chunks_per_rank
+    groups = topology.hierarchy()
     return RouteProblem(
-        world_size=p, owners=tuple(c // chunks for c in range(p * chunks)), edges=edges,
+        world_size=p, owners=tuple(c // pieces for c in range(p * pieces)), edges=edges,
         edge_links=tuple(tuple(route) for route in routes),
         edge_latency_s=tuple(float(sum(latency[link] for link in route)) for route in routes),
         capacity_bytes_per_s=tuple(float(b) for b in topology.capacity_bytes_per_s),
-        chunk_bytes=chunk_bytes, rounds=sketch.rounds_for(topology), groups=topology.hierarchy())
+        chunk_bytes=chunk_bytes, rounds=sketch.rounds_for(topology), groups=groups,
+        orbits=_orbits(topology, groups, pieces, sketch))
 
 
-def _unreachable(problem: RouteProblem, sketch: Sketch) -> str | None:
-    """Why the sketch cannot deliver every chunk in its rounds (None if it can)."""
-    for owner in range(problem.world_size):
-        distance = hop_distances(problem.world_size, problem.edges, owner)
-        far = max(range(problem.world_size), key=lambda v: distance[v])
-        if distance[far] > problem.rounds:
-            hops = "no path" if distance[far] == math.inf else f"{distance[far]} hops"
-            return (f"the {sketch.inter_host!r} sketch needs {hops} from rank {owner} to rank {far} "
-                    f"but allows rounds={problem.rounds}")
-    return None
+def _orbits(topology, groups, pieces: int, sketch: Sketch):
+    """Chunk orbits (see ``synth_milp``). With symmetry, local rank 0's j-th chunk on a
+    host stands for local rank k's, through the map shifting every host's local
+    indices by k; where a permutation of the hosts keeps the costs
+    (``_host_symmetries``), one host's chunks also stand for those of the hosts it is
+    mapped to. Without symmetry, or under "matching" with hosts of different sizes
+    (where the shift breaks the k-to-k pairing), every chunk stands alone."""
+    p = sum(map(len, groups))
+    if not sketch.symmetry or (sketch.inter_host == "matching" and len(set(map(len, groups))) > 1):
+        return tuple((c, ((c, tuple(range(p))),)) for c in range(p * pieces))
+
+    def rank_map(host_perm, k: int) -> tuple[int, ...]:
+        image = [0] * p
+        for i, group in enumerate(groups):
+            target = groups[host_perm[i]]
+            for j, rank in enumerate(group):
+                image[rank] = target[(j + k) % len(target)]
+        return tuple(image)
+
+    orbits, covered = [], set()
+    for i, group in enumerate(groups):
+        if i in covered:
+            continue
+        reached = {}  # image host -> the first host permutation (in a fixed order) reaching it
+        for host_perm in _host_symmetries(topology, groups, rank_map):
+            reached.setdefault(host_perm[i], host_perm)
+        covered.update(reached)
+        for j in range(pieces):
+            members = tuple((groups[h][k] * pieces + j, rank_map(perm, k))
+                            for h, perm in sorted(reached.items()) for k in range(len(groups[h])))
+            orbits.append((group[0] * pieces + j, members))
+    return tuple(orbits)
+
+
+def _host_symmetries(topology, groups, rank_map) -> list[tuple[int, ...]]:
+    """Host permutations that keep every rank pair's route latency and link bandwidths,
+    identity first: all of them for up to 7 equal hosts (a uniform mesh: all; a ring
+    with one slow link: the reflection across it), cyclic shifts beyond, none for
+    hosts of different sizes."""
+    count = len(groups)
+    identity = tuple(range(count))
+    if count < 2 or len(set(map(len, groups))) > 1:
+        return [identity]
+    capacity, latency = topology.capacity_bytes_per_s, topology.latency_s
+    signatures: dict[tuple[int, int], tuple] = {}
+
+    def signature(u: int, v: int) -> tuple:
+        if (u, v) not in signatures:
+            route = topology.route(u, v)
+            signatures[u, v] = (round(float(sum(latency[link] for link in route)), 15),
+                                tuple(sorted(float(capacity[link]) for link in route)))
+        return signatures[u, v]
+
+    p = topology.world_size
+    pairs = [(u, v) for u in range(p) for v in range(p) if u != v]
+    candidates = (itertools.permutations(range(count)) if count <= 7
+                  else (tuple((i + s) % count for i in range(count)) for s in range(count)))
+    kept = []
+    for host_perm in candidates:
+        image = rank_map(host_perm, 0)
+        if all(signature(u, v) == signature(image[u], image[v]) for u, v in pairs):
+            kept.append(host_perm)
+    return kept
 
 
 # ----- solving, with the caches ----------------------------------------------------------------------
@@ -206,14 +262,16 @@ def _routes(topology, sketch: Sketch, bucket_bytes: int, *, cache_dir, node_limi
     path = None
     if cache_dir is not None:
         path = Path(cache_dir) / f"synth-{hashlib.sha256(memory_key.encode()).hexdigest()[:32]}.json"
-        if path.exists():
+        try:
             stored = json.loads(path.read_text())
-            if stored.get("key") == key:
-                entry = {"rounds": [[tuple(send) for send in sends] for sends in stored["rounds"]],
-                         "objective_s": stored["objective_s"], "solve_s": stored["solve_s"], "reason": None}
-                _ROUTES[memory_key] = entry
-                return entry, True
-    reason = _unreachable(problem, sketch)
+        except (OSError, ValueError):  # absent, unreadable or half-written by an old version: solve
+            stored = {}
+        if isinstance(stored, dict) and stored.get("key") == key:
+            entry = {"rounds": [[tuple(send) for send in sends] for sends in stored["rounds"]],
+                     "objective_s": stored["objective_s"], "solve_s": stored["solve_s"], "reason": None}
+            _ROUTES[memory_key] = entry
+            return entry, True
+    reason = unreachable(problem)
     if reason is not None:
         entry = {"rounds": None, "objective_s": math.nan, "solve_s": 0.0, "reason": reason}
     else:
@@ -275,8 +333,8 @@ def synthesize(topology, collective: str, buffer_numel: int, itemsize: int = 4, 
     if p == 1 or buffer_numel == 0:
         return Synthesis(steps=(), used="synth", objective_s=0.0, solve_s=0.0)
     regions = _chunk_regions(collective, p, buffer_numel, sketch.chunks_per_rank)
-    chunk_bytes = max(numel for _, numel in regions) * itemsize
-    entry, from_cache = _routes(topology, sketch, _bucket_bytes(chunk_bytes), cache_dir=cache_dir,
+    bucket_bytes = _bucket_bytes(max(numel for _, numel in regions) * itemsize)
+    entry, from_cache = _routes(topology, sketch, bucket_bytes, cache_dir=cache_dir,
                                 node_limit=node_limit, mip_rel_gap=mip_rel_gap, time_limit_s=time_limit_s)
     if entry["rounds"] is None:
         used = f"ring (fallback: {entry['reason']})"
@@ -288,7 +346,8 @@ def synthesize(topology, collective: str, buffer_numel: int, itemsize: int = 4, 
             steps = _reduce_scatter_steps(entry["rounds"], regions) + steps
         used = "synth"
     return Synthesis(steps=tuple(steps), used=used, objective_s=model_time_s(steps, topology, itemsize),
-                     solve_s=entry["solve_s"], from_cache=from_cache)
+                     solve_s=entry["solve_s"], from_cache=from_cache, bucket_bytes=bucket_bytes,
+                     milp_objective_s=entry["objective_s"])
 
 
 def _checked_topology(world_size: int, options: dict):

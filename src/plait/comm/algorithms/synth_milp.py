@@ -16,16 +16,22 @@ Variables (t = 1..R is a round, round 0 is the start):
 
 Constraints:
 
-    x[c, (u, v), t] <= h[c, u, t-1]                    a rank sends only what it held
-                                                       at the end of the previous round
+    sum_v x[c, (u, v), t] <= deg(u) h[c, u, t-1]       a rank sends only what it held at
+                                                       the end of the previous round
     h[c, v, t] = h[c, v, t-1] + sum_u x[c, (u, v), t]  holding grows by what arrives; as h
                                                        is binary and starts at 0 off the
                                                        owner, each rank receives each
                                                        chunk at most once (exactly once,
                                                        with h[., ., R] = 1): every
-                                                       chunk's route is a tree rooted
-                                                       at its owner, which reduce-scatter
+                                                       chunk's route is a tree rooted at
+                                                       its owner, which reduce-scatter
                                                        reverses
+    sum_{t, e enters host H} x[c, e, t] >= 1           for each host H without owner(c):
+                                                       implied by the above for integers,
+                                                       but without it the LP relaxation
+                                                       lets a fraction of a chunk that
+                                                       crossed to a host be copied to all
+                                                       its ranks, and its bound is ~0
     sum_u latency(u, v) x[c, (u, v), t] <= lat_t       (one term at most is 1)
     lat_t + sum_{c, e crossing l} x[c, e, t] chunk_bytes / capacity(l) <= tau_t
                                                        for every physical directed link l
@@ -36,15 +42,23 @@ round costs nothing. Because every non-owner receives every chunk exactly once, 
 number of sends is fixed at K (p - 1): no redundant send can be chosen, so no extra
 weight on sum x is needed to discourage them.
 
-Size: x has at most K |E| R binaries (pruned to sends a rank can make: a rank u can
-hold chunk c in round t only if it is within t - 1 hops of the owner), h has
-K p (R + 1); rows are one per x, one per (c, v, t) twice, and one per (round, link
-some edge crosses). For p = 16, K = 16, all pairs allowed and R = 5 that is about
-19,000 binaries. Branch and bound stops after ``node_limit`` nodes or at
-``mip_rel_gap``: both are amounts of work, not of time, so every rank that builds the
-model gets the same answer; the wall-clock limit is only a backstop, and a solve
-that hits it (or finds no solution) is reported as a failure the caller turns into
-a deterministic fallback.
+Symmetry (TACCL's "symmetry offsets"). Chunks fall into orbits: a representative and
+the chunks that follow its routes through a rank permutation (``synth`` maps local
+rank 0's chunk to local rank k's by shifting every host's local indices by k). Only
+representatives get variables; a representative may use an edge only if every image
+of it is allowed, its latency row uses the slowest image, and each link row counts
+every image crossing the link. Routes stay trees, costs stay exact; the restriction
+may only lose optimality where ranks of a host are not interchangeable.
+
+Size: x has at most (representatives) |E| R binaries, pruned to sends a rank can make
+(u holds chunk c before round t only if it is within t - 1 hops of the owner); h has
+(representatives) p (R + 1). p = 16 with all 240 pairs allowed and R = 5 is
+16 x 240 x 5 = 19,200 binaries without symmetry; 4 x 240 x 5 = 4,800 on 4 hosts of 4
+told apart by a slow link; 1,200 on alike hosts (one representative). Branch and bound stops
+after ``node_limit`` nodes or at ``mip_rel_gap``: both are amounts of work, not of
+time, so every rank that builds the model gets the same answer; the wall-clock limit
+is only a backstop, and a solve that hits it (or finds no solution) is reported as a
+failure the caller turns into a deterministic fallback.
 """
 
 from __future__ import annotations
@@ -58,12 +72,10 @@ import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
 from scipy.sparse import csr_matrix
 
-__all__ = ["RouteProblem", "RouteResult", "hop_distances", "solve_routes", "round_time_s"]
+__all__ = ["RouteProblem", "RouteResult", "solve_routes", "unreachable", "round_time_s"]
 
 # (chunk, src rank, dst rank): one chunk crossing one edge
 Send = tuple[int, int, int]
-AGGREGATE = False
-CUTS = True
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -72,18 +84,31 @@ class RouteProblem:
 
     ``edges[i] = (u, v)`` is an allowed directed rank pair; ``edge_links[i]`` the
     physical directed link ids its route crosses and ``edge_latency_s[i]`` the sum of
-    their latencies; ``capacity_bytes_per_s[l]`` is link l's bandwidth.
+    their latencies; ``capacity_bytes_per_s[l]`` is link l's bandwidth. ``groups``
+    are the ranks of each host. ``orbits`` lists, per representative chunk, the
+    (chunk, rank map) pairs that follow its routes (``rank_map[r]`` is r's image;
+    the representative itself appears with the identity).
     """
 
     world_size: int
-    owners: tuple[int, ...]  # owner rank of each chunk
+    owners: tuple[int, ...]
     edges: tuple[tuple[int, int], ...]
     edge_links: tuple[tuple[int, ...], ...]
     edge_latency_s: tuple[float, ...]
     capacity_bytes_per_s: tuple[float, ...]
     chunk_bytes: int
     rounds: int
-    groups: tuple[tuple[int, ...], ...] = ()  # ranks of each host, for the cut rows
+    groups: tuple[tuple[int, ...], ...]
+    orbits: tuple[tuple[int, tuple[tuple[int, tuple[int, ...]], ...]], ...]
+
+    def edge_index(self) -> dict[tuple[int, int], int]:
+        return {edge: e for e, edge in enumerate(self.edges)}
+
+    def representative_edges(self, chunk: int) -> list[int]:
+        """Edges the representative ``chunk`` may use: those all of whose images are allowed."""
+        index = self.edge_index()
+        maps = [rank_map for rep, members in self.orbits if rep == chunk for _, rank_map in members]
+        return [e for e, (u, v) in enumerate(self.edges) if all((m[u], m[v]) in index for m in maps)]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -98,7 +123,7 @@ class RouteResult:
     nodes: int
 
 
-def hop_distances(world_size: int, edges, source: int) -> list[float]:
+def _hop_distances(world_size: int, edges, source: int) -> list[float]:
     """Fewest edges from ``source`` to each rank (inf where unreachable)."""
     out_edges: dict[int, list[int]] = {}
     for u, v in edges:
@@ -115,142 +140,155 @@ def hop_distances(world_size: int, edges, source: int) -> list[float]:
     return distance
 
 
-def round_time_s(sends, chunk_bytes, edge_index: dict, problem: RouteProblem) -> float:
+def unreachable(problem: RouteProblem) -> str | None:
+    """Why some chunk cannot reach every rank in the rounds allowed (None if all can)."""
+    for rep, _ in problem.orbits:
+        owner = problem.owners[rep]
+        distance = _hop_distances(problem.world_size,
+                                  [problem.edges[e] for e in problem.representative_edges(rep)], owner)
+        far = max(range(problem.world_size), key=lambda v: distance[v])
+        if distance[far] > problem.rounds:
+            hops = "there is no path" if distance[far] == math.inf else f"it takes {distance[far]} rounds"
+            return f"from rank {owner} to rank {far} {hops}, but the sketch allows rounds={problem.rounds}"
+    return None
+
+
+def round_time_s(sends, chunk_bytes, problem: RouteProblem) -> float:
     """The MILP's price of one round: slowest route latency + busiest link's bytes /
-    bandwidth. ``chunk_bytes`` maps a chunk to its size in bytes."""
-    if not sends:
-        return 0.0
+    bandwidth. ``chunk_bytes(chunk)`` is a chunk's size in bytes."""
+    index = problem.edge_index()
     load_bytes: dict[int, float] = {}
     latency_s = 0.0
     for chunk, src, dst in sends:
-        edge = edge_index[(src, dst)]
+        edge = index[src, dst]
         latency_s = max(latency_s, problem.edge_latency_s[edge])
         for link in problem.edge_links[edge]:
             load_bytes[link] = load_bytes.get(link, 0.0) + chunk_bytes(chunk)
-    return latency_s + max(
-        (nbytes / problem.capacity_bytes_per_s[link] for link, nbytes in load_bytes.items()), default=0.0)
+    if not sends:
+        return 0.0
+    return latency_s + max(nbytes / problem.capacity_bytes_per_s[link] for link, nbytes in load_bytes.items())
 
 
-class _Columns:
-    """Variable numbering: names in creation order, so the model is the same every time."""
+class _Model:
+    """Columns and rows in creation order, so the model is identical on every rank."""
 
     def __init__(self) -> None:
-        self.index: dict[tuple, int] = {}
-        self.lower: list[float] = []
-        self.upper: list[float] = []
+        self.col: dict[tuple, int] = {}
+        self.col_lower: list[float] = []
+        self.col_upper: list[float] = []
         self.integral: list[int] = []
-
-    def add(self, key: tuple, lower: float, upper: float, integral: bool) -> int:
-        self.index[key] = len(self.lower)
-        self.lower.append(lower)
-        self.upper.append(upper)
-        self.integral.append(1 if integral else 0)
-        return self.index[key]
-
-
-class _Rows:
-    def __init__(self) -> None:
         self.data: list[float] = []
-        self.cols: list[int] = []
+        self.indices: list[int] = []
         self.ptr: list[int] = [0]
-        self.lower: list[float] = []
-        self.upper: list[float] = []
+        self.row_lower: list[float] = []
+        self.row_upper: list[float] = []
 
-    def add(self, terms: list[tuple[int, float]], lower: float, upper: float) -> None:
-        for col, coefficient in terms:
-            self.cols.append(col)
-            self.data.append(coefficient)
-        self.ptr.append(len(self.cols))
-        self.lower.append(lower)
-        self.upper.append(upper)
+    def add_col(self, key: tuple, lower: float, upper: float, integral: bool) -> None:
+        self.col[key] = len(self.col_lower)
+        self.col_lower.append(lower)
+        self.col_upper.append(upper)
+        self.integral.append(1 if integral else 0)
+
+    def add_row(self, terms: dict[int, float], lower: float, upper: float) -> None:
+        for col in sorted(terms):
+            self.indices.append(col)
+            self.data.append(terms[col])
+        self.ptr.append(len(self.indices))
+        self.row_lower.append(lower)
+        self.row_upper.append(upper)
+
+
+def _build(problem: RouteProblem) -> tuple[_Model, dict, float]:
+    """The model of the module docstring; returns it, the x columns and the time unit."""
+    p, rounds, owners, edges = problem.world_size, problem.rounds, problem.owners, problem.edges
+    # Times are in units of the largest coefficient, so HiGHS sees numbers <= 1.
+    chunk_s = [problem.chunk_bytes / capacity for capacity in problem.capacity_bytes_per_s]
+    unit_s = max([*(chunk_s[link] for links in problem.edge_links for link in links),
+                  *problem.edge_latency_s, 1e-12])
+    index = problem.edge_index()
+    model = _Model()
+    x: dict[tuple[int, int, int], int] = {}  # (chunk, edge, round) -> column
+    for rep, _ in problem.orbits:
+        owner = owners[rep]
+        for t in range(rounds + 1):
+            for v in range(p):
+                if v == owner or t == rounds > 0:
+                    bounds = (1.0, 1.0)  # the owner always holds it; everyone does at the end
+                else:
+                    bounds = (0.0, 0.0) if t == 0 else (0.0, 1.0)
+                model.add_col(("h", rep, v, t), *bounds, True)
+        usable = problem.representative_edges(rep)
+        distance = _hop_distances(p, [edges[e] for e in usable], owner)
+        for t in range(1, rounds + 1):
+            for e in usable:
+                u, v = edges[e]
+                if v != owner and distance[u] <= t - 1:
+                    model.add_col(("x", rep, e, t), 0.0, 1.0, True)
+                    x[rep, e, t] = model.col["x", rep, e, t]
+    for t in range(1, rounds + 1):
+        model.add_col(("lat", t), 0.0, math.inf, False)
+        model.add_col(("tau", t), 0.0, math.inf, False)
+    h = model.col
+
+    sends_from: dict[tuple[int, int, int], list[int]] = {}
+    arrivals: dict[tuple[int, int, int], list[tuple[int, int]]] = {}  # -> [(edge, column)]
+    for (rep, e, t), col in x.items():
+        u, v = edges[e]
+        sends_from.setdefault((rep, u, t), []).append(col)
+        arrivals.setdefault((rep, v, t), []).append((e, col))
+    for (rep, u, t), cols in sends_from.items():  # send only what was held before the round
+        if u != owners[rep]:
+            model.add_row({**{col: 1.0 for col in cols}, h["h", rep, u, t - 1]: -float(len(cols))}, -math.inf, 0.0)
+    for rep, members in problem.orbits:
+        for t in range(1, rounds + 1):
+            for v in range(p):
+                if v == owners[rep]:
+                    continue
+                into = arrivals.get((rep, v, t), [])
+                model.add_row({h["h", rep, v, t]: 1.0, h["h", rep, v, t - 1]: -1.0, **{col: -1.0 for _, col in into}},
+                              0.0, 0.0)
+                latency = {}
+                for e, col in into:
+                    u = edges[e][0]
+                    worst_s = max(problem.edge_latency_s[index[m[u], m[v]]] for _, m in members)
+                    if worst_s > 0:
+                        latency[col] = worst_s / unit_s
+                if latency:
+                    model.add_row({**latency, model.col["lat", t]: -1.0}, -math.inf, 0.0)
+    group_of = {rank: g for g, group in enumerate(problem.groups) for rank in group}
+    entering: dict[tuple[int, int], dict[int, float]] = {}  # (chunk, host) -> sends into the host
+    for (rep, e, t), col in x.items():
+        u, v = edges[e]
+        if group_of[u] != group_of[v]:
+            entering.setdefault((rep, group_of[v]), {})[col] = 1.0
+    for rep, _ in problem.orbits:  # every host without the owner is entered at least once
+        for g in range(len(problem.groups)):
+            if g != group_of[owners[rep]]:
+                model.add_row(entering.get((rep, g), {}), 1.0, math.inf)
+    link_rows: dict[tuple[int, int], dict[int, float]] = {}
+    members_of = dict(problem.orbits)
+    for (rep, e, t), col in x.items():
+        u, v = edges[e]
+        for _, rank_map in members_of[rep]:
+            for link in problem.edge_links[index[rank_map[u], rank_map[v]]]:
+                row = link_rows.setdefault((t, link), {})
+                row[col] = row.get(col, 0.0) + chunk_s[link] / unit_s
+    for (t, link) in sorted(link_rows):
+        model.add_row({**link_rows[t, link], model.col["lat", t]: 1.0, model.col["tau", t]: -1.0}, -math.inf, 0.0)
+    return model, x, unit_s
 
 
 def solve_routes(problem: RouteProblem, *, node_limit: int, mip_rel_gap: float,
                  time_limit_s: float) -> RouteResult:
     """Build and solve the MILP of the module docstring."""
-    p, rounds = problem.world_size, problem.rounds
-    owners, edges = problem.owners, problem.edges
-    # Times are scaled so the largest coefficient is 1 (HiGHS prefers O(1) numbers).
-    chunk_s = {link: problem.chunk_bytes / problem.capacity_bytes_per_s[link]
-               for links in problem.edge_links for link in links}
-    unit_s = max([*chunk_s.values(), *problem.edge_latency_s, 1e-12])
-    into: dict[int, list[int]] = {}
-    for e, (u, v) in enumerate(edges):
-        into.setdefault(v, []).append(e)
-
-    cols = _Columns()
-    for t in range(rounds + 1):
-        for c, owner in enumerate(owners):
-            for v in range(p):
-                if v == owner or (t == rounds and t > 0):
-                    lower = upper = 1.0  # the owner always holds it; everyone does at the end
-                elif t == 0:
-                    lower = upper = 0.0
-                else:
-                    lower, upper = 0.0, 1.0
-                cols.add(("h", c, v, t), lower, upper, True)
-    for c, owner in enumerate(owners):
-        distance = hop_distances(p, edges, owner)
-        for t in range(1, rounds + 1):
-            for e, (u, v) in enumerate(edges):
-                if v != owner and distance[u] <= t - 1:
-                    cols.add(("x", c, e, t), 0.0, 1.0, True)
-    for t in range(1, rounds + 1):
-        cols.add(("lat", t), 0.0, math.inf, False)
-        cols.add(("tau", t), 0.0, math.inf, False)
-    x = {key[1:]: col for key, col in cols.index.items() if key[0] == "x"}
-    h = {key[1:]: col for key, col in cols.index.items() if key[0] == "h"}
-
-    rows = _Rows()
-    if AGGREGATE:
-        out_of: dict[tuple, list[int]] = {}
-        for (c, e, t), col in x.items():
-            u = edges[e][0]
-            if u != owners[c]:
-                out_of.setdefault((c, u, t), []).append(col)
-        for (c, u, t), out in out_of.items():
-            rows.add([(col, 1.0) for col in out] + [(h[c, u, t - 1], -float(len(out)))], -math.inf, 0.0)
-    else:
-      for (c, e, t), col in x.items():  # send only what was held at the end of round t-1
-        u = edges[e][0]
-        if u != owners[c]:
-            rows.add([(col, 1.0), (h[c, u, t - 1], -1.0)], -math.inf, 0.0)
-    if CUTS:
-        for c, owner in enumerate(owners):
-            for group in problem.groups:
-                if owner in group:
-                    continue
-                inside = set(group)
-                entering = [(col, 1.0) for (c2, e, t), col in x.items()
-                            if c2 == c and edges[e][1] in inside and edges[e][0] not in inside]
-                rows.add(entering, 1.0, math.inf)
-    link_terms: dict[tuple[int, int], list[tuple[int, float]]] = {}
-    for (c, e, t), col in x.items():
-        for link in problem.edge_links[e]:
-            link_terms.setdefault((t, link), []).append((col, chunk_s[link] / unit_s))
-    for t in range(1, rounds + 1):
-        lat, tau = cols.index["lat", t], cols.index["tau", t]
-        for c, owner in enumerate(owners):
-            for v in range(p):
-                if v == owner:
-                    continue
-                arriving = [(x[c, e, t], 1.0) for e in into.get(v, ()) if (c, e, t) in x]
-                # holding grows by exactly what arrives
-                rows.add([(h[c, v, t], 1.0), (h[c, v, t - 1], -1.0)] + [(col, -1.0) for col, _ in arriving], 0.0, 0.0)
-                latency = [(x[c, e, t], problem.edge_latency_s[e] / unit_s)
-                           for e in into.get(v, ()) if (c, e, t) in x and problem.edge_latency_s[e] > 0]
-                if latency:
-                    rows.add(latency + [(lat, -1.0)], -math.inf, 0.0)
-        for link in sorted(link for (t_link, link) in link_terms if t_link == t):
-            rows.add(link_terms[t, link] + [(lat, 1.0), (tau, -1.0)], -math.inf, 0.0)
-
-    objective = np.zeros(len(cols.lower))
-    for t in range(1, rounds + 1):
-        objective[cols.index["tau", t]] = 1.0
-    matrix = csr_matrix((rows.data, rows.cols, rows.ptr), shape=(len(rows.lower), len(cols.lower)))
+    model, x, unit_s = _build(problem)
+    objective = np.zeros(len(model.col_lower))
+    for t in range(1, problem.rounds + 1):
+        objective[model.col["tau", t]] = 1.0
+    matrix = csr_matrix((model.data, model.indices, model.ptr), shape=(len(model.row_lower), len(model.col_lower)))
     started = time.perf_counter()
-    result = milp(objective, integrality=np.array(cols.integral), bounds=Bounds(cols.lower, cols.upper),
-                  constraints=LinearConstraint(matrix, rows.lower, rows.upper),
+    result = milp(objective, integrality=np.array(model.integral), bounds=Bounds(model.col_lower, model.col_upper),
+                  constraints=LinearConstraint(matrix, model.row_lower, model.row_upper),
                   options={"node_limit": node_limit, "mip_rel_gap": mip_rel_gap, "presolve": True,
                            "time_limit": time_limit_s, "disp": False})
     solve_s = time.perf_counter() - started
@@ -262,8 +300,11 @@ def solve_routes(problem: RouteProblem, *, node_limit: int, mip_rel_gap: float,
         # what was found by then depends on the machine's speed: not deterministic
         return RouteResult(sends=None, objective_s=math.nan, solve_s=solve_s, nodes=nodes,
                            reason=f"HiGHS hit the {time_limit_s:g} s backstop before its node limit")
-    sends = tuple(
-        tuple(sorted((c, *edges[e]) for (c, e, t_send), col in x.items() if t_send == t and result.x[col] > 0.5))
-        for t in range(1, rounds + 1))
-    return RouteResult(sends=sends, objective_s=float(result.fun) * unit_s, reason=message, solve_s=solve_s,
-                       nodes=nodes)
+    members_of = dict(problem.orbits)
+    rounds: list[list[Send]] = [[] for _ in range(problem.rounds)]
+    for (rep, e, t), col in x.items():
+        if result.x[col] > 0.5:
+            u, v = problem.edges[e]
+            rounds[t - 1] += [(chunk, rank_map[u], rank_map[v]) for chunk, rank_map in members_of[rep]]
+    return RouteResult(sends=tuple(tuple(sorted(sends)) for sends in rounds), objective_s=float(result.fun) * unit_s,
+                       reason=message, solve_s=solve_s, nodes=nodes)
