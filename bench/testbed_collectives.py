@@ -109,7 +109,7 @@ def markdown(summaries: list[dict]) -> list[str]:
                 continue
             auto = (f"{entry['auto_choice']} ({100 * entry['auto_regret']:+.1f}%)"
                     if entry.get("auto_choice") else "-")
-            lines.append(f"| {summary['preset']} | {summary['collective']} | {entry['size_bytes'] >> 20} MiB | "
+            lines.append(f"| {summary['preset']} | {summary['collective']} | {entry['size_bytes'] / 2**20:.2g} MiB | "
                          f"{entry['best_aware']} / {entry['best_baseline']} | {entry['speedup']:.2f}x | {auto} |")
     lines += ["", "| preset | collective | MAPE >= 1 MiB, per algorithm | all |", "|---|---|---|---|"]
     for summary in summaries:
