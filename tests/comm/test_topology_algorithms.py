@@ -12,24 +12,13 @@ from plait.comm.reference import count_wrong, rank_inputs, reference
 from plait.comm.tuner import Tuner
 from plait.comm.virtual import run_schedule
 from plait.cost.simulator import simulate
-from plait.cost.topology import Link, Node, Topology
+from plait.cost.topology import Topology
 from plait.testing import run_distributed
-
-SLOW_BYTES_PER_S = 12.5e6  # 100 Mbit/s between the hosts
-LOCAL_BYTES_PER_S = 2e9
-
+from tests.comm.topologies import SLOW_BYTES_PER_S, hosts
 
 def two_hosts(ranks=(2, 2), between_bytes_per_s=SLOW_BYTES_PER_S) -> Topology:
     """Hosts h0, h1 with their ranks' devices, as `plait testbed probe` writes them."""
-    nodes, links = [], []
-    for index, count in enumerate(ranks):
-        nodes.append(Node(name=f"h{index}", kind="host", host=f"h{index}"))
-        for rank in range(count):
-            nodes.append(Node(name=f"h{index}.r{rank}", kind="device", host=f"h{index}"))
-            links.append(Link(endpoints=(f"h{index}.r{rank}", f"h{index}"), bandwidth_bytes_per_s=LOCAL_BYTES_PER_S,
-                              latency_s=1e-5))
-    links.append(Link(endpoints=("h0", "h1"), bandwidth_bytes_per_s=between_bytes_per_s, latency_s=1e-4))
-    return Topology(nodes=nodes, links=links, name="two-hosts")
+    return hosts(list(ranks), {(0, 1): between_bytes_per_s})
 
 
 def test_topology_algorithms_need_the_groups_topology():
