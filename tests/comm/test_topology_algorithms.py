@@ -13,7 +13,7 @@ from plait.comm.tuner import Tuner
 from plait.comm.virtual import run_schedule
 from plait.cost.simulator import simulate
 from plait.cost.topology import Topology
-from plait.testing import run_distributed
+from plait.testing import run_distributed, run_fresh_world
 from tests.comm.topologies import SLOW_BYTES_PER_S, hosts
 
 def two_hosts(ranks=(2, 2), between_bytes_per_s=SLOW_BYTES_PER_S) -> Topology:
@@ -138,3 +138,27 @@ def other_topology_per_rank(rank, p):
 def test_ranks_given_other_clusters_are_refused_when_the_communicator_is_made():
     messages = run_distributed(other_topology_per_rank, 4)
     assert all(message and "asked for a different CommConfig" in message for message in messages), messages
+
+
+def diverging_schedules(rank, p):
+    """Rank 1's blink broadcast is built with one more pipeline segment than the
+    others' (as a synthesis cut short by its clock on one rank would differ): same
+    cluster, other schedule. Returns what the call raised."""
+    from plait.comm.algorithms import ALGORITHMS, blink
+
+    if rank == 1:
+        ALGORITHMS["blink"] = {**ALGORITHMS["blink"], "broadcast": lambda world, numel, root, options: blink.broadcast(
+            world, numel, root, {**options, "segments": options["segments"] + 1})}
+    comm.init_communicator(None, comm.CommConfig(topology=two_hosts(), timeout_s=20.0))
+    try:
+        comm.broadcast(torch.ones(1 << 16), src=0, algorithm="blink")
+    except comm.MismatchError as error:
+        return str(error)
+    return None
+
+
+@pytest.mark.slow
+def test_ranks_whose_schedules_differ_are_named_not_fed_wrong_messages():
+    messages = run_fresh_world(diverging_schedules, 4, timeout_s=60)
+    named = [message for message in messages if message]
+    assert named and all("they differ in hierarchy or schedule" in message for message in named), messages

@@ -139,7 +139,7 @@ def _code(text: str) -> int:
     return zlib.crc32(text.encode()) & 0x7FFFFFFF
 
 
-_CHECK_FIELDS = ("collective", "algorithm", "elements", "dtype", "op", "root", "hierarchy",
+_CHECK_FIELDS = ("collective", "algorithm", "elements", "dtype", "op", "root", "hierarchy or schedule",
                  "segment_bytes", "pipeline_segment_bytes")
 
 
@@ -234,9 +234,14 @@ def _launch(collective, communicator, async_op, algorithm, prepare, *, tensor, n
         tree = parse_hierarchy(spec, p, None if world else 1)
         shape = repr(tree)
     elif algorithm in TOPOLOGY_ALGORITHMS:
-        # refused now (no topology, or one for another group size), not inside the job; ranks
-        # given other clusters are stopped by the argument check
-        shape = checked_topology_fingerprint(config.topology, algorithm, p)
+        # refused now (no topology, or one for another group size), not inside the job. The
+        # schedule is built here (the job finds it cached) and its digest checked with the
+        # arguments: ranks whose solves differ (a synthesis stopped by its clock on one rank
+        # only) are named instead of exchanging mismatched messages
+        fingerprint = checked_topology_fingerprint(config.topology, algorithm, p)
+        schedule = build_schedule(collective, algorithm, p, prepared.numel, root,
+                                  pipeline_segments(nbytes, config.pipeline_segment_bytes), None, config.topology)
+        shape = f"{fingerprint}:{schedule.digest()}"
     signature = CallSignature(collective, algorithm, tensor.numel() if check_numel is None else check_numel, dtype,
                               op, root, 0 if shape is None else _code(shape), config.segment_bytes,
                               config.pipeline_segment_bytes)

@@ -45,8 +45,8 @@ from plait.comm.errors import MismatchError
 HEADER_TAG = tags.COLLECTIVE_HEADER
 PACKED_TAG_OFFSET = tags.COLLECTIVE_PACKED.start - tags.COLLECTIVE.start
 MAGIC = 0x504C_4149  # "PLAI"
-HEADER_FIELDS = ("magic", "seq", "collective", "algorithm", "elements", "dtype", "op", "root", "hierarchy",
-                 "segment_bytes", "pipeline_segment_bytes", "payload_bytes")
+HEADER_FIELDS = ("magic", "seq", "collective", "algorithm", "elements", "dtype", "op", "root",
+                 "hierarchy or schedule", "segment_bytes", "pipeline_segment_bytes", "payload_bytes")
 HEADER_BYTES = 8 * len(HEADER_FIELDS)
 INLINE_BYTES = 64 << 10
 
@@ -78,7 +78,7 @@ class CallSignature:
     dtype: torch.dtype
     op: str
     root: int | None
-    hierarchy: int  # crc of the hierarchy spec, 0 for none
+    hierarchy: int  # crc of the hierarchy spec, or of a topology algorithm's cluster and schedule; 0 for none
     segment_bytes: int
     pipeline_segment_bytes: int
 

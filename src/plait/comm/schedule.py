@@ -21,6 +21,7 @@ another in the same step, and both executors give bit-identical results.
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -180,6 +181,18 @@ class Schedule:
                             f"reduces into partly overlapping ranges [{a0},{a1}) and [{b0},{b1})"
                         )
         return self
+
+    def digest(self) -> int:
+        """A crc32 of every transfer of every step (cached): equal on ranks that built
+        the same schedule, which the argument check compares for the algorithms built
+        from a topology."""
+        cached = self._per_rank.get("digest")
+        if cached is None:
+            cached = 0
+            for step in self.steps:
+                cached = zlib.crc32(repr(step.transfers).encode(), cached)
+            self._per_rank["digest"] = cached
+        return cached
 
     # ----- per-rank view the executor uses -----------------------------------------
     def rank_steps(self, rank: int) -> list[tuple[list[Transfer], list[Transfer]]]:
