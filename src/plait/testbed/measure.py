@@ -11,14 +11,20 @@ import sys
 
 from plait.testbed.netns import Testbed, TestbedError
 
-_RECEIVE = """
-import socket, sys, time
-address, port, nbytes = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+# Both listeners: take (address, port, count) from argv, say "listening" once the
+# socket is bound (what _serve_and_run waits for) and accept one connection.
+_ACCEPT = """
+import socket, statistics, sys, time
+address, port, count = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 server = socket.create_server((address, port))
 server.settimeout(20)
 print("listening", flush=True)
 connection, _ = server.accept()
 connection.settimeout(20)
+"""
+
+_RECEIVE = _ACCEPT + """
+nbytes = count
 got, first, timed = 0, None, 0
 while got < nbytes:
     chunk = connection.recv(1 << 20)
@@ -84,15 +90,9 @@ def tcp_rate_bits_per_s(testbed: Testbed, sender: int, receiver: int, nbytes: in
     return 8 * timed_bytes / seconds
 
 
-_ECHO = """
-import socket, sys
-address, port, rounds = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-server = socket.create_server((address, port))
-server.settimeout(20)
-print("listening", flush=True)
-connection, _ = server.accept()
+_ECHO = _ACCEPT + """
 connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-for _ in range(rounds):
+for _ in range(count):
     connection.sendall(connection.recv(1))
 """
 
