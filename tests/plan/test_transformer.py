@@ -67,9 +67,12 @@ def test_presets_have_their_advertised_sizes():
     """Parameter counts within 2% of the names (GPT-3 paper, Megatron-LM Table 1)."""
     sizes = {"gpt-125m": 125e6, "gpt-350m": 350e6, "gpt-1.3b": 1.3e9, "gpt-2.7b": 2.7e9, "gpt-6.7b": 6.7e9,
              "gpt-13b": 13e9, "gpt-175b": 175e9, "gpt-530b": 529.6e9, "gpt-1t": 1008e9, "gpt-145b": 145.6e9,
-             "gpt-310b": 310.1e9, "gpt-76b": 76.1e9, "gpt-39b": 39.1e9, "gpt-18b": 18.4e9}
+             "gpt-310b": 310.1e9, "gpt-76b": 76.1e9, "gpt-39b": 39.1e9, "gpt-18b": 18.4e9, "gpt-7.5b": 7.5e9,
+             "gpt-3.6b": 3.6e9, "gpt-1.7b": 1.7e9}
+    # Table 1's 1.7B is 1.652B rounded to one decimal (2.8% off)
+    loose = {"gpt-125m": 0.06, "gpt-1.7b": 0.03}
     for name, size in sizes.items():
-        assert MODEL_PRESETS[name].num_parameters() == pytest.approx(size, rel=0.06 if name == "gpt-125m" else 0.02), name
+        assert MODEL_PRESETS[name].num_parameters() == pytest.approx(size, rel=loose.get(name, 0.02)), name
 
 
 def test_megatron_accounting_is_korthikanti_table_2():
