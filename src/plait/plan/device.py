@@ -17,6 +17,25 @@ measurements: NVIDIA's cuBLAS reaches roughly 80% of an A100's 312 TFLOP/s on la
 bf16 GEMMs and roughly 70% of an H100's 989, which is what η is set to; kernels cost
 ~4 us each. ``measure_device`` fits t_kernel, η·peak and the bandwidth on the machine
 it runs on (this machine's CPU; on a GPU the same code calibrates the preset).
+
+Calibrated devices (``plait.plan.device_profile``): a spec with a ``matmul_fit``
+(η_max, m0, n0, k0) prices each matmul a layer names in ``forward_matmuls`` at its own
+measured efficiency, η(m, n, k) = η_max / (1 + m0/m + n0/n + k0/k) (small dimensions
+waste tiles and waves), ``attention_fit`` the batched products (the attention core;
+the GEMM fit when absent):
+
+    matmul term = Σ count·2mnk / (peak · η(m, n, k))
+
+A layer without shapes, or a spec without a fit, keeps flops / (η·peak). The kernel
+term kernels·t_kernel is the fit's t_launch (each product is one of the layer's
+kernels). ``optimizer_memory_efficiency`` (measured on a fused AdamW step) prices the
+optimizer's streaming when given, η_mem otherwise.
+
+``DEVICE_PRESETS`` "h100-80gb" is the profile fitted from H100 measurements when
+``plait/plan/profiles/h100.json`` is checked in, the A100 (and H200, unless it has
+its own ``h200.json``) presets derived from it by peak ratio
+(``plait.plan.device_profile.profile_device``); without the file they are the
+vendor-peak, assumed-η presets below.
 """
 
 from __future__ import annotations
@@ -28,9 +47,10 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from plait.plan.layers import LayerCost
+from plait.plan.layers import LayerCost, backward_matmuls, weight_gradient_matmuls
 
-__all__ = ["DeviceSpec", "DEVICE_PRESETS", "device_preset", "measure_device", "DTYPE_BYTES"]
+__all__ = ["DeviceSpec", "DEVICE_PRESETS", "VENDOR_PRESETS", "device_preset", "measure_device", "DTYPE_BYTES",
+           "load_device_profile", "matmul_efficiency_fit"]
 
 GIB = 1 << 30
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8}
@@ -49,6 +69,9 @@ class DeviceSpec:
     memory_efficiency: float = 0.8
     kernel_overhead_s: float = 4e-6
     source: str = ""
+    matmul_fit: tuple[float, float, float, float] | None = None
+    attention_fit: tuple[float, float, float, float] | None = None
+    optimizer_memory_efficiency: float | None = None
 
     def __post_init__(self) -> None:
         problems = []
@@ -65,8 +88,25 @@ class DeviceSpec:
         if not self.peak_flops_per_s or any(not (isinstance(v, (int, float)) and v > 0)
                                             for _, v in self.peak_flops_per_s):
             problems.append(f"peak_flops_per_s={self.peak_flops_per_s!r} must map dtypes to FLOP/s > 0")
+        for key in ("matmul_fit", "attention_fit"):
+            fit = getattr(self, key)
+            if fit is None:
+                continue
+            if not (isinstance(fit, tuple) and len(fit) == 4
+                    and all(not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v) for v in fit)
+                    and 0 < fit[0] <= 1 and min(fit[1:]) >= 0):
+                problems.append(f"{key}={fit!r} must be (eta_max in (0, 1], m0, n0, k0 >= 0) or None")
+        if self.optimizer_memory_efficiency is not None and not (
+                isinstance(self.optimizer_memory_efficiency, (int, float)) and 0 < self.optimizer_memory_efficiency <= 1):
+            problems.append(f"optimizer_memory_efficiency={self.optimizer_memory_efficiency!r} must be in (0, 1] "
+                            "or None")
         if problems:
             raise ValueError(f"invalid device {self.name!r}: " + "; ".join(problems))
+
+    @property
+    def calibrated(self) -> bool:
+        """Whether matmuls are priced by a fitted η(m, n, k)."""
+        return self.matmul_fit is not None
 
     def peak(self, dtype: str) -> float:
         """Dense matmul peak FLOP/s for ``dtype``."""
@@ -75,18 +115,56 @@ class DeviceSpec:
             raise ValueError(f"device {self.name!r} has no peak for dtype {dtype!r}; it has {', '.join(peaks)}")
         return peaks[dtype]
 
-    def time_s(self, *, flops: float, nbytes: float, kernels: float, dtype: str) -> float:
-        """T = kernels·t_kernel + flops/(η·peak) + bytes/(η_mem·bandwidth)."""
-        return (kernels * self.kernel_overhead_s + flops / (self.matmul_efficiency * self.peak(dtype))
+    def time_s(self, *, flops: float, nbytes: float, kernels: float, dtype: str, matmuls: tuple = ()) -> float:
+        """T = kernels·t_kernel + flops/(η·peak) + bytes/(η_mem·bandwidth); with a fit and
+        ``matmuls`` (kind, count, m, n, k) the matmul term is Σ count·2mnk/(peak·η(m,n,k))
+        instead (``flops`` is then not used)."""
+        if self.matmul_fit is not None and matmuls:
+            compute = self.matmul_time_s(matmuls, dtype)
+        else:
+            compute = flops / (self.matmul_efficiency * self.peak(dtype))
+        return (kernels * self.kernel_overhead_s + compute
                 + nbytes / (self.memory_efficiency * self.memory_bandwidth_bytes_per_s))
+
+    def matmul_time_s(self, matmuls, dtype: str) -> float:
+        """Σ count·2mnk / (peak·η(m,n,k)) by the fits (no kernel cost; needs ``matmul_fit``)."""
+        if self.matmul_fit is None:
+            raise ValueError(f"device {self.name!r} has no matmul fit (not calibrated from a device profile)")
+        peak = self.peak(dtype)
+        seconds = 0.0
+        for kind, count, m, n, k in matmuls:
+            fit = self.attention_fit if kind == "bmm" and self.attention_fit is not None else self.matmul_fit
+            seconds += 2.0 * count * m * n * k / (peak * matmul_efficiency_fit(fit, m, n, k))
+        return seconds
 
     def forward_time_s(self, layer: LayerCost, dtype: str) -> float:
         return self.time_s(flops=layer.forward_flops, nbytes=layer.forward_bytes, kernels=layer.forward_kernels,
-                           dtype=dtype)
+                           dtype=dtype, matmuls=layer.forward_matmuls)
 
     def backward_time_s(self, layer: LayerCost, dtype: str) -> float:
         return self.time_s(flops=layer.backward_flops, nbytes=layer.backward_bytes, kernels=layer.backward_kernels,
-                           dtype=dtype)
+                           dtype=dtype, matmuls=backward_matmuls(layer.forward_matmuls))
+
+    def weight_gradient_time_s(self, layer: LayerCost, dtype: str) -> float:
+        """The weight-gradient half of the backward's matmuls (what zero_bubble defers):
+        its (k, n, m) products by the fit, else half the backward FLOPs at η."""
+        return self.time_s(flops=layer.backward_flops / 2, nbytes=0.0, kernels=0, dtype=dtype,
+                           matmuls=weight_gradient_matmuls(layer.forward_matmuls))
+
+    def core_forward_time_s(self, layer: LayerCost, dtype: str) -> float:
+        """The attention core's forward (what selective recomputation re-runs): its
+        batched products by the fit, else its FLOPs at η; plus its memory traffic."""
+        core = tuple(entry for entry in layer.forward_matmuls if entry[0] == "bmm")
+        return self.time_s(flops=layer.core_forward_flops, nbytes=layer.core_forward_bytes, kernels=0, dtype=dtype,
+                           matmuls=core)
+
+    def optimizer_time_s(self, nbytes: float, dtype: str) -> float:
+        """One optimizer step streaming ``nbytes``: one kernel, at the measured
+        optimizer efficiency when the profile has one, else η_mem."""
+        if self.optimizer_memory_efficiency is None:
+            return self.time_s(flops=0.0, nbytes=nbytes, kernels=1, dtype=dtype)
+        return self.kernel_overhead_s + nbytes / (self.optimizer_memory_efficiency
+                                                  * self.memory_bandwidth_bytes_per_s)
 
     def matmul_efficiency_at(self, flops: float, dtype: str) -> float:
         """Achieved fraction of peak of one matmul of ``flops``: η·F / (F + t_kernel·η·peak)."""
@@ -95,9 +173,27 @@ class DeviceSpec:
 
     def describe(self) -> str:
         peaks = ", ".join(f"{k} {v / 1e12:g}" for k, v in self.peak_flops_per_s)
-        return (f"{self.name}: peak TFLOP/s {peaks}; {self.memory_bytes / GIB:.3g} GiB at "
-                f"{self.memory_bandwidth_bytes_per_s / 1e9:.4g} GB/s; matmul efficiency {self.matmul_efficiency:.2f}, "
-                f"memory {self.memory_efficiency:.2f}, {self.kernel_overhead_s * 1e6:.3g} us per kernel")
+        head = (f"{self.name}: peak TFLOP/s {peaks}; {self.memory_bytes / GIB:.3g} GiB at "
+                f"{self.memory_bandwidth_bytes_per_s / 1e9:.4g} GB/s; ")
+        if self.matmul_fit is None:
+            return (head + f"matmul efficiency {self.matmul_efficiency:.2f}, memory {self.memory_efficiency:.2f}, "
+                    f"{self.kernel_overhead_s * 1e6:.3g} us per kernel")
+
+        def fit_text(fit):
+            return f"eta_max {fit[0]:.3g}, m0 {fit[1]:.4g}, n0 {fit[2]:.4g}, k0 {fit[3]:.4g}"
+
+        attention = fit_text(self.attention_fit) if self.attention_fit is not None else "the GEMM fit"
+        optimizer = ("" if self.optimizer_memory_efficiency is None
+                     else f", optimizer {self.optimizer_memory_efficiency:.3g}")
+        return (head + f"calibrated: GEMM eta(m,n,k) {fit_text(self.matmul_fit)}; attention {attention}; "
+                f"memory {self.memory_efficiency:.3g}{optimizer}, {self.kernel_overhead_s * 1e6:.3g} us per kernel "
+                f"[{self.source}]")
+
+
+def matmul_efficiency_fit(fit, m: float, n: float, k: float) -> float:
+    """η(m, n, k) = η_max / (1 + m0/m + n0/n + k0/k) of a fit (η_max, m0, n0, k0)."""
+    eta_max, m0, n0, k0 = fit
+    return eta_max / (1.0 + m0 / m + n0 / n + k0 / k)
 
 
 def _gpu(name, bf16, fp32, tf32, memory_gib, bandwidth, efficiency, source) -> DeviceSpec:
@@ -110,12 +206,30 @@ def _gpu(name, bf16, fp32, tf32, memory_gib, bandwidth, efficiency, source) -> D
 # NVIDIA data sheets: A100 SXM 312 TFLOP/s bf16/fp16 dense, 156 tf32, 19.5 fp32, HBM2 1,555 GB/s
 # (40 GB) / HBM2e 2,039 GB/s (80 GB); H100 SXM 989 bf16 dense, 495 tf32, 67 fp32, HBM3 3.35 TB/s;
 # H200 SXM the H100's compute with 141 GB HBM3e at 4.8 TB/s. Memory in GiB as nvidia-smi shows it.
-DEVICE_PRESETS = {
+VENDOR_PRESETS = {
     "a100-40gb": _gpu("a100-40gb", 312e12, 19.5e12, 156e12, 40, 1555e9, 0.8, "NVIDIA A100 data sheet; eta assumed"),
     "a100-80gb": _gpu("a100-80gb", 312e12, 19.5e12, 156e12, 80, 2039e9, 0.8, "NVIDIA A100 data sheet; eta assumed"),
     "h100-80gb": _gpu("h100-80gb", 989e12, 67e12, 495e12, 80, 3350e9, 0.7, "NVIDIA H100 SXM data sheet; eta assumed"),
     "h200-141gb": _gpu("h200-141gb", 989e12, 67e12, 495e12, 140, 4800e9, 0.7, "NVIDIA H200 data sheet; eta assumed"),
 }
+
+
+def _calibrated_presets() -> dict:
+    """The vendor presets, with those a checked-in profile calibrates replaced
+    (``plait.plan.device_profile.calibrated_presets``)."""
+    from plait.plan.device_profile import calibrated_presets
+
+    return calibrated_presets(VENDOR_PRESETS)
+
+
+DEVICE_PRESETS = _calibrated_presets()
+
+
+def load_device_profile(path) -> DeviceSpec:
+    """The DeviceSpec of the device-profile JSON at ``path`` (``plait.plan.device_profile``)."""
+    from plait.plan.device_profile import load_device_profile as load
+
+    return load(path)
 
 
 def device_preset(name: str) -> DeviceSpec:

@@ -24,8 +24,9 @@ idle (p-1)/v. Chimera (two opposite pipelines, rank r holding stages r and p-1-r
 each micro-batch on one of its two replicas: t_r is their mean, it keeps both replicas'
 parameters, gradients and optimizer states, and all-reduces the replicas' gradients
 between ranks r and p-1-r after the data-parallel reduction. zero_bubble splits the
-backward: the weight gradient is half the backward's matmul time; a recomputed
-forward goes with the input gradient.
+backward: the weight gradient is half the backward's matmul time (on a device
+calibrated per shape, its weight-gradient products' time); a recomputed forward goes
+with the input gradient.
 
 Data parallelism after the pipeline flush (not overlapped, as plait train runs it):
 ZeRO 0 all-reduces the gradients, ZeRO 1 reduce-scatters them and all-gathers the
@@ -270,12 +271,12 @@ def _unit_costs(unit: Unit, tp: int, recompute: str, cluster: Cluster, dtype: st
     forward_comm = _comm_time_s(cluster, unit.comm.forward, tp, algorithms)
     comm = forward_comm + _comm_time_s(cluster, unit.comm.backward, tp, algorithms)
     # a linear layer's backward is two GEMMs of equal FLOPs: input gradient and weight gradient
-    weight = device.time_s(flops=unit.cost.backward_flops / 2, nbytes=0.0, kernels=0, dtype=dtype)
+    # (a calibrated device prices the weight-gradient products' own shapes)
+    weight = device.weight_gradient_time_s(unit.cost, dtype)
     if recompute == "selective" and unit.cost.core_activation_bytes:
         # the attention core runs again in the backward; its s² tensors live only then, after
         # the block's backward has freed what it kept past the core
-        compute += device.time_s(flops=unit.cost.core_forward_flops, nbytes=unit.cost.core_forward_bytes, kernels=0,
-                                 dtype=dtype)
+        compute += device.core_forward_time_s(unit.cost, dtype)
         return GroupCosts(compute, comm, unit.cost.params,
                           unit.cost.activation_bytes - unit.cost.core_activation_bytes,
                           max(unit.cost.core_activation_bytes - unit.cost.post_core_bytes, 0.0),
@@ -523,8 +524,7 @@ def estimate(groups: list[list[Unit]], layout: Layout, cluster: Cluster, precisi
     times["dp_comm"] = dp_s
     sharded = params / dp if layout.zero_stage >= 1 else params
     device = cluster.device
-    times["optimizer"] = device.time_s(flops=0.0, nbytes=sharded * precision.optimizer_traffic_bytes, kernels=1,
-                                       dtype=dtype)
+    times["optimizer"] = device.optimizer_time_s(sharded * precision.optimizer_traffic_bytes, dtype)
     step = pipeline_s + dp_s + times["optimizer"]
 
     # memory: the worst pipeline rank

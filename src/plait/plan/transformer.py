@@ -7,7 +7,9 @@ FLOPs (matmuls, 2·m·n·k each; DESIGN §6). Forward of one block:
 
     QKV 6bsh² + QKᵀ 2bs²h + PV 2bs²h + proj 2bsh² + MLP 4bshf  = 24bsh² + 4bs²h  (f = 4h)
 
-the head 2bshV, the embedding none. The backward costs twice the forward (input and
+the head 2bshV, the embedding none. Each block and the head also carry these
+products' shapes (``TransformerSpec.block_matmuls``; the head (bs, V'/t, h)), which a
+device calibrated per shape prices one by one. The backward costs twice the forward (input and
 weight gradients), full recomputation one more block forward, so one step on B
 sequences is 72·B·s·l·h²·(1 + s/(6h) + V/(12lh)) without recomputation and
 96·B·s·l·h²·(1 + s/(6h) + V/(16lh)) with it.
@@ -177,6 +179,18 @@ class TransformerSpec:
             return flops + self.layers * self.attention_core_forward_flops(batch)
         return flops
 
+    def block_matmuls(self, micro_batch: int, *, tp: int = 1) -> tuple:
+        """One block's forward matmuls on one of t tensor-parallel ranks, as (kind, count,
+        m, n, k) with C[m, n] = A[m, k]·B[k, n] and T = b·s tokens: QKV (T, 3h/t, h),
+        proj (T, h, h/t), fc1 (T, f/t, h), fc2 (T, h, f/t), and the attention core's
+        b·a/t batched QKᵀ (s, s, d) and PV (s, d, s) with d = h/a. Σ count·2mnk is
+        ``block_forward_flops / t``."""
+        b, s, h, t, f = micro_batch, self.seq_len, self.hidden, tp, self.ffn
+        tokens, d, count = b * s, h // self.heads, b * self.heads // t
+        return (("gemm", 1, tokens, 3 * h // t, h), ("gemm", 1, tokens, h, h // t),
+                ("gemm", 1, tokens, f // t, h), ("gemm", 1, tokens, h, f // t),
+                ("bmm", count, s, s, d), ("bmm", count, s, d, s))
+
     # ----- activations --------------------------------------------------------------------------
     def block_activation_bytes(self, micro_batch: int, *, tp: int = 1, sequence_parallel: bool = False,
                                element_bytes: int = 2, accounting: str = "megatron", residual_bytes: int | None = None,
@@ -292,7 +306,7 @@ class TransformerSpec:
         block_bytes = e * ((k["sbh"] + d * k["dropout_sbh"]) * sbh / (t if sp else 1)
                            + (k["as2b"] + d * k["dropout_as2b"]) * as2b / t)
         block_flops = self.block_forward_flops(b) / t
-        block = LayerCost(name="block", params=self.block_parameters_per_rank(t),
+        block = LayerCost(forward_matmuls=self.block_matmuls(b, tp=t),name="block", params=self.block_parameters_per_rank(t),
                           forward_flops=block_flops, backward_flops=2 * block_flops,
                           forward_kernels=k["kernels"], backward_kernels=2 * k["kernels"],
                           forward_bytes=block_bytes, backward_bytes=2 * block_bytes,
@@ -320,7 +334,7 @@ class TransformerSpec:
             forward_bytes=e * 2 * sbh / (t if sp else 1) + 6 * softmax_bytes,
             backward_bytes=e * 2 * sbh / (t if sp else 1) + 4 * softmax_bytes,
             activation_bytes=self.head_activation_bytes(b, accounting=accounting, **shape, **mixed),
-            input_bytes=boundary, output_bytes=4.0 * b)
+            input_bytes=boundary, output_bytes=4.0 * b, forward_matmuls=(("gemm", 1, s * b, v_local, h),))
         blocks = [replace(block, name=f"block{i}") for i in range(self.layers)]
         # a tied head's weight lives with the embedding (the first stage); a pipeline
         # then also keeps a copy on the last stage, which the planner adds there
