@@ -86,9 +86,9 @@ import statistics
 import sys
 from pathlib import Path
 
-import plait.plan.device as plan_device
 from plait.plan import Layout, cluster_preset, estimate_layout
 from plait.plan.device import DeviceSpec
+from plait.plan.device_profile import load_device_profile
 
 SEQ_LEN = 2048
 VOCAB = 51200
@@ -171,12 +171,14 @@ def markdown(rows: list[dict]) -> str:
 
 
 def load_device(path: str) -> DeviceSpec:
-    """The DeviceSpec in the JSON device profile at ``path``, by plait's own loader."""
-    loader = getattr(plan_device, "load_device_profile", None)
-    if loader is None:
-        raise RuntimeError("no device-profile loader in this checkout (plait.plan.device.load_device_profile "
-                           "does not exist)")
-    device = loader(path)
+    """The DeviceSpec in the JSON device profile at ``path`` (bench/gpu/fit_profile.py's
+    output), by plait's own loader (``plait.plan.device_profile.load_device_profile``):
+    its fitted GEMM and attention efficiency curves, memory efficiencies and launch cost,
+    at the profile's own vendor peaks. To price the A100 rows with an H100 profile's
+    curves at the A100's peaks, ``plait.plan.device_profile.profile_device(profile,
+    vendor=...)`` derives the device (the dgx-a100 preset does so itself once
+    plait/plan/profiles/h100.json is checked in)."""
+    device = load_device_profile(path)
     if not isinstance(device, DeviceSpec):
         raise TypeError(f"load_device_profile({path!r}) returned {type(device).__name__}, not a DeviceSpec")
     return device
@@ -190,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         device = load_device(args.device_profile) if args.device_profile else None
-    except (RuntimeError, TypeError) as exc:
+    except (RuntimeError, TypeError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     rows = compare(args.cluster, device)

@@ -4,6 +4,8 @@
     plait plan --model gpt --layers 24 --hidden 2048 --heads 16 --seq 2048 --vocab 51200 \\
                --cluster dgx-h100 --gpus 64 --global-batch 512 --tp 4 --json
     plait plan --cluster local --nprocs 4 --global-batch 16        # plait train's GPT here
+    plait plan --model gpt-175b --cluster dgx-h100 --gpus 1024 --global-batch 1536 \\
+               --device-profile h100.json     # GPUs priced by a measured device profile
 
 Without degrees it searches every layout and prints the best ones, the winner's time
 and memory and, per choice, why; any of --tp --pp --dp --micro-batch --schedule
@@ -44,7 +46,7 @@ from plait.plan import (
 from plait.cost.topology_io import load_topology
 from plait.plan.cluster import check_count, MAX_DEVICES, topology_cluster
 from plait.plan.estimate import MESH_ORDERS
-from plait.plan.device import measure_device
+from plait.plan.device import load_device_profile, measure_device
 from plait.plan.grid import DEFAULT_MAX_LAYOUTS
 from plait.plan.layers import RECOMPUTE_MODES
 from plait.plan.trace import describe_module
@@ -87,6 +89,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                          help="local: the links between this machine's ranks from a topology file (e.g. plait "
                               "testbed probe's: its hosts become nodes, their ranks devices); the calibration "
                               "profile's link stays the one within a host")
+    cluster.add_argument("--device-profile", default=None, metavar="PATH",
+                         help="price the cluster's devices with this device profile (a JSON that bench/gpu/"
+                              "fit_profile.py writes from measured kernels) instead of the preset's device")
     cluster.add_argument("--memory-limit-gib", type=float, default=None,
                          help="usable memory per device (default: the device's)")
     layout = parser.add_argument_group("layout (each fixes that choice; the rest are searched)")
@@ -244,6 +249,14 @@ def _local_cluster(args, precision_name: str, emit, model=None):
                             call_overhead_s=overhead, link_source=f"{source}; between hosts: {args.topology}")
 
 
+def _device_text(device) -> str:
+    """The device line: a calibrated device names its profile (in describe()); a
+    preset without one says its efficiencies are assumed."""
+    if device.calibrated or not device.source:
+        return device.describe()
+    return f"{device.describe()} [uncalibrated: {device.source}]"
+
+
 def _check_flag_combinations(args, local: bool) -> None:
     """Refuse flags the chosen cluster or model would silently ignore."""
     problems = []
@@ -267,6 +280,8 @@ def _check_flag_combinations(args, local: bool) -> None:
             problems.append(f"--profile is for --cluster local; {args.cluster}'s links come from its topology")
         if args.topology is not None:
             problems.append(f"--topology is for --cluster local (the testbed's links); {args.cluster} has its own")
+    if local and args.device_profile is not None:
+        problems.append("--device-profile is for a preset cluster's GPUs; --cluster local measures this machine")
     if problems:
         raise ValueError("; ".join(problems))
 
@@ -288,7 +303,8 @@ def run(args) -> int:
     processes = args.nprocs if args.nprocs is not None else args.gpus
     if local and processes is not None:
         check_count("nprocs", processes, most=MAX_DEVICES)
-    cluster = None if local else cluster_preset(args.cluster, gpus=args.gpus, nodes=args.nodes)
+    device = load_device_profile(args.device_profile) if args.device_profile else None
+    cluster = None if local else cluster_preset(args.cluster, gpus=args.gpus, nodes=args.nodes, device=device)
     if args.module:
         model = _module_model(args.module)
     else:
@@ -303,7 +319,7 @@ def run(args) -> int:
         return 0
     print(f"model: {result.model_description}")
     print(f"cluster: {result.cluster_description} [{cluster.link_source or 'given links'}]")
-    print(f"device: {cluster.device.describe()}")
+    print(f"device: {_device_text(cluster.device)}")
     print(f"global batch {args.global_batch}, precision {precision}, activation accounting {accounting}")
     print()
     print("\n".join(table(result)))
