@@ -85,7 +85,8 @@ def fit_efficiency_curve(rows, *, peak: float, t_launch: float) -> dict:
     """Fit (η_max, m0, n0, k0) to ``rows`` of (count, m, n, k, seconds) by least squares
     on log T, η_max in (0, 1], m0, n0, k0 >= 0 (scipy's trust-region reflective
     solver with ftol = xtol = gtol = 1e-12, from a few starts, the best kept): on rows
-    the model generated itself it recovers the parameters to ~1e-6 relative."""
+    the model generated itself it recovers the parameters to ~1e-6 relative, where the
+    rows determine them (``_canonical``: where they do not)."""
     from scipy.optimize import least_squares
 
     rows = [tuple(float(v) for v in row) for row in rows]
@@ -115,17 +116,53 @@ def fit_efficiency_curve(rows, *, peak: float, t_launch: float) -> dict:
                                method="trf", ftol=1e-12, xtol=1e-12, gtol=1e-12, max_nfev=2000)
         if best is None or result.cost < best.cost:
             best = result
-    eta_max, m0, n0, k0 = float(best.x[0]), *(float(v) * 1e3 for v in best.x[1:])
-    relative = np.abs(model(best.x) / seconds - 1.0)
+    x, degenerate = _canonical(best, residual)
+    eta_max, m0, n0, k0 = float(x[0]), *(float(v) * 1e3 for v in x[1:])
+    relative = np.abs(model(x) / seconds - 1.0)
     fit = (eta_max, m0, n0, k0)
     etas = np.array([efficiency(fit, a, b, c) for a, b, c in zip(m, n, k)])
     return {"eta_max": eta_max, "m0": m0, "n0": n0, "k0": k0, "t_launch_s": t_launch, "peak_flops_per_s": peak,
-            "rows": len(rows), "underdetermined": len(rows) < 4,
+            "rows": len(rows), "underdetermined": len(rows) < 4, "degenerate_directions": degenerate,
             "residuals": {"median_abs_relative": float(np.median(relative)),
                           "max_abs_relative": float(np.max(relative))},
             # the FLOP-weighted harmonic mean of η over the measured rows: the scalar η for
             # a layer whose shapes are unknown
             "efficiency_flop_weighted": float(flops.sum() / (flops / etas).sum())}
+
+
+def _canonical(result, residual) -> tuple[np.ndarray, int]:
+    """The solution, moved along the fit's flat direction (if it has one) to the
+    smallest m0² + n0² + k0² within the bounds, and how many flat directions there are.
+
+    The rows can leave a direction undetermined: attention measured at one head dimension
+    d (kernels.py times QKᵀ (s, s, d) and PV (s, d, s) at d = 128 only) fixes
+    (1 + k0/d)/η, (m0 + n0)/η, (1 + n0/d)/η and (m0 + k0)/η, and those four are one
+    equation short (a line of (η, m0, n0, k0) fits every row equally). On that line
+    the smallest dimension scales are taken; the profile records the count, as the
+    curve then predicts shapes off the measured family (the backward's (d, s, s)) by
+    that choice, not by measurement."""
+    x = result.x.copy()
+    jacobian = np.atleast_2d(result.jac)
+    _, singular, vt = np.linalg.svd(jacobian, full_matrices=True)
+    scale = singular[0] if singular.size else 0.0
+    flat = [vt[i] for i in range(vt.shape[0]) if i >= singular.size or singular[i] <= 1e-7 * scale]
+    if len(flat) != 1:
+        return x, len(flat)
+    direction = flat[0]
+    dims = direction[1:]
+    if not np.any(dims):
+        return x, 1
+    step = -float(x[1:] @ dims) / float(dims @ dims)
+    # keep η in (0, 1] and the dimensions >= 0 along the step
+    low, high = -np.inf, np.inf
+    for value, d, lower, upper in zip(x, direction, (1e-12, 0.0, 0.0, 0.0), (1.0, np.inf, np.inf, np.inf)):
+        if d > 0:
+            low, high = max(low, (lower - value) / d), min(high, (upper - value) / d)
+        elif d < 0:
+            low, high = max(low, (upper - value) / d), min(high, (lower - value) / d)
+    moved = x + min(max(step, low), high) * direction
+    before, after = float(np.sum(residual(x) ** 2)), float(np.sum(residual(moved) ** 2))
+    return (moved if after <= before + 1e-12 * (1.0 + before) else x), 1
 
 
 # ----- fitting a kernels.py measurement ---------------------------------------------------------
