@@ -268,6 +268,31 @@ def test_a_calibrated_spec_prices_each_product_by_its_shape(profile):
     assert achieved[0] < 0.5 * achieved[1] and achieved[1] == pytest.approx(efficiency(fit, 16384, 16384, 16384))
 
 
+def test_the_estimate_prices_with_the_calibrated_device(profile):
+    # the weight-gradient share (zero_bubble), the selective recompute's core and the
+    # optimizer step go through the calibrated spec
+    from plait.plan.estimate import summarize
+
+    device = profile_device(profile)
+    cluster = cluster_preset("dgx-h100", gpus=8, device=device)
+    precision = precision_for("bf16-mixed", "megatron")
+    model = TransformerModel(model_preset("gpt-350m"))
+    groups = model.groups(2, 1, False, precision, "megatron")
+    summaries = summarize(groups, tp=1, recompute="selective", cluster=cluster, dtype=precision.dtype)
+    for group, summary in zip(groups, summaries):
+        units = [unit.cost for unit in group]
+        assert summary.weight_s == pytest.approx(sum(device.weight_gradient_time_s(c, "bfloat16") for c in units))
+        compute = sum(device.forward_time_s(c, "bfloat16") + device.backward_time_s(c, "bfloat16")
+                      + (device.core_forward_time_s(c, "bfloat16") if c.core_activation_bytes else 0.0)
+                      for c in units)
+        assert summary.compute_s == pytest.approx(compute, rel=1e-12)
+    layout = Layout(tp=1, pp=1, dp=8, micro_batch=2, num_microbatches=2, recompute="selective")
+    est = estimate(groups, layout, cluster, precision, model_flops=1e15, hardware_flops=1e15)
+    params = sum(unit.cost.params for group in groups for unit in group)
+    assert est.time_s["optimizer"] == pytest.approx(
+        device.optimizer_time_s(params * precision.optimizer_traffic_bytes, "bfloat16"), rel=1e-12)
+
+
 # ----- the layers' shapes -----------------------------------------------------------------------------
 @pytest.mark.parametrize("name, micro_batch, tp", [("gpt-125m", 1, 1), ("gpt-1.3b", 4, 2), ("gpt-175b", 1, 8),
                                                    ("gpt-1t", 2, 8)])
@@ -286,6 +311,14 @@ def test_the_shapes_flops_are_the_layers_flops(name, micro_batch, tp):
     assert core == [("bmm", micro_batch * a // tp, s, s, h // a), ("bmm", micro_batch * a // tp, s, h // a, s)]
     assert block.forward_matmuls[0] == ("gemm", 1, micro_batch * s, 3 * h // tp, h)
     assert head.forward_matmuls == (("gemm", 1, micro_batch * s, spec.padded_vocab(tp) // tp, h),)
+
+
+def test_the_backward_products_are_the_input_and_weight_gradients():
+    # C[m, n] = A[m, k]·B[k, n]: dA = dC·Bᵀ is (m, k, n), dB = Aᵀ·dC is (k, n, m)
+    forward = (("gemm", 1, 2, 3, 5), ("bmm", 7, 11, 13, 17))
+    assert backward_matmuls(forward) == (("gemm", 1, 2, 5, 3), ("gemm", 1, 5, 3, 2),
+                                         ("bmm", 7, 11, 17, 13), ("bmm", 7, 17, 13, 11))
+    assert weight_gradient_matmuls(forward) == (("gemm", 1, 5, 3, 2), ("bmm", 7, 17, 13, 11))
 
 
 def test_scaled_and_total_keep_the_shapes_consistent():
