@@ -60,8 +60,15 @@ def call(collective, algorithm, x, rank, p, op, root):
     return out
 
 
-def check_collective(rank, p, collective, dtype_name, sizes, ops=None):
-    """All algorithms (and torch) of one collective for one dtype; returns failures."""
+def _host(out):
+    return None if out is None else out.cpu()
+
+
+def check_collective(rank, p, collective, dtype_name, sizes, ops=None, device="cpu"):
+    """All algorithms (and torch) of one collective for one dtype; returns failures.
+    ``device="cuda"``: every rank's tensors live on the GPU (ranks may share one), as
+    plait.comm moves them over gloo through host memory; torch's own collective is then
+    only compared where gloo runs it on CUDA tensors."""
     dtype = DTYPES[dtype_name]
     failures = []
     if ops is None:
@@ -75,14 +82,14 @@ def check_collective(rank, p, collective, dtype_name, sizes, ops=None):
                 inputs = rank_inputs(collective, p, numel, dtype, op, seed=11)
                 expected, bounds = reference(collective, inputs, op, root)
                 try:
-                    torch_out = call(collective, "torch", inputs[rank].clone(), rank, p, op, root)
+                    torch_out = _host(call(collective, "torch", inputs[rank].clone().to(device), rank, p, op, root))
                 except RuntimeError as error:  # gloo lacks some dtype/op pairs
                     torch_out, torch_error = None, str(error).splitlines()[0]
                 else:
                     torch_error = None
                 for algorithm in comm.algorithms_for(collective):
                     where = (collective, algorithm, dtype_name, size, op, root, rank)
-                    out = call(collective, algorithm, inputs[rank].clone(), rank, p, op, root)
+                    out = _host(call(collective, algorithm, inputs[rank].clone().to(device), rank, p, op, root))
                     if collective == "barrier":
                         continue
                     wrong = count_wrong(out, expected[rank], bounds[rank])
@@ -96,7 +103,7 @@ def check_collective(rank, p, collective, dtype_name, sizes, ops=None):
                         twice = None if bounds[rank] is None else 2 * bounds[rank]
                         if count_wrong(out, torch_out.to(expected[rank].dtype).reshape(-1), twice):
                             failures.append((*where, "differs from torch.distributed"))
-                if torch_error and dtype in (torch.float32, torch.float64, torch.int64):
+                if torch_error and dtype in (torch.float32, torch.float64, torch.int64) and device == "cpu":
                     failures.append((collective, "torch", dtype_name, size, op, root, rank, torch_error))
     return failures
 

@@ -408,3 +408,19 @@ def test_tied_weight_without_the_model_trains_wrong():
     """Without model= nothing is found and each end steps its own part: the check above can fail."""
     results = run_distributed(train_tied, 2, "1f1b", 4, None, False)
     assert max(param_error for _, _, param_error, _ in results) > 1e-4
+
+
+def moved_stage_device(rank, world_size):
+    """The engine follows its stage to another device (the GPU run found it stayed on
+    the CPU: no autocast on the GPU, activations received into host memory). "meta"
+    stands in for a GPU on a machine without one."""
+    engine = PipelineEngine(build("gpipe", 1, 1), {0: nn.Linear(4, 4)}, F.cross_entropy, timeout_s=20)
+    before = engine.device.type
+    for stage in engine.stages.values():
+        stage.to("meta")
+    engine.parameters_moved()
+    return before, engine.device.type
+
+
+def test_the_engine_follows_its_parameters_to_their_device():
+    assert run_distributed(moved_stage_device, 1) == [("cpu", "meta")]

@@ -222,7 +222,8 @@ def test_a_spec_without_a_fit_prices_exactly_as_before():
 
 
 def test_a_whole_estimate_without_a_fit_is_unchanged_by_the_shapes():
-    cluster = cluster_preset("dgx-h100", gpus=16)
+    # the vendor (uncalibrated) H100: a spec without a fit must price exactly as before
+    cluster = replace(cluster_preset("dgx-h100", gpus=16), device=VENDOR_PRESETS["h100-80gb"])
     precision = precision_for("bf16-mixed", "megatron")
     model = TransformerModel(model_preset("gpt-1.3b"))
     layout = Layout(tp=2, pp=2, dp=4, micro_batch=2, num_microbatches=4, schedule="zero_bubble", recompute="selective")
@@ -231,8 +232,6 @@ def test_a_whole_estimate_without_a_fit_is_unchanged_by_the_shapes():
     flops = dict(model_flops=1e18, hardware_flops=1.2e18)
     with_shapes, without = estimate(groups, layout, cluster, precision, **flops), estimate(bare, layout, cluster,
                                                                                           precision, **flops)
-    if cluster.device.calibrated:
-        pytest.skip("h100-80gb is calibrated by a checked-in profile")
     assert with_shapes.step_time_s == without.step_time_s and with_shapes.time_s == without.time_s
 
 
@@ -348,24 +347,26 @@ def test_bad_shapes_are_refused():
 
 
 # ----- presets, CLI, bench ---------------------------------------------------------------------------
-def test_presets_load_a_checked_in_profile_and_derive_the_a100_by_peak_ratio(profile, tmp_path):
+def test_presets_load_a_checked_in_profile_and_derive_the_others_by_peak_ratio(profile, tmp_path):
     assert calibrated_presets(VENDOR_PRESETS, tmp_path) == VENDOR_PRESETS  # no files: the vendor presets
-    (tmp_path / "h100.json").write_text(json.dumps(profile))
+    (tmp_path / "h200.json").write_text(json.dumps({**profile, "vendor": "h200-141gb"}))  # the lent GPU: an H200
     presets = calibrated_presets(VENDOR_PRESETS, tmp_path)
-    h100, a100 = presets["h100-80gb"], presets["a100-80gb"]
-    assert h100.name == "h100-80gb" and h100.calibrated and "h100.json" in h100.describe()
-    assert a100.matmul_fit == h100.matmul_fit and a100.attention_fit == h100.attention_fit
+    h200, h100, a100 = presets["h200-141gb"], presets["h100-80gb"], presets["a100-80gb"]
+    assert h200.name == "h200-141gb" and h200.calibrated and "h200.json" in h200.describe()
+    for derived in (h100, a100):
+        assert derived.matmul_fit == h200.matmul_fit and derived.attention_fit == h200.attention_fit
+        assert derived.memory_efficiency == h200.memory_efficiency
+        assert derived.kernel_overhead_s == h200.kernel_overhead_s
+        assert "derived by peak ratio from h200-141gb" in derived.describe()
     assert a100.peak_flops_per_s == VENDOR_PRESETS["a100-80gb"].peak_flops_per_s
     assert a100.memory_bandwidth_bytes_per_s == 2039e9 and a100.memory_bytes == VENDOR_PRESETS["a100-80gb"].memory_bytes
-    assert a100.memory_efficiency == h100.memory_efficiency and a100.kernel_overhead_s == h100.kernel_overhead_s
-    assert "derived by peak ratio from h100-80gb" in a100.source
-    assert presets["h200-141gb"].matmul_fit == h100.matmul_fit  # no h200.json: derived as well
+    assert h100.memory_bandwidth_bytes_per_s == 3350e9
     # a matmul-only layer takes the peak ratio longer on the A100
     layer = LayerCost(name="gemm", forward_flops=2.0 * 8192 ** 3, forward_matmuls=(("gemm", 1, 8192, 8192, 8192),))
     ratio = a100.forward_time_s(layer, "bfloat16") / h100.forward_time_s(layer, "bfloat16")
     assert ratio == pytest.approx(989 / 312, rel=1e-12)
     # the package's presets: calibrated exactly when the profile is checked in
-    shipped = Path(__file__).resolve().parents[2] / "src" / "plait" / "plan" / "profiles" / "h100.json"
+    shipped = Path(__file__).resolve().parents[2] / "src" / "plait" / "plan" / "profiles" / "h200.json"
     assert DEVICE_PRESETS["h100-80gb"].calibrated == shipped.is_file()
 
 

@@ -41,27 +41,29 @@ def _train_rank(rank, world_size, config, until=None):
     Trainer(config, resume="auto", log=lambda _: None).train(until=until)
 
 
-def _reference(config: TrainConfig) -> tuple[list[float], list[float]]:
-    """(losses, loss scales) of plain torch doing mixed precision on one process."""
+def _reference(config: TrainConfig, device: str = "cpu") -> tuple[list[float], list[float]]:
+    """(losses, loss scales) of plain torch doing mixed precision on one process (on
+    ``device``: tests/gpu runs it on CUDA)."""
     from plait.models.gpt import GPT
     from plait.parallel.tensor import UNSHARDED, vocab_parallel_cross_entropy
     from plait.train.corpus import lm_batch, load_corpus
     from plait.train.loop import gpt_config, make_optimizer
 
     corpus = load_corpus(config.data, max_bytes=config.data_max_bytes, val_fraction=config.val_fraction)
-    model = GPT(gpt_config(config, corpus.vocab_size), seed=config.seed)
+    model = GPT(gpt_config(config, corpus.vocab_size), seed=config.seed).to(device)
     optimizer = make_optimizer(model.named_parameters(), config)
     dtype = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}[config.precision]
-    scaler = torch.amp.GradScaler("cpu") if config.precision == "fp16-mixed" else None
+    scaler = torch.amp.GradScaler(device) if config.precision == "fp16-mixed" else None
     m = config.global_batch // config.micro_batch
     losses, scales = [], []
     for step in range(config.steps):
         inputs, targets = lm_batch(corpus.train, step, config.global_batch, config.seq_len, seed=config.seed)
+        inputs, targets = inputs.to(device), targets.to(device)
         optimizer.zero_grad(set_to_none=True)
         total = 0.0
         for mb in range(m):
             rows = slice(mb * config.micro_batch, (mb + 1) * config.micro_batch)
-            with torch.autocast("cpu", dtype=dtype):
+            with torch.autocast(device, dtype=dtype):
                 logits = model(inputs[rows])
             loss = vocab_parallel_cross_entropy(logits.float(), targets[rows], UNSHARDED, corpus.vocab_size).mean()
             total += float(loss.detach())

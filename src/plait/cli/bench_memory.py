@@ -64,6 +64,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--timeout-s", type=float, default=d.timeout_s, help="per run (default 900)")
     parser.add_argument("--out", default=d.out, help=f"runs, frontier.png and summary.json go here (default {d.out})")
     parser.add_argument("--json", default=None, metavar="PATH", help="also write the summary here ('-': stdout)")
+    parser.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto",
+                        help="plait train's --backend (gloo: the 4 processes may share one GPU)")
     parser.set_defaults(run=run)
     return parser
 
@@ -73,6 +75,8 @@ def run(args) -> int:
         raise ValueError("plait bench memory starts its own plait train runs: run it without torchrun")
     config = MemoryBenchConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(MemoryBenchConfig)
                                   if hasattr(args, f.name)})
+    if args.backend != "auto":
+        config = dataclasses.replace(config, extra=("--backend", args.backend))
     problems = config.problems()
     if problems:
         raise ValueError("plait bench memory: " + "; ".join(problems))

@@ -22,6 +22,7 @@ metrics.jsonl, and the launcher prints text sampled from the trained GPT.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import signal
 import socket
@@ -97,7 +98,7 @@ def run(args) -> int:
     if not args.dry_run:
         runlock.check_free(out, run_id)  # refuse at once, before minutes of data preparation
     data = prepare_data(config)
-    budget.check_fits(config, data, local_processes=nprocs, gpu_memory_bytes=_gpu_memory_bytes(nprocs))
+    budget.check_fits(config, data, local_processes=nprocs, gpu_memory_bytes=_gpu_memory_bytes(nprocs, config.backend))
     if args.dry_run:
         print(describe_layout(config, data))
         return 0
@@ -202,7 +203,7 @@ def _check_launcher_options(args, config) -> int:
                         "--force-fresh to start over, or drop --force-fresh")
     if problems:
         raise ValueError("; ".join(problems))
-    _warn_if_oversubscribed(nprocs)
+    _warn_if_oversubscribed(nprocs, config.backend)
     return nprocs
 
 
@@ -280,23 +281,28 @@ def _resume_hint(out: Path) -> str:
     return f"The newest complete checkpoint is {newest}; run the same command again to continue from it."
 
 
-def _gpu_memory_bytes(nprocs: int) -> int | None:
+def _gpu_memory_bytes(nprocs: int, backend: str = "auto") -> int | None:
+    """Each process's share of its GPU's memory (None without CUDA): a whole GPU each,
+    or under gloo, where processes share GPUs round-robin, the GPU over its processes."""
     import torch
 
     if not torch.cuda.is_available():
         return None
+    gpus = torch.cuda.device_count()
+    sharing = math.ceil(nprocs / gpus) if backend == "gloo" else 1
     return min(torch.cuda.get_device_properties(index).total_memory
-               for index in range(min(nprocs, torch.cuda.device_count())))
+               for index in range(min(nprocs, gpus))) // sharing
 
 
-def _warn_if_oversubscribed(nprocs: int) -> None:
+def _warn_if_oversubscribed(nprocs: int, backend: str = "auto") -> None:
     import torch
 
     if torch.cuda.is_available():
-        if nprocs > torch.cuda.device_count():
+        if nprocs > torch.cuda.device_count() and backend != "gloo":
             raise ValueError(f"{nprocs} processes but {torch.cuda.device_count()} GPUs on this machine: one process "
-                             f"per GPU; use a layout with at most {torch.cuda.device_count()} processes here, or "
-                             "launch on several nodes (--nnodes)")
+                             f"per GPU with nccl; use a layout with at most {torch.cuda.device_count()} processes "
+                             "here, launch on several nodes (--nnodes), or share the GPUs over gloo (--backend "
+                             "gloo)")
         return
     cores = os.cpu_count() or 1
     if nprocs > 2 * cores:

@@ -43,6 +43,7 @@ from plait.comm.errors import CommError, CommTimeoutError, MismatchError
 from plait.comm.executor import Call
 from plait.comm.inband import INLINE_BYTES, CallSignature, InbandCall
 from plait.comm.ops import COMBINE, check_reducible, op_name
+from plait.comm.transport import stages_through_host
 from plait.cost.alpha_beta import pipeline_segments
 
 ReduceOp = dist.ReduceOp
@@ -245,18 +246,21 @@ def _launch(collective, communicator, async_op, algorithm, prepare, *, tensor, n
     signature = CallSignature(collective, algorithm, tensor.numel() if check_numel is None else check_numel, dtype,
                               op, root, 0 if shape is None else _code(shape), config.segment_bytes,
                               config.pipeline_segment_bytes)
-    grouped = _grouped(tensor)
+    # a tensor on a GPU over gloo travels through a host copy (gloo moves CPU memory)
+    staged = p > 1 and stages_through_host(communicator.group, tensor.device)
+    grouped = _grouped(tensor) and not staged
     check = "off" if p == 1 else ("deep" if config.check == "inband" and grouped else config.check)
 
     def job(seq):
         if check == "deep":
-            _deep_check(communicator, signature, tensor.device)
+            _deep_check(communicator, signature, torch.device("cpu") if staged else tensor.device)
         start = time.perf_counter()
         if algorithm == TORCH:
             torch_call(communicator)  # waits with plait's deadline (_torch_wait)
             communicator.record(collective, TORCH, nbytes, 0, time.perf_counter() - start)
             return nbytes
         buffer = prepared.build()  # reads the inputs now, after earlier queued collectives
+        device_buffer, buffer = (buffer, buffer.cpu()) if staged else (None, buffer)
         sent = messages = 0
         if p > 1:
             segments = pipeline_segments(nbytes, config.pipeline_segment_bytes)
@@ -270,7 +274,9 @@ def _launch(collective, communicator, async_op, algorithm, prepare, *, tensor, n
             call = Call(schedule, rank, transport, config.timeout_s, label=collective, grouped=grouped)
             sent, messages = communicator.executor.run(call, buffer, COMBINE[op if op != "none" else "sum"],
                                                        segment_numel=segment_numel)
-        prepared.finish(buffer)
+        prepared.finish(buffer)  # a staged call finishes (averages) on the host, as on a CPU
+        if device_buffer is not None:
+            device_buffer.copy_(buffer)
         communicator.record(collective, algorithm, sent, messages, time.perf_counter() - start)
         return sent
 

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from plait.comm.communicator import REGISTRY, group_ranks
 from plait.comm.config import CommConfig
 from plait.comm.errors import CommError, CommTimeoutError
+from plait.comm.transport import stages_through_host
 
 _DEFAULT_TIMEOUT_S = CommConfig().timeout_s
 
@@ -105,6 +106,8 @@ class Message:
     label: str
     timeout_s: float
     start_s: float
+    host: torch.Tensor | None = None  # the host copy a GPU tensor travels as over gloo
+    into: torch.Tensor | None = None  # a staged receive's destination, filled by wait()
 
     def wait(self) -> int:
         remaining = max(self.timeout_s - (time.monotonic() - self.start_s), 0.001)
@@ -112,6 +115,9 @@ class Message:
             self.work.wait(timedelta(seconds=remaining))
         except RuntimeError as error:
             raise _error(error, self.rank, self.label, _describe(self.group, self.peer), self.timeout_s) from error
+        if self.into is not None:
+            self.into.copy_(self.host.view_as(self.into))
+            self.into = None
         if self.peer is not None:
             return self.peer
         self.peer = self.work._source_rank()  # the process group's own (group-local) rank
@@ -131,28 +137,34 @@ def isend(tensor: torch.Tensor, dst: int | None = None, group=None, tag: int = 0
     group, rank = _group_rank(group)
     peer = _peer(group, rank, dst, group_dst, "dst")
     timeout_s = _timeout_s(group, timeout_s)
+    host = tensor.detach().contiguous().cpu() if stages_through_host(group, tensor.device) else None
     try:
-        work = group.send([tensor], peer, tag)
+        work = group.send([tensor if host is None else host], peer, tag)
     except RuntimeError as error:
         raise _error(error, rank, label, _describe(group, peer), timeout_s) from error
-    return Message(work, group, rank, peer, label, timeout_s, time.monotonic())
+    return Message(work, group, rank, peer, label, timeout_s, time.monotonic(), host=host)
 
 
 def irecv(tensor: torch.Tensor, src: int | None = None, group=None, tag: int = 0, group_src: int | None = None, *,
           label: str = "recv", timeout_s: float | None = None) -> Message:
     """Post a receive into ``tensor`` from global rank ``src`` (or group rank
-    ``group_src``; neither: from any rank of the group, ``wait()`` returns who sent it)."""
+    ``group_src``; neither: from any rank of the group, ``wait()`` returns who sent it).
+    A GPU tensor on a gloo group is received into a host buffer and copied into
+    ``tensor`` by ``wait()``."""
     group, rank = _group_rank(group)
     peer = _peer(group, rank, src, group_src, "src", allow_none=True)
     timeout_s = _timeout_s(group, timeout_s)
+    host = torch.empty(tensor.shape, dtype=tensor.dtype) if stages_through_host(group, tensor.device) else None
+    target = tensor if host is None else host
     try:
         if peer is None:
-            work = group.recv_anysource([tensor], tag)
+            work = group.recv_anysource([target], tag)
         else:
-            work = group.recv([tensor], peer, tag)
+            work = group.recv([target], peer, tag)
     except RuntimeError as error:
         raise _error(error, rank, label, _describe(group, peer), timeout_s) from error
-    return Message(work, group, rank, peer, label, timeout_s, time.monotonic())
+    return Message(work, group, rank, peer, label, timeout_s, time.monotonic(), host=host,
+                   into=None if host is None else tensor)
 
 
 def send(tensor: torch.Tensor, dst: int | None = None, group=None, tag: int = 0, group_dst: int | None = None, *,

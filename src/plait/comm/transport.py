@@ -40,6 +40,10 @@ class Transport:
     def is_grouped(device) -> bool:
         return torch.device(device).type != "cpu"
 
+    def stages_through_host(self, device) -> bool:
+        """See :func:`stages_through_host`."""
+        return stages_through_host(self.group, device)
+
     def _count(self, tensor: torch.Tensor) -> None:
         with self._lock:
             self.bytes_sent += tensor.numel() * tensor.element_size()
@@ -101,4 +105,15 @@ class Transport:
             return str(peer)
 
 
-__all__ = ["Transport"]
+def stages_through_host(group, device) -> bool:
+    """True when a tensor on ``device`` must travel through host memory on ``group``:
+    it lives on an accelerator and the group has no accelerator backend (gloo moves
+    CPU memory only, so several ranks can share one GPU over gloo). Such a tensor is
+    copied to a host buffer, the messages move the buffer, and the result is copied
+    back: in place as far as the caller sees."""
+    if torch.device(device).type == "cpu":
+        return False
+    return "nccl" not in str(dist.get_backend(group)).lower()
+
+
+__all__ = ["Transport", "stages_through_host"]

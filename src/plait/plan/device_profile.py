@@ -66,7 +66,7 @@ ATTENTION_OPS = ("bmm.qk", "bmm.pv")
 # preset -> the checked-in profile that calibrates it (plait/plan/profiles/)
 PROFILE_FILES = {"h100-80gb": "h100.json", "h200-141gb": "h200.json"}
 # preset -> the calibrated preset whose profile it is derived from by peak ratio, when it has none of its own
-DERIVED_PRESETS = {"a100-40gb": "h100-80gb", "a100-80gb": "h100-80gb", "h200-141gb": "h100-80gb"}
+DERIVED_PRESETS = {"a100-40gb": "h200-141gb", "a100-80gb": "h200-141gb", "h100-80gb": "h200-141gb"}
 
 
 # ----- the model ---------------------------------------------------------------------------------

@@ -44,6 +44,7 @@ GRAD_REDUCE_DTYPES = ("fp32", "bf16", "fp16")
 OPTIMIZERS = ("adamw", "sgd")
 OFFLOADS = ("none", "optimizer")
 LR_SCHEDULES = ("cosine", "linear", "constant")
+BACKENDS = ("auto", "nccl", "gloo")
 AXES = ("tp", "dp", "pp")
 TABLES = ("model", "data", "batch", "parallel", "optim", "run")
 # A step's schedule is built, replayed and held as data every step (O(microbatches · pp)
@@ -132,6 +133,9 @@ class TrainConfig:
     seed: int = _field(0, "run", "seed for initialisation, data order and dropout")
     out: str = _field("runs/gpt-small", "run", "run directory: checkpoints, metrics, config")
     timeout_s: float = _field(300.0, "run", "deadline in seconds for any collective or p2p wait")
+    backend: str = _field("auto", "run", "process-group backend: auto (nccl with one GPU per process, gloo without "
+                                         "GPUs), gloo (on GPUs too: several processes may share a GPU, messages "
+                                         "pass through host memory) or nccl", BACKENDS)
     comm_profile: str = _field("", "run", "calibration profile (plait calibrate --output) whose tuner picks "
                                           "algorithm=auto's collectives; empty: the measured default table")
 

@@ -48,17 +48,24 @@ from plait.train.report import measure_peak_flops, summary_lines, write_report
 FAULT_ENV = "PLAIT_FAULT_KILL"  # "RANK:STEP": that rank kills itself before STEP, first attempt only (tests)
 
 
-def init_distributed(timeout_s: float) -> torch.device:
-    """Join the torchrun world (env://) unless already in one: NCCL with one GPU
-    per local rank when CUDA is available, gloo on CPU otherwise."""
+def init_distributed(timeout_s: float, backend: str = "auto") -> torch.device:
+    """Join the torchrun world (env://) unless already in one. ``backend`` "auto": NCCL
+    with one GPU per local rank when CUDA is available, gloo on CPU otherwise; "gloo" on
+    a GPU machine puts local rank r on GPU r mod (GPUs), so ranks may share a GPU (their
+    messages pass through host memory, plait.comm.transport.stages_through_host)."""
     use_cuda = torch.cuda.is_available()
+    if backend == "nccl" and not use_cuda:
+        raise ValueError("backend='nccl' needs CUDA GPUs and this machine has none: use backend='gloo' or 'auto'")
     device = torch.device("cpu")
     if use_cuda:
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        device = torch.device("cuda", local_rank % torch.cuda.device_count() if backend == "gloo" else local_rank)
         torch.cuda.set_device(device)
     if dist.is_initialized():
         return device
-    backend, timeout = ("nccl" if use_cuda else "gloo"), timedelta(seconds=timeout_s)
+    if backend == "auto":
+        backend = "nccl" if use_cuda else "gloo"
+    timeout = timedelta(seconds=timeout_s)
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
     if attempt is None or "MASTER_ADDR" not in os.environ:
         dist.init_process_group(backend, timeout=timeout)
@@ -165,7 +172,7 @@ class Trainer:
         self.config, self.log = config, log
         self.run_id, self.force_fresh = run_id, force_fresh
         self.started_s = float(os.environ.get("PLAIT_LAUNCH_TIME", time.time()))
-        self.device = init_distributed(config.timeout_s)
+        self.device = init_distributed(config.timeout_s, config.backend)
         if self.device.type == "cpu" and "LOCAL_WORLD_SIZE" in os.environ:  # under torchrun: share the cores
             torch.set_num_threads(_threads_per_process())
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
@@ -190,6 +197,7 @@ class Trainer:
             offload_dir=self._offload_dir() if config.offload_activations else None)
         for stage in self.hybrid.engine.stages.values():  # only this rank's chunks reach the device
             stage.to(self.device)
+        self.hybrid.engine.parameters_moved()  # its autocast and received activations follow them there
         del model, layers
         self.optimizer = make_optimizer(self.hybrid.names.items(), config)
         if config.zero_stage:  # optimizer state (2: and gradients; 3: and parameters) sharded over the dp group

@@ -274,7 +274,12 @@ class PipelineEngine:
     # ----- one step ------------------------------------------------------------------------
     def parameters_moved(self) -> None:
         """Read again where the parameters' storages are (after something re-homed them,
-        as ZeRO's flat buckets do): they never count as activations, never go to files."""
+        as ZeRO's flat buckets do, or moved them to a GPU): they never count as
+        activations, never go to files; and the engine's device (its autocast, the
+        activations it receives) is where the parameters now are."""
+        first = next(iter(self.parameters()), None)
+        if first is not None:
+            self.device = first.device
         old = self._parameter_storages
         self._parameter_storages = {param.untyped_storage().data_ptr() for param in self.parameters()}
         # by identity too: ZeRO 3 frees and re-gathers the storages, at other addresses
