@@ -87,7 +87,7 @@ import sys
 from pathlib import Path
 
 from plait.plan import Layout, cluster_preset, estimate_layout
-from plait.plan.device import DeviceSpec
+from plait.plan.device import VENDOR_PRESETS, DeviceSpec
 from plait.plan.device_profile import load_device_profile
 
 SEQ_LEN = 2048
@@ -188,10 +188,18 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cluster", default="dgx-a100", help="plait cluster preset (default dgx-a100)")
     parser.add_argument("--device-profile", metavar="PATH", help="a JSON device profile replacing the preset's device")
+    parser.add_argument("--vendor", action="store_true",
+                        help="price with the preset's uncalibrated vendor device (peaks and an assumed eta), as "
+                             "before the GPU calibration")
     parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON to PATH")
     args = parser.parse_args(argv)
+    if args.vendor and args.device_profile:
+        print("error: --vendor and --device-profile both choose the device: give one", file=sys.stderr)
+        return 2
     try:
         device = load_device(args.device_profile) if args.device_profile else None
+        if args.vendor:
+            device = VENDOR_PRESETS[cluster_preset(args.cluster, gpus=8).device.name]
     except (RuntimeError, TypeError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

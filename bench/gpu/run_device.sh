@@ -1,13 +1,14 @@
 #!/bin/bash
 # The GPU machine's whole check (issue 22), in one call of about six minutes:
 #   bash bench/gpu/run_device.sh OUTDIR [SECTION ...]   (default: every section)
+# (the lent H200 ran: facts kernels tests memory zero; then kernels tests memory; then memory4)
 # run from the repository root there, with the device's python3 (its own torch with
 # CUDA) and plait from src/. Sections are independent: one that fails or runs out of
 # its time leaves the others' results. Everything lands in OUTDIR (at most 8 files).
 set -u
-out=${1:?usage: run_device.sh OUTDIR [facts kernels tests memory zero]}
+out=${1:?usage: run_device.sh OUTDIR [facts kernels tests memory memory4 zero]}
 shift
-sections=${*:-facts kernels tests memory zero}
+sections=${*:-facts kernels tests memory memory4 zero}
 wanted() { [[ " $sections " == *" $1 "* ]]; }
 here=$(pwd)
 export PYTHONPATH=$here/src:$here${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
@@ -35,6 +36,19 @@ section memory
 timeout 150 python3 -m plait bench memory --backend gloo --meshes 2x1x2 --precisions bf16-mixed --offload both \
     --seq-len 1024 --layers 4 --hidden 512 --heads 8 --global-batch 8 --micro-batch 2 --steps 3 --no-peers \
     --out /tmp/plait-memory --json "$out/memory.json" >>"$log" 2>&1 || echo "memory: exit $?" | tee -a "$log"
+fi
+
+if wanted memory4; then
+section memory4
+# the same at 4 micro-batches per rank (offload keeps two resident, so it shows here),
+# and one fp32 run: checks the CUDA autocast accounting fitted on the first sweep
+timeout 130 python3 -m plait bench memory --backend gloo --meshes 2x1x2 --precisions bf16-mixed --offload both \
+    --seq-len 1024 --layers 4 --hidden 512 --heads 8 --global-batch 16 --micro-batch 2 --steps 3 --no-peers \
+    --out /tmp/plait-memory4 --json "$out/memory4.json" >>"$log" 2>&1 || echo "memory4: exit $?" | tee -a "$log"
+timeout 40 python3 -m plait bench memory --backend gloo --meshes 2x1x2 --precisions fp32 --recompute none \
+    --offload off --seq-len 1024 --layers 4 --hidden 512 --heads 8 --global-batch 16 --micro-batch 2 --steps 3 \
+    --no-peers --out /tmp/plait-memory4-fp32 --json "$out/memory4-fp32.json" >>"$log" 2>&1 \
+    || echo "memory4 fp32: exit $?" | tee -a "$log"
 fi
 
 if wanted zero; then

@@ -235,3 +235,29 @@ def test_the_planner_and_the_pipeline_schedules_import_without_torch_distributed
             "plait.parallel.pipeline.replay; print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert result.stdout.strip() == "[]", result.stdout
+
+
+def test_cuda_autocast_keeps_the_attention_probabilities_in_float32_and_16_bits():
+    """CUDA's autocast runs softmax in float32 (the CPU's runs it in bf16): the attention
+    keeps the float32 probabilities for softmax's backward and the 16-bit copy the PV
+    matmul saved, 4 + 2 bytes per element (measured on an H200, bench/gpu/results)."""
+    from plait.plan.precision import precision_for
+
+    cpu, cuda = precision_for("bf16-mixed", "plait"), precision_for("bf16-mixed", "plait", "cuda")
+    assert cpu.softmax_bytes is None and cuda.softmax_bytes == 6
+    assert precision_for("fp32", "plait", "cuda").softmax_bytes is None  # no autocast: one float32 tensor
+    assert precision_for("bf16-mixed", "megatron", "cuda").softmax_bytes is None  # fused 16-bit softmax
+    spec = model_preset("gpt-125m")
+    b, t, extra = 2, 2, (6 - 2) * spec.heads * spec.seq_len ** 2 * 2 / 2
+    core = {bytes_: spec.attention_core_bytes(b, tp=t, accounting="plait", softmax_bytes=bytes_)
+            for bytes_ in (None, 6)}
+    assert core[6] - core[None] == extra
+    block = {bytes_: spec.block_activation_bytes(b, tp=t, accounting="plait", residual_bytes=4, weight_copy_bytes=2,
+                                                 softmax_bytes=bytes_) for bytes_ in (None, 6)}
+    assert block[6] - block[None] == extra
+    costs = {bytes_: spec.layer_costs(b, tp=t, accounting="plait", residual_bytes=4, weight_copy_bytes=2,
+                                      softmax_bytes=bytes_)[1] for bytes_ in (None, 6)}
+    assert costs[6].activation_bytes - costs[None].activation_bytes == extra
+    assert costs[6].core_activation_bytes - costs[None].core_activation_bytes == extra
+    with pytest.raises(ValueError, match="device_type='tpu'"):
+        precision_for("bf16-mixed", "plait", "tpu")

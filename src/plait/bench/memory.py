@@ -45,6 +45,7 @@ from plait.cost import LinkModel
 from plait.plan import Layout, cluster_preset, estimate_layout
 from plait.plan.device import DeviceSpec
 from plait.plan.estimate import in_flight
+from plait.plan.precision import precision_for
 from plait.plan.transformer import TransformerSpec
 
 MESHES = ((2, 1, 2), (1, 2, 2))  # (dp, tp, pp)
@@ -127,7 +128,8 @@ def measured_of(out: Path) -> dict:
         raise RuntimeError(f"{out / 'report.json'} has no memory section")
     steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     step_times = [row["step_s"] for row in steps if "step_s" in row][1:]
-    return {"activations_bytes": max(row["saved_activations_peak_bytes"] for row in memory),
+    return {"device": report["run"]["device"],
+            "activations_bytes": max(row["saved_activations_peak_bytes"] for row in memory),
             "activations_bytes_per_rank": [row["saved_activations_peak_bytes"] for row in memory],
             "resident_peak_bytes": max(row["resident_peak_bytes"] or 0 for row in memory),
             "model_state_bytes": max(row["params_bytes"] + row["grads_bytes"] + row["optimizer_bytes"]
@@ -150,13 +152,14 @@ def _layout(config: MemoryBenchConfig, mesh, recompute: str, offload: bool) -> L
 
 
 def predicted_of(config: MemoryBenchConfig, spec: TransformerSpec, mesh, recompute: str, precision: str,
-                 offload: bool) -> dict:
+                 offload: bool, device_type: str = "cpu") -> dict:
     """plait plan's activation and model-state bytes, each the largest over the
-    pipeline ranks, as measured (plait accounting)."""
+    pipeline ranks, as measured (plait accounting, on ``device_type``'s autocast)."""
     layout = _layout(config, mesh, recompute, offload)
     cluster = cluster_preset("local", nprocs=layout.devices, device=_MEMORY_ONLY_DEVICE,
                              local_link=_MEMORY_ONLY_LINK)
-    ranks = estimate_layout(spec, cluster, layout, precision=precision, accounting="plait").rank_memory_bytes
+    chosen = precision_for(precision, "plait", device_type)
+    ranks = estimate_layout(spec, cluster, layout, precision=chosen, accounting="plait").rank_memory_bytes
     return {"activations_bytes": max(rank["activations"] for rank in ranks),
             "model_state_bytes": max(rank["parameters"] + rank["gradients"] + rank["optimizer"] for rank in ranks)}
 
@@ -197,10 +200,12 @@ def run_sweep(config: MemoryBenchConfig, vocab: int, on_row=None) -> list[dict]:
                         raise RuntimeError(f"{name}: plait train exited with {result.returncode}: "
                                            f"{' '.join(command)}\n{(result.stdout + result.stderr)[-3000:]}")
                     dp, tp, pp = mesh
+                    measured = measured_of(out)  # predicted for the device the run used (its autocast)
                     row = {"name": name, "dp": dp, "tp": tp, "pp": pp, "recompute": recompute,
                            "precision": precision, "offload": offload, "wall_s": time.perf_counter() - started,
-                           "measured": measured_of(out),
-                           "predicted": predicted_of(config, spec, mesh, recompute, precision, offload),
+                           "measured": measured,
+                           "predicted": predicted_of(config, spec, mesh, recompute, precision, offload,
+                                                     measured["device"].split(":")[0]),
                            "paper_bytes": paper_formula_bytes(config, spec, mesh, recompute)}
                     row["ratio"] = row["measured"]["activations_bytes"] / row["predicted"]["activations_bytes"]
                     rows.append(row)

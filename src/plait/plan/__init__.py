@@ -21,7 +21,7 @@ from __future__ import annotations
 from plait.plan.cluster import Cluster, cluster_preset, CLUSTER_PRESETS
 from plait.plan.device import device_preset, DEVICE_PRESETS, DeviceSpec
 from plait.plan.estimate import estimate, Estimate, Layout, layout_problems
-from plait.plan.precision import PRECISIONS, precision_for
+from plait.plan.precision import Precision, PRECISIONS, precision_for
 from plait.plan.explain import explain, table
 from plait.plan.layers import LayerCost
 from plait.plan.models import ModuleModel, TransformerModel
@@ -65,8 +65,9 @@ def plan(model, cluster, *, global_batch: int, gpus: int | None = None, nodes: i
 
 
 def estimate_layout(model, cluster, layout: Layout, *, gpus: int | None = None, nodes: int | None = None,
-                    precision: str = "bf16-mixed", accounting: str = "megatron") -> Estimate:
-    """Price one fully given ``layout`` (no search); memory is reported, not enforced."""
+                    precision: str | Precision = "bf16-mixed", accounting: str = "megatron") -> Estimate:
+    """Price one fully given ``layout`` (no search); memory is reported, not enforced.
+    ``precision``: a name, or a Precision (``precision_for(name, accounting, device_type)``)."""
 
     model, cluster = _model(model), _cluster(cluster, gpus, nodes)
     problems = layout_problems(layout, num_groups=model.num_groups, world_size=cluster.world_size,
@@ -74,7 +75,7 @@ def estimate_layout(model, cluster, layout: Layout, *, gpus: int | None = None, 
                                seq_len=getattr(model, "seq_len", None))
     if problems:
         raise ValueError(f"invalid layout {layout.text()}: " + "; ".join(problems))
-    chosen = precision_for(precision, accounting)
+    chosen = precision if isinstance(precision, Precision) else precision_for(precision, accounting)
     groups = model.groups(layout.micro_batch, layout.tp, layout.sequence_parallel, chosen, accounting)
     return estimate(groups, layout, cluster, chosen, model_flops=model.training_flops(layout.global_batch, "none"),
                     hardware_flops=model.training_flops(layout.global_batch, layout.recompute),

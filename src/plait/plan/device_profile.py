@@ -53,6 +53,9 @@ from importlib import resources
 from pathlib import Path
 
 import numpy as np
+from scipy.optimize import least_squares
+
+from plait.plan.device_spec import DeviceSpec
 
 __all__ = ["FORMAT", "MEMORY_EFFICIENCY_OPS", "OPTIMIZER_OP", "PROFILE_FILES", "DERIVED_PRESETS", "fit_profile",
            "fit_efficiency_curve", "profile_device", "load_device_profile", "calibrated_presets", "efficiency",
@@ -87,8 +90,6 @@ def fit_efficiency_curve(rows, *, peak: float, t_launch: float) -> dict:
     solver with ftol = xtol = gtol = 1e-12, from a few starts, the best kept): on rows
     the model generated itself it recovers the parameters to ~1e-6 relative, where the
     rows determine them (``_canonical``: where they do not)."""
-    from scipy.optimize import least_squares
-
     rows = [tuple(float(v) for v in row) for row in rows]
     if not rows:
         raise ValueError("no rows to fit")
@@ -271,8 +272,6 @@ def profile_device(profile: dict, *, vendor=None, where: str = "", name: str | N
     from it by peak ratio: the profile's η curves, memory efficiencies and launch cost
     with the vendor's peaks, bandwidth, memory and name (module docstring: the
     assumption). Raises ValueError naming a missing key."""
-    from plait.plan.device import DeviceSpec
-
     if not where:
         where = repr(profile.get("name", "?")) if isinstance(profile, dict) else "?"
     if not isinstance(profile, dict):

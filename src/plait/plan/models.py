@@ -66,7 +66,8 @@ class TransformerModel:
         costs = self.spec.layer_costs(micro_batch, tp=tp, sequence_parallel=sequence_parallel,
                                       element_bytes=precision.element_bytes, accounting=accounting,
                                       residual_bytes=precision.residual_bytes,
-                                      weight_copy_bytes=precision.weight_copy_bytes)
+                                      weight_copy_bytes=precision.weight_copy_bytes,
+                                      softmax_bytes=precision.softmax_bytes)
         comm = self.spec.tensor_parallel_comm(micro_batch, tp=tp, sequence_parallel=sequence_parallel,
                                               element_bytes=precision.element_bytes)
         embedding = Unit(costs[0], comm["embedding"], False)

@@ -5,7 +5,7 @@ copies (ZeRO's 2 + 2 + 12 bytes), and plait train's autocast over fp32 weights."
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 __all__ = ["Precision", "PRECISIONS", "AUTOCAST_PRECISIONS", "precision_for"]
 
@@ -23,6 +23,7 @@ class Precision:
     optimizer_traffic_bytes: int  # read + written per parameter by one optimizer step
     residual_bytes: int | None = None  # the residual stream's element (None: element_bytes)
     weight_copy_bytes: int = 0  # a 16-bit copy of each matmul weight kept per forward (autocast)
+    softmax_bytes: int | None = None  # kept per attention-probability element (None: element_bytes)
 
 
 PRECISIONS = {
@@ -46,12 +47,25 @@ AUTOCAST_PRECISIONS = {
     for name, dtype in (("bf16-mixed", "bfloat16"), ("fp16-mixed", "float16"))
 }
 
-def precision_for(name: str, accounting: str) -> Precision:
+# Autocast differs by device: CUDA's runs softmax in float32 (its fp32 op list), so the
+# attention keeps the float32 probabilities (softmax's backward) and the 16-bit copy the
+# PV matmul multiplied: 4 + 2 bytes per element where the CPU's bf16 softmax keeps 2
+# (found on an H200, bench/gpu/results/run2-memory.json; checked on other runs,
+# run3-memory4*.json: exact to the byte without recomputation).
+CUDA_AUTOCAST_SOFTMAX_BYTES = 4 + 2
+DEVICE_TYPES = ("cpu", "cuda")
+
+
+def precision_for(name: str, accounting: str, device_type: str = "cpu") -> Precision:
     """The bytes of precision ``name`` as the accounting's trainer keeps them: under
-    "plait" (plait train) a mixed precision is autocast over fp32 weights; under
-    "megatron", 16-bit weights with fp32 master copies in the optimizer (ZeRO's 2+2+12)."""
+    "plait" (plait train) a mixed precision is autocast over fp32 weights (on
+    ``device_type``'s autocast); under "megatron", 16-bit weights with fp32 master
+    copies in the optimizer (ZeRO's 2+2+12)."""
     if name not in PRECISIONS:
         raise ValueError(f"precision={name!r} must be one of {', '.join(PRECISIONS)}")
+    if device_type not in DEVICE_TYPES:
+        raise ValueError(f"device_type={device_type!r} must be one of {', '.join(DEVICE_TYPES)}")
     if accounting == "plait" and name in AUTOCAST_PRECISIONS:
-        return AUTOCAST_PRECISIONS[name]
+        chosen = AUTOCAST_PRECISIONS[name]
+        return replace(chosen, softmax_bytes=CUDA_AUTOCAST_SOFTMAX_BYTES) if device_type == "cuda" else chosen
     return PRECISIONS[name]

@@ -194,9 +194,10 @@ class TransformerSpec:
     # ----- activations --------------------------------------------------------------------------
     def block_activation_bytes(self, micro_batch: int, *, tp: int = 1, sequence_parallel: bool = False,
                                element_bytes: int = 2, accounting: str = "megatron", residual_bytes: int | None = None,
-                               weight_copy_bytes: int = 0) -> float:
+                               weight_copy_bytes: int = 0, softmax_bytes: int | None = None) -> float:
         """Bytes one block keeps for its backward (the formula in the module docstring;
-        ``residual_bytes`` r, default e, and ``weight_copy_bytes`` w: its mixed precision)."""
+        ``residual_bytes`` r, default e, ``weight_copy_bytes`` w and ``softmax_bytes``
+        (per attention probability, default e): its mixed precision)."""
         _check_accounting(accounting)
         s, b, h, t, e = self.seq_len, micro_batch, self.hidden, tp, element_bytes
         r = e if residual_bytes is None else residual_bytes
@@ -211,22 +212,25 @@ class TransformerSpec:
         masks = 2 * d * mask * sbh / (t if sp else 1)
         weights = weight_copy_bytes * (4 * h * h + 2 * h * self.ffn) / t  # 16-bit casts of QKV, proj, fc1, fc2
         total = residual + ln_outputs + sharded + masks + weights + self.attention_core_bytes(
-            micro_batch, tp=tp, element_bytes=element_bytes, accounting=accounting)
+            micro_batch, tp=tp, element_bytes=element_bytes, accounting=accounting, softmax_bytes=softmax_bytes)
         if accounting == "plait":
             total += 2 * LAYER_NORM_STAT_BYTES * s * b / (t if sp else 1)  # LN statistics
         return total
 
     def attention_core_bytes(self, micro_batch: int, *, tp: int = 1, element_bytes: int = 2,
-                             accounting: str = "megatron") -> float:
+                             accounting: str = "megatron", softmax_bytes: int | None = None) -> float:
         """What a block's attention core keeps (the softmax output, dropout mask and
         dropped-out probabilities, a·s²·b each per rank; plait's eager GPT also its s·s
         causal mask): what selective recomputation frees, and re-creates while the
-        block's backward runs. Its input, QKV, is kept either way."""
+        block's backward runs. Its input, QKV, is kept either way. ``softmax_bytes``: what
+        the softmax output costs per element (default e; CUDA autocast keeps it in
+        float32 and its 16-bit copy: plait.plan.precision.CUDA_AUTOCAST_SOFTMAX_BYTES)."""
         _check_accounting(accounting)
         s, b, t, e = self.seq_len, micro_batch, tp, element_bytes
         d = 1 if self.dropout else 0
         mask = 1 if accounting == "megatron" else e
-        attention = (e + d * (mask + e)) * self.heads * s * s * b / t
+        probabilities = e if softmax_bytes is None else softmax_bytes
+        attention = (probabilities + d * (mask + e)) * self.heads * s * s * b / t
         return attention + (s * s if accounting == "plait" else 0.0)
 
     def post_core_bytes(self, micro_batch: int, *, tp: int = 1, sequence_parallel: bool = False,
@@ -286,7 +290,7 @@ class TransformerSpec:
     # ----- per-layer costs for the planner ------------------------------------------------------
     def layer_costs(self, micro_batch: int, *, tp: int = 1, sequence_parallel: bool = False, element_bytes: int = 2,
                     accounting: str = "megatron", residual_bytes: int | None = None,
-                    weight_copy_bytes: int = 0) -> list[LayerCost]:
+                    weight_copy_bytes: int = 0, softmax_bytes: int | None = None) -> list[LayerCost]:
         """[embedding, block 0 .. block l-1, head]: one micro-batch on one device of a
         t-way tensor-parallel group (``residual_bytes``, ``weight_copy_bytes``: mixed
         precision, see the module docstring)."""
@@ -310,10 +314,12 @@ class TransformerSpec:
                           forward_flops=block_flops, backward_flops=2 * block_flops,
                           forward_kernels=k["kernels"], backward_kernels=2 * k["kernels"],
                           forward_bytes=block_bytes, backward_bytes=2 * block_bytes,
-                          activation_bytes=self.block_activation_bytes(b, accounting=accounting, **shape, **mixed),
+                          activation_bytes=self.block_activation_bytes(b, accounting=accounting, softmax_bytes=softmax_bytes,
+                                                                       **shape, **mixed),
                           input_bytes=boundary, output_bytes=boundary,
                           core_activation_bytes=self.attention_core_bytes(b, tp=t, element_bytes=e,
-                                                                          accounting=accounting),
+                                                                          accounting=accounting,
+                                                                          softmax_bytes=softmax_bytes),
                           post_core_bytes=self.post_core_bytes(b, accounting=accounting, **shape, **mixed),
                           core_forward_flops=self.attention_core_forward_flops(b) / t,
                           core_forward_bytes=e * (k["as2b"] + d * k["dropout_as2b"]) * as2b / t)
