@@ -39,6 +39,9 @@ LayerNorm outputs, QKV, context, the MLP's two 4h tensors, the softmax output). 
 forward also keeps the 16-bit copy of every weight its matmuls used (w = 2 bytes per
 weight element, per micro-batch in flight: autocast's cast cache lives for one
 forward): w·(4h² + 2hf)/t per block and w·hV'/t for the head.
+On a GPU, CUDA's autocast runs softmax in float32 (the CPU's runs it in bf16): the
+attention keeps the float32 probabilities and the 16-bit copy the PV matmul saved,
+4 + 2 bytes per element instead of e (``softmax_bytes``, plait.plan.precision).
 
 Communication under tensor parallelism (DESIGN §6): per block two all-reduces of sbh·e
 bytes forward and two backward (under sequence parallelism each becomes a
