@@ -16,7 +16,12 @@ returning ``(module in eval mode, example_inputs tuple)`` — the contract of
   token embedding and transformer blocks must be leaves (``GPT_LEAF_MODULES``).
 - ``conv_bn_shared``: pytorch#104593: ``y = conv(x); return bn(y) + y``. The conv's
   output feeds the BN AND the add, so folding the BN into the conv would change the add's
-  input: it must not fold (torch.fx.experimental.optimization.fuse folds it anyway).
+  input: it must not fold. torch 2.13's torch.fx.experimental.optimization.fuse now skips
+  it (it checks the conv's users); torch.ao.quantization.fuse_modules, given the names
+  ["conv", "bn"], folds it and is wrong.
+- ``conv_called_twice``: one conv module called at two sites, BN after only one:
+  ``bn(conv(x)) + conv(2x)``. torch.fx.experimental.optimization.fuse replaces the conv
+  module itself, so the second call gets the BN too: wrong (relative error ~0.26).
 
 BatchNorm statistics and affine parameters are drawn at random (seeded), not left at
 their initial mean 0 / var 1 / γ 1 / β 0, so that a wrong fold shows in the outputs.
@@ -195,5 +200,25 @@ def conv_bn_shared(batch: int = 2, dtype: torch.dtype = torch.float32) -> tuple[
     return model, (torch.randn(batch, 3, 16, 16, generator=generator, dtype=dtype),)
 
 
+class ConvCalledTwice(nn.Module):
+    """One conv at two call sites, the BN after only the first (its weight is shared)."""
+
+    def __init__(self, channels: int = 8):
+        super().__init__()
+        self.conv = nn.Conv2d(3, channels, 3, padding=1)
+        self.bn = nn.BatchNorm2d(channels)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.bn(self.conv(x)) + self.conv(2 * x)
+
+
+def conv_called_twice(batch: int = 2, dtype: torch.dtype = torch.float32) -> tuple[nn.Module, tuple[torch.Tensor]]:
+    """A conv called at two sites, BN after one (fx's fuse folds it: wrong), and a (batch, 3, 16, 16) input."""
+    generator = torch.Generator().manual_seed(SEED)
+    torch.manual_seed(SEED)
+    model = randomize_batchnorm(ConvCalledTwice(), generator).to(dtype).eval()
+    return model, (torch.randn(batch, 3, 16, 16, generator=generator, dtype=dtype),)
+
+
 EXAMPLES = {"resnet18_like": resnet18_like, "mobilenet_like": mobilenet_like, "gpt_eval": gpt_eval,
-            "conv_bn_shared": conv_bn_shared}
+            "conv_bn_shared": conv_bn_shared, "conv_called_twice": conv_called_twice}
