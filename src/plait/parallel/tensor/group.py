@@ -26,6 +26,10 @@ class _Local:
     def __repr__(self) -> str:
         return "LOCAL"
 
+    def __reduce__(self) -> str:
+        # the one LOCAL survives copy.deepcopy(model) and pickling (`group is LOCAL` checks identity)
+        return "LOCAL"
+
 
 LOCAL = _Local()
 
