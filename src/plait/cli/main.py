@@ -19,8 +19,8 @@ from plait import __version__
 # (SIGPIPE), what a shell reports for a process that SIGPIPE killed, as it would kill a C tool.
 EXIT_BROKEN_PIPE = 141
 
-SUBCOMMANDS = ("train", "bench", "bench_dp", "bench_tp", "bench_pp", "bench_memory", "bench_zero", "schedule", "cost",
-               "tune", "calibrate", "simulate", "checkpoint", "plan", "testbed")
+SUBCOMMANDS = ("train", "bench", "bench_dp", "bench_tp", "bench_pp", "bench_memory", "bench_zero", "bench_fold",
+               "schedule", "cost", "tune", "calibrate", "simulate", "checkpoint", "plan", "testbed", "optimize")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -55,7 +55,8 @@ def _run_command(argv: list[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:2] == ["bench", "dp"]:  # `plait bench dp` has its own flags (plait.cli.bench_dp)
         argv = ["bench-dp"] + argv[2:]
-    elif argv[:2] in (["bench", "tp"], ["bench", "pp"], ["bench", "memory"], ["bench", "zero"]):  # and these
+    elif argv[:2] in (["bench", "tp"], ["bench", "pp"], ["bench", "memory"], ["bench", "zero"],
+                      ["bench", "fold"]):  # and these
         argv = [f"bench-{argv[1]}"] + argv[2:]
     environment_error = _comm_environment_error()
     if environment_error is not None:  # before anything else, --help included: nothing runs on bad settings
