@@ -7,7 +7,9 @@ Each run is the real command (plait.cli.main.main), its output and report (repor
 report.json, graph-before.png, graph-after.png) kept under --out/MODEL-bBATCH/. Per model
 and batch: the rules that fired, plait's predicted saving per forward (FLOPs; bytes read +
 written that disappear), the measured latency before (the eager module) and after (the
-rewritten GraphModule), median and min-max over the alternating samples, plait's speedup,
+rewritten GraphModule), median and min-max over the alternating samples, plait's speedup
+(ratio of medians, and of minima: on a shared machine the minimum is the sample least
+disturbed by other processes),
 the speedup of the traced graph with no rules (what tracing alone does), and the peers'
 speedups with their correctness (torch.fx.experimental.optimization.fuse,
 torch.ao.quantization.fuse_modules; "-" where they do not apply).
@@ -62,10 +64,12 @@ def _ms(row: dict) -> str:
 def table_line(name: str, batch: int, result: dict) -> str:
     rows = {row["name"]: row for row in result["bench"]["rows"]}
     report = result["report"]
-    plait = rows["plait optimize"]
+    plait, eager = rows["plait optimize"], rows["eager (before)"]
+    best = eager["timing"]["min_s"] / plait["timing"]["min_s"]
     return (f"| {name} | {batch} | {result['rules_fired']} | {report['predicted_flops_saved']:,.0f} | "
-            f"{report['predicted_bytes_saved']:,.0f} | {_ms(rows['eager (before)'])} | {_ms(plait)} | "
-            f"{plait['speedup']:.2f}x{'' if plait['correct'] else ' WRONG'} | {_peer(rows, 'traced, no rules')} | "
+            f"{report['predicted_bytes_saved']:,.0f} | {_ms(eager)} | {_ms(plait)} | "
+            f"{plait['speedup']:.2f}x{'' if plait['correct'] else ' WRONG'} ({best:.2f}x) | "
+            f"{_peer(rows, 'traced, no rules')} | "
             f"{_peer(rows, 'torch.fx fuse')} | {_peer(rows, 'fuse_modules')} |")
 
 
@@ -83,7 +87,8 @@ def main_bench(argv: list[str] | None = None) -> int:
         parser.error(f"unknown model(s) {unknown}; choose from {', '.join(EXAMPLES)}")
     print(f"# plait optimize --bench on plait.graph.examples; torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads, float32, {args.repeats} alternating samples per variant; "
-          f"latency ms per call: median (min-max); speedup = eager median / variant median")
+          f"latency ms per call: median (min-max); speedup = eager median / variant median "
+          f"(plait's in brackets: eager min / plait min, the least disturbed samples)")
     print("| model | batch | rules fired | predicted FLOPs saved | predicted bytes saved | eager ms | plait ms | "
           "plait speedup | traced, no rules | torch.fx fuse | fuse_modules |")
     print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|", flush=True)
