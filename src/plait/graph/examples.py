@@ -29,14 +29,11 @@ their initial mean 0 / var 1 / γ 1 / β 0, so that a wrong fold shows in the ou
 
 from __future__ import annotations
 
-import copy
-
 import torch
 from torch import nn
 
 from plait.models.gpt import GPT, GPTConfig, TransformerBlock
 from plait.parallel.tensor import VocabParallelEmbedding
-from plait.parallel.tensor.group import LOCAL
 
 SEED = 0
 IMAGE_SIZE = 32  # pixels per side of the example images
@@ -149,17 +146,6 @@ class GPTEval(nn.Module):
         if not 0 < sequence <= gpt.config.seq_len:
             raise ValueError(f"sequence={sequence} must be in [1, seq_len={gpt.config.seq_len}]")
         self.gpt, self.sequence = gpt, sequence
-
-    def __deepcopy__(self, memo: dict) -> GPTEval:
-        # plait.graph.optimize works on a deep copy. The unsharded GPT's tensor-parallel group
-        # is the sentinel LOCAL, compared by identity (`group is LOCAL`); a plain deepcopy makes
-        # a second _Local and the copy then asks torch.distributed for a group size. Keep the
-        # sentinel itself (the real fix belongs in plait.parallel.tensor.group._Local).
-        memo.setdefault(id(LOCAL), LOCAL)
-        clone = type(self).__new__(type(self))
-        memo[id(self)] = clone
-        clone.__dict__.update(copy.deepcopy(self.__dict__, memo))
-        return clone
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:  # (b, s) int -> (b, s, vocab)
         x = self.gpt.embedding(tokens.t()) + self.gpt.position[:self.sequence].unsqueeze(1)  # (s, b, h)
