@@ -23,6 +23,7 @@ below peak.
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 import warnings
@@ -88,9 +89,10 @@ QUICK = dict(factors=(2,), batches=(1, 8, 64), rounds=1, min_time_s=0.005, train
 
 
 def measure_machine_balance() -> dict:
-    """Peak FLOP/s (1024² matmul), copy bandwidth (bytes read + written per s) and their
-    ratio, the balance point in FLOPs per byte; median of 5."""
-    size = 1024
+    """Peak FLOP/s (a 2048² float32 matmul), copy bandwidth (bytes read + written per s of
+    a 128 MiB copy) and their ratio, the balance point in FLOPs per byte; each the best of
+    5 (the least disturbed run on a shared machine: a peak, not a typical rate)."""
+    size = 2048
     left, right = torch.randn(size, size), torch.randn(size, size)
     source = torch.empty(32 * 2 ** 20)  # 128 MiB of float32
     destination = torch.empty_like(source)
@@ -104,9 +106,9 @@ def measure_machine_balance() -> dict:
         start = time.perf_counter()
         destination.copy_(source)
         byte_rates.append(2.0 * source.numel() * source.element_size() / (time.perf_counter() - start))
-    flops_per_s, bytes_per_s = statistics.median(flop_rates), statistics.median(byte_rates)
+    flops_per_s, bytes_per_s = max(flop_rates), max(byte_rates)
     return {"peak_flops_per_s": flops_per_s, "copy_bytes_per_s": bytes_per_s,
-            "balance_flops_per_byte": flops_per_s / bytes_per_s}
+            "balance_flops_per_byte": flops_per_s / bytes_per_s, "load_average_1min": os.getloadavg()[0]}
 
 
 def train_models(config: FoldBenchConfig, log) -> tuple[dict, dict, tuple]:
@@ -181,10 +183,13 @@ def run_bench(config: FoldBenchConfig, log=print) -> dict:
     """Train, measure and analyse; returns the JSON-ready summary."""
     machine = measure_machine_balance()
     log(f"# machine: {machine['peak_flops_per_s'] / 1e9:.1f} GFLOP/s (matmul), {machine['copy_bytes_per_s'] / 1e9:.1f}"
-        f" GB/s (copy), balance {machine['balance_flops_per_byte']:.1f} FLOPs/byte; {torch.get_num_threads()} threads")
+        f" GB/s (copy), balance {machine['balance_flops_per_byte']:.1f} FLOPs/byte; {torch.get_num_threads()} threads; "
+        f"load average {machine['load_average_1min']:.2f} (other processes share these cores: see the spread)")
     models, facts, _ = train_models(config, log)
     costs = {name: model_cost(model, IMAGE_SHAPE) for name, model in models.items()}
+    load_before_s = os.getloadavg()[0]
     throughput = throughput_sweep(models, config, log)
+    machine["load_average_during_sweep"] = (load_before_s, os.getloadavg()[0])
     plateau = plateau_batch(throughput["unfolded"])
     base = costs["unfolded"]
     rows = []
@@ -245,6 +250,9 @@ def render(result: dict) -> list[str]:
     lines.append(f"{'batch':>6}" + "".join(f"{row['model']:>14}" for row in result["models"]))
     for batch in batches:
         lines.append(f"{batch:>6}" + "".join(f"{row['intensity'][str(batch)]:>14.2f}" for row in result["models"]))
+    before, after = machine.get("load_average_during_sweep", (float("nan"), float("nan")))
+    lines.append(f"# 1-min load average before / after the sweep: {before:.2f} / {after:.2f} on "
+                 f"{os.cpu_count()} CPUs (above ~0.5 per CPU other processes were competing)")
     lines.append(f"# plateau batch of the unfolded model ({PLATEAU_FRACTION:.0%} of its best): {result['plateau_batch']}")
     lines.append(f"{'model':<10}{'MFLOP/img':>10}{'vs unf.':>9}{'weights KiB':>12}{'act KiB/img':>12}"
                  f"{'I limit':>9}{'I > unf. from B':>16}{'compute-bound from B':>21}{'accuracy':>10}{'points':>8}"
