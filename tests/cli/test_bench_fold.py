@@ -20,6 +20,11 @@ def test_quick_run_writes_table_json_and_png(tmp_path, capsys):
     folded = result["models"][1]
     assert set(folded["throughput"]) == {"1", "4"} and folded["padded_batches"] == [1]
     assert all(cell["min"] <= cell["median"] <= cell["max"] for cell in folded["throughput"].values())
+    # one round (--quick): the speedup is the ratio of that round's two rates
+    unfolded = result["models"][0]
+    for batch in ("1", "4"):
+        ratio = folded["samples"][batch][0] / unfolded["samples"][batch][0]
+        assert folded["speedup"][batch]["median"] == pytest.approx(ratio, rel=1e-12)
     assert 1.0 < folded["flops_vs_unfolded"] <= 1.035  # the paper's +3.5 % for f = 2
     assert 0.0 <= folded["accuracy"] <= 1.0
     assert (out / "throughput.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -9,10 +9,11 @@ time, median over rounds with the spread (min–max). Batches that are not a mul
 are padded (marked * in the table; only real images count).
 
 Plateau batch: the smallest batch where the unfolded model reaches 90 % of its best
-throughput; the speedup of each folded model is taken there (folded / unfolded at the same
-batch). Arithmetic intensity I(B) = FLOPs / bytes moved (plait.graph.fold.ModelCost). The
-machine balance is measured: peak FLOP/s of a 1024² float32 matmul over the bandwidth of a
-128 MiB copy (bytes read + written per second); a model whose I(B) is below the balance
+throughput; the speedup of each folded model is taken there. A speedup at a batch is the
+median over rounds of (folded / unfolded images/s in the same round): both timed seconds
+apart, so a burst of load from other processes hits both sides of a ratio. Arithmetic
+intensity I(B) = FLOPs / bytes moved (plait.graph.fold.ModelCost). The machine balance is
+measured: peak FLOP/s of a 2048² float32 matmul over the bandwidth of a 128 MiB copy (bytes read + written per second); a model whose I(B) is below the balance
 is memory-bound at B, where the extra intensity of a fold can buy throughput, above it
 compute-bound, where only a higher achieved FLOP rate can (FLOPs per image are the same or
 a few percent more): the report gives each model's achieved GFLOP/s at the plateau batch
@@ -46,8 +47,8 @@ class FoldBenchConfig:
 
     factors: tuple[int, ...] = (2, 3, 4)
     batches: tuple[int, ...] = tuple(2 ** k for k in range(11))  # 1 … 1024 images
-    rounds: int = 5
-    min_time_s: float = 0.05
+    rounds: int = 7
+    min_time_s: float = 0.08
     train_images: int = 4800
     test_images: int = 2000
     epochs: int = 3
@@ -155,7 +156,7 @@ def time_model(model: torch.nn.Module, images: torch.Tensor, min_time_s: float) 
 
 
 def throughput_sweep(models: dict, config: FoldBenchConfig, log) -> dict:
-    """{name: {batch: {"median", "min", "max"}}} images/s, models alternated in rotated order."""
+    """{name: {batch: [images/s of round 0, 1, ...]}}, models alternated in rotated order."""
     for model in models.values():
         model.eval()
     names = list(models)
@@ -169,8 +170,11 @@ def throughput_sweep(models: dict, config: FoldBenchConfig, log) -> dict:
                 samples[name][batch].append(time_model(models[name], images, config.min_time_s))
         log(f"# batch {batch}: " + ", ".join(f"{name} {statistics.median(samples[name][batch]):,.0f}"
                                                for name in names) + " images/s")
-    return {name: {batch: {"median": statistics.median(values), "min": min(values), "max": max(values)}
-                   for batch, values in per_batch.items()} for name, per_batch in samples.items()}
+    return samples
+
+
+def summarise(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
 def plateau_batch(throughput: dict[int, dict]) -> int:
@@ -188,7 +192,11 @@ def run_bench(config: FoldBenchConfig, log=print) -> dict:
     models, facts, _ = train_models(config, log)
     costs = {name: model_cost(model, IMAGE_SHAPE) for name, model in models.items()}
     load_before_s = os.getloadavg()[0]
-    throughput = throughput_sweep(models, config, log)
+    samples = throughput_sweep(models, config, log)
+    throughput = {name: {batch: summarise(values) for batch, values in per_batch.items()}
+                  for name, per_batch in samples.items()}
+    speedup = {name: {batch: summarise([mine / base for mine, base in zip(values, samples["unfolded"][batch])])
+                      for batch, values in per_batch.items()} for name, per_batch in samples.items()}
     machine["load_average_during_sweep"] = (load_before_s, os.getloadavg()[0])
     plateau = plateau_batch(throughput["unfolded"])
     base = costs["unfolded"]
@@ -204,7 +212,11 @@ def run_bench(config: FoldBenchConfig, log=print) -> dict:
             "padded_batches": [b for b in config.batches if b % f],
             "intensity": {str(b): cost.arithmetic_intensity(b) for b in config.batches},
             "intensity_limit": cost.flops_per_image / cost.activation_bytes_per_image,
-            "speedup_at_plateau": throughput[name][plateau]["median"] / throughput["unfolded"][plateau]["median"],
+            "speedup": {str(b): cell for b, cell in speedup[name].items()},
+            "speedup_at_plateau": speedup[name][plateau]["median"],
+            "faster_from_batch": next((b for b in config.batches
+                                       if all(speedup[name][c]["median"] > 1 for c in config.batches if c >= b)), None),
+            "samples": {str(b): values for b, values in samples[name].items()},
             "achieved_flops_per_s_at_plateau": throughput[name][plateau]["median"] * cost.flops_per_image,
             "best_throughput": max(cell["median"] for cell in throughput[name].values()),
             "accuracy_points_vs_unfolded": 100 * (facts[name]["accuracy"] - facts["unfolded"]["accuracy"]),
@@ -243,6 +255,13 @@ def render(result: dict) -> list[str]:
             mark = "*" if batch in row["padded_batches"] else " "
             cells.append(f"{row['throughput'][str(batch)]['median']:>13,.0f}{mark}")
         lines.append(f"{batch:>6}" + "".join(cells))
+    folded = [row for row in result["models"] if row["f"] > 1]
+    lines.append("# speedup over unfolded (median over rounds of the per-round ratio; spread min-max)")
+    lines.append(f"{'batch':>6}" + "".join(f"{row['model']:>20}" for row in folded))
+    for batch in batches:
+        lines.append(f"{batch:>6}" + "".join(
+            f"{row['speedup'][str(batch)]['median']:>7.2f}x ({row['speedup'][str(batch)]['min']:.2f}-"
+            f"{row['speedup'][str(batch)]['max']:.2f})" for row in folded))
     machine = result["machine"]
     lines.append(f"# arithmetic intensity (FLOPs/byte, analytic); machine balance "
                  f"{machine['balance_flops_per_byte']:.1f} = {machine['peak_flops_per_s'] / 1e9:.1f} GFLOP/s / "
@@ -255,12 +274,13 @@ def render(result: dict) -> list[str]:
                  f"{os.cpu_count()} CPUs (above ~0.5 per CPU other processes were competing)")
     lines.append(f"# plateau batch of the unfolded model ({PLATEAU_FRACTION:.0%} of its best): {result['plateau_batch']}")
     lines.append(f"{'model':<10}{'MFLOP/img':>10}{'vs unf.':>9}{'weights KiB':>12}{'act KiB/img':>12}"
-                 f"{'I limit':>9}{'I > unf. from B':>16}{'compute-bound from B':>21}{'accuracy':>10}{'points':>8}"
+                 f"{'I limit':>9}{'I > unf. from B':>16}{'faster from B':>14}{'compute-bound from B':>21}{'accuracy':>10}{'points':>8}"
                  f"{'speedup@plateau':>16}{'best/best':>10}{'GFLOP/s@plateau':>16}{'of peak':>8}")
     for row in result["models"]:
         lines.append(f"{row['model']:<10}{row['flops_per_image'] / 1e6:>10.3f}{row['flops_vs_unfolded']:>9.3f}"
                      f"{row['weight_bytes'] / 1024:>12.1f}{row['activation_bytes_per_image'] / 1024:>12.1f}"
                      f"{row['intensity_limit']:>9.2f}{_or_dash(row['intensity_crossover_batch']):>16}"
+                     f"{_or_dash(row['faster_from_batch'] if row['f'] > 1 else None):>14}"
                      f"{_or_dash(row['compute_bound_from_batch']):>21}{100 * row['accuracy']:>9.2f}%"
                      f"{row['accuracy_points_vs_unfolded']:>+8.2f}{row['speedup_at_plateau']:>15.2f}x"
                      f"{row['best_vs_best_unfolded']:>9.2f}x{row['achieved_flops_per_s_at_plateau'] / 1e9:>16.1f}"

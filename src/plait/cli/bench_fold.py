@@ -39,7 +39,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--factors", type=_integers("--factors"), default=None, help="fold factors (default 2,3,4)")
     parser.add_argument("--batches", type=_integers("--batches"), default=None,
                         help="batch sizes in images (default 1,2,4,...,1024)")
-    for name, kind, default in (("rounds", int, 5), ("min_time_s", float, 0.05), ("train_images", int, 4800),
+    for name, kind, default in (("rounds", int, 7), ("min_time_s", float, 0.08), ("train_images", int, 4800),
                                 ("test_images", int, 2000), ("epochs", int, 3), ("distill_epochs", int, 6),
                                 ("seed", int, 0)):
         parser.add_argument(f"--{name.replace('_', '-')}", type=kind, default=None, help=f"(default {default})")
