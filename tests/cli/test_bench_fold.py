@@ -5,7 +5,8 @@ import json
 
 import pytest
 
-from plait.bench.fold import plateau_batch
+from plait.bench.fold import plateau_batch, predicted_speedup
+from plait.graph.fold import ModelCost
 from plait.cli.main import main
 
 
@@ -56,3 +57,14 @@ def test_out_that_is_a_file_is_refused_before_any_work(tmp_path, capsys):
     blocker.write_text("")
     assert main(["bench", "fold", "--quick", "--out", str(blocker)]) == 2
     assert "--out" in capsys.readouterr().err
+
+
+def test_predicted_speedup_two_term_model():
+    # half the time in conv/linear (FLOPs unchanged), half in elementwise layers whose bytes
+    # halve: 1 / (0.5 · 1 + 0.5 · 0.5) = 4/3
+    base = ModelCost(images_per_input=1, flops_per_image=100.0, activation_bytes_per_image=0.0, weight_bytes=0.0,
+                     elementwise_bytes_per_image=80.0)
+    folded = ModelCost(images_per_input=4, flops_per_image=100.0, activation_bytes_per_image=0.0, weight_bytes=0.0,
+                       elementwise_bytes_per_image=40.0)
+    split = {"weighted_s_per_image": 2e-5, "elementwise_s_per_image": 2e-5}
+    assert predicted_speedup(split, base, folded) == pytest.approx(4 / 3, rel=1e-12)

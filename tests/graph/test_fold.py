@@ -129,6 +129,14 @@ def test_arithmetic_intensity_rises_with_batch_and_with_folding():
     assert folded.arithmetic_intensity(1024) > 1.5 * base.arithmetic_intensity(1024)
 
 
+def test_elementwise_bytes_halve_at_f4():
+    # BN, ReLU and pools read and write widened activations: (√4·w channels) for 4 images, i.e.
+    # w/2 per image, exactly (every width doubles without rounding at f = 4)
+    base = model_cost(red_square_cnn(), IMAGE_SHAPE)
+    folded = model_cost(fold(red_square_cnn(), 4), IMAGE_SHAPE)
+    assert folded.elementwise_bytes_per_image == base.elementwise_bytes_per_image / 2
+
+
 def test_traced_chain_folds_like_a_sequential():
     folded = fold(ChainCNN(), 2)
     kinds = [type(m).__name__ for m in folded.net]

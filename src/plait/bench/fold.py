@@ -20,6 +20,17 @@ a few percent more): the report gives each model's achieved GFLOP/s at the plate
 (images/s × FLOPs per image) as a fraction of the matmul peak, which is what widening
 narrow layers (16–64 channels) raises on a CPU whose kernels run narrow convolutions far
 below peak.
+
+Where a fold pays in eager PyTorch: BatchNorm, ReLU and pooling do no FLOPs worth counting
+and only stream their activations, whose bytes per image a fold divides by ≈ √f (exactly 2
+at f = 4); convs and the Linear keep their FLOPs per image (+2–4 %). With the unfolded
+model's time per image split layer by layer at the plateau batch into t_conv and t_elem,
+
+    predicted speedup = (t_conv + t_elem) / (t_conv · FLOPs ratio + t_elem · elementwise-bytes ratio),
+
+at most 1 / (share_conv + share_elem / √f): the fold can beat 1.3× only where the memory-bound
+layers take a large enough share of the time (≥ 50 % at f = 4, ≥ 57 % at f = 3, ≥ 80 % at f = 2
+with the FLOPs ratios of plait.graph.fold) or where widened convs run faster per FLOP.
 """
 
 from __future__ import annotations
@@ -33,7 +44,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from matplotlib.figure import Figure  # drawn without pyplot: no global backend state
 
-from plait.graph.fold import check_factor, fold, model_cost
+from plait.graph.fold import chain_layers, check_factor, fold, model_cost
 from plait.graph.folded_data import IMAGE_SHAPE, accuracy, red_square_cnn, red_square_dataset, train
 
 PLATEAU_FRACTION = 0.9
@@ -177,6 +188,41 @@ def summarise(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
+def time_split(model: torch.nn.Module, batch: int, config: FoldBenchConfig) -> dict:
+    """Seconds per image the unfolded model spends in its layers with FLOPs (conv, linear)
+    and in the rest (BatchNorm, ReLU, pools: pure memory traffic in eager PyTorch), timed
+    layer by layer at ``batch`` (median of config.rounds)."""
+    layers = chain_layers(model)
+    weighted_s, elementwise_s = [], []
+    images = torch.rand((batch, *IMAGE_SHAPE), generator=torch.Generator().manual_seed(config.seed))
+    with torch.inference_mode():
+        for _ in range(config.rounds):
+            activation, split = images, [0.0, 0.0]
+            for layer in layers:
+                layer.eval()
+                output = layer(activation)  # warm-up
+                calls, start = 0, time.perf_counter()
+                while time.perf_counter() - start < config.min_time_s / len(layers):
+                    output = layer(activation)
+                    calls += 1
+                split[0 if isinstance(layer, (torch.nn.Conv2d, torch.nn.Linear)) else 1] += \
+                    (time.perf_counter() - start) / calls / batch
+                activation = output
+            weighted_s.append(split[0])
+            elementwise_s.append(split[1])
+    return {"batch": batch, "weighted_s_per_image": statistics.median(weighted_s),
+            "elementwise_s_per_image": statistics.median(elementwise_s)}
+
+
+def predicted_speedup(split: dict, base, cost) -> float:
+    """Two-term model: a folded image costs the conv/linear time × its FLOPs ratio plus the
+    elementwise time × its elementwise-bytes ratio (each at the unfolded model's rates)."""
+    weighted, elementwise = split["weighted_s_per_image"], split["elementwise_s_per_image"]
+    folded = (weighted * cost.flops_per_image / base.flops_per_image +
+              elementwise * cost.elementwise_bytes_per_image / base.elementwise_bytes_per_image)
+    return (weighted + elementwise) / folded
+
+
 def plateau_batch(throughput: dict[int, dict]) -> int:
     """Smallest batch reaching PLATEAU_FRACTION of the best median throughput."""
     best = max(cell["median"] for cell in throughput.values())
@@ -200,6 +246,7 @@ def run_bench(config: FoldBenchConfig, log=print) -> dict:
     machine["load_average_during_sweep"] = (load_before_s, os.getloadavg()[0])
     plateau = plateau_batch(throughput["unfolded"])
     base = costs["unfolded"]
+    split = time_split(models["unfolded"], plateau, config)
     rows = []
     for name, model in models.items():
         f = facts[name]["f"]
@@ -214,6 +261,8 @@ def run_bench(config: FoldBenchConfig, log=print) -> dict:
             "intensity_limit": cost.flops_per_image / cost.activation_bytes_per_image,
             "speedup": {str(b): cell for b, cell in speedup[name].items()},
             "speedup_at_plateau": speedup[name][plateau]["median"],
+            "predicted_speedup_at_plateau": predicted_speedup(split, base, cost),
+            "elementwise_bytes_per_image": cost.elementwise_bytes_per_image,
             "faster_from_batch": next((b for b in config.batches
                                        if all(speedup[name][c]["median"] > 1 for c in config.batches if c >= b)), None),
             "samples": {str(b): values for b, values in samples[name].items()},
@@ -230,6 +279,7 @@ def run_bench(config: FoldBenchConfig, log=print) -> dict:
             None)
     folded = [row for row in rows if row["f"] > 1]
     return {"config": {k: v for k, v in asdict(config).items() if k != "progress"}, "machine": machine,
+            "unfolded_time_split": split,
             "threads": torch.get_num_threads(), "plateau_batch": plateau, "models": rows,
             "target_met": bool(folded) and all(row["speedup_at_plateau"] >= TARGET_SPEEDUP and
                                                abs(row["accuracy_points_vs_unfolded"]) <= TARGET_ACCURACY_POINTS
@@ -273,16 +323,24 @@ def render(result: dict) -> list[str]:
     lines.append(f"# 1-min load average before / after the sweep: {before:.2f} / {after:.2f} on "
                  f"{os.cpu_count()} CPUs (above ~0.5 per CPU other processes were competing)")
     lines.append(f"# plateau batch of the unfolded model ({PLATEAU_FRACTION:.0%} of its best): {result['plateau_batch']}")
+    split = result["unfolded_time_split"]
+    total = split["weighted_s_per_image"] + split["elementwise_s_per_image"]
+    lines.append(f"# unfolded at batch {split['batch']}, layer by layer: conv/linear "
+                 f"{1e6 * split['weighted_s_per_image']:.1f} us/image, BN/ReLU/pool "
+                 f"{1e6 * split['elementwise_s_per_image']:.1f} us/image "
+                 f"({split['elementwise_s_per_image'] / total:.0%}: bytes, no FLOPs); predicted speedup = 1 / "
+                 f"(conv share x FLOPs ratio + elementwise share x elementwise-bytes ratio)")
     lines.append(f"{'model':<10}{'MFLOP/img':>10}{'vs unf.':>9}{'weights KiB':>12}{'act KiB/img':>12}"
                  f"{'I limit':>9}{'I > unf. from B':>16}{'faster from B':>14}{'compute-bound from B':>21}{'accuracy':>10}{'points':>8}"
-                 f"{'speedup@plateau':>16}{'best/best':>10}{'GFLOP/s@plateau':>16}{'of peak':>8}")
+                 f"{'elem KiB/img':>13}{'predicted':>10}{'speedup@plateau':>16}{'best/best':>10}{'GFLOP/s@plateau':>16}{'of peak':>8}")
     for row in result["models"]:
         lines.append(f"{row['model']:<10}{row['flops_per_image'] / 1e6:>10.3f}{row['flops_vs_unfolded']:>9.3f}"
                      f"{row['weight_bytes'] / 1024:>12.1f}{row['activation_bytes_per_image'] / 1024:>12.1f}"
                      f"{row['intensity_limit']:>9.2f}{_or_dash(row['intensity_crossover_batch']):>16}"
                      f"{_or_dash(row['faster_from_batch'] if row['f'] > 1 else None):>14}"
                      f"{_or_dash(row['compute_bound_from_batch']):>21}{100 * row['accuracy']:>9.2f}%"
-                     f"{row['accuracy_points_vs_unfolded']:>+8.2f}{row['speedup_at_plateau']:>15.2f}x"
+                     f"{row['accuracy_points_vs_unfolded']:>+8.2f}{row['elementwise_bytes_per_image'] / 1024:>13.1f}"
+                     f"{row['predicted_speedup_at_plateau']:>9.2f}x{row['speedup_at_plateau']:>15.2f}x"
                      f"{row['best_vs_best_unfolded']:>9.2f}x{row['achieved_flops_per_s_at_plateau'] / 1e9:>16.1f}"
                      f"{row['achieved_flops_per_s_at_plateau'] / machine['peak_flops_per_s']:>8.0%}")
     verdict = "met" if result["target_met"] else ("met by some f" if result["any_target_met"] else "NOT met")

@@ -288,6 +288,7 @@ class ModelCost:
     flops_per_image: float
     activation_bytes_per_image: float
     weight_bytes: float
+    elementwise_bytes_per_image: float = 0.0  # activations in + out of the layers without FLOPs (BN, ReLU, pools)
 
     def arithmetic_intensity(self, batch_images: int) -> float:
         """FLOPs per byte moved for a batch of ``batch_images`` images (rounded up to whole
@@ -306,4 +307,5 @@ def model_cost(model: nn.Module, image_shape: tuple[int, int, int]) -> ModelCost
     costs = layer_costs(layers, input_shape)
     return ModelCost(images_per_input=f, flops_per_image=sum(c.flops for c in costs) / f,
                      activation_bytes_per_image=sum(c.input_bytes + c.output_bytes for c in costs) / f,
-                     weight_bytes=sum(c.weight_bytes for c in costs))
+                     weight_bytes=sum(c.weight_bytes for c in costs),
+                     elementwise_bytes_per_image=sum(c.input_bytes + c.output_bytes for c in costs if not c.flops) / f)
