@@ -21,6 +21,7 @@ import argparse
 import contextlib
 import io
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -93,13 +94,16 @@ def main_bench(argv: list[str] | None = None) -> int:
           "plait speedup | traced, no rules | torch.fx fuse | fuse_modules |")
     print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|", flush=True)
     results = {}
+    load_before = os.getloadavg()[0]
     for batch in batches:
         for name in models:
             result = run_one(name, batch, args.repeats, Path(args.out))
             results[f"{name}-b{batch}"] = result
             print(table_line(name, batch, result), flush=True)
     (Path(args.out) / "summary.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
-    print(f"reports: {args.out}/MODEL-bBATCH/report.md")
+    print(f"reports: {args.out}/MODEL-bBATCH/report.md; 1-minute load average {load_before:.2f} before, "
+          f"{os.getloadavg()[0]:.2f} after (above ~0.5 on 2 cores, other processes shared the CPU: "
+          f"the samples' max shows it)")
     return 0
 
 
