@@ -102,8 +102,8 @@ def main_bench(argv: list[str] | None = None) -> int:
             print(table_line(name, batch, result), flush=True)
     (Path(args.out) / "summary.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
     print(f"reports: {args.out}/MODEL-bBATCH/report.md; 1-minute load average {load_before:.2f} before, "
-          f"{os.getloadavg()[0]:.2f} after (above ~0.5 on 2 cores, other processes shared the CPU: "
-          f"the samples' max shows it)")
+          f"{os.getloadavg()[0]:.2f} after (this run itself adds about its {torch.get_num_threads()} threads; "
+          f"more means other processes shared the CPU, and the samples' max shows it)")
     return 0
 
 
