@@ -8,8 +8,8 @@ report.json, graph-before.png, graph-after.png) kept under --out/MODEL-bBATCH/. 
 and batch: the rules that fired, plait's predicted saving per forward (FLOPs; bytes read +
 written that disappear), the measured latency before (the eager module) and after (the
 rewritten GraphModule), median and min-max over the alternating samples, plait's speedup
-(ratio of medians, and of minima: on a shared machine the minimum is the sample least
-disturbed by other processes),
+(the median over the repeats of eager / plait within a repeat, and in brackets the ratio
+of minima: on a shared machine the minimum is the sample least disturbed by others),
 the speedup of the traced graph with no rules (what tracing alone does), and the peers'
 speedups with their correctness (torch.fx.experimental.optimization.fuse,
 torch.ao.quantization.fuse_modules; "-" where they do not apply).
@@ -88,7 +88,7 @@ def main_bench(argv: list[str] | None = None) -> int:
         parser.error(f"unknown model(s) {unknown}; choose from {', '.join(EXAMPLES)}")
     print(f"# plait optimize --bench on plait.graph.examples; torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads, float32, {args.repeats} alternating samples per variant; "
-          f"latency ms per call: median (min-max); speedup = eager median / variant median "
+          f"latency ms per call: median (min-max); speedup = median over the repeats of eager / variant "
           f"(plait's in brackets: eager min / plait min, the least disturbed samples)")
     print("| model | batch | rules fired | predicted FLOPs saved | predicted bytes saved | eager ms | plait ms | "
           "plait speedup | traced, no rules | torch.fx fuse | fuse_modules |")

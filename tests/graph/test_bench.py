@@ -96,6 +96,15 @@ def test_timing_statistics():
     assert bench.Timing("m", 1, (0.3, 0.1, 0.2), 1).median_s == 0.2
 
 
+def test_paired_speedup_is_the_median_of_same_repeat_ratios():
+    baseline = bench.Timing("eager", 1, (2.0, 30.0, 4.0), 1)  # a slow spell in repeat 1 hits both
+    variant = bench.Timing("plait", 1, (1.0, 20.0, 1.0), 1)
+    assert bench.paired_speedup(baseline, variant) == 2.0  # ratios 2, 1.5, 4
+    assert baseline.median_s / variant.median_s == 4.0  # the ratio of medians mixes repeats
+    with pytest.raises(ValueError, match="same repeats"):
+        bench.paired_speedup(baseline, bench.Timing("x", 1, (1.0,), 1))
+
+
 def test_iterations_per_sample():
     assert bench.iterations_for(0.01, 0.05) == 5
     assert bench.iterations_for(0.011, 0.05) == 5  # ceil(4.5)

@@ -14,7 +14,10 @@ variant is called ``iterations`` times per sample so one sample lasts at least
 ``sample_s`` (calibrated on the first variant), the variants alternate within every
 repeat (the order rotated each repeat, so none always runs first after another's cache
 footprint), and each reports the median per-call latency over ``repeats`` samples with
-its spread (min..max). Throughput = batch / median latency (items per second).
+its spread (min..max). Throughput = batch / median latency (items per second). A
+speedup is paired: the median over the repeats of baseline sample / variant sample from
+the same repeat, so a slow spell of the machine (another process, a frequency change)
+that lasts a few repeats hits both sides of a ratio rather than one.
 
 Peers, on the same model in the same run:
 - ``torch.fx.experimental.optimization.fuse`` folds Conv{1,2,3}d + BatchNorm and
@@ -174,6 +177,15 @@ class Timing:
         return {"name": self.name, "batch": self.batch, "median_s": self.median_s, "min_s": self.min_s,
                 "max_s": self.max_s, "throughput_per_s": self.throughput_per_s, "iterations": self.iterations,
                 "latencies_s": list(self.latencies_s)}
+
+
+def paired_speedup(baseline: Timing, variant: Timing) -> float:
+    """Median over the repeats r of baseline.latencies_s[r] / variant.latencies_s[r]."""
+    if len(baseline.latencies_s) != len(variant.latencies_s):
+        raise ValueError(f"paired_speedup needs samples from the same repeats: {baseline.name} has "
+                         f"{len(baseline.latencies_s)}, {variant.name} {len(variant.latencies_s)}")
+    ratios = tuple(b / v for b, v in zip(baseline.latencies_s, variant.latencies_s))
+    return Timing("ratio", 1, ratios, 1).median_s
 
 
 def iterations_for(call_s: float, sample_s: float) -> int:
