@@ -21,8 +21,9 @@ fold_bn_conv   BN -> Conv{1,2,3}d: fold into the FOLLOWING conv's INPUT channels
 The new weights are computed in float64 and cast to the layer's dtype, so float32 models
 lose at most one rounding per weight. Refused: BN in training mode (it normalises by the
 batch), BN without running statistics (track_running_stats=False: batch statistics even in
-eval), the layer's output (or the BN's) used by anything else (pytorch#104593: torch.fx's
-own fuse folds anyway and corrupts that use), the layer's weights shared (tied parameters
+eval), the layer's output (or the BN's) used by anything else (pytorch#104593: folding
+would change that use; torch.ao.quantization.fuse_modules still does so in torch 2.13),
+the layer's weights shared (tied parameters
 or one module called at several places). Predicted gain per forward: the BN's 2 FLOPs per
 element (a multiply and an add) and its N elements read and N written, less one add per
 element where the layer had no bias and now has one.
