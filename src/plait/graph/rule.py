@@ -14,6 +14,7 @@ A rule has four parts (plait.graph.engine applies them):
 from __future__ import annotations
 
 import inspect
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
 import torch
@@ -70,8 +71,9 @@ class Match:
     extra: dict = field(default_factory=dict)
 
 
-class Rule:
-    """Base of every rewrite rule; subclasses set ``name`` and override the four parts."""
+class Rule(ABC):
+    """Base of every rewrite rule; subclasses set ``name``, implement ``find`` and
+    ``apply``, and override ``check`` / ``gain`` where they refuse or save something."""
 
     name: str = ""
 
@@ -79,8 +81,9 @@ class Rule:
     def doc(self) -> str:
         return inspect.getdoc(type(self)) or ""
 
+    @abstractmethod
     def find(self, gm: fx.GraphModule, shapes: Shapes) -> list[Match]:
-        raise NotImplementedError
+        """Every place the rule's pattern matches."""
 
     def check(self, match: Match) -> str | None:
         return None
@@ -88,8 +91,9 @@ class Rule:
     def gain(self, match: Match) -> tuple[float, float]:
         return 0.0, 0.0
 
+    @abstractmethod
     def apply(self, gm: fx.GraphModule, match: Match) -> None:
-        raise NotImplementedError
+        """Rewrite ``gm`` at ``match`` (its check passed and its gain is positive)."""
 
     def __repr__(self) -> str:
         return f"<rule {self.name}>"
