@@ -1,0 +1,240 @@
+"""Tokens/s of `plait train` against a plain PyTorch DDP loop on the same GPT, data,
+global batch, optimizer and learning rate, at dp=4 (4 local processes, gloo on CPU).
+
+    flock /work/bench.lock .venv/bin/python bench/train_vs_ddp.py [--rounds 7] [--steps 100] \\
+        [--warmup 10] [--dp 4] [--out bench-results/train-vs-ddp] [-- more plait train flags]
+
+Each round runs both, one after the other, in fresh worlds of dp processes; the
+order alternates between rounds (plait first in even rounds), so a slow spell of a
+shared machine hits both sides:
+
+- plait: `plait train --dp N --tp 1 --pp 1 --micro-batch global/N` (one micro-batch
+  per rank: the same work per step as the plain loop), no evaluation and no
+  checkpoint before the end (a plain loop has neither);
+- plain: `torchrun --nproc-per-node N bench/train_vs_ddp.py --worker`: what a PyTorch
+  user writes. ``torch.nn.parallel.DistributedDataParallel`` over plait's GPT built
+  unsharded with the same seed (so the same initial weights), plait's batch function
+  per step (the same tokens), plait's AdamW parameter groups, lr set from the same
+  schedule each step, ``torch.nn.utils.clip_grad_norm_`` with the same max norm, the
+  loss read with ``loss.item()`` each step.
+
+Timing, identical on both sides: rank 0 takes ``time.perf_counter()`` at the end of
+every step (plait: the ``elapsed_s`` of each metrics.jsonl record, taken right after
+the optimizer step; plain: after ``loss.item()``). Throughput = tokens of steps
+warmup..steps-1 / (stamp[steps-1] - stamp[warmup-1]): every timed interval is one
+whole iteration of each loop, with process start-up, data loading into memory,
+model construction, the first ``warmup`` steps and the final checkpoint and report
+outside it.
+
+Reported: the median tokens/s of each side, the ratio of the medians, and the ratio
+of each round (plait / plain of the same round) with its min-max over rounds. The
+loss curves (plait's metrics; the plain loop's per-rank ``loss.item()`` averaged
+over ranks after the clock stops) are compared step by step. They cannot be
+bit-equal: DDP averages the gradient with gloo's all-reduce in DDP's bucket order,
+plait with its own all-reduce (another summation order), and torch's clipping takes
+the norm in float32 where plait takes it in float64, so the two differ in the last
+float32 bits from step 0 and Adam's normalised updates carry that on. The tolerance
+(``LOSS_TOLERANCE``) is well above that drift and far below any real difference
+in the training (a wrong lr, batch or clip moves the loss by > 0.01 within a few
+steps).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+LOSS_TOLERANCE = 2e-3  # max |plait - plain| over the steps, absolute, on a loss of ~2.5-4.5
+SIDES = ("plait", "plain")
+
+
+# ----- the plain loop (one process of the torchrun world) ----------------------------------
+def plain_loop(config) -> dict | None:
+    """The DDP training loop on this rank; rank 0 returns {"losses", "stamps_s"}.
+    ``config``: plait's TrainConfig (dp = world size, tp = pp = 1)."""
+    import torch
+    import torch.distributed as dist
+
+    from plait.parallel.tensor import LOCAL
+    from plait.train.loop import batch, build_model, load_data, make_optimizer
+
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    data = load_data(config)
+    model, _, loss_fn = build_model(config, data, LOCAL)  # the unsharded GPT and plait's cross-entropy
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    optimizer = make_optimizer(model.named_parameters(), config)
+    losses, stamps_s = [], []
+    dist.barrier()
+    for step in range(config.steps):
+        inputs, targets = batch(config, data, step, rank, world_size)
+        for group in optimizer.param_groups:
+            group["lr"] = config.lr_at(step)
+        optimizer.zero_grad(set_to_none=True)
+        loss = loss_fn(ddp(inputs), targets)
+        loss.backward()
+        if config.grad_clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
+        optimizer.step()
+        losses.append(loss.item())
+        stamps_s.append(time.perf_counter())
+    mean = torch.tensor(losses, dtype=torch.float64)  # after the clock: the curve of the mean over ranks
+    dist.all_reduce(mean)
+    mean /= world_size
+    return {"losses": mean.tolist(), "stamps_s": stamps_s} if rank == 0 else None
+
+
+def _worker(args, extra) -> int:
+    import torch.distributed as dist
+
+    config = _config(args, extra)
+    dist.init_process_group("gloo")
+    try:
+        result = plain_loop(config)
+        if result is not None:
+            Path(args.result).write_text(json.dumps(result))
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+# ----- one run of each side ----------------------------------------------------------------
+def _config(args, extra):
+    """plait's TrainConfig from the same flags `plait train` gets."""
+    from plait.train.config import add_config_arguments, config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_config_arguments(parser)
+    config = config_from_args(parser.parse_args(_train_flags(args, extra)), None)
+    return dataclasses.replace(config, micro_batch=config.global_batch // config.dp)  # one micro-batch per rank
+
+
+def _train_flags(args, extra) -> list[str]:
+    return ["--dp", str(args.dp), "--tp", "1", "--pp", "1", "--steps", str(args.steps), "--eval-interval", "0",
+            "--checkpoint-interval", "0", *extra]
+
+
+def _environment() -> dict:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def _run(command: list[str], what: str) -> None:
+    result = subprocess.run(command, env=_environment(), capture_output=True, text=True)
+    if result.returncode:
+        raise RuntimeError(f"{what} failed (exit {result.returncode}): {' '.join(command)}\n"
+                           f"{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
+
+
+def run_plait(args, extra, out: Path) -> dict:
+    config = _config(args, extra)
+    _run([sys.executable, "-m", "plait", "train", *_train_flags(args, extra), "--micro-batch", str(config.micro_batch),
+          "--sample-chars", "0", "--out", str(out), "--resume", "never", "--force-fresh"], "plait train")
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return {"losses": [record["loss"] for record in records], "stamps_s": [record["elapsed_s"] for record in records]}
+
+
+def run_plain(args, extra, out: Path) -> dict:
+    out.mkdir(parents=True, exist_ok=True)
+    result = out / "plain.json"
+    result.unlink(missing_ok=True)
+    _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.dp),
+          "--monitor-interval", "1", str(Path(__file__).resolve()), "--worker", "--result", str(result),
+          "--dp", str(args.dp), "--steps", str(args.steps), "--", *extra],
+         "the plain DDP loop")
+    return json.loads(result.read_text())
+
+
+# ----- the comparison ----------------------------------------------------------------------
+def tokens_per_s(stamps_s: list[float], warmup: int, tokens_per_step: int) -> float:
+    """Tokens of steps warmup.. over the time from the end of step warmup-1 to the end of the last."""
+    if not 1 <= warmup < len(stamps_s):
+        raise ValueError(f"warmup={warmup} must be in [1, steps={len(stamps_s)}): one stamp before the timed steps")
+    return tokens_per_step * (len(stamps_s) - warmup) / (stamps_s[-1] - stamps_s[warmup - 1])
+
+
+def compare(rounds: list[dict], *, warmup: int, tokens_per_step: int, tolerance: float = LOSS_TOLERANCE) -> dict:
+    """``rounds``: [{"plait": run, "plain": run}, ...]; each run {"losses", "stamps_s"}."""
+    speeds = {side: [tokens_per_s(entry[side]["stamps_s"], warmup, tokens_per_step) for entry in rounds]
+              for side in SIDES}
+    ratios = [p / q for p, q in zip(speeds["plait"], speeds["plain"])]
+    differences = []
+    for entry in rounds:
+        plait, plain = entry["plait"]["losses"], entry["plain"]["losses"]
+        if len(plait) != len(plain):
+            raise ValueError(f"the loss curves have {len(plait)} and {len(plain)} steps")
+        differences.append(max(abs(a - b) for a, b in zip(plait, plain)))
+    medians = {side: statistics.median(values) for side, values in speeds.items()}
+    return {"tokens_per_s": speeds, "median_tokens_per_s": medians,
+            "ratio_of_medians": medians["plait"] / medians["plain"],
+            "round_ratios": ratios, "median_round_ratio": statistics.median(ratios),
+            "round_ratio_min": min(ratios), "round_ratio_max": max(ratios),
+            "max_loss_difference": max(differences), "loss_tolerance": tolerance,
+            "losses_agree": max(differences) <= tolerance}
+
+
+def render(summary: dict, args) -> str:
+    lines = [f"plait train vs plain DDP, dp={args.dp}, {args.steps} steps ({args.warmup} warm-up), "
+             f"{len(summary['round_ratios'])} rounds",
+             f"{'round':<7}{'plait tok/s':>13}{'plain tok/s':>13}{'ratio':>8}"]
+    for index, (p, q) in enumerate(zip(summary["tokens_per_s"]["plait"], summary["tokens_per_s"]["plain"])):
+        lines.append(f"{index:<7}{p:>13.0f}{q:>13.0f}{p / q:>8.3f}")
+    medians = summary["median_tokens_per_s"]
+    lines += [f"median: plait {medians['plait']:.0f} tokens/s, plain {medians['plain']:.0f} tokens/s, "
+              f"ratio {summary['ratio_of_medians']:.3f}",
+              f"per-round ratio: median {summary['median_round_ratio']:.3f}, min {summary['round_ratio_min']:.3f}, "
+              f"max {summary['round_ratio_max']:.3f}",
+              f"loss curves: max |plait - plain| = {summary['max_loss_difference']:.2e} "
+              f"({'within' if summary['losses_agree'] else 'OUTSIDE'} tolerance {summary['loss_tolerance']:.0e})"]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--warmup", type=int, default=10, help="steps before the clock starts (>= 1)")
+    parser.add_argument("--dp", type=int, default=4)
+    parser.add_argument("--out", default="bench-results/train-vs-ddp")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # one rank of the plain loop
+    parser.add_argument("--result", help=argparse.SUPPRESS)
+    parser.add_argument("extra", nargs="*", help="more plait train flags (after --), given to both sides")
+    args = parser.parse_args(argv)
+    if args.worker:
+        return _worker(args, args.extra)
+    if args.rounds < 1 or not 1 <= args.warmup < args.steps:
+        raise SystemExit(f"need --rounds >= 1 and 1 <= --warmup < --steps, got {args.rounds}, {args.warmup}, "
+                         f"{args.steps}")
+    config = _config(args, args.extra)
+    if config.model != "gpt":
+        raise SystemExit("this comparison trains the GPT (--model gpt)")
+    out = Path(args.out)
+    rounds = []
+    for index in range(args.rounds):
+        entry = {}
+        for side in (SIDES if index % 2 == 0 else SIDES[::-1]):
+            run = run_plait if side == "plait" else run_plain
+            entry[side] = run(args, args.extra, out / f"round{index}-{side}")
+            print(f"round {index} {side}: {tokens_per_s(entry[side]['stamps_s'], args.warmup, _tokens(config)):.0f} "
+                  "tokens/s", file=sys.stderr, flush=True)
+        rounds.append(entry)
+    summary = compare(rounds, warmup=args.warmup, tokens_per_step=_tokens(config))
+    text = render(summary, args)
+    print(text)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "summary.json").write_text(json.dumps({"args": vars(args), **summary, "rounds": rounds}, indent=1))
+    (out / "summary.txt").write_text(text + "\n")
+    return 0 if summary["losses_agree"] else 1
+
+
+def _tokens(config) -> int:
+    return config.global_batch * config.seq_len
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
