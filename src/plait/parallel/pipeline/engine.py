@@ -44,7 +44,9 @@ from torch import nn
 from plait import comm
 from plait.comm import tags
 from plait.comm.errors import CommError
+from plait.parallel.pipeline.messages import PipelineError, StageMessages
 from plait.parallel.pipeline.replay import Interval, Timeline
+from plait.parallel.pipeline.split_backward import input_backward, weight_backward
 from plait.parallel.pipeline.schedules import (
     ALL_REDUCE,
     BACKWARD,
@@ -61,17 +63,7 @@ from plait.parallel.offload import ActivationOffloader
 from plait.parallel.precision import autocast
 from plait.parallel.saved_memory import SavedTensorMeter
 
-_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32]
-_HEADER = 10  # status, dtype code, ndim, up to 7 dims
-_OK, _ABORT = 1, -1
-_KIND_CODE = {SEND_ACT: 0, RECV_ACT: 0, SEND_GRAD: 1, RECV_GRAD: 1}
-_STEP_TAGS = 1024  # the step number (mod 1024) is part of every tag: a failed step's stray message is never read later
 _REPLICA_TAG = tags.CHIMERA_REPLICA.start  # Chimera's gradient exchange (plait.comm.tags)
-_ABORT_GRACE_S = 2.0  # after a failure, how long posted sends get to be delivered before we raise
-
-
-class PipelineError(RuntimeError):
-    """A pipeline step failed on this rank: names the stage, the action and the peer."""
 
 
 @dataclass
@@ -115,9 +107,7 @@ class PipelineEngine:
         if sorted(stage_modules) != mine:
             raise ValueError(f"rank {self.rank} holds stages {mine} in {schedule.name}, "
                              f"got modules for {sorted(stage_modules)}")
-        if 4 * _STEP_TAGS * schedule.microbatches * schedule.stages >= len(tags.PIPELINE):
-            raise ValueError(f"m={schedule.microbatches} x {schedule.stages} stages is too many messages to tag: "
-                             f"keep m x stages below {len(tags.PIPELINE) // (4 * _STEP_TAGS)}")
+        self.messages = StageMessages(schedule, self.rank, group, timeout_s)
         self.stages = {s: stage_modules[s] for s in mine}
         self.timeout_s = timeout_s
         self.meter = meter
@@ -220,57 +210,6 @@ class PipelineEngine:
                     param.grad = flat[offset:offset + param.numel()].view_as(param).clone()
                     offset += param.numel()
 
-    # ----- messages ------------------------------------------------------------------------
-    def _tag(self, kind: str, microbatch: int, stage: int) -> int:
-        m, stages = self.schedule.microbatches, self.schedule.stages
-        message = (_KIND_CODE[kind] * m + microbatch) * stages + stage  # < 2·m·S
-        # header tag; the payload is tag + 1 (plait.comm.tags.PIPELINE)
-        return tags.PIPELINE.start + 2 * ((self.steps % _STEP_TAGS) * 2 * m * stages + message)
-
-    def _send(self, tensor, action, pending):
-        header = torch.zeros(_HEADER, dtype=torch.int64, device=self.device)
-        if tensor is None:
-            header[0] = _ABORT
-        else:
-            tensor = tensor.detach().contiguous()
-            if tensor.dtype not in _DTYPES or tensor.dim() > _HEADER - 3:
-                raise TypeError(f"stage {action.stage} produced a {tensor.dtype} tensor of {tensor.dim()} dims for "
-                                f"micro-batch {action.microbatch}: pipeline messages carry {_DTYPES} "
-                                f"of at most {_HEADER - 3} dims")
-            header[:3] = torch.tensor([_OK, _DTYPES.index(tensor.dtype), tensor.dim()])
-            header[3:3 + tensor.dim()] = torch.tensor(tensor.shape)
-        tag = self._tag(action.kind, action.microbatch, action.stage)
-        label = f"pipeline {action.kind} micro-batch {action.microbatch} stage {action.stage}"
-        try:
-            pending.append((comm.isend(header, group=self.group, tag=tag, group_dst=action.peer, label=label,
-                                       timeout_s=self.timeout_s), header))
-            if tensor is not None:
-                pending.append((comm.isend(tensor, group=self.group, tag=tag + 1, group_dst=action.peer, label=label,
-                                           timeout_s=self.timeout_s), tensor))
-        except CommError as error:
-            what = "activation" if action.kind == SEND_ACT else "gradient"
-            raise PipelineError(f"rank {self.rank} (stage {action.stage}) could not send the {what} of micro-batch "
-                                f"{action.microbatch} to rank {action.peer}: {error}") from error
-
-    def _receive(self, action, consumer: int) -> torch.Tensor:
-        what = "activation" if action.kind == RECV_ACT else "gradient"
-        waited = (f"rank {self.rank} (stage {consumer}) waited for the {what} of micro-batch {action.microbatch} "
-                  f"from rank {action.peer} (stage {action.stage})")
-        tag = self._tag(action.kind, action.microbatch, action.stage)
-        header = torch.empty(_HEADER, dtype=torch.int64, device=self.device)
-        try:
-            comm.recv(header, group=self.group, tag=tag, group_src=action.peer, label=f"pipeline {what}",
-                      timeout_s=self.timeout_s)
-            if header[0] == _ABORT:
-                raise PipelineError(f"{waited}: that rank failed (see its error) and aborted the step")
-            shape = tuple(int(d) for d in header[3:3 + int(header[2])])
-            tensor = torch.empty(shape, dtype=_DTYPES[int(header[1])], device=self.device)
-            comm.recv(tensor, group=self.group, tag=tag + 1, group_src=action.peer, label=f"pipeline {what}",
-                      timeout_s=self.timeout_s)
-        except CommError as error:
-            raise PipelineError(f"{waited}: {error}") from error
-        return tensor
-
     # ----- one step ------------------------------------------------------------------------
     def parameters_moved(self) -> None:
         """Read again where the parameters' storages are (after something re-homed them,
@@ -298,55 +237,40 @@ class PipelineEngine:
         state = _StepState()
         state.batch_storages = {batch.untyped_storage().data_ptr() for batch in (inputs, targets)
                                 if isinstance(batch, torch.Tensor)}
-        pending: list = []
         actions = self.schedule.actions[self.rank]
         # checked before any message, so ranks given the same bad batch all raise alike
         micro_inputs = self._split(inputs, "inputs") if 0 in self.stages else None
         micro_targets = self._split(targets, "targets") if self.last in self.stages else None
+        self.messages.begin(self.steps, self.device)
         try:
             upcoming = _next_backward(actions) if self.offloader is not None else None
             state.backward_next = _backward_next(actions) if self.offloader is not None else set()
             for state.position, action in enumerate(actions):
                 if upcoming is not None and upcoming[state.position] is not None:
                     self.offloader.prefetch(upcoming[state.position])  # read back while this action computes
-                self._run(action, state, micro_inputs, micro_targets, pending, record)
+                self._run(action, state, micro_inputs, micro_targets, record)
         except Exception:
-            self._abort(actions[state.position:], pending)
+            self.messages.abort(actions[state.position:])
+            self.steps += 1  # the step's tags are retired
             raise
-        for message, _ in pending:
-            message.wait()
-        self.steps += 1
-        self._sum_shared()
-        if optimizer is not None:
-            optimizer.step()
-        loss = torch.tensor([state.loss_sum], dtype=torch.float64)
-        comm.all_reduce(loss, group=self.group)
+        try:
+            self.messages.finish()
+            self.steps += 1
+            self._sum_shared()
+            if optimizer is not None:
+                optimizer.step()
+            loss = torch.tensor([state.loss_sum], dtype=torch.float64)
+            comm.all_reduce(loss, group=self.group)
+        except Exception:
+            self.messages.forget()
+            raise
+        self.messages.commit()
         record.loss = float(loss) / m
         record.peak_activation_bytes = state.peak_bytes
         record.stage_activation_bytes = dict(state.stage_bytes)
         record.step_time_s = time.perf_counter() - start
         self.history.append(record)
         return record.loss
-
-    def _abort(self, remaining, pending) -> None:
-        """Unblock every peer still waiting on us: each later send becomes an abort
-        header. Posted sends get a short grace to be delivered (a peer that already
-        failed never receives them); then we raise. The step's tags are retired (the
-        step counter moves on), but a gloo pair whose send timed out stays closed:
-        rebuild the process group after a PipelineError before training on."""
-        for later in remaining:
-            if later.kind in (SEND_ACT, SEND_GRAD):
-                try:
-                    self._send(None, later, pending)
-                except PipelineError:
-                    pass
-        for message, _ in pending:
-            message.timeout_s = min(message.timeout_s, time.monotonic() - message.start_s + _ABORT_GRACE_S)
-            try:
-                message.wait()
-            except CommError:
-                pass
-        self.steps += 1
 
     def _split(self, batch, what: str):
         m = self.schedule.microbatches
@@ -358,16 +282,16 @@ class PipelineEngine:
                              f"use a batch size that is a multiple of {m}")
         return batch.chunk(m)
 
-    def _run(self, action, state, micro_inputs, micro_targets, pending, record):
+    def _run(self, action, state, micro_inputs, micro_targets, record):
         mb, s = action.microbatch, action.stage
         if action.kind == RECV_ACT:
-            state.inputs[(mb, s + 1)] = _as_leaf(self._receive(action, s + 1))
+            state.inputs[(mb, s + 1)] = _as_leaf(self.messages.receive(action))
         elif action.kind == RECV_GRAD:
-            state.output_grads[(mb, s - 1)] = self._receive(action, s - 1)
+            state.output_grads[(mb, s - 1)] = self.messages.receive(action)
         elif action.kind == SEND_ACT:
-            self._send(self._checked(state, s, mb, state.outputs[(mb, s)]), action, pending)
+            self.messages.send(self._checked(state, s, mb, state.outputs[(mb, s)]), action)
         elif action.kind == SEND_GRAD:
-            self._send(_input_grad(state.inputs.pop((mb, s))), action, pending)
+            self.messages.send(_input_grad(state.inputs.pop((mb, s))), action)
         elif action.kind == FORWARD:
             t0 = time.perf_counter()
             self._forward(mb, s, state, micro_inputs, micro_targets)
@@ -459,9 +383,10 @@ class PipelineEngine:
         if self.schedule.split_backward:
             # B: the input gradient only, keeping the graph for W (stage 0 has none to make)
             out, stage_input = state.outputs[(mb, s)], state.inputs.get((mb, s))
-            state.weight_grads[(mb, s)] = grad
+            deferred = None
             if out.requires_grad and stage_input is not None and stage_input.requires_grad:
-                torch.autograd.backward(out, grad, inputs=[stage_input], retain_graph=True)
+                deferred = input_backward(out, grad, stage_input, self._trained(s))
+            state.weight_grads[(mb, s)] = (grad, deferred)
         else:
             out = state.outputs.pop((mb, s))
             if out.requires_grad:  # a frozen stage (e.g. a fixed embedding) has nothing to do
@@ -472,11 +397,14 @@ class PipelineEngine:
 
     def _weight(self, mb, s, state):
         """W of a split backward: the stage's weight gradients, then its activations go."""
-        out, grad = state.outputs.pop((mb, s)), state.weight_grads.pop((mb, s))
-        params = [param for param in self.stages[s].parameters() if param.requires_grad]
+        out, (grad, deferred) = state.outputs.pop((mb, s)), state.weight_grads.pop((mb, s))
+        params = self._trained(s)
         if out.requires_grad and params:
-            torch.autograd.backward(out, grad, inputs=params)
+            weight_backward(out, grad, deferred, params)
         state.alive.pop((mb, s), None)
+
+    def _trained(self, stage: int) -> list[nn.Parameter]:
+        return [param for param in self.stages[stage].parameters() if param.requires_grad]
 
     def _sum_replicas(self):
         """Chimera: stage s lives on rank s (down) and rank p-1-s (up). Exchange every
@@ -521,7 +449,7 @@ class _StepState:
     alive: dict = field(default_factory=dict)  # (mb, stage) -> activation bytes held
     shapes: dict = field(default_factory=dict)
     stage_bytes: dict = field(default_factory=dict)
-    weight_grads: dict = field(default_factory=dict)  # (mb, stage) -> output gradient kept for W
+    weight_grads: dict = field(default_factory=dict)  # (mb, stage) -> (output gradient, B's DeferredWeights) for W
     batch_storages: set = field(default_factory=set)  # storages of the caller's inputs and targets
     loss_sum: float = 0.0
     peak_bytes: int = 0
