@@ -35,6 +35,7 @@ from plait.comm.config import CommConfig
 from plait.comm.engine import Engine, Handle, Stats
 from plait.comm.errors import CommTimeoutError, MismatchError
 from plait.comm.executor import Executor
+from plait.comm.shm_setup import establish
 from plait.comm.transport import Transport
 
 CREATE_TAG = tags.CREATE
@@ -92,13 +93,21 @@ class Communicator:
         self.tuner_used = None  # the tuner's source, once algorithm="auto" consulted it
         # the creation exchange is the group's first job on its own comm thread, so a rank
         # creating communicators for several groups in any order never waits here
-        self.created = self.engine.submit(self._agree if self.size > 1 else (lambda: None),
+        self.created = self.engine.submit(self._create if self.size > 1 else (lambda: None),
                                           f"creating the communicator of the {self.describe()}", async_op=True)
 
     def describe(self) -> str:
         return f"group of global ranks {self.ranks}" if len(self.ranks) <= 16 else f"group of {self.size} ranks"
 
     # ----- creation ------------------------------------------------------------------------
+    def _create(self) -> None:
+        self._agree()
+        if self.config.transport != "gloo" and "gloo" in self.backend.lower():
+            self.transport.use_shm(establish(
+                self.transport, self.rank, self.size, directory=self.config.shm_dir,
+                ring_bytes=self.config.shm_ring_bytes, spin_s=self.config.shm_spin_us * 1e-6,
+                required=self.config.transport == "shm", timeout_s=self.config.timeout_s))
+
     def _agree(self) -> None:
         """Every rank sends its config key to group rank 0, which waits for all of them
         (one deadline) and answers each: all here and agreeing, or who differs / who

@@ -26,6 +26,15 @@ the library never does.
                             of the tuner's choice, e.g. {"all_reduce": "ring"}
     tuner                   a plait.comm.tuner.Tuner (built from a named calibration
                             profile) that prices algorithm="auto"; None: the default table
+    transport               how messages to ranks on this host travel on a gloo group:
+                            "auto" (shared memory where the set-up works, gloo otherwise,
+                            saying why), "shm" (shared memory or fail naming the reason),
+                            "gloo" (never shared memory); ranks on other hosts use gloo
+    shm_ring_bytes          bytes of each shared-memory ring (one per pair of local ranks;
+                            a host of n ranks needs about n(n-1) of them; 4 MiB)
+    shm_spin_us             how long a waiting rank polls its rings before it blocks on
+                            its doorbell (50 us; bench/shm_wait.py measures the choice)
+    shm_dir                 where the segments are created (and unlinked at once): /dev/shm
 """
 
 from __future__ import annotations
@@ -39,6 +48,7 @@ from plait.cost.topology import Topology
 from plait.cost.topology_io import topology_fingerprint
 
 CHECK_MODES = ("inband", "deep", "off")
+TRANSPORTS = ("auto", "shm", "gloo")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -53,6 +63,10 @@ class CommConfig:
     topology: object = None
     algorithms: MappingProxyType = field(default_factory=lambda: MappingProxyType({}))
     tuner: object = None
+    transport: str = "auto"
+    shm_ring_bytes: int = 4 << 20
+    shm_spin_us: float = 50.0
+    shm_dir: str = "/dev/shm"
 
     def __post_init__(self):
         problems = []
@@ -71,6 +85,17 @@ class CommConfig:
                 or self.pipeline_segment_bytes <= 0):
             problems.append(f"pipeline_segment_bytes={self.pipeline_segment_bytes!r}: must be a whole number of "
                             "bytes > 0, e.g. 262144")
+        if self.transport not in TRANSPORTS:
+            problems.append(f"transport={self.transport!r}: must be one of {', '.join(map(repr, TRANSPORTS))}")
+        if (isinstance(self.shm_ring_bytes, bool) or not isinstance(self.shm_ring_bytes, int)
+                or self.shm_ring_bytes < 4096 or self.shm_ring_bytes % 4096):
+            problems.append(f"shm_ring_bytes={self.shm_ring_bytes!r}: must be a whole number of 4096-byte pages "
+                            ">= 4096, e.g. 4194304")
+        if (isinstance(self.shm_spin_us, bool) or not isinstance(self.shm_spin_us, (int, float))
+                or not 0 <= self.shm_spin_us <= 1e6):
+            problems.append(f"shm_spin_us={self.shm_spin_us!r}: must be a number of microseconds in [0, 1e6]")
+        if not isinstance(self.shm_dir, str) or not self.shm_dir:
+            problems.append(f"shm_dir={self.shm_dir!r}: must be a directory path, e.g. '/dev/shm'")
         if self.topology is not None and not isinstance(self.topology, Topology):
             problems.append(f"topology={self.topology!r}: must be a plait.cost.topology.Topology (e.g. "
                             "plait.cost.topology_io.load_topology(path)) or None")
@@ -94,13 +119,14 @@ class CommConfig:
         overrides = ",".join(f"{k}={v}" for k, v in sorted(self.algorithms.items())) or "none"
         tuner = getattr(self.tuner, "source", None) or "default table"
         return (f"timeout {self.timeout_s:g}s, check {self.check}, segments {self.segment_bytes} B, "
-                f"overrides {overrides}, auto from {tuner}")
+                f"overrides {overrides}, auto from {tuner}, transport {self.transport}")
 
     def agreement_key(self) -> tuple:
         """What every rank of a group must agree on (the messages' shapes and the check)."""
         return (self.check, self.segment_bytes, self.pipeline_segment_bytes, repr(self.hierarchy),
                 tuple(sorted(self.algorithms.items())),
-                None if self.topology is None else topology_fingerprint(self.topology))
+                None if self.topology is None else topology_fingerprint(self.topology), self.transport,
+                self.shm_ring_bytes)  # not shm_dir: each host may keep its segments elsewhere
 
 
 ENVIRONMENT = {"timeout_s": "PLAIT_COMM_TIMEOUT_S", "check": "PLAIT_COMM_CHECK",
@@ -129,4 +155,4 @@ def config_from_environment(base: CommConfig | None = None) -> CommConfig:
     return base.replace(**changes) if changes else base
 
 
-__all__ = ["CHECK_MODES", "CommConfig", "ENVIRONMENT", "config_from_environment"]
+__all__ = ["CHECK_MODES", "TRANSPORTS", "CommConfig", "ENVIRONMENT", "config_from_environment"]

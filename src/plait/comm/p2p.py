@@ -10,6 +10,11 @@ Each wait is bounded by the call's ``timeout_s`` (default: the group's communica
 dead peer never leaves a rank hanging. These run on the calling thread, not on the
 group's comm thread: p2p and collectives on one group must use different tags
 (``plait.comm.tags``).
+
+``group=`` a process group sends through gloo's own messages; ``group=`` a
+:class:`~plait.comm.communicator.Communicator` sends through its transport: shared
+memory to the ranks on this host when it set that up, gloo to the others. Every
+rank of a pair must pass the same kind (the two do not meet).
 """
 
 from __future__ import annotations
@@ -27,6 +32,15 @@ from plait.comm.errors import CommError, CommTimeoutError
 from plait.comm.transport import stages_through_host
 
 _DEFAULT_TIMEOUT_S = CommConfig().timeout_s
+
+
+def _transport_of(group):
+    """The transport of ``group`` when it is a plait Communicator (its creation
+    finished), else None (gloo's own messages)."""
+    if hasattr(group, "transport") and hasattr(group, "created"):
+        group.created.wait()
+        return group.transport
+    return None
 
 
 def _group_rank(group) -> tuple[object, int]:
@@ -134,12 +148,16 @@ def isend(tensor: torch.Tensor, dst: int | None = None, group=None, tag: int = 0
           label: str = "send", timeout_s: float | None = None) -> Message:
     """Post ``tensor`` to global rank ``dst`` (or group rank ``group_dst``); ``wait()``
     the returned message before changing the tensor."""
+    transport = _transport_of(group)
     group, rank = _group_rank(group)
     peer = _peer(group, rank, dst, group_dst, "dst")
     timeout_s = _timeout_s(group, timeout_s)
     host = tensor.detach().contiguous().cpu() if stages_through_host(group, tensor.device) else None
     try:
-        work = group.send([tensor if host is None else host], peer, tag)
+        if transport is not None:
+            work = transport.send(tensor if host is None else host, peer, tag)
+        else:
+            work = group.send([tensor if host is None else host], peer, tag)
     except RuntimeError as error:
         raise _error(error, rank, label, _describe(group, peer), timeout_s) from error
     return Message(work, group, rank, peer, label, timeout_s, time.monotonic(), host=host)
@@ -151,13 +169,16 @@ def irecv(tensor: torch.Tensor, src: int | None = None, group=None, tag: int = 0
     ``group_src``; neither: from any rank of the group, ``wait()`` returns who sent it).
     A GPU tensor on a gloo group is received into a host buffer and copied into
     ``tensor`` by ``wait()``."""
+    transport = _transport_of(group)
     group, rank = _group_rank(group)
     peer = _peer(group, rank, src, group_src, "src", allow_none=True)
     timeout_s = _timeout_s(group, timeout_s)
     host = torch.empty(tensor.shape, dtype=tensor.dtype) if stages_through_host(group, tensor.device) else None
     target = tensor if host is None else host
     try:
-        if peer is None:
+        if transport is not None:
+            work = transport.recv_any(target, tag) if peer is None else transport.recv(target, peer, tag)
+        elif peer is None:
             work = group.recv_anysource([target], tag)
         else:
             work = group.recv([target], peer, tag)

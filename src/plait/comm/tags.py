@@ -13,7 +13,8 @@ checks that no two ranges overlap.
     CHIMERA_REPLICA     Chimera's exchange of a replicated stage's gradients
     EVALUATION          forward-only evaluation's activations: 2·stage (+1 payload)
     PARAMETER_SERVER    push, reply and data (+ tensor index) messages
-    COMM_CONTROL        a call's first header, and communicator creation
+    COMM_CONTROL        a call's first header, communicator creation and the set-up of
+                        its shared-memory transport
 """
 
 from __future__ import annotations
@@ -24,11 +25,13 @@ PIPELINE = range(1 << 30, (1 << 30) + (1 << 29))
 CHIMERA_REPLICA = range(0x6000_0000, 0x6000_0001)
 EVALUATION = range(0x6000_0010, 0x6000_0010 + (1 << 16))
 PARAMETER_SERVER = range(0x7000_0000, 0x7000_1000)
-COMM_CONTROL = range(0x7FFF_0000, 0x7FFF_0003)
+COMM_CONTROL = range(0x7FFF_0000, 0x7FFF_0005)
 
 COLLECTIVE_HEADER = COMM_CONTROL.start
 CREATE = COMM_CONTROL.start + 1
 CREATE_REPLY = COMM_CONTROL.start + 2
+SHM_SETUP = COMM_CONTROL.start + 3
+SHM_SETUP_REPLY = COMM_CONTROL.start + 4
 
 RANGES = {"collective": COLLECTIVE, "collective packed": COLLECTIVE_PACKED, "pipeline": PIPELINE,
           "chimera replica": CHIMERA_REPLICA, "evaluation": EVALUATION, "parameter server": PARAMETER_SERVER,
@@ -50,4 +53,4 @@ def check() -> None:
 check()
 
 __all__ = ["CHIMERA_REPLICA", "COLLECTIVE", "COLLECTIVE_HEADER", "COLLECTIVE_PACKED", "COMM_CONTROL", "CREATE",
-           "CREATE_REPLY", "EVALUATION", "PARAMETER_SERVER", "PIPELINE", "RANGES", "check", "overlaps"]
+           "CREATE_REPLY", "EVALUATION", "PARAMETER_SERVER", "PIPELINE", "RANGES", "SHM_SETUP", "SHM_SETUP_REPLY", "check", "overlaps"]

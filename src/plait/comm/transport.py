@@ -1,6 +1,7 @@
 """How one process group's messages travel: ``Transport.send`` / ``recv`` (one message
-each, gloo), ``Transport.post`` (one grouped step, NCCL), and the bytes that really
-left this rank, counted where they are handed to torch.distributed.
+each: shared memory to ranks on this host, gloo to the others), ``Transport.post``
+(one grouped step, NCCL), and the bytes that really left this rank, counted where
+they are handed to the shared-memory rings or to torch.distributed.
 
 Peers are group-local ranks (the executors work in schedule ranks);
 ``global_rank`` maps them for error messages and grouped posts.
@@ -24,8 +25,14 @@ class Transport:
     runs as one group per step, so a pair that sends and receives in one step
     cannot deadlock; that path is ``grouped``: its works complete together.
 
-    ``bytes_sent`` / ``messages_sent`` count what was handed to torch.distributed on
-    this group (headers included): a measurement independent of the schedules.
+    On a gloo group whose communicator set up shared memory (``use_shm``), messages
+    to the ranks on this host go through :class:`~plait.comm.shm_transport.ShmTransport`
+    instead; gloo's works are then waited for by polling, so a rank blocked on a
+    remote message keeps moving its shared-memory ones.
+
+    ``bytes_sent`` / ``messages_sent`` count what was handed to the rings or to
+    torch.distributed on this group (headers included): a measurement independent
+    of the schedules. ``description`` says which transport each peer uses.
     """
 
     def __init__(self, group):
@@ -35,6 +42,19 @@ class Transport:
         self.bytes_sent = 0
         self.messages_sent = 0
         self._detached: list = []  # (work, tensor) of sends nobody waits for: a dropped gloo work is cancelled
+        self.shm = None  # plait.comm.shm_transport.ShmTransport for the peers on this host
+        self._local: frozenset[int] = frozenset()
+        self.description = str(dist.get_backend(group)) if group is not None else "none"
+
+    def use_shm(self, outcome) -> None:
+        """Adopt the set-up's outcome (plait.comm.shm_setup.ShmOutcome)."""
+        self.shm = outcome.transport
+        self._local = frozenset(self.shm.peers) if self.shm is not None else frozenset()
+        self.description = outcome.description
+
+    def all_peers_local(self, size: int) -> bool:
+        """True when every other rank of the group is reached through shared memory."""
+        return self.shm is not None and len(self._local) == size - 1
 
     @staticmethod
     def is_grouped(device) -> bool:
@@ -52,7 +72,12 @@ class Transport:
     def send(self, tensor: torch.Tensor, peer: int, tag: int):
         """Post ``tensor`` to group rank ``peer``; returns torch's work."""
         self._count(tensor)
-        return self.group.send([tensor], peer, tag)
+        if peer in self._local:
+            return self.shm.send(tensor, peer, tag)
+        return self._polled(self.group.send([tensor], peer, tag))
+
+    def _polled(self, work):
+        return work if self.shm is None else _Polled(work, self.shm)
 
     def send_detached(self, tensor: torch.Tensor, peer: int, tag: int) -> None:
         """A send that nobody will wait for (a mismatch told to the peer): kept here until
@@ -71,15 +96,25 @@ class Transport:
                 work.wait(timedelta(seconds=max(timeout_s, 0.001)))
             except RuntimeError:
                 pass  # the peer is gone: nobody is left to tell
+        if self.shm is not None:
+            self.shm.close()
         self.group = None
 
     def recv(self, tensor: torch.Tensor, peer: int, tag: int):
-        """Post a receive into ``tensor`` from group rank ``peer``; returns torch's work."""
-        return self.group.recv([tensor], peer, tag)
+        """Post a receive into ``tensor`` from group rank ``peer``; returns the work."""
+        if peer in self._local:
+            return self.shm.recv(tensor, peer, tag)
+        return self._polled(self.group.recv([tensor], peer, tag))
 
     def recv_any(self, tensor: torch.Tensor, tag: int):
         """A receive from any rank of the group (``work._source_rank()`` says who)."""
-        return self.group.recv_anysource([tensor], tag)
+        if self.shm is None:
+            return self.group.recv_anysource([tensor], tag)
+        if self.all_peers_local(dist.get_world_size(self.group)):
+            return self.shm.recv(tensor, None, tag)
+        raise RuntimeError("a receive from any rank cannot span shared memory and gloo (this group has ranks on "
+                           "several hosts): receive from a named rank, or create the group's communicator with "
+                           "CommConfig(transport='gloo')")
 
     def post(self, recvs, sends):
         """Grouped path: recvs/sends are lists of (tensor, peer, tag), posted as one
@@ -103,6 +138,48 @@ class Transport:
             return f"{peer} (global rank {self.global_rank(peer)})"
         except (RuntimeError, ValueError):
             return str(peer)
+
+
+class _Polled:
+    """A gloo work waited for while this rank keeps moving its shared-memory messages
+    (a blocking gloo wait would stall them, and a peer on this host may need them
+    before the remote message can come). gloo marks a point-to-point work complete
+    only inside its own ``wait()``, so that wait runs on a helper thread while this
+    one makes progress."""
+
+    def __init__(self, work, shm):
+        self.work, self.shm = work, shm
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        finished = threading.Event()
+        failure: list[BaseException] = []
+
+        def wait_in_gloo():
+            try:
+                self.work.wait(timeout) if timeout is not None else self.work.wait()
+            except BaseException as error:  # re-raised on the caller's thread
+                failure.append(error)
+            finally:
+                finished.set()
+
+        threading.Thread(target=wait_in_gloo, daemon=True, name="plait-gloo-wait").start()
+        nap_s = 20e-6
+        while not finished.is_set():
+            if self.shm.progress():
+                nap_s = 20e-6
+                continue
+            finished.wait(nap_s)
+            nap_s = min(nap_s * 2, 1e-3)
+        if failure:
+            raise failure[0]
+        return True
+
+    def is_completed(self) -> bool:
+        self.shm.progress()
+        return self.work.is_completed()
+
+    def _source_rank(self) -> int:
+        return self.work._source_rank()
 
 
 def stages_through_host(group, device) -> bool:

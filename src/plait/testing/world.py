@@ -247,10 +247,11 @@ class Gathered:
 
 
 def gather_answers(world: RankProcesses, deadline_s: float, grace_s: float) -> Gathered:
-    """Read one answer per rank until all answered, one died, or time is up.
+    """Read one answer per rank until all answered or time is up.
 
-    `deadline_s` is a `time.monotonic()` instant. After the first failure the others get
-    `grace_s` more to answer (they may be blocked in a collective that will never finish).
+    `deadline_s` is a `time.monotonic()` instant. After the first failure or crash the
+    others get `grace_s` more to answer (they may be blocked in a collective that will
+    never finish; their errors say what they saw of the crash).
     A process that exits after answering with `retiring` set is not a crash.
     """
     gathered = Gathered(pending=list(range(world.world_size)))
@@ -284,8 +285,12 @@ def gather_answers(world: RankProcesses, deadline_s: float, grace_s: float) -> G
             process = world.processes[rank]
             if not process.is_alive():
                 process.join()
-                gathered.crashed = (rank, process.exitcode)
-                return gathered
+                # the others get grace_s to answer, so the crash is reported with what
+                # its peers saw of it (their errors name the dead rank)
+                if gathered.crashed is None:
+                    gathered.crashed = (rank, process.exitcode)
+                gathered.pending.remove(rank)
+                grace_deadline_s = min(grace_deadline_s, time.monotonic() + grace_s)
     return gathered
 
 

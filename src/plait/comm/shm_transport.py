@@ -1,0 +1,442 @@
+"""Point-to-point messages between ranks on one host through shared memory: the
+progress engine over the rings of :mod:`plait.comm.shm_ring`.
+
+Semantics are torch's (gloo's) for ``send``/``recv``/``recv_any``: a receive is
+matched by (peer, tag), messages between a pair with the same tag match in the
+order sent, a receive may be larger than its message (a smaller message fills its
+front), and a send completes once its bytes are in the peer's ring (its tensor may
+then be reused). Sends to a peer leave in the order posted; a message whose receive
+is not posted yet waits in the ring (as gloo's waits for its receive), unless the
+owner is waiting for a later message from the same peer: then it is copied out to
+make way (an "unexpected" message, matched when its receive is posted).
+
+Progress is made by whoever waits: ``wait`` on any work moves every pending send
+and receive of this rank (as an MPI progress engine does), so a rank blocked on one
+message still drains and fills its rings for the others, and no thread of its own
+competes with the ranks for the cores.
+
+Waiting: poll the rings for ``spin_s`` (yielding the core between polls, since
+ranks may outnumber cores), then set this rank's ``sleeping`` word and block on its
+doorbell FIFO, at most ``_NAP_S`` at a time; a peer that moves bytes this rank
+waits for rings the bell when the word is set. The cap bounds the cost of the one
+race plain loads and stores allow (the word set just as the peer checked it). While
+blocked, the peers involved are checked: a peer whose process died or whose
+transport closed fails the wait naming it; otherwise the wait's deadline does.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import threading
+import time
+from collections import deque
+from datetime import timedelta
+
+import torch
+
+from plait.comm.shm_ring import FRAME_HEADER_BYTES, Ring, Segment, frame_bytes
+
+_NAP_S = 0.001  # longest single block on the doorbell (bounds a missed wake-up)
+_LIVENESS_S = 0.2  # how often a blocked rank checks that its peers' processes live
+
+
+def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    if not tensor.is_contiguous():
+        raise ValueError(f"shared-memory transport: tensors must be contiguous (got shape {tuple(tensor.shape)} with "
+                         f"strides {tensor.stride()}); call .contiguous() first, as torch.distributed requires")
+    if tensor.device.type != "cpu":
+        raise ValueError(f"shared-memory transport moves host memory only, got a tensor on {tensor.device}")
+    return tensor.reshape(-1).view(torch.uint8)
+
+
+class ShmWork:
+    """A posted send or receive, shaped like torch's Work: ``wait(timeout)``,
+    ``is_completed()``, ``_source_rank()`` (the sender of a receive)."""
+
+    __slots__ = ("transport", "done", "error", "source", "description", "peer")
+
+    def __init__(self, transport: ShmTransport, peer, description: str):
+        self.transport = transport
+        self.done = False
+        self.error: str | None = None
+        self.source = peer
+        self.peer = peer
+        self.description = description
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        self.transport.wait(self, None if timeout is None else timeout.total_seconds())
+        return True
+
+    def is_completed(self) -> bool:
+        if not self.done:
+            self.transport.progress()
+        return self.done
+
+    def _source_rank(self) -> int:
+        return self.source
+
+
+class _Send:
+    __slots__ = ("work", "source", "tag", "frame", "written")
+
+    def __init__(self, work, source, tag):
+        self.work, self.source, self.tag = work, source, tag
+        self.frame = frame_bytes(source.numel())
+        self.written = 0  # frame bytes written so far
+
+
+class _Recv:
+    __slots__ = ("work", "target", "tag", "peer")
+
+    def __init__(self, work, target, tag, peer):
+        self.work, self.target, self.tag, self.peer = work, target, tag, peer
+
+
+class _Inbound:
+    """The frame being read from one peer's ring: where its payload goes."""
+
+    __slots__ = ("target", "payload", "read", "recv", "unexpected")
+
+    def __init__(self, target, payload, recv, unexpected):
+        self.target, self.payload, self.recv, self.unexpected = target, payload, recv, unexpected
+        self.read = 0  # payload bytes copied out
+
+
+class _Unexpected:
+    __slots__ = ("tag", "buffer", "complete", "claimed")
+
+    def __init__(self, tag, buffer):
+        self.tag, self.buffer, self.complete, self.claimed = tag, buffer, False, None
+
+
+class ShmTransport:
+    """This rank's messages to and from the group ranks in ``peers`` (same host).
+
+    ``inbox``: this rank's segment; ``outboxes[peer]``: the peer's segment;
+    ``ring_index[peer]``: the ring of ``peer`` in this rank's inbox, and
+    ``their_index[peer]``: this rank's ring in the peer's; ``bell``: this rank's
+    doorbell (read end), ``bells[peer]``: the peers' (write ends)."""
+
+    def __init__(self, rank: int, inbox: Segment, outboxes: dict[int, Segment], ring_index: dict[int, int],
+                 their_index: dict[int, int], bell: int, bells: dict[int, int], spin_s: float):
+        self.rank = rank
+        self.peers = sorted(outboxes)
+        self.inbox = inbox
+        self.outboxes = outboxes
+        self.inbound: dict[int, Ring] = {peer: inbox.ring(ring_index[peer]) for peer in self.peers}
+        self.outbound: dict[int, Ring] = {peer: outboxes[peer].ring(their_index[peer]) for peer in self.peers}
+        self.bell = bell
+        self.bells = bells
+        self.spin_s = spin_s
+        self._lock = threading.RLock()
+        self._sends: dict[int, deque[_Send]] = {peer: deque() for peer in self.peers}
+        self._recvs: dict[int, deque[_Recv]] = {peer: deque() for peer in self.peers}
+        self._any: deque[_Recv] = deque()
+        self._unexpected: dict[int, deque[_Unexpected]] = {peer: deque() for peer in self.peers}
+        self._reading: dict[int, _Inbound | None] = {peer: None for peer in self.peers}
+        self._pids = {peer: outboxes[peer].owner_pid for peer in self.peers}
+        self._closed = False
+        self.payload_bytes_written = 0  # counted as bytes are copied into the rings
+
+    # ----- posting ----------------------------------------------------------------------
+    def send(self, tensor: torch.Tensor, peer: int, tag: int) -> ShmWork:
+        source = _as_bytes(tensor)
+        work = ShmWork(self, peer, f"a send of {source.numel()} bytes to rank {peer} (tag {tag})")
+        with self._lock:
+            self._check_open()
+            self._sends[peer].append(_Send(work, source, tag))
+            self._progress_locked()
+        return work
+
+    def recv(self, tensor: torch.Tensor, peer: int | None, tag: int) -> ShmWork:
+        """Receive into ``tensor`` from ``peer`` (None: any local peer)."""
+        target = _as_bytes(tensor)
+        who = "any rank" if peer is None else f"rank {peer}"
+        work = ShmWork(self, peer, f"a receive of up to {target.numel()} bytes from {who} (tag {tag})")
+        recv = _Recv(work, target, tag, peer)
+        with self._lock:
+            self._check_open()
+            if not self._claim_unexpected(recv):
+                (self._any if peer is None else self._recvs[peer]).append(recv)
+            self._progress_locked()
+        return work
+
+    def _claim_unexpected(self, recv: _Recv) -> bool:
+        for peer in self.peers if recv.peer is None else [recv.peer]:
+            for held in self._unexpected[peer]:
+                if held.tag == recv.tag and held.claimed is None:
+                    held.claimed = recv
+                    recv.work.source = peer
+                    if held.complete:
+                        self._deliver_unexpected(peer, held)
+                    return True
+        return False
+
+    def _deliver_unexpected(self, peer: int, held: _Unexpected) -> None:
+        recv = held.claimed
+        self._unexpected[peer].remove(held)
+        self._fill(recv, held.buffer)
+
+    def _fill(self, recv: _Recv, payload: torch.Tensor) -> None:
+        if payload.numel() > recv.target.numel():
+            self._fail(recv.work, f"rank {recv.work.source} sent {payload.numel()} bytes (tag {recv.tag}) into a "
+                                  f"receive of {recv.target.numel()} bytes")
+            return
+        recv.target[: payload.numel()].copy_(payload)
+        recv.work.done = True
+
+    @staticmethod
+    def _fail(work: ShmWork, reason: str) -> None:
+        work.error = reason
+        work.done = True
+
+    # ----- progress ---------------------------------------------------------------------
+    def progress(self) -> bool:
+        with self._lock:
+            return self._progress_locked()
+
+    def _progress_locked(self) -> bool:
+        if self._closed:
+            return False
+        moved = False
+        for peer in self.peers:
+            if self._sends[peer] and self._write(peer):
+                moved = True
+            if self._read(peer):
+                moved = True
+        return moved
+
+    def _write(self, peer: int) -> bool:
+        """Write as much of the queued frames to ``peer`` as its ring has room for."""
+        ring = self.outbound[peer]
+        queue = self._sends[peer]
+        tail = ring.tail()
+        room = ring.capacity - (tail - ring.head())
+        start_tail = tail
+        while queue and room > 0:
+            send = queue[0]
+            if send.written == 0:
+                if room < FRAME_HEADER_BYTES:
+                    break
+                ring.write_header(tail, send.tag, send.source.numel())
+                tail += FRAME_HEADER_BYTES
+                room -= FRAME_HEADER_BYTES
+                send.written = FRAME_HEADER_BYTES
+            payload_done = send.written - FRAME_HEADER_BYTES
+            payload_left = send.source.numel() - payload_done
+            count = min(room, payload_left)
+            if count > 0:
+                ring.copy_in(tail, send.source[payload_done : payload_done + count])
+                self.payload_bytes_written += count
+                tail += count
+                room -= count
+                send.written += count
+            if send.written - FRAME_HEADER_BYTES == send.source.numel():
+                pad = send.frame - send.written
+                if pad > room:
+                    break
+                tail += pad
+                room -= pad
+                send.written = send.frame
+                queue.popleft()
+                send.work.done = True
+                send.source = None
+        if tail == start_tail:
+            return False
+        ring.set_tail(tail)
+        self._ring(peer)
+        return True
+
+    def _read(self, peer: int) -> bool:
+        """Copy out what ``peer`` has written, frame by frame, into the matching receives."""
+        ring = self.inbound[peer]
+        head = ring.head()
+        available = ring.tail() - head
+        start_head = head
+        while available > 0:
+            inbound = self._reading[peer]
+            if inbound is None:
+                if available < FRAME_HEADER_BYTES:
+                    break
+                tag, payload = ring.read_header(head)
+                inbound = self._match(peer, tag, payload)
+                if inbound is None:
+                    break  # its receive is not posted: it waits in the ring
+                head += FRAME_HEADER_BYTES
+                available -= FRAME_HEADER_BYTES
+                self._reading[peer] = inbound
+            count = min(available, inbound.payload - inbound.read)
+            if count > 0:
+                if inbound.target is not None:
+                    ring.copy_out(head, inbound.target[inbound.read : inbound.read + count])
+                inbound.read += count
+                head += count
+                available -= count
+            if inbound.read < inbound.payload:
+                break
+            pad = frame_bytes(inbound.payload) - FRAME_HEADER_BYTES - inbound.payload
+            if pad > available:
+                break
+            head += pad
+            available -= pad
+            self._reading[peer] = None
+            self._finish(peer, inbound)
+        if head == start_head:
+            return False
+        ring.set_head(head)
+        self._ring(peer)
+        return True
+
+    def _match(self, peer: int, tag: int, payload: int) -> _Inbound | None:
+        for queue in (self._recvs[peer], self._any):
+            for recv in queue:
+                if recv.tag == tag:
+                    queue.remove(recv)
+                    recv.work.source = peer
+                    if payload > recv.target.numel():  # read it (to keep the stream framed), then fail the receive
+                        return _Inbound(None, payload, recv, None)
+                    return _Inbound(recv.target, payload, recv, None)
+        if not self._recvs[peer]:
+            return None
+        # the owner waits for a later message of this peer: hold this one aside
+        held = _Unexpected(tag, torch.empty(payload, dtype=torch.uint8))
+        self._unexpected[peer].append(held)
+        return _Inbound(held.buffer, payload, None, held)
+
+    def _finish(self, peer: int, inbound: _Inbound) -> None:
+        if inbound.unexpected is not None:
+            held = inbound.unexpected
+            held.complete = True
+            if held.claimed is not None:
+                self._deliver_unexpected(peer, held)
+            return
+        recv = inbound.recv
+        if inbound.target is None:
+            self._fail(recv.work, f"rank {peer} sent {inbound.payload} bytes (tag {recv.tag}) into a receive of "
+                                  f"{recv.target.numel()} bytes: the ranks disagree about the message's size")
+            return
+        recv.work.done = True
+        recv.target = None
+
+    def _ring(self, peer: int) -> None:
+        """Wake ``peer`` if it sleeps on its doorbell (it may wait for what just moved)."""
+        if self.outboxes[peer].sleeping():
+            try:
+                os.write(self.bells[peer], b"\x01")
+            except (BlockingIOError, BrokenPipeError):
+                pass  # full: it has wake-ups pending already; gone: its death is found by liveness
+
+    # ----- waiting ----------------------------------------------------------------------
+    def wait(self, work: ShmWork, timeout_s: float | None) -> None:
+        """Make progress until ``work`` is done; raise RuntimeError (its message says
+        "timed out" on the deadline) if a peer died, closed or never came."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        idle_since = time.monotonic()
+        next_check = idle_since + _LIVENESS_S
+        while not work.done:
+            if self._closed:
+                raise RuntimeError(f"the shared-memory transport of this group was closed while waiting for "
+                                   f"{work.description}")
+            if self.progress():
+                idle_since = time.monotonic()
+                continue
+            if work.done:
+                break
+            now = time.monotonic()
+            if deadline is not None and now >= deadline:
+                raise RuntimeError(f"timed out after {timeout_s:g}s waiting for {work.description} over shared "
+                                   "memory")
+            if now - idle_since < self.spin_s:
+                os.sched_yield()
+                continue
+            if now >= next_check:
+                next_check = now + _LIVENESS_S
+                self._check_peers()
+            self._nap(min(_NAP_S, deadline - now) if deadline is not None else _NAP_S, work)
+        if work.error is not None:
+            raise RuntimeError(work.error)
+
+    def _nap(self, nap_s: float, work: ShmWork) -> None:
+        self.inbox.set_sleeping(True)
+        try:
+            if self.progress() or work.done:  # re-check after announcing the sleep
+                return
+            ready, _, _ = select.select([self.bell], [], [], max(nap_s, 0.0))
+            if ready:
+                try:
+                    os.read(self.bell, 4096)
+                except BlockingIOError:
+                    pass  # another waiting thread drained it
+        finally:
+            self.inbox.set_sleeping(False)
+
+    def _check_peers(self) -> None:
+        """Fail pending work of a peer whose process is gone or whose transport closed."""
+        with self._lock:
+            for peer in self.peers:
+                reason = self._peer_gone(peer)
+                if reason is None:
+                    continue
+                busy = [send.work for send in self._sends[peer]] + [recv.work for recv in self._recvs[peer]]
+                reading = self._reading[peer]
+                if reading is not None and reading.recv is not None:
+                    busy.append(reading.recv.work)
+                for work in busy:
+                    self._fail(work, reason)
+                self._sends[peer].clear()
+                self._recvs[peer].clear()
+            if self._any and all(self._peer_gone(peer) for peer in self.peers):
+                for recv in self._any:
+                    self._fail(recv.work, "every local peer is gone")
+                self._any.clear()
+
+    def _peer_gone(self, peer: int) -> str | None:
+        if self.outboxes[peer].closed():
+            return f"rank {peer} closed its shared-memory transport (it left the group or its process group was destroyed)"
+        pid = self._pids[peer]
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return f"rank {peer} (pid {pid}) died: its process is gone"
+        except PermissionError:
+            return None
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as stat:
+                state = stat.read().rsplit(b")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            return None
+        if state in (b"Z", b"X"):
+            return f"rank {peer} (pid {pid}) died: its process has exited"
+        return None
+
+    # ----- closing ----------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("the shared-memory transport of this group is closed")
+
+    def close(self) -> None:
+        """Tell the peers (their waits fail naming this rank), close the doorbells and
+        unmap. The segments' files were unlinked at creation: nothing is left behind."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self.inbox.set_closed()
+            for peer in self.peers:
+                try:
+                    os.write(self.bells[peer], b"\x01")
+                except OSError:
+                    pass
+            for fd in [self.bell, *self.bells.values()]:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+            self.inbound.clear()
+            self.outbound.clear()
+            for segment in [self.inbox, *self.outboxes.values()]:
+                segment.close()
+
+
+__all__ = ["ShmTransport", "ShmWork"]

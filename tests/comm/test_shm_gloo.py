@@ -1,0 +1,147 @@
+"""The shared-memory transport on real processes: the collective matrix on it (also
+through a ring small enough that every message streams and wraps), gloo still
+covered, ranks on two "hosts" (two shared-memory directories) mixing both
+transports, and a rank killed mid-collective: named by its peers, nothing left in
+/dev/shm."""
+
+import os
+import re
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import plait.comm as comm
+from plait.comm.communicator import communicator_for
+from plait.comm.errors import CommError
+from plait.testing import run_distributed, run_fresh_world
+from plait.testing.world import WorkerCrashed
+from tests.comm.gloo_checks import check_collective
+
+pytestmark = pytest.mark.slow
+
+ALL = ["all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce", "gather", "scatter", "all_to_all",
+       "barrier"]
+
+
+def _plait_files():
+    return sorted(name for name in os.listdir("/dev/shm") if name.startswith("plait-shm-"))
+
+
+def world_transport(rank, world_size, numel):
+    communicator = communicator_for(None)
+    communicator.created.wait()
+    tensor = torch.arange(numel, dtype=torch.float32) + rank
+    before_sent, before_ring = communicator.transport.bytes_sent, communicator.transport.shm.payload_bytes_written
+    comm.all_reduce(tensor, algorithm="ring")
+    sent = communicator.transport.bytes_sent - before_sent
+    ring = communicator.transport.shm.payload_bytes_written - before_ring
+    expected = torch.arange(numel, dtype=torch.float32) * world_size + sum(range(world_size))
+    return communicator.transport.description, sent, ring, torch.equal(tensor, expected)
+
+
+@pytest.mark.parametrize("p", [2, 5])
+def test_the_default_world_talks_through_shared_memory(p):
+    results = run_distributed(world_transport, p, 100_003)
+    for description, sent, ring, correct in results:
+        assert description.startswith(f"shm with group ranks {list(range(p))}")
+        assert correct
+        # every byte the executor handed over went into a ring (the in-band header included)
+        assert ring == sent and ring >= 2 * (p - 1) * (100_003 // p) * 4
+
+
+@pytest.mark.parametrize("collective", ALL)
+def test_every_algorithm_through_a_ring_smaller_than_its_messages(collective):
+    config = dict(transport="shm", shm_ring_bytes=4096, segment_bytes=1 << 20)
+    for dtype in ("float64", "int64"):
+        results = run_distributed(check_collective, 3, collective, dtype, [0, 1, 1031, 70_001], ["sum", "max"],
+                                  config=config)
+        failures = [failure for rank_failures in results for failure in rank_failures]
+        assert not failures, failures[:10]
+
+
+@pytest.mark.parametrize("collective", ALL)
+def test_every_algorithm_still_runs_on_gloo(collective):
+    results = run_distributed(check_collective, 3, collective, "float64", [0, 5, 1031], ["sum"],
+                              config=dict(transport="gloo"))
+    failures = [failure for rank_failures in results for failure in rank_failures]
+    assert not failures, failures[:10]
+
+
+def two_hosts(rank, world_size, base):
+    """Ranks 0, 1 see one shared-memory directory and ranks 2, 3 another: two hosts."""
+    directory = os.path.join(base, f"host{rank // 2}")
+    os.makedirs(directory, exist_ok=True)
+    group = dist.new_group(list(range(world_size)))
+    communicator = comm.init_communicator(group, comm.CommConfig(transport="shm", shm_dir=directory))
+    results = {"description": communicator.transport.description}
+    for algorithm in ("ring", "hierarchical", "halving_doubling", "star"):
+        tensor = torch.arange(300_001, dtype=torch.float64) * (rank + 1)
+        comm.all_reduce(tensor, algorithm=algorithm, group=communicator)
+        results[algorithm] = torch.equal(tensor, torch.arange(300_001, dtype=torch.float64) * 10)
+    try:
+        comm.irecv(torch.zeros(1), group=communicator, tag=5)
+        results["any"] = "posted"
+    except CommError as error:
+        results["any"] = str(error)
+    peer = rank ^ 1  # a pair on one host, through shared memory
+    remote = (rank + 2) % 4  # a pair across hosts, through gloo
+    for other in (peer, remote):
+        out, back = torch.full((7,), float(rank)), torch.zeros(7)
+        sent = comm.isend(out, group=communicator, group_dst=other, tag=9)
+        comm.irecv(back, group=communicator, group_src=other, tag=9).wait()
+        sent.wait()
+        results[f"p2p {other}"] = back.tolist() == [float(other)] * 7
+    comm.destroy_process_group(group)
+    return results
+
+
+def test_ranks_on_two_hosts_mix_shared_memory_and_gloo(tmp_path):
+    base = "/dev/shm/plait-test-two-hosts"
+    try:
+        results = run_distributed(two_hosts, 4, base)
+    finally:
+        for host in ("host0", "host1"):
+            directory = os.path.join(base, host)
+            if os.path.isdir(directory):
+                assert os.listdir(directory) == []  # every segment unlinked
+                os.rmdir(directory)
+        if os.path.isdir(base):
+            os.rmdir(base)
+    for rank, result in enumerate(results):
+        assert result["description"].startswith(f"shm with group ranks {[0, 1] if rank < 2 else [2, 3]}")
+        assert all(result[name] for name in ("ring", "hierarchical", "halving_doubling", "star")), result
+        assert "cannot span shared memory and gloo" in result["any"]
+        assert all(value for key, value in result.items() if key.startswith("p2p")), result
+
+
+def killed_mid_collective(rank, world_size):
+    comm.init_communicator(None, comm.CommConfig(transport="shm", timeout_s=60.0))
+    tensor = torch.ones(4 << 20)
+    comm.all_reduce(tensor)  # everyone is set up and running
+    if rank == 2:
+        threading.Timer(0.05, os._exit, (3,)).start()
+    start = time.monotonic()
+    try:
+        for _ in range(1000):
+            comm.all_reduce(tensor, algorithm="ring")
+    except CommError as error:
+        raise RuntimeError(f"after {time.monotonic() - start:.1f} s: {error}") from None
+    return "no error"
+
+
+def test_a_rank_killed_mid_collective_is_named_and_leaves_nothing_behind():
+    before = _plait_files()
+    with pytest.raises(WorkerCrashed) as crash:
+        run_fresh_world(killed_mid_collective, 3, timeout_s=120.0, grace_s=30.0)
+    text = str(crash.value)
+    assert crash.value.rank == 2 and "ranks [0, 1] had raised" in text, text
+    # each survivor names the rank it waited for as dead (rank 2, or a survivor that failed
+    # and exited first), found by the liveness check well inside the 60 s timeout
+    found = dict((rank, (float(elapsed_s), dead)) for elapsed_s, rank, dead in
+                 re.findall(r"after ([0-9.]+) s: rank (\d): .*? rank (\d) \(pid \d+\) died", text))
+    assert sorted(found) == ["0", "1"] and "2" in {dead for _, dead in found.values()}, text
+    assert all(elapsed_s < 30.0 for elapsed_s, _ in found.values()), text
+    assert _plait_files() == before
