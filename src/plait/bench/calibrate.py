@@ -44,6 +44,12 @@ from plait.cost.profile import Sample
 ELEMENT_SIZE = 4  # float32, as plait bench's default
 
 
+def profile_backend(backend: str, transport: str) -> str:
+    """The name a profile is saved and looked up under: the process-group backend, with
+    "+shm" when the local ranks talk through plait's shared memory ("gloo+shm")."""
+    return f"{backend}+shm" if transport == "shm" and backend == "gloo" else backend
+
+
 @dataclass(frozen=True, kw_only=True)
 class CalibrateConfig:
     """One `plait calibrate` run (CLI flags map 1:1 to fields)."""
@@ -58,10 +64,13 @@ class CalibrateConfig:
     max_calls_per_rep: int = 30
     ping_pong: bool = True
     timeout_s: float = 120.0
+    transport: str = "shm"  # the measured communicator's CommConfig.transport: shm (required) or gloo
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "steps", tuple(sorted(set(self.steps))))
         problems = []
+        if self.transport not in ("shm", "gloo"):
+            problems.append(f"transport={self.transport!r} must be 'shm' or 'gloo'")
         if self.min_nbytes < ELEMENT_SIZE or self.max_nbytes < self.min_nbytes:
             problems.append(f"need {ELEMENT_SIZE} <= min_nbytes({self.min_nbytes}) <= max_nbytes({self.max_nbytes})")
         if self.factor < 2:
@@ -203,7 +212,9 @@ def run_calibration(config: CalibrateConfig, *, group=None, device: torch.device
     world_size, rank = dist.get_world_size(group), dist.get_rank(group)
     if world_size < 2:
         raise ValueError("calibration needs >= 2 ranks (it measures messages between them): use --nprocs 2 or more")
-    communicator = init_communicator(group, CommConfig(timeout_s=config.timeout_s, check="off"))
+    # shm is required, not auto: a profile must price the transport its name says
+    transport = config.transport if "nccl" not in str(dist.get_backend(group)).lower() else "gloo"
+    communicator = init_communicator(group, CommConfig(timeout_s=config.timeout_s, check="off", transport=transport))
     emit = emit or (lambda kind, payload: None)
     plan = measurement_plan(config)
     calls: dict[tuple, int] = {}

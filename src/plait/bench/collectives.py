@@ -13,8 +13,11 @@ elapsed / iters, so it is the time of the slowest rank, as in nccl-tests.
 and "count" is the per-rank chunk, as nccl-tests prints them.
 
 The algorithm "torch" calls torch.distributed directly; every other name calls
-plait.comm with `algorithm=name` and `check_args=False`, so both pay the same
-per-call overhead (torch does no cross-rank argument check either).
+plait.comm with `algorithm=name` on the world's communicator, whose transport is
+``BenchConfig.transport`` (auto: shared memory between the local ranks). A name
+with a transport suffix, "auto@gloo" or "ring@shm", runs on a second group of the
+same ranks whose communicator uses that transport, so one run compares transports
+side by side, interleaved size by size.
 This module parses no command line: see plait.cli.bench and plait.bench.report.
 """
 
@@ -43,6 +46,7 @@ from plait.bench.buffers import (
     TORCH_ALGORITHM,
 )
 from plait.comm.algorithms import TOPOLOGY_ALGORITHMS
+from plait.comm.config import TRANSPORTS
 from plait.comm.tuner import Tuner, tuner_from_profile
 from plait.cost.profile import load_profile
 from plait.cost.topology_io import load_topology
@@ -117,9 +121,19 @@ def available_algorithms(collective: str) -> list[str]:
 
 def accepted_algorithms(collective: str) -> list[str]:
     """The names --algorithms accepts: those run by default and the topology algorithms
-    (which need --topology)."""
-    return [*available_algorithms(collective),
-            *(name for name in comm.algorithms_for(collective, with_topology=True) if name in TOPOLOGY_ALGORITHMS)]
+    (which need --topology), and every plait name with a transport suffix
+    ("ring@gloo", "auto@shm")."""
+    names = [*available_algorithms(collective),
+             *(name for name in comm.algorithms_for(collective, with_topology=True) if name in TOPOLOGY_ALGORITHMS)]
+    suffixed = [f"{name}@{transport}" for name in names if name != TORCH_ALGORITHM
+                for transport in TRANSPORTS if transport != "auto"]
+    return names + suffixed
+
+
+def split_transport(algorithm: str) -> tuple[str, str | None]:
+    """("ring", "gloo") for "ring@gloo"; (name, None) without a suffix."""
+    name, _, transport = algorithm.partition("@")
+    return name, transport or None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -145,9 +159,12 @@ class BenchConfig:
     profile_path: str | None = None  # algorithm="auto" follows this calibration profile
     topology_path: str | None = None  # the cluster's topology: blink/synth built from it, auto priced on it
     arg_check: str = "inband"  # plait's argument check: inband (the default users run), deep or off
+    transport: str = "auto"  # the world communicator's CommConfig.transport
 
     def __post_init__(self) -> None:
         problems = []
+        if self.transport not in TRANSPORTS:
+            problems.append(f"transport {self.transport!r} not in {', '.join(TRANSPORTS)}")
         object.__setattr__(self, "algorithms", tuple(self.algorithms))
         if self.collective not in COLLECTIVES:
             problems.append(f"collective {self.collective!r} not in {', '.join(COLLECTIVES)}")
@@ -261,9 +278,11 @@ def _timed_calls(call: Callable[[], None], ncalls: int, device: torch.device) ->
     return time.perf_counter() - start_s
 
 
-def _configure_plait(config: BenchConfig) -> None:
+def _configure_plait(config: BenchConfig) -> dict:
+    """Create the world's communicator (and one on a group of its own per transport
+    suffix); returns {suffix: communicator}."""
     if all(name == TORCH_ALGORITHM for name in config.algorithms):
-        return
+        return {}
 
     # the world's communicator, with the argument check asked for (the default, in-band,
     # is what users run; --check off times the bare messages)
@@ -276,8 +295,13 @@ def _configure_plait(config: BenchConfig) -> None:
     if config.topology_path is not None:
         topology = load_topology(config.topology_path)
         tuner = topology_tuner(topology, profile, config.topology_path)
-    comm.init_communicator(None, comm.CommConfig(timeout_s=config.timeout_s, check=config.arg_check, tuner=tuner,
-                                                 topology=topology))
+    base = comm.CommConfig(timeout_s=config.timeout_s, check=config.arg_check, tuner=tuner, topology=topology,
+                           transport=config.transport)
+    communicators = {None: comm.init_communicator(None, base)}
+    for transport in sorted({split_transport(name)[1] for name in config.algorithms} - {None}):
+        group = dist.new_group(list(range(dist.get_world_size())))
+        communicators[transport] = comm.init_communicator(group, base.replace(transport=transport))
+    return communicators
 
 
 def topology_tuner(topology, profile, source: str) -> Tuner:
@@ -288,7 +312,7 @@ def topology_tuner(topology, profile, source: str) -> Tuner:
 
 
 def measure_one(config: BenchConfig, algorithm: str, count: int, size_bytes: int, *,
-                group=None, device: torch.device) -> BenchRow:
+                group=None, device: torch.device, communicators: dict | None = None) -> BenchRow:
     """Check (optional), warm up, choose iters and time one (algorithm, size) on all ranks."""
     world_size = dist.get_world_size(group)
     rank = dist.get_rank(group)
@@ -298,7 +322,7 @@ def measure_one(config: BenchConfig, algorithm: str, count: int, size_bytes: int
                    op=config.reported_op, root=config.reported_root)
     buffers: Buffers = make_buffers(config.collective, count, dtype, device, rank, world_size,
                                     config.root)
-    call = _make_call(config, algorithm, buffers, group)
+    call = _make_call(config, algorithm, buffers, group, communicators or {})
 
     if config.check:
         fill_inputs(buffers, config.collective, rank, world_size, count, config.seed)
@@ -344,7 +368,7 @@ def run_benchmark(config: BenchConfig, *, group=None, device: torch.device | Non
     world_size = dist.get_world_size(group)
     if config.root >= world_size:
         raise ValueError(f"root({config.root}) must be < world size({world_size})")
-    _configure_plait(config)
+    communicators = _configure_plait(config)
     element_size = parse_dtype(config.dtype).itemsize
     plans: list[tuple[int, int]] = []
     if config.collective == "barrier":
@@ -367,7 +391,7 @@ def run_benchmark(config: BenchConfig, *, group=None, device: torch.device | Non
             for algorithm in config.algorithms:
                 if algorithm in abandoned:
                     continue
-                row = _measure_or_error(config, algorithm, count, size_bytes, group, device)
+                row = _measure_or_error(config, algorithm, count, size_bytes, group, device, communicators)
                 measured.setdefault((algorithm, size_bytes), []).append(row)
                 if row.extra.get("abandon_algorithm"):
                     abandoned.add(algorithm)
@@ -395,12 +419,12 @@ def median_row(samples: list[BenchRow]) -> BenchRow:
 
 
 def _measure_or_error(config: BenchConfig, algorithm: str, count: int, size_bytes: int,
-                      group, device: torch.device) -> BenchRow:
+                      group, device: torch.device, communicators: dict | None = None) -> BenchRow:
     """measure_one, turning an exception on any rank into an error row on all ranks."""
     world_size = dist.get_world_size(group)
     try:
-        row, local_error = measure_one(config, algorithm, count, size_bytes,
-                                       group=group, device=device), None
+        row, local_error = measure_one(config, algorithm, count, size_bytes, group=group, device=device,
+                                       communicators=communicators), None
     except Exception as error:  # reported in the algorithm's block, then we go on
         row, local_error = None, f"{type(error).__name__}: {error}"
     failed = _allreduce_scalar(0.0 if local_error is None else 1.0, dist.ReduceOp.SUM, device, group)
@@ -425,9 +449,13 @@ def _measure_or_error(config: BenchConfig, algorithm: str, count: int, size_byte
     return row
 
 
-def _make_call(config: BenchConfig, algorithm: str, buffers: Buffers, group) -> Callable[[], None]:
+def _make_call(config: BenchConfig, algorithm: str, buffers: Buffers, group,
+               communicators: dict) -> Callable[[], None]:
     """A no-argument closure running the collective once on `buffers`."""
     collective, root = config.collective, config.root
+    algorithm, transport = split_transport(algorithm)
+    if transport is not None:
+        group = communicators[transport]
     reduce_op = OPS[config.op]
     if algorithm == TORCH_ALGORITHM:
         module, kwargs = dist, {}

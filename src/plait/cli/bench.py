@@ -26,9 +26,11 @@ import sys
 
 from plait.bench import report
 from plait.bench.buffers import canonical_dtype_name, COLLECTIVES, DTYPE_NAMES, OPS
+from plait.bench.calibrate import profile_backend
 from plait.bench.collectives import accepted_algorithms, available_algorithms, BenchConfig, BenchRow
 from plait.bench.launch import choose_backend, in_torchrun, run_in_current_world, spawn_and_run, WorkerError
 from plait.bench.predict import Predictor
+from plait.comm.config import TRANSPORTS
 from plait.cli.output_paths import output_file, prepare_output_paths
 from plait.cost.profile import default_profile_path, load_profile
 from plait.cost.topology_io import load_topology
@@ -133,6 +135,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--arg-check", choices=("inband", "deep", "off"), default="inband",
                         help="plait's argument check: inband (default: a header in each call's first message "
                              "per peer), deep (an agreement all-gather per call) or off")
+    parser.add_argument("--transport", choices=TRANSPORTS, default="auto",
+                        help="how plait's messages between local ranks travel: auto (shared memory, default), shm "
+                             "(shared memory or fail), gloo; a name like auto@gloo in --algorithms runs on its own "
+                             "group with that transport, for a side-by-side comparison")
     parser.add_argument("--timeout", type=float, default=120.0, metavar="SECONDS",
                         help="per-collective timeout (default 120)")
     parser.add_argument("--seed", type=int, default=1234, help="seed of the --check inputs")
@@ -159,7 +165,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         min_nbytes=args.min_bytes, max_nbytes=args.max_bytes, factor=args.factor, iters=args.iters,
         warmup=args.warmup, op=args.op, dtype=args.dtype, root=args.root, check=args.check,
         time_budget_s=args.time_budget, timeout_s=args.timeout, seed=args.seed, arg_check=args.arg_check,
-        rounds=args.rounds, profile_path=args.profile, topology_path=args.topology)
+        rounds=args.rounds, profile_path=args.profile, topology_path=args.topology, transport=args.transport)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -218,7 +224,8 @@ def _predictor(args: argparse.Namespace, config: BenchConfig, backend: str, npro
     the workers' algorithm="auto" follows the same profile the predictions use."""
 
 
-    path = args.profile or str(default_profile_path(backend))
+    # the profile of the transport the run uses (calibrate --transport shm saves gloo+shm)
+    path = args.profile or str(default_profile_path(profile_backend(backend, "gloo" if args.transport == "gloo" else "shm")))
     profile = load_profile(path)
     if args.topology is not None:
         if args.profile is not None and profile is None:

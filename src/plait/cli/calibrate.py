@@ -24,7 +24,7 @@ import os
 import sys
 import time
 
-from plait.bench.calibrate import CalibrateConfig, describe_device, run_calibration
+from plait.bench.calibrate import CalibrateConfig, describe_device, profile_backend, run_calibration
 from plait.bench.launch import Job, WorkerError, choose_backend, in_torchrun, run_in_current_world, spawn_and_run
 from plait.cli.bench import parse_nbytes
 from plait.cli.output_paths import output_file, prepare_output_paths
@@ -56,6 +56,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--nprocs", "-n", type=_positive_int, default=None,
                         help="spawn this many local processes (default: the torchrun world if "
                              "RANK/WORLD_SIZE are set, else 4); measure with the p you will run")
+    parser.add_argument("--transport", default="shm", choices=("shm", "gloo"),
+                        help="what the messages between the local ranks travel through: shm (plait's shared memory, "
+                             "what runs on one host by default; the profile is saved as profile-gloo+shm.json) or "
+                             "gloo (its TCP messages: profile-gloo.json). Calibrate each transport you run on")
     parser.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"),
                         help="auto: gloo for spawned workers, nccl under torchrun with CUDA")
     parser.add_argument("--min-bytes", "-b", type=parse_nbytes, default=parse_nbytes("1K"),
@@ -88,7 +92,7 @@ def config_from_args(args: argparse.Namespace) -> CalibrateConfig:
     return CalibrateConfig(min_nbytes=args.min_bytes, max_nbytes=args.max_bytes, factor=args.factor,
                            steps=args.steps, reps=args.reps, warmup=args.warmup, time_budget_s=args.time_budget,
                            max_calls_per_rep=args.max_calls, ping_pong=not args.no_ping_pong,
-                           timeout_s=args.timeout)
+                           timeout_s=args.timeout, transport=args.transport)
 
 
 def _gbps(s_per_byte: float) -> str:
@@ -152,18 +156,19 @@ def run(args: argparse.Namespace) -> int:
         nprocs, backend = args.nprocs or 4, choose_backend(args.backend, spawned=True)
     if nprocs < 2:
         raise ValueError(f"calibration needs >= 2 processes, got {nprocs}: use --nprocs 2 or more")
+    profile_name = profile_backend(backend, config.transport)
     if is_reporter:  # the profile's path, given or default, before minutes of measuring
         if args.output is not None:
             prepare_output_paths(output_file("--output", args.output))
         else:
-            prepare_output_paths(output_file("--output (default)", str(default_profile_path(backend))))
+            prepare_output_paths(output_file("--output (default)", str(default_profile_path(profile_name))))
 
     def on_event(kind: str, payload) -> None:
         if kind == "progress":
             print(f"# measuring: {payload}", file=sys.stderr, flush=True)
 
     if is_reporter:
-        print(f"# plait calibrate: nprocs {nprocs}  backend {backend}  sizes {config.sizes_nbytes[0]}.."
+        print(f"# plait calibrate: nprocs {nprocs}  backend {profile_name}  sizes {config.sizes_nbytes[0]}.."
               f"{config.sizes_nbytes[-1]} x{config.factor}  steps {','.join(map(str, config.steps))}  "
               f"reps {config.reps}", file=out, flush=True)
     start_s = time.monotonic()
@@ -178,7 +183,7 @@ def run(args: argparse.Namespace) -> int:
         return 1
     if not is_reporter:
         return 0
-    profile, report = make_profile(samples, backend=backend, device=describe_device(backend), world_size=nprocs)
+    profile, report = make_profile(samples, backend=profile_name, device=describe_device(backend), world_size=nprocs)
     path = save_profile(profile, args.output)
     for line in format_samples(profile) + format_fit(profile, report):
         print(line, file=out)
