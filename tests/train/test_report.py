@@ -128,7 +128,10 @@ def _synthetic_run():
             "collectives": {
                 "dp.all_reduce": {"calls": 10, "bytes_sent": (rank + 1) * 3 * 2**20, "time_s": 1.0},
                 "pp.send": {"calls": 40, "bytes_sent": 2**19 if pp == 0 else 0, "time_s": 0.25 * (1 - pp)},
-            }})
+            },
+            "comm": {"config": "timeout 300s", "tuner": "none: the default table",
+                     "transports": {"world": "shm with group ranks [0, 1, 2, 3] (4194304 B rings)",
+                                    "dp": f"shm with group ranks {[pp * 2, pp * 2 + 1]} (4194304 B rings)"}}})
     run = {"config": {"model": "gpt", "dp": 2, "tp": 1, "pp": 2, "steps": 10}, "mesh": "dp=2 x tp=1 x pp=2\nrank 0: ...",
            "world_size": 4, "backend": "gloo", "device": "cpu", "tokens_per_step": TOKENS_PER_STEP,
            "flops_per_step": 1e9, "peak_flops_per_s": 2e10, "time_to_first_step_s": 2.5, "steps": 10,
@@ -202,6 +205,7 @@ def test_report_markdown(written):
     assert "| 3 (slowest) | 1 | 0 | 1 | 10 | 8.000 | 4.000 (50.0%) | 1.500 (18.8%) | 2.000 (25.0%) | 0.500 (6.2%) |" in md
     assert "| dp.all_reduce | 4 | 40 | 30.000 | 4.000 |  |" in md  # 30 MiB summed over ranks
     assert "| 2 | dp.all_reduce | 10 | 9.000 | 1.000 |" in md
+    assert "| 3 | dp | shm with group ranks [2, 3] (4194304 B rings) |" in md  # how each group moved its messages
     assert "MFU = flops_per_step × steps_run / (wall_s × world_size × peak_flops_per_s)" in md
     assert "= 1.56%" in md
     for word in ("**compute**", "**comm**", "**bubble**", "**other**", "![loss curve](loss.png)",

@@ -83,6 +83,8 @@ class Communicator:
             raise TypeError(f"config must be a plait.comm.CommConfig, got {type(self.config).__name__}")
         self.backend = str(dist.get_backend(self.group))
         self.transport = Transport(self.group)
+        if self.size == 1:
+            self.transport.description = "none (a group of one rank sends nothing)"
         self.executor = Executor()
         self.engine = Engine(name=f"plait-comm{self.ranks if len(self.ranks) <= 8 else ''}")
         self._stats = Stats()

@@ -224,7 +224,9 @@ def _collectives(ranks: list[dict]) -> dict:
                 summed["algorithms"][algorithm] = summed["algorithms"].get(algorithm, 0) + calls
             summed["ranks"] += 1
     comm = next((rank.get("comm") for rank in ranks if rank.get("comm")), None)
-    return {"total": dict(sorted(total.items())), "per_rank": per_rank, "comm": comm}
+    transports = {str(rank["rank"]): dict(rank["comm"].get("transports") or {}) for rank in ranks
+                  if rank.get("comm")}
+    return {"total": dict(sorted(total.items())), "per_rank": per_rank, "comm": comm, "transports": transports}
 
 
 def _mesh_shape(ranks: list[dict], run: dict) -> dict:
@@ -426,6 +428,11 @@ def render_markdown(report: dict) -> str:
     comm = collectives.get("comm")
     if comm:
         lines += [f"Communicators: {comm['config']}; algorithm=auto chosen by: {comm['tuner']}.", ""]
+    if any(collectives.get("transports", {}).values()):
+        lines += ["How each rank's groups move their messages:", "", "| rank | group | transport |", "|---:|---|---|"]
+        for rank, by_group in collectives["transports"].items():
+            lines += [f"| {rank} | {group} | {description} |" for group, description in by_group.items()]
+        lines.append("")
     if collectives["total"]:
         lines += ["| collective | ranks | calls | MiB sent | time s | algorithms (calls) |",
                   "|---|---:|---:|---:|---:|---|"]
