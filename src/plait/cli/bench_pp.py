@@ -1,13 +1,18 @@
-"""`plait bench pp`: run GPipe, 1F1B, interleaved 1F1B and Chimera for real and
-compare their bubble and activation memory with the theory (plait.bench.pp)."""
+"""`plait bench pp`: run GPipe, 1F1B, interleaved 1F1B, Chimera and zero bubble for
+real and compare their bubble and activation memory with the theory (plait.bench.pp).
+`plait bench pp --vs-torch`: plait's engine against torch.distributed.pipelining on
+the same model, split and processes, rounds alternating (plait.bench.pp_vs_torch)."""
 
 from __future__ import annotations
 
 import argparse
 import os
 
+import torch
+
 from plait.bench.launch import in_torchrun, run_in_fresh_worlds
 from plait.bench.pp import SCHEDULE_NAMES, PpBenchConfig, run_pp_bench
+from plait.bench.pp_vs_torch import LOSS_RTOL, VS_TORCH_SCHEDULES, PpVsTorchConfig, run_pp_vs_torch
 from plait.bench.report import write_json_document
 from plait.cli.output_paths import output_directory, output_file, prepare_output_paths
 from plait.parallel.pipeline import Interval, Timeline, timeline_to_json
@@ -26,10 +31,14 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
     defaults = PpBenchConfig()
     parser.add_argument("--stages", type=_ints, default=defaults.stages, help="pipeline sizes p (default 2,4)")
-    parser.add_argument("--schedules", type=lambda text: tuple(text.split(",")), default=defaults.schedules,
-                        help=f"comma list of {','.join(SCHEDULE_NAMES)} (default all)")
+    parser.add_argument("--schedules", type=lambda text: tuple(text.split(",")), default=None,
+                        help=f"comma list of {','.join(SCHEDULE_NAMES)} (default all; with --vs-torch all but chimera)")
     for name in ("microbatches", "virtual", "layers", "width", "batch", "steps", "warmup"):
         parser.add_argument(f"--{name}", type=int, default=getattr(defaults, name))
+    parser.add_argument("--vs-torch", action="store_true",
+                        help="time plait's engine against torch.distributed.pipelining instead (--steps per side per round)")
+    parser.add_argument("--rounds", type=int, default=PpVsTorchConfig().rounds,
+                        help="with --vs-torch: rounds, each running both sides, alternating which goes first")
     parser.add_argument("--timeline-out", default=None, metavar="DIR",
                         help="write each run's measured timeline as JSON (plait schedule --timeline draws it)")
     parser.add_argument("--json", default=None, metavar="PATH", help="write every row as JSON ('-': stdout)")
@@ -44,7 +53,9 @@ def _kib(values) -> str:
 def run(args) -> int:
     if in_torchrun():
         raise ValueError("plait bench pp starts its own worlds: run it without torchrun")
-    config = PpBenchConfig(stages=args.stages, schedules=args.schedules, microbatches=args.microbatches,
+    if args.vs_torch:
+        return run_vs_torch(args)
+    config = PpBenchConfig(stages=args.stages, schedules=args.schedules or SCHEDULE_NAMES, microbatches=args.microbatches,
                            virtual=args.virtual, layers=args.layers, width=args.width, batch=args.batch,
                            steps=args.steps, warmup=args.warmup)
     prepare_output_paths(output_file("--json", args.json, stdout_allowed=True),
@@ -80,3 +91,41 @@ def run(args) -> int:
     if args.json:
         write_json_document({"config": config.__dict__, "rows": rows}, args.json)
     return 0
+
+
+def run_vs_torch(args) -> int:
+    config = PpVsTorchConfig(stages=args.stages, schedules=args.schedules or VS_TORCH_SCHEDULES,
+                             microbatches=args.microbatches, virtual=args.virtual, layers=args.layers,
+                             width=args.width, batch=args.batch, steps=args.steps, warmup=args.warmup,
+                             rounds=args.rounds)
+    prepare_output_paths(output_file("--json", args.json, stdout_allowed=True))
+    print(f"# plait bench pp --vs-torch: MLP {config.layers} x Linear({config.width},{config.width})+Tanh, batch "
+          f"{config.batch} in m={config.microbatches} micro-batches, float32, SGD; v={config.virtual} for interleaved")
+    print(f"# plait PipelineEngine vs torch.distributed.pipelining (torch {torch.__version__}) on the same split and "
+          f"processes: each p a fresh world of p gloo processes ({os.cpu_count()} CPU cores), 1 thread each")
+    print(f"# {config.warmup} warm-up step(s) per side, then {config.rounds} rounds of {config.steps} timed steps per "
+          "side (plait first in even rounds, torch in odd); a step: the slowest rank's time from a barrier")
+    print("# ms: median over rounds of each side's median step; torch/plait: median of per-round ratios "
+          "(> 1: plait faster), (min-max) over rounds")
+    print(f"# losses: step by step, plait's mean micro-batch loss vs torch's, agree within relative {LOSS_RTOL:g}")
+    print(f"# load average before: {' '.join(f'{value:.2f}' for value in os.getloadavg())}")
+    print(f"{'p':>2} {'schedule':<17}{'torch schedule':<31}{'plait ms':>9}{'torch ms':>9}  "
+          f"{'torch/plait (min-max)':<23}{'loss rel diff':>14}  losses")
+
+    def on_event(kind, row):
+        if kind != "row":
+            return
+        spread = f"{row['ratio']:.3f}x ({row['ratio_min']:.3f}-{row['ratio_max']:.3f})"
+        print(f"{row['p']:>2} {row['schedule']:<17}{row['torch_schedule']:<31}{row['plait_ms']:>9.1f}"
+              f"{row['torch_ms']:>9.1f}  {spread:<23}{row['loss_max_rel_diff']:>14.1e}  "
+              f"{'agree' if row['losses_agree'] else 'DIFFER'} ({len(row['plait_losses'])} steps)", flush=True)
+
+    rows = run_in_fresh_worlds(run_pp_vs_torch, config, config.stages, on_event, "plait bench pp --vs-torch")
+    if rows is None:
+        return 1
+    print(f"# load average after: {' '.join(f'{value:.2f}' for value in os.getloadavg())}")
+    differ = [f"p={row['p']} {row['schedule']}" for row in rows if not row["losses_agree"]]
+    print("# losses agree on every row" if not differ else f"# losses DIFFER: {', '.join(differ)}")
+    if args.json:
+        write_json_document({"config": config.__dict__, "rows": rows}, args.json)
+    return 1 if differ else 0
