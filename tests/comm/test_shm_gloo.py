@@ -145,3 +145,23 @@ def test_a_rank_killed_mid_collective_is_named_and_leaves_nothing_behind():
     assert sorted(found) == ["0", "1"] and "2" in {dead for _, dead in found.values()}, text
     assert all(elapsed_s < 30.0 for elapsed_s, _ in found.values()), text
     assert _plait_files() == before
+
+
+def auto_per_transport(rank, world_size):
+    chosen = {}
+    # the default communicator of a fresh group is created by its first call: auto must wait for
+    # the set-up's answer (shared memory for the whole group) before it picks from a table
+    lazy = dist.new_group(list(range(world_size)))
+    comm.broadcast(torch.zeros(2 << 20), 0, group=lazy)  # 8 MiB
+    chosen["shm"] = comm.communicator_for(lazy).stats()["broadcast"]["algorithms"]
+    comm.destroy_process_group(lazy)
+    group = comm.init_communicator(dist.new_group(list(range(world_size))), comm.CommConfig(transport="gloo"))
+    comm.broadcast(torch.zeros(2 << 20), 0, group=group)
+    chosen["gloo"] = group.stats()["broadcast"]["algorithms"]
+    comm.destroy_process_group(group)
+    return chosen
+
+
+def test_auto_follows_the_table_of_the_transport_the_whole_group_uses():
+    for chosen in run_distributed(auto_per_transport, 3):
+        assert chosen == {"shm": {"tree": 1}, "gloo": {"ring": 1}}

@@ -112,3 +112,10 @@ def test_shared_host_tuner_prices_schedules_with_the_shared_model():
     assert tuner.choose("all_reduce", 4096, 4) == "star"
     with pytest.raises(ValueError, match="shared_host_ranks=0"):
         Tuner(link, shared_host_ranks=0)
+
+
+def test_the_shared_memory_table_broadcasts_large_messages_down_a_tree():
+    assert default_algorithm("broadcast", 8 << 20, 4, "shm") == "tree"
+    assert default_algorithm("reduce", 8 << 20, 4, "shm") == "tree"
+    assert default_algorithm("broadcast", 8 << 20, 4) == "ring"  # gloo's table is unchanged
+    assert default_algorithm("all_reduce", 8 << 20, 4, "shm") == default_algorithm("all_reduce", 8 << 20, 4)

@@ -60,7 +60,7 @@ _TORCH_OPS = {"sum": ReduceOp.SUM, "avg": ReduceOp.SUM, "min": ReduceOp.MIN, "ma
               "prod": ReduceOp.PRODUCT, "band": ReduceOp.BAND, "bor": ReduceOp.BOR, "bxor": ReduceOp.BXOR}
 
 
-def default_algorithm(collective: str, nbytes: int, world_size: int) -> str:
+def default_algorithm(collective: str, nbytes: int, world_size: int, transport: str = "gloo") -> str:
     """The default table, used by algorithm="auto" when there is no calibrated profile.
 
     Small messages are latency-bound, so they take the fewest rounds: on this
@@ -69,8 +69,16 @@ def default_algorithm(collective: str, nbytes: int, world_size: int) -> str:
     everything up to p = 4; beyond that the server's link grows with p and
     recursive doubling's lg p rounds win. Large messages take the
     bandwidth-optimal ring. Measured with ``plait bench`` (see the README).
+
+    ``transport="shm"`` (the whole group on one host, through shared memory): the
+    same, except broadcast and reduce take the binomial tree at every size. A ring
+    pipelines a large message through p - 1 hops, each a copy into and out of a
+    ring buffer on cores the ranks share; the tree's lg p rounds copy less and won
+    from 512 KiB up at p = 4 (``plait bench broadcast -a all --transport shm``).
     """
     p = world_size
+    if transport == "shm" and collective in ("broadcast", "reduce"):
+        return "tree"
     small = nbytes <= 512 * 1024
     if collective == "all_reduce":
         if nbytes <= (1 << 20):
@@ -111,16 +119,23 @@ def _group_root(communicator: Communicator, global_root, group_root, name: str) 
     return communicator.ranks.index(root)
 
 
-def auto_algorithm(collective: str, nbytes: int, world_size: int, config=None) -> str:
+def auto_algorithm(collective: str, nbytes: int, world_size: int, config=None, transport: str = "gloo") -> str:
     """What algorithm="auto" runs under ``config`` (a CommConfig; None: the defaults):
-    its override for the collective, else its tuner's choice, else the default table."""
+    its override for the collective, else its tuner's choice, else the default table
+    of ``transport`` ("shm" when the whole group talks through shared memory)."""
     if config is not None:
         override = config.algorithms.get(collective)
         if override:
             return override
         if config.tuner is not None:
             return config.tuner.choose(collective, nbytes, world_size)
-    return default_algorithm(collective, nbytes, world_size)
+    return default_algorithm(collective, nbytes, world_size, transport)
+
+
+def transport_kind(communicator: Communicator) -> str:
+    """"shm" when every other rank of the group is reached through shared memory, else
+    "gloo" (the same answer on every rank: the set-up decides for the whole group)."""
+    return "shm" if communicator.transport.all_peers_local(communicator.size) else "gloo"
 
 
 def _resolve_algorithm(algorithm, collective: str, nbytes: int, communicator: Communicator) -> str:
@@ -128,7 +143,10 @@ def _resolve_algorithm(algorithm, collective: str, nbytes: int, communicator: Co
         config = communicator.config
         if config.tuner is not None and collective not in config.algorithms:
             communicator.tuner_used = getattr(config.tuner, "source", "a tuner")
-        return auto_algorithm(collective, nbytes, communicator.size, config)
+        # which table is the group-wide set-up's answer (every rank gets the same one), so
+        # wait for it: the creation is the group's first job
+        communicator.created.wait()
+        return auto_algorithm(collective, nbytes, communicator.size, config, transport_kind(communicator))
     if not isinstance(algorithm, str):
         raise TypeError(f"algorithm must be a string, got {type(algorithm).__name__}")
     if algorithm != TORCH:
