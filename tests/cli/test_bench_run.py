@@ -248,3 +248,43 @@ def test_median_row_picks_the_middle_round():
     assert median_row(rows).time_us == 3.0
     rows[1].error = "boom"
     assert median_row(rows).error == "boom"
+
+
+def test_a_transport_suffix_runs_the_algorithm_on_that_transport(tmp_path, capsys):
+    rows_path = tmp_path / "rows.json"
+    status = main(["bench", "all_reduce", "--nprocs", "2", *TINY, "--check", "--algorithms",
+                   "torch,auto,ring@gloo,ring@shm", "--json", str(rows_path)])
+    captured = capsys.readouterr()
+    assert status == 0, captured.err
+    rows = json.loads(rows_path.read_text())
+    assert {row["algorithm"] for row in rows} == {"torch", "auto", "ring@gloo", "ring@shm"}
+    assert all(row["wrong"] == 0 for row in rows)
+    assert "% of memcpy" in captured.out and "memcpy (one core" in captured.out
+
+
+def transports_of_bench_groups(rank, world_size):
+    from plait.bench.collectives import _configure_plait
+
+    import plait.comm as comm
+
+    config = BenchConfig(collective="all_reduce", algorithms=("auto", "auto@gloo", "ring@shm"), transport="gloo")
+    communicators = _configure_plait(config)
+    described = {str(key): communicator.transport.description for key, communicator in communicators.items()}
+    for key, communicator in communicators.items():
+        if key is not None:
+            comm.destroy_process_group(communicator)
+    comm.init_communicator(None, comm.CommConfig())  # the pool's world goes back to its defaults
+    return described
+
+
+def test_bench_transport_flag_and_suffixes_build_communicators_of_those_transports():
+    from plait.testing import run_distributed
+
+    for described in run_distributed(transports_of_bench_groups, 2):
+        assert described["None"] == "gloo" and described["gloo"] == "gloo"
+        assert described["shm"].startswith("shm with group ranks [0, 1]")
+
+
+def test_an_unknown_transport_suffix_is_refused(capsys):
+    assert main(["bench", "all_reduce", "--algorithms", "ring@tcp"]) == 2
+    assert "ring@gloo" in capsys.readouterr().err

@@ -29,7 +29,8 @@ def test_calibrate_saves_a_profile_with_positive_parameters(tmp_path, capsys, mo
         profile = load_profile(path)
     assert profile.as_dict() == document
     assert not (tmp_path / "cache").exists()  # --output wins over the cache path
-    assert profile.world_size == 2 and profile.backend == "gloo" and profile.device == "cpu"
+    # measured through plait's shared memory (the default transport), and named so
+    assert profile.world_size == 2 and profile.backend == "gloo+shm" and profile.device == "cpu"
     assert profile.sizes_nbytes == (16 << 10, 256 << 10, 4 << 20)
     # beta > 0 always (the fit refuses otherwise); the split of the per-call latency
     # between c and alpha, and gamma, are at the mercy of this shared machine's noise

@@ -175,6 +175,21 @@ def summary_lines(rows: list[BenchRow], baseline: str = TORCH_ALGORITHM) -> list
     return lines
 
 
+def memcpy_lines(rows: list[BenchRow], memcpy_gbps: float) -> list[str]:
+    """Each algorithm's best busbw as a fraction of the measured one-core copy
+    bandwidth (what a shared-memory transport copies at)."""
+    lines = [f"# memcpy (one core, 64 MiB, median of 5, measured after the run): {memcpy_gbps:.2f} GB/s; "
+             "best busbw per algorithm as a fraction of it:"]
+    best: dict[str, BenchRow] = {}
+    for row in rows:
+        if row.busbw_gbps is not None and (row.algorithm not in best or row.busbw_gbps > best[row.algorithm].busbw_gbps):
+            best[row.algorithm] = row
+    for algorithm, row in best.items():
+        lines.append(f"#   {algorithm:<20s} {row.busbw_gbps:7.3f} GB/s at {row.size_bytes} B = "
+                     f"{row.busbw_gbps / memcpy_gbps:6.1%} of memcpy")
+    return lines
+
+
 class Printer:
     """Prints header, blocks and summary as benchmark events arrive."""
 

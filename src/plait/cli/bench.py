@@ -27,7 +27,7 @@ import sys
 from plait.bench import report
 from plait.bench.buffers import canonical_dtype_name, COLLECTIVES, DTYPE_NAMES, OPS
 from plait.bench.calibrate import profile_backend
-from plait.bench.collectives import accepted_algorithms, available_algorithms, BenchConfig, BenchRow
+from plait.bench.collectives import accepted_algorithms, available_algorithms, BenchConfig, BenchRow, memcpy_gbps
 from plait.bench.launch import choose_backend, in_torchrun, run_in_current_world, spawn_and_run, WorkerError
 from plait.bench.predict import Predictor
 from plait.comm.config import TRANSPORTS
@@ -203,6 +203,8 @@ def run(args: argparse.Namespace) -> int:
     if not is_reporter:
         return 0
     printer.write(report.summary_lines(rows))
+    if backend == "gloo" and rows:
+        printer.write(report.memcpy_lines(rows, memcpy_gbps()))
     if predictor is not None:
         from plait.bench import predict
 
