@@ -39,15 +39,27 @@ def world_transport(rank, world_size, numel):
     sent = communicator.transport.bytes_sent - before_sent
     ring = communicator.transport.shm.payload_bytes_written - before_ring
     expected = torch.arange(numel, dtype=torch.float32) * world_size + sum(range(world_size))
-    return communicator.transport.description, sent, ring, torch.equal(tensor, expected)
+    # p2p through link_for: the communicator (the whole group is on this host), so shared memory
+    link = comm.link_for(None)
+    before_ring = communicator.transport.shm.payload_bytes_written
+    if rank == 0:
+        comm.send(torch.arange(10.0), group=link, group_dst=world_size - 1, tag=3)
+    elif rank == world_size - 1:
+        got = torch.zeros(10)
+        comm.recv(got, group=link, group_src=0, tag=3)
+        assert torch.equal(got, torch.arange(10.0))
+    p2p_bytes = communicator.transport.shm.payload_bytes_written - before_ring
+    return (communicator.transport.description, sent, ring, torch.equal(tensor, expected), link is communicator,
+            p2p_bytes)
 
 
 @pytest.mark.parametrize("p", [2, 5])
 def test_the_default_world_talks_through_shared_memory(p):
     results = run_distributed(world_transport, p, 100_003)
-    for description, sent, ring, correct in results:
+    for rank, (description, sent, ring, correct, linked, p2p_bytes) in enumerate(results):
         assert description.startswith(f"shm with group ranks {list(range(p))}")
-        assert correct
+        assert correct and linked
+        assert p2p_bytes == (40 if rank == 0 else 0)  # the p2p message went into a ring
         # every byte the executor handed over went into a ring (the in-band header included)
         assert ring == sent and ring >= 2 * (p - 1) * (100_003 // p) * 4
 
@@ -81,6 +93,7 @@ def two_hosts(rank, world_size, base):
         tensor = torch.arange(300_001, dtype=torch.float64) * (rank + 1)
         comm.all_reduce(tensor, algorithm=algorithm, group=communicator)
         results[algorithm] = torch.equal(tensor, torch.arange(300_001, dtype=torch.float64) * 10)
+    results["link"] = comm.link_for(group) is group  # two hosts: p2p protocols keep gloo
     try:
         comm.irecv(torch.zeros(1), group=communicator, tag=5)
         results["any"] = "posted"
@@ -113,7 +126,7 @@ def test_ranks_on_two_hosts_mix_shared_memory_and_gloo(tmp_path):
     for rank, result in enumerate(results):
         assert result["description"].startswith(f"shm with group ranks {[0, 1] if rank < 2 else [2, 3]}")
         assert all(result[name] for name in ("ring", "hierarchical", "halving_doubling", "star")), result
-        assert "cannot span shared memory and gloo" in result["any"]
+        assert "cannot span shared memory and gloo" in result["any"] and result["link"]
         assert all(value for key, value in result.items() if key.startswith("p2p")), result
 
 

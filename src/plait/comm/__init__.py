@@ -37,7 +37,7 @@ from plait.comm.ddp_hook import DDPHookState, ddp_comm_hook
 from plait.comm.engine import Handle
 from plait.comm.errors import CommError, CommTimeoutError, MismatchError
 from plait.comm.list_collectives import all_gather, all_to_all, reduce_scatter
-from plait.comm.p2p import Message, P2POp, batch_isend_irecv, irecv, isend, recv, send
+from plait.comm.p2p import Message, P2POp, batch_isend_irecv, irecv, isend, link_for, recv, send
 from plait.comm.schedule import Schedule, Step, Transfer
 
 __all__ = [
@@ -46,6 +46,7 @@ __all__ = [
     "all_communicators", "all_gather", "all_gather_into_tensor", "all_gather_single", "all_reduce", "all_to_all",
     "all_to_all_single", "auto_algorithm", "barrier", "batch_isend_irecv", "broadcast", "build_schedule",
     "communicator_for", "config_from_environment", "ddp_comm_hook", "default_algorithm", "default_device",
-    "describe", "destroy_process_group", "enqueue", "gather", "init_communicator", "irecv", "isend", "recv", "reduce", "reduce_scatter",
+    "describe", "destroy_process_group", "enqueue", "gather", "init_communicator", "irecv", "isend", "link_for", "recv",
+    "reduce", "reduce_scatter",
     "reduce_scatter_single", "reduce_scatter_tensor", "reset_stats", "scatter", "send", "stats", "synchronize",
 ]

@@ -26,12 +26,25 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from plait.comm.communicator import REGISTRY, group_ranks
+from plait.comm.communicator import REGISTRY, communicator_for, group_ranks
 from plait.comm.config import CommConfig
 from plait.comm.errors import CommError, CommTimeoutError
 from plait.comm.transport import stages_through_host
 
 _DEFAULT_TIMEOUT_S = CommConfig().timeout_s
+
+
+def link_for(group=None):
+    """What to pass as ``group=`` to the p2p calls of a protocol on ``group``: its
+    Communicator when every other rank is reached through shared memory (messages
+    then go through it), else the process group itself (gloo's messages; a receive
+    from any rank works there across hosts). Every rank of the group must call it
+    (it may create the group's communicator) and all get the same kind."""
+    communicator = communicator_for(group)
+    if communicator is None:
+        return group
+    communicator.created.wait()
+    return communicator if communicator.transport.all_peers_local(communicator.size) else communicator.group
 
 
 def _transport_of(group):
@@ -235,3 +248,6 @@ def batch_isend_irecv(p2p_op_list) -> list[Message]:
             posts.append(irecv(op.tensor, op.peer if op.peer is not None or group_peer is not None else None,
                                op.group, op.tag, group_peer, label="batch_isend_irecv recv"))
     return posts
+
+
+__all__ = ["Message", "P2POp", "batch_isend_irecv", "irecv", "isend", "link_for", "recv", "send"]

@@ -118,6 +118,8 @@ class ParameterServer(ServerLoop):
                   nbytes=sum(named[i][1].numel() * named[i][1].element_size() for i in indices))
             for server, indices in zip(self.server_ranks, owned))
         self.timeout_s = comm.communicator_for(group).config.timeout_s  # the group's deadline (creates it: all ranks)
+        # pushes and pulls go through shared memory when the whole group shares this host
+        self._link = comm.link_for(group)
         self._broadcast_state(self.server_ranks[0])
         self._bytes_sent = self._bytes_received = 0
         self._wait_time_s = 0.0
@@ -180,11 +182,11 @@ class ParameterServer(ServerLoop):
 
     def _send(self, tensor: torch.Tensor, dst: int, tag: int, label: str, timeout_s=None) -> comm.Message:
         self._bytes_sent += tensor.numel() * tensor.element_size()
-        return comm.isend(tensor, group=self.group, tag=tag, group_dst=dst, label=label, timeout_s=timeout_s)
+        return comm.isend(tensor, group=self._link, tag=tag, group_dst=dst, label=label, timeout_s=timeout_s)
 
     def _recv(self, tensor: torch.Tensor, src, tag: int, label: str, timeout_s=None) -> comm.Message:
         self._bytes_received += tensor.numel() * tensor.element_size()
-        return comm.irecv(tensor, group=self.group, tag=tag, group_src=src, label=label, timeout_s=timeout_s)
+        return comm.irecv(tensor, group=self._link, tag=tag, group_src=src, label=label, timeout_s=timeout_s)
 
     def _wait(self, message: comm.Message, deadline_s: float | None = None) -> int:
         """``message.wait()``; with ``deadline_s`` the wait runs on a helper thread and
