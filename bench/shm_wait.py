@@ -8,7 +8,9 @@ peer needs).
     .venv/bin/python bench/shm_wait.py [--spins 0,20,50,200,1000] [--nprocs 2,4] [--rounds 5]
 
 Each round runs every spin budget once, in an order that alternates between
-rounds; the table has the median over rounds and the min..max.
+rounds; the table has the median over rounds and the min..max. Where the ranks
+outnumber the cores the transport does not poll whatever the budget (see
+plait.comm.shm_setup.connect), so those rows differ by noise only.
 """
 
 from __future__ import annotations

@@ -33,7 +33,8 @@ the library never does.
     shm_ring_bytes          bytes of each shared-memory ring (one per pair of local ranks;
                             a host of n ranks needs about n(n-1) of them; 4 MiB)
     shm_spin_us             how long a waiting rank polls its rings before it blocks on
-                            its doorbell (50 us; bench/shm_wait.py measures the choice)
+                            its doorbell (20 us; none when the host's ranks outnumber its
+                            cores; bench/shm_wait.py measures the choice)
     shm_dir                 where the segments are created (and unlinked at once): /dev/shm
 """
 
@@ -65,7 +66,7 @@ class CommConfig:
     tuner: object = None
     transport: str = "auto"
     shm_ring_bytes: int = 4 << 20
-    shm_spin_us: float = 50.0
+    shm_spin_us: float = 20.0
     shm_dir: str = "/dev/shm"
 
     def __post_init__(self):

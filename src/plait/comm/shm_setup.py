@@ -296,7 +296,11 @@ def connect(rank: int, local: list[int], segment: Segment, opened: dict, bell: i
     others = [peer for peer in local if peer != rank]
     ring_index = {peer: others.index(peer) for peer in others}
     their_index = {peer: [other for other in local if other != peer].index(rank) for peer in others}
-    return ShmTransport(rank, segment, opened, ring_index, their_index, bell, bells, spin_s)
+    # polling only pays while every local rank can have a core: with more ranks than
+    # cores a polling rank holds the core its peer needs to send what it waits for
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return ShmTransport(rank, segment, opened, ring_index, their_index, bell, bells,
+                        spin_s if len(local) <= cores else 0.0)
 
 
 def _round_status(rounds: _Rounds, failure: str | None, size: int) -> str | None:
