@@ -178,3 +178,35 @@ def auto_per_transport(rank, world_size):
 def test_auto_follows_the_table_of_the_transport_the_whole_group_uses():
     for chosen in run_distributed(auto_per_transport, 3):
         assert chosen == {"shm": {"tree": 1}, "gloo": {"ring": 1}}
+
+
+def fallbacks(rank, world_size):
+    outcomes = {}
+    cases = {"missing": dict(shm_dir="/nonexistent-plait-shm"), "too small": dict(shm_ring_bytes=1 << 40)}
+    for name, fields in cases.items():
+        for transport in ("auto", "shm"):
+            group = dist.new_group(list(range(world_size)))
+            try:
+                communicator = comm.init_communicator(group, comm.CommConfig(transport=transport, **fields))
+                tensor = torch.ones(5)
+                comm.all_reduce(tensor, group=communicator)  # still works, over gloo
+                outcomes[(name, transport)] = (communicator.transport.description, tensor.tolist())
+            except ValueError as error:
+                outcomes[(name, transport)] = ("error", str(error))
+            comm.destroy_process_group(group)
+    return outcomes
+
+
+def test_an_unusable_shared_memory_directory_falls_back_to_gloo_or_fails_naming_why():
+    for outcomes in run_distributed(fallbacks, 2):
+        description, values = outcomes[("missing", "auto")]
+        assert description == ("gloo (no shared memory: /nonexistent-plait-shm is missing or not writable)")
+        assert values == [2.0] * 5
+        kind, text = outcomes[("missing", "shm")]
+        assert kind == "error" and "rank 0 cannot use shared memory: /nonexistent-plait-shm is missing" in text
+        description, values = outcomes[("too small", "auto")]
+        need = 2 * (4096 + (4096 + (1 << 40)))
+        assert description.startswith("gloo (no shared memory: /dev/shm has ") and f"need {need} bytes" in description
+        assert values == [2.0] * 5
+        kind, text = outcomes[("too small", "shm")]
+        assert kind == "error" and f"need {need} bytes" in text and "lower CommConfig.shm_ring_bytes" in text
