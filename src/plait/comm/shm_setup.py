@@ -5,9 +5,9 @@ Run by every rank of a group when its communicator is created, over the group's
 gloo messages, in three rounds through group rank 0 (which decides, so the ranks
 can never disagree about who talks through shared memory):
 
-1. every rank sends its host key (hostname, boot id, network namespace and the
-   identity of the shared-memory directory: ranks in different network namespaces
-   of one machine, as in plait's testbed, are different hosts) and whether the
+1. every rank sends its host key (hostname, boot id, network and pid namespaces and
+   the identity of the shared-memory directory: ranks in different network
+   namespaces of one machine, as in plait's testbed, are different hosts) and whether the
    directory is usable and how much is free; rank 0 groups the ranks by key, picks
    a fresh random nonce and says which ranks use shared memory (a host of two or
    more whose directory has room for its segments) and why the others do not;
@@ -56,17 +56,18 @@ class ShmOutcome:
 
 def host_key(directory: str) -> str:
     """What ranks sharing memory have in common: the machine (hostname and boot id),
-    the network namespace and the shared-memory directory itself."""
+    the network and pid namespaces and the shared-memory directory itself."""
     parts = [socket.gethostname()]
     try:
         with open("/proc/sys/kernel/random/boot_id") as boot:
             parts.append(boot.read().strip())
     except OSError:
         parts.append("-")
-    try:
-        parts.append(str(os.stat("/proc/self/ns/net").st_ino))
-    except OSError:
-        parts.append("-")
+    for namespace in ("net", "pid"):  # a peer's liveness is checked by pid: same pid namespace only
+        try:
+            parts.append(str(os.stat(f"/proc/self/ns/{namespace}").st_ino))
+        except OSError:
+            parts.append("-")
     try:
         info = os.stat(directory)
         parts.append(f"{info.st_dev}:{info.st_ino}")
