@@ -8,10 +8,14 @@ model chunks (``stage_modules[s]`` for every stage s the schedule places here) a
   holding a first stage read ``inputs``, those holding a last stage ``targets``;
 - a forward keeps its input (detached, requiring grad) and output; activations and
   gradients cross stage boundaries as point-to-point messages (``plait.comm.isend``
-  / ``recv`` with deadlines): a header (status, dtype, shape) then the payload, so
-  shapes need no configuration, and a changed shape is caught;
+  / ``irecv`` with deadlines; ``plait.parallel.pipeline.messages``): shapes need no
+  configuration, the first step announces each stream's shape (and any step whose
+  batch shape changes), later ones send payloads alone into receives posted ahead,
+  and a shape that changes between micro-batches is caught;
 - each micro-batch's loss is ``loss_fn(output, target) / m``, so the summed
   gradients are those of the mean loss over the whole batch, as one big batch gives;
+- a split backward (zero bubble) computes the stage input's gradient in B and
+  leaves W only the weight-gradient half (``plait.parallel.pipeline.split_backward``);
 - Chimera's ALL_REDUCE sums the two replicas' gradients (an exchange with the rank
   holding the other replica); STEP waits for every send, then runs the optimiser.
 - parameters shared between stages held by different ranks (a tied embedding and
@@ -256,11 +260,12 @@ class PipelineEngine:
         try:
             self.messages.finish()
             self.steps += 1
+            loss = torch.tensor([state.loss_sum], dtype=torch.float64)
+            reduction = comm.all_reduce(loss, group=self.group, async_op=True)  # in flight during the step
             self._sum_shared()
             if optimizer is not None:
                 optimizer.step()
-            loss = torch.tensor([state.loss_sum], dtype=torch.float64)
-            comm.all_reduce(loss, group=self.group)
+            reduction.wait()
         except Exception:
             self.messages.forget()
             raise
