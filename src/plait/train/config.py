@@ -129,7 +129,8 @@ class TrainConfig:
     eval_batches: int = _field(4, "run", "global batches per evaluation")
     checkpoint_interval: int = _field(100, "run", "checkpoint every this many steps (0 = only at the end)")
     keep_checkpoints: int = _field(3, "run", "newest checkpoints kept on disk (0 = keep all)")
-    log_interval: int = _field(10, "run", "log metrics every this many steps")
+    log_interval: int = _field(10, "run", "write metrics.jsonl and show progress every this many steps (the "
+                                          "steps' losses are averaged over the dp ranks in one collective)")
     seed: int = _field(0, "run", "seed for initialisation, data order and dropout")
     out: str = _field("runs/gpt-small", "run", "run directory: checkpoints, metrics, config")
     timeout_s: float = _field(300.0, "run", "deadline in seconds for any collective or p2p wait")

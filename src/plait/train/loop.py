@@ -5,8 +5,8 @@ environment), builds the dp × tp × pp mesh, the data, the model cut into this
 rank's pipeline chunks at its tensor-parallel degree, and the optimiser; resumes
 from the newest complete checkpoint in ``config.out`` when there is one; then
 trains ``config.steps`` steps. Rank 0 shows progress, writes ``metrics.jsonl``
-(one line per step, rewritten on resume so no step appears twice) and, at the
-end, the run report. Checkpoints are written every ``checkpoint_interval``
+(one line per step, every ``log_interval`` steps: plait.train.metrics; rewritten
+on resume so no step appears twice) and, at the end, the run report. Checkpoints are written every ``checkpoint_interval``
 steps and at the end (see plait.train.checkpoint).
 
 The data position is the step number: global batch t is a deterministic function
@@ -17,7 +17,7 @@ run sees exactly the batches the uninterrupted one would.
 from __future__ import annotations
 
 import contextlib
-import json
+import itertools
 import os
 import shutil
 import signal
@@ -42,6 +42,7 @@ from plait.train import checkpoint as ckpt, rundir, runlock
 from plait.train.config import TrainConfig
 from plait.train.data import load_digits, rank_batch
 from plait.train.memory import MemoryMonitor
+from plait.train.metrics import MetricsLog
 from plait.train.offload_dirs import prepare_offload_dir, remove_offload_dir
 from plait.train.report import measure_peak_flops, summary_lines, write_report
 
@@ -208,6 +209,8 @@ class Trainer:
                 offload_dir=self._offload_dir() if config.offload == "optimizer" else None,
                 modules=list(self.hybrid.engine.stages.values()) if config.zero_stage == 3 else None)
             self.hybrid.engine.parameters_moved()  # the parameters now live in the flat buckets
+        # the same Parameter objects every step (ZeRO 3 moves their storages, not them)
+        self._parameters = list(self.hybrid.parameters())
         self.out = Path(config.out)
         self.start_step = 0
         self.resumed_from = None
@@ -409,13 +412,11 @@ class Trainer:
                 self.log(f"{self.out} is already trained to step {self.start_step} of {config.steps}: nothing to do "
                          f"(raise --steps to train on, or use a new --out)")
             return None
-        metrics_path = self.out / "metrics.jsonl"
-        records = []
         if self.rank == 0:
             self.out.mkdir(parents=True, exist_ok=True)
             (self.out / "config.toml").write_text(config.to_toml())
-            records = _read_metrics(metrics_path, before=self.start_step)
-            _write_metrics(metrics_path, records)
+        metrics = MetricsLog(self.out / "metrics.jsonl", group=self.mesh.group["dp"], dp_size=config.dp,
+                             write=self.rank == 0, interval=config.log_interval, start_step=self.start_step)
         progress = None
         if self.rank == 0:
             from plait.train.progress import Progress
@@ -426,23 +427,24 @@ class Trainer:
         first_step_s = None
         loop_start_s = time.perf_counter()
         steps_run = 0
-        metrics_file = open(metrics_path, "a") if self.rank == 0 else None
         try:
             for step in range(self.start_step, end):
                 self._fault_injection(step)
                 inputs, targets = self._batch(step)
-                self.memory.begin_step(exclude=[*self.hybrid.parameters(), inputs, targets])
+                self.memory.begin_step(exclude=[*self._parameters, inputs, targets])
+                lr = config.lr_at(step)
                 loss, norm, times = train_step(self.hybrid, inputs, targets, self.optimizer, step=step,
-                                               grad_clip=config.grad_clip, lr=config.lr_at(step))
+                                               grad_clip=config.grad_clip, lr=lr, reduce_loss=False)
                 memory = self.memory.end_step(self.hybrid.engine.history[-1].peak_activation_bytes,
-                                              [*self.hybrid.parameters(), *getattr(self.optimizer, "shards", [])],
+                                              itertools.chain(self._parameters,  # read after the first step only
+                                                              getattr(self.optimizer, "shards", [])),
                                               self.optimizer)
                 steps_run += 1
                 if first_step_s is None:
                     first_step_s = time.time() - self.started_s
                 for key in self.times:
                     self.times[key] += getattr(times, key)
-                record = {"step": step, "loss": loss, "lr": config.lr_at(step), "grad_norm": norm,
+                record = {"step": step, "loss": loss, "lr": lr, "grad_norm": norm,
                           "tokens_per_s": tokens_per_step / times.wall_s, "step_s": times.wall_s,
                           "elapsed_s": time.perf_counter() - loop_start_s,
                           **({"loss_scale": self.hybrid.scaler.scale, "skipped_steps": self.hybrid.scaler.skipped_steps}
@@ -452,22 +454,23 @@ class Trainer:
                 last = step == end - 1
                 if config.eval_interval and ((step + 1) % config.eval_interval == 0 or last):
                     record["val_loss"] = self.evaluate()
-                if self.rank == 0:
-                    metrics_file.write(json.dumps(record) + "\n")
-                    metrics_file.flush()
-                    records.append(record)
-                    extra = f"val {record['val_loss']:.3f}" if "val_loss" in record else ""
-                    progress.update(step + 1, loss, record["tokens_per_s"], extra)
-                if last or (config.checkpoint_interval and (step + 1) % config.checkpoint_interval == 0):
+                metrics.add(record)  # its loss is this dp rank's until the flush averages it
+                checkpoint = last or bool(config.checkpoint_interval and (step + 1) % config.checkpoint_interval == 0)
+                if metrics.flush_due(step, last=last, checkpoint=checkpoint):
+                    for flushed in metrics.flush():
+                        if progress is not None:
+                            extra = f"val {flushed['val_loss']:.3f}" if "val_loss" in flushed else ""
+                            progress.update(flushed["step"] + 1, flushed["loss"], flushed["tokens_per_s"], extra)
+                if checkpoint:
                     path = self.save(step + 1)
                     if self.rank == 0:
                         progress.log(f"checkpoint {path}")
         finally:
             self._close_offload()
-            if metrics_file is not None:
-                metrics_file.close()
+            metrics.close()
             if progress is not None:
                 progress.close()
+        records = metrics.records
         return self._report(records, steps_run, tokens_per_step, first_step_s)
 
     def _report(self, records, steps_run, tokens_per_step, first_step_s) -> dict | None:
@@ -513,27 +516,6 @@ class Trainer:
                                    self.data.vocab_size)
         sizes = [64, *config.mlp_hidden, 10]
         return 6.0 * config.global_batch * sum(a * b for a, b in zip(sizes, sizes[1:]))
-
-
-def _read_metrics(path: Path, before: int) -> list[dict]:
-    """Records of steps before ``before`` (a resumed run redoes the later ones)."""
-    if not path.exists():
-        return []
-    records = []
-    for line in path.read_text().splitlines():
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # a line cut by a crash
-        if record.get("step", before) < before:
-            records.append(record)
-    return records
-
-
-def _write_metrics(path: Path, records: list[dict]) -> None:
-    temporary = path.with_suffix(".tmp")
-    temporary.write_text("".join(json.dumps(record) + "\n" for record in records))
-    os.replace(temporary, path)
 
 
 def comm_config(config: TrainConfig, base: comm.CommConfig | None = None) -> comm.CommConfig:
