@@ -162,9 +162,12 @@ def _collective_time_s() -> float:
 
 
 def train_step(hybrid: HybridModel, inputs, targets, optimizer, *, step: int, grad_clip: float = 0.0,
-               lr: float | None = None) -> tuple[float, float, StepTimes]:
+               lr: float | None = None, reduce_loss: bool = True) -> tuple[float, float, StepTimes]:
     """One optimiser step on this dp rank's share of the global batch; returns
-    (mean loss over the global batch, gradient norm before clipping, times)."""
+    (mean loss over the global batch, gradient norm before clipping, times).
+    ``reduce_loss=False``: the loss over this dp rank's share only, and no collective
+    for it (the caller averages losses over dp ranks itself, e.g. many steps at once:
+    plait.train.metrics)."""
     start_s = time.perf_counter()
     collectives_before_s = _collective_time_s()
     sharded = isinstance(optimizer, ShardedOptimizer)  # ZeRO: reduce-scatter instead of all-reduce
@@ -188,7 +191,8 @@ def train_step(hybrid: HybridModel, inputs, targets, optimizer, *, step: int, gr
         norm = float("inf")
     else:
         norm = clip_sharded_grad_norm(hybrid, optimizer, grad_clip) if sharded else clip_grad_norm(hybrid, grad_clip)
-    loss = _mean_over(hybrid.mesh, "dp", loss)
+    if reduce_loss:
+        loss = _mean_over(hybrid.mesh, "dp", loss)
     sync_s = time.perf_counter() - sync_start_s
     if lr is not None:
         for group in optimizer.param_groups:
@@ -222,12 +226,16 @@ def average_gradients(hybrid: HybridModel, step: int) -> None:
         return
     group = hybrid.mesh.group["dp"]
     params = [(name, param) for name, param in hybrid.names.items() if param.requires_grad]
-    # tp-replicated parameters in buckets of their own, first: every tp rank then
-    # compresses them identically (same bucket index, seed and residual), so lossy
-    # compression cannot make the replicas drift apart
-    sharded = [(name, param) for name, param in params if getattr(param, "tp_shard", None) is not None]
-    replicated = [(name, param) for name, param in params if getattr(param, "tp_shard", None) is None]
-    for index, bucket in enumerate([*_buckets(replicated), *_buckets(sharded)]):
+    if hybrid.compressor is not None:
+        # tp-replicated parameters in buckets of their own, first: every tp rank then
+        # compresses them identically (same bucket index, seed and residual), so lossy
+        # compression cannot make the replicas drift apart
+        sharded = [(name, param) for name, param in params if getattr(param, "tp_shard", None) is not None]
+        replicated = [(name, param) for name, param in params if getattr(param, "tp_shard", None) is None]
+        buckets = [*_buckets(replicated), *_buckets(sharded)]
+    else:  # an exact average needs no such split: as few all-reduces as the 25 MiB cap allows
+        buckets = list(_buckets(params))
+    for index, bucket in enumerate(buckets):
         grads = [param.grad if param.grad is not None else torch.zeros_like(param) for _, param in bucket]
         flat = torch.cat([grad.reshape(-1) for grad in grads])
         if hybrid.compressor is not None:
@@ -271,21 +279,32 @@ def clip_grad_norm(hybrid: HybridModel, max_norm: float) -> float:
     max_norm / norm when it is larger (max_norm 0: measure only). Each parameter
     counts once: Chimera's second replica is skipped, tp-replicated parameters
     count on tp rank 0, and the squares are summed over the tp and pp groups."""
-    total = torch.zeros(1, dtype=torch.float64)
+    counted = []
     for name in hybrid.saved_names:
         param = hybrid.names[name]
         if param.grad is None:
             continue
         sharded = getattr(param, "tp_shard", None) is not None and hybrid.tp_size > 1
         if sharded or hybrid.tp_rank == 0:
-            total += param.grad.detach().double().pow(2).sum().cpu()
+            counted.append(param.grad.detach())
+    total = torch.zeros(1, dtype=torch.float64)
+    # one fused kernel per device and dtype: each gradient's norm accumulated in float64
+    for grads in _by_device_and_dtype(counted):
+        total += torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float64)).pow(2).sum().cpu()
     norm = float(_summed_over(hybrid, total, ("tp", "pp")).sqrt())
     if max_norm and norm > max_norm:
         scale = max_norm / (norm + 1e-6)
-        for param in hybrid.parameters():
-            if param.grad is not None:
-                param.grad.mul_(scale)
+        for grads in _by_device_and_dtype([param.grad for param in hybrid.parameters() if param.grad is not None]):
+            torch._foreach_mul_(grads, scale)
     return norm
+
+
+def _by_device_and_dtype(tensors) -> list[list[torch.Tensor]]:
+    """``tensors`` grouped for torch's fused (foreach) kernels, which take one device and dtype."""
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    for tensor in tensors:
+        groups.setdefault((tensor.device, tensor.dtype), []).append(tensor)
+    return list(groups.values())
 
 
 def _summed_over(hybrid: HybridModel, total: torch.Tensor, axes) -> torch.Tensor:
