@@ -42,7 +42,6 @@ steps).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import statistics
@@ -87,6 +86,8 @@ def plain_loop(config) -> dict | None:
     mean = torch.tensor(losses, dtype=torch.float64)  # after the clock: the curve of the mean over ranks
     dist.all_reduce(mean)
     mean /= world_size
+    del ddp  # its reducer holds the process group: gone before the group is destroyed
+    dist.barrier()
     return {"losses": mean.tolist(), "stamps_s": stamps_s} if rank == 0 else None
 
 
@@ -107,12 +108,14 @@ def _worker(args, extra) -> int:
 # ----- one run of each side ----------------------------------------------------------------
 def _config(args, extra):
     """plait's TrainConfig from the same flags `plait train` gets."""
-    from plait.train.config import add_config_arguments, config_from_args
+    from plait.train.config import TrainConfig, add_config_arguments, config_from_args
 
     parser = argparse.ArgumentParser()
     add_config_arguments(parser)
-    config = config_from_args(parser.parse_args(_train_flags(args, extra)), None)
-    return dataclasses.replace(config, micro_batch=config.global_batch // config.dp)  # one micro-batch per rank
+    flags = parser.parse_args(_train_flags(args, extra))
+    global_batch = getattr(flags, "global_batch", TrainConfig.__dataclass_fields__["global_batch"].default)
+    flags.micro_batch = max(global_batch // args.dp, 1)  # one micro-batch per rank: a plain loop's step
+    return config_from_args(flags, None)
 
 
 def _train_flags(args, extra) -> list[str]:
@@ -213,6 +216,9 @@ def main(argv=None) -> int:
     config = _config(args, args.extra)
     if config.model != "gpt":
         raise SystemExit("this comparison trains the GPT (--model gpt)")
+    from plait.train.loop import load_data
+
+    load_data(config)  # tokenised and cached once here: neither side's ranks race to write the cache
     out = Path(args.out)
     rounds = []
     for index in range(args.rounds):
