@@ -73,7 +73,9 @@ def test_a_killed_rank_restarts_from_the_last_checkpoint_and_loses_nothing(tmp_p
 
 
 def test_two_nodes_on_localhost_match_one_node(tmp_path):
-    expected = _config(tmp_path / "one-node", steps=5, checkpoint_interval=0)
+    # the reference run's messages go over gloo, the torchrun one's through shared memory:
+    # the transport must not change a bit of the losses
+    expected = _config(tmp_path / "one-node", steps=5, checkpoint_interval=0, transport="gloo")
     run_distributed(_train_rank, 4, expected, timeout_s=300)
 
     config = _config(tmp_path / "two-nodes", steps=5, checkpoint_interval=0)
@@ -98,3 +100,12 @@ def test_two_nodes_on_localhost_match_one_node(tmp_path):
     assert [r["loss"] for r in got] == [r["loss"] for r in want]
     report = json.loads((tmp_path / "two-nodes" / "report.json").read_text())
     assert report["ranks_reported"] == 4 and report["run"]["world_size"] == 4
+    # both agents run on this host: every group of every rank talks through shared memory
+    # (tp=1: its groups of one rank send nothing)
+    transports = report["collectives"]["transports"]
+    assert sorted(transports) == ["0", "1", "2", "3"]
+    assert all(description.startswith("shm with group ranks" if group != "tp" else "none")
+               for by_group in transports.values() for group, description in by_group.items()), transports
+    assert transports["0"]["world"].startswith("shm with group ranks [0, 1, 2, 3]")
+    reference = json.loads((tmp_path / "one-node" / "report.json").read_text())["collectives"]["transports"]
+    assert reference["0"]["world"] == "gloo", reference

@@ -45,6 +45,7 @@ OPTIMIZERS = ("adamw", "sgd")
 OFFLOADS = ("none", "optimizer")
 LR_SCHEDULES = ("cosine", "linear", "constant")
 BACKENDS = ("auto", "nccl", "gloo")
+TRANSPORTS = ("auto", "shm", "gloo")  # plait.comm.config's
 AXES = ("tp", "dp", "pp")
 TABLES = ("model", "data", "batch", "parallel", "optim", "run")
 # A step's schedule is built, replayed and held as data every step (O(microbatches · pp)
@@ -139,6 +140,10 @@ class TrainConfig:
                                          "pass through host memory) or nccl", BACKENDS)
     comm_profile: str = _field("", "run", "calibration profile (plait calibrate --output) whose tuner picks "
                                           "algorithm=auto's collectives; empty: the measured default table")
+    transport: str = _field("auto", "run", "how messages between ranks on one host travel: auto (plait's shared "
+                                           "memory where it can be set up, else gloo, saying why in the report), "
+                                           "shm (shared memory or fail) or gloo (its TCP messages); ranks on other "
+                                           "hosts always use gloo", TRANSPORTS)
 
     def __post_init__(self):
         problems = [problem for name in FIELD_NAMES if (problem := _type_problem(name, getattr(self, name)))]

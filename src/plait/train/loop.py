@@ -473,13 +473,20 @@ class Trainer:
         records = metrics.records
         return self._report(records, steps_run, tokens_per_step, first_step_s)
 
+    def _transports(self) -> dict[str, str]:
+        """How each group this rank talks on moves its messages (shared memory, gloo and why)."""
+        groups = {"world": None, **{axis: group for axis, group in self.mesh.group.items()}}
+        return {axis: comm.communicator_for(group).transport.description for axis, group in groups.items()
+                if comm.communicator_for(group) is not None}
+
     def _report(self, records, steps_run, tokens_per_step, first_step_s) -> dict | None:
         peak_flops_per_s = self.peak_flops_per_process(measure_peak_flops)
         mine = {"rank": self.rank, "coords": dict(self.coords), "steps": steps_run, **self.times,
                 "collectives": {name: {key: entry[key] for key in ("calls", "bytes_sent", "time_s", "algorithms")}
                                 for name, entry in comm.stats().items()},
                 "comm": {"config": self.comm_config.describe(),
-                         "tuner": getattr(self.comm_config.tuner, "source", None) or "none: the default table"},
+                         "tuner": getattr(self.comm_config.tuner, "source", None) or "none: the default table",
+                         "transports": self._transports()},
                 "memory": {**self.memory.summary(), **({"offload": dict(self.hybrid.engine.offloader.stats)}
                                                       if self.hybrid.engine.offloader is not None else {})}}
         everyone = [None] * self.world_size
@@ -532,7 +539,7 @@ def comm_config(config: TrainConfig, base: comm.CommConfig | None = None) -> com
             raise ValueError(f"comm_profile={config.comm_profile!r}: no such file; run plait calibrate --output "
                              f"{config.comm_profile} first, or leave comm_profile empty for the default table")
         tuner = tuner_from_profile(profile, source=f"profile {config.comm_profile}")
-    return (base or comm.CommConfig()).replace(timeout_s=config.timeout_s, tuner=tuner)
+    return (base or comm.CommConfig()).replace(timeout_s=config.timeout_s, tuner=tuner, transport=config.transport)
 
 
 def run(config: TrainConfig, *, run_id: str, resume: str = "auto", force_fresh: bool = False, log=print,
