@@ -210,3 +210,40 @@ def test_an_unusable_shared_memory_directory_falls_back_to_gloo_or_fails_naming_
         assert values == [2.0] * 5
         kind, text = outcomes[("too small", "shm")]
         assert kind == "error" and f"need {need} bytes" in text and "lower CommConfig.shm_ring_bytes" in text
+
+
+def pipeline_over(rank, world_size):
+    """The same 1F1B training over a group on gloo and over the shared-memory world:
+    the engine's activations and gradients take the group's transport."""
+    import copy
+
+    import torch.nn.functional as F
+
+    from plait.parallel.pipeline import build
+    from plait.parallel.pipeline.engine import PipelineEngine
+    from tests.parallel.test_pipeline_engine import _batch, _chunks, _model
+
+    losses, moved = {}, {}
+    gloo_group = comm.init_communicator(dist.new_group(list(range(world_size))), comm.CommConfig(transport="gloo"))
+    for name, group in (("gloo", gloo_group.group), ("shm", None)):
+        schedule = build("1f1b", world_size, 4)
+        chunks = _chunks(copy.deepcopy(_model()), schedule.stages)
+        engine = PipelineEngine(schedule, {s: chunks[s] for _, s in schedule.stages_of(rank)}, F.cross_entropy,
+                                group=group, timeout_s=60)
+        optimizer = torch.optim.SGD(engine.parameters(), lr=0.1)
+        world = communicator_for(None)
+        world.created.wait()
+        shm = world.transport.shm
+        before = shm.payload_bytes_written
+        losses[name] = [engine.train_step(*_batch(step, 16), optimizer) for step in range(2)]
+        moved[name] = (type(engine.link).__name__, shm.payload_bytes_written - before)
+    comm.destroy_process_group(gloo_group)
+    return losses, moved
+
+
+def test_the_pipeline_engine_moves_activations_through_shared_memory_with_the_same_losses():
+    for losses, moved in run_distributed(pipeline_over, 2):
+        assert losses["shm"] == losses["gloo"]  # bit for bit: the transport changes no arithmetic
+        assert moved["shm"][0] == "Communicator" and moved["gloo"][0] == "ProcessGroup"
+        # 4 micro-batches of 4 x 16 float64 activations (or their gradients) each way, 2 steps
+        assert moved["shm"][1] >= 2 * 4 * 4 * 16 * 8 and moved["gloo"][1] < moved["shm"][1]

@@ -111,7 +111,9 @@ class PipelineEngine:
         if sorted(stage_modules) != mine:
             raise ValueError(f"rank {self.rank} holds stages {mine} in {schedule.name}, "
                              f"got modules for {sorted(stage_modules)}")
-        self.messages = StageMessages(schedule, self.rank, group, timeout_s)
+        # activations and gradients go through shared memory when the whole group is on this host
+        self.link = comm.link_for(group)
+        self.messages = StageMessages(schedule, self.rank, self.link, timeout_s)
         self.stages = {s: stage_modules[s] for s in mine}
         self.timeout_s = timeout_s
         self.meter = meter
@@ -427,9 +429,9 @@ class PipelineEngine:
                           torch.zeros(param.numel(), dtype=param.dtype, device=param.device) for param in params])
         theirs = torch.empty_like(flat)
         try:
-            sent = comm.isend(flat, group=self.group, tag=_REPLICA_TAG, group_dst=partner, label="chimera replica gradients",
+            sent = comm.isend(flat, group=self.link, tag=_REPLICA_TAG, group_dst=partner, label="chimera replica gradients",
                               timeout_s=self.timeout_s)
-            comm.recv(theirs, group=self.group, tag=_REPLICA_TAG, group_src=partner, label="chimera replica gradients",
+            comm.recv(theirs, group=self.link, tag=_REPLICA_TAG, group_src=partner, label="chimera replica gradients",
                       timeout_s=self.timeout_s)
             sent.wait()
         except CommError as error:
