@@ -44,12 +44,6 @@ from plait.cost.profile import Sample
 ELEMENT_SIZE = 4  # float32, as plait bench's default
 
 
-def profile_backend(backend: str, transport: str) -> str:
-    """The name a profile is saved and looked up under: the process-group backend, with
-    "+shm" when the local ranks talk through plait's shared memory ("gloo+shm")."""
-    return f"{backend}+shm" if transport == "shm" and backend == "gloo" else backend
-
-
 @dataclass(frozen=True, kw_only=True)
 class CalibrateConfig:
     """One `plait calibrate` run (CLI flags map 1:1 to fields)."""

@@ -26,13 +26,12 @@ import sys
 
 from plait.bench import report
 from plait.bench.buffers import canonical_dtype_name, COLLECTIVES, DTYPE_NAMES, OPS
-from plait.bench.calibrate import profile_backend
 from plait.bench.collectives import accepted_algorithms, available_algorithms, BenchConfig, BenchRow, memcpy_gbps
 from plait.bench.launch import choose_backend, in_torchrun, run_in_current_world, spawn_and_run, WorkerError
 from plait.bench.predict import Predictor
 from plait.comm.config import TRANSPORTS
 from plait.cli.output_paths import output_file, prepare_output_paths
-from plait.cost.profile import default_profile_path, load_profile
+from plait.cost.profile import default_profile_path, load_profile, profile_backend
 from plait.cost.topology_io import load_topology
 
 _SIZE_PATTERN = re.compile(r"^\s*(\d+(?:\.\d*)?)\s*([kmgt]?)(?:i?b)?\s*$", re.IGNORECASE)
@@ -227,7 +226,8 @@ def _predictor(args: argparse.Namespace, config: BenchConfig, backend: str, npro
 
 
     # the profile of the transport the run uses (calibrate --transport shm saves gloo+shm)
-    path = args.profile or str(default_profile_path(profile_backend(backend, "gloo" if args.transport == "gloo" else "shm")))
+    transport = "gloo" if args.transport == "gloo" else "shm"
+    path = args.profile or str(default_profile_path(profile_backend(backend, transport)))
     profile = load_profile(path)
     if args.topology is not None:
         if args.profile is not None and profile is None:

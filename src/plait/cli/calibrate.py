@@ -24,12 +24,12 @@ import os
 import sys
 import time
 
-from plait.bench.calibrate import CalibrateConfig, describe_device, profile_backend, run_calibration
+from plait.bench.calibrate import CalibrateConfig, describe_device, run_calibration
 from plait.bench.launch import Job, WorkerError, choose_backend, in_torchrun, run_in_current_world, spawn_and_run
 from plait.cli.bench import parse_nbytes
 from plait.cli.output_paths import output_file, prepare_output_paths
 from plait.cost.calibration import CalibrationReport, make_profile
-from plait.cost.profile import Profile, default_profile_path, save_profile
+from plait.cost.profile import Profile, default_profile_path, profile_backend, save_profile
 
 
 def _positive_int(text: str) -> int:

@@ -27,7 +27,7 @@ import time
 import warnings
 
 from plait.cost.presets import PLACEHOLDER_LOCAL_LINK
-from plait.cost.profile import load_profile, ProfileMismatchWarning
+from plait.cost.profile import load_profile, profile_backend, ProfileMismatchWarning
 from plait.plan import (
     cluster_preset,
     CLUSTER_PRESETS,
@@ -233,7 +233,8 @@ def _local_cluster(args, precision_name: str, emit, model=None):
          f"[{device.source}]")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ProfileMismatchWarning)
-        profile = load_profile(args.profile)
+        # plait train's default on one host: shared memory, so its calibration (calibrate's default)
+        profile = load_profile(args.profile, backend=profile_backend("gloo", "shm"))
     if profile is None:
         if args.profile:
             raise ValueError(f"no calibration profile at {args.profile}; run plait calibrate --output {args.profile}")

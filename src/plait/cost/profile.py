@@ -194,6 +194,12 @@ class Profile:
         }
 
 
+def profile_backend(backend: str, transport: str) -> str:
+    """The name a profile is saved and looked up under: the process-group backend, with
+    "+shm" when the local ranks talk through plait's shared memory ("gloo+shm")."""
+    return f"{backend}+shm" if transport == "shm" and backend == "gloo" else backend
+
+
 def default_profile_path(backend: str = "gloo") -> Path:
     """``$PLAIT_CACHE_DIR``, else ``$XDG_CACHE_HOME/plait``, else ``~/.cache/plait``;
     file ``profile-{backend}.json``."""
