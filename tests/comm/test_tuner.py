@@ -118,4 +118,6 @@ def test_the_shared_memory_table_broadcasts_large_messages_down_a_tree():
     assert default_algorithm("broadcast", 8 << 20, 4, "shm") == "tree"
     assert default_algorithm("reduce", 8 << 20, 4, "shm") == "tree"
     assert default_algorithm("broadcast", 8 << 20, 4) == "ring"  # gloo's table is unchanged
-    assert default_algorithm("all_reduce", 8 << 20, 4, "shm") == default_algorithm("all_reduce", 8 << 20, 4)
+    assert default_algorithm("all_reduce", 8 << 20, 4, "shm") == default_algorithm("all_reduce", 8 << 20, 4) == "ring"
+    assert default_algorithm("all_reduce", 2 << 20, 4, "shm") == "star"  # a ring only from 4 MiB on shm
+    assert default_algorithm("all_reduce", 2 << 20, 4) == "ring"

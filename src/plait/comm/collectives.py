@@ -71,14 +71,19 @@ def default_algorithm(collective: str, nbytes: int, world_size: int, transport: 
     bandwidth-optimal ring. Measured with ``plait bench`` (see the README).
 
     ``transport="shm"`` (the whole group on one host, through shared memory): the
-    same, except broadcast and reduce take the binomial tree at every size. A ring
-    pipelines a large message through p - 1 hops, each a copy into and out of a
-    ring buffer on cores the ranks share; the tree's lg p rounds copy less and won
-    from 512 KiB up at p = 4 (``plait bench broadcast -a all --transport shm``).
+    same, except broadcast and reduce take the binomial tree at every size, and the
+    all-reduce's star reaches 2 MiB. A ring pipelines a large message through p - 1
+    hops, each a copy into and out of a ring buffer on cores the ranks share; the
+    tree's lg p rounds copy less and won from 512 KiB up at p = 4 (``plait bench
+    broadcast -a all --transport shm``); at p = 4 the star (2.9 ms) and the tree
+    (2.7 ms) beat the ring (3.3 ms) on a 2 MiB all-reduce, the ring wins from 4 MiB
+    (median of 3 rounds, ``plait bench all_reduce -n 4 -b 1M``).
     """
     p = world_size
     if transport == "shm" and collective in ("broadcast", "reduce"):
         return "tree"
+    if transport == "shm" and collective == "all_reduce" and nbytes <= (2 << 20):
+        return "star" if p <= 4 else "recursive_doubling"
     small = nbytes <= 512 * 1024
     if collective == "all_reduce":
         if nbytes <= (1 << 20):
