@@ -46,40 +46,54 @@ class DeferredWeights:
 def boundary_plan(root, target, params: list[torch.Tensor]):
     """(boundary nodes, the parameters behind each one's weight branches) of the
     graph under ``root`` for the input whose accumulator node is ``target``; None
-    when W must be a plain backward (see the module docstring)."""
-    by_id = {id(param): param for param in params}
-    order = {key: index for index, key in enumerate(by_id)}
-    info: dict = {}  # node -> (reaches the input, ids of the parameters it reaches)
-    stack = [(root, False)]
+    when W must be a plain backward (see the module docstring). Parameter sets are
+    bit masks (bit i: ``params[i]``): one pass over the graph, children read once."""
+    bit_of = {id(param): 1 << index for index, param in enumerate(params)}
+    reaches: dict = {}  # node -> does it reach the input
+    masks: dict = {}  # node -> parameters it reaches
+    children_of: dict = {}
+    stack = [root]
     while stack:
-        node, expanded = stack.pop()
-        if node in info:
+        node = stack[-1]
+        if node in reaches:
+            stack.pop()
             continue
-        children = [child for child, _ in node.next_functions if child is not None]
-        if not expanded:
-            stack.append((node, True))
-            stack.extend((child, False) for child in children if child not in info)
-            continue
+        children = children_of.get(node)
+        if children is None:
+            children = children_of[node] = [child for child, _ in node.next_functions if child is not None]
+            pending = [child for child in children if child not in reaches]
+            if pending:
+                stack.extend(pending)
+                continue
+        stack.pop()
         variable = getattr(node, "variable", None)  # an AccumulateGrad node's leaf
         if variable is not None:
-            info[node] = (node is target, frozenset((id(variable),)) & by_id.keys())
+            reaches[node], masks[node] = node is target, bit_of.get(id(variable), 0)
         else:
-            info[node] = (any(info[child][0] for child in children),
-                          frozenset().union(*(info[child][1] for child in children)))
-    if not info[root][0]:
+            reach, mask = False, 0
+            for child in children:
+                reach = reach or reaches[child]
+                mask |= masks[child]
+            reaches[node], masks[node] = reach, mask
+    if not reaches[root]:
         return None  # the output does not depend on the input: B has nothing to capture
     nodes, node_params = [], []
-    for node, (reaches, _) in info.items():
-        if not reaches:
+    for node in reaches:  # finished children first: the layers nearest the input first
+        children = children_of[node]
+        if not reaches[node] or not children:
             continue
-        children = [child for child, _ in node.next_functions if child is not None]
-        behind = frozenset().union(*(info[child][1] for child in children if not info[child][0]))
+        behind = on_path = 0
+        for child in children:
+            if reaches[child]:
+                on_path |= masks[child]
+            else:
+                behind |= masks[child]
         if not behind:
             continue
-        if behind & frozenset().union(*(info[child][1] for child in children if info[child][0])):
+        if behind & on_path:
             return None  # replaying this node would count the path's use of a weight twice
         nodes.append(node)
-        node_params.append([by_id[key] for key in sorted(behind, key=order.__getitem__)])
+        node_params.append([param for index, param in enumerate(params) if behind >> index & 1])
     return nodes, node_params
 
 
