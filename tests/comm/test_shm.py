@@ -177,3 +177,30 @@ def test_rank_zero_groups_ranks_by_host_and_refuses_a_small_directory():
 def test_a_missing_directory_is_reported(tmp_path):
     assert _directory_state(str(tmp_path / "absent"))[0] == NO_DIRECTORY
     assert _directory_state(str(tmp_path))[0] == OK
+
+
+def test_a_doorbell_past_file_descriptor_1024_still_blocks(tmp_path):
+    # long-lived processes (test workers, a trainer with many groups) hold many fds:
+    # select() refuses any at 1024 or above, so the doorbell must not rely on it
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < 1200:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(2048, hard), hard))
+    fillers = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+    try:
+        transports = mesh(tmp_path, 2)
+        assert transports[1].bell >= 1024
+        receive = transports[1].recv(torch.zeros(1), 0, 4)
+        with pytest.raises(RuntimeError, match="timed out"):  # it napped on the doorbell, then gave up
+            receive.wait(timeout=__import__("datetime").timedelta(seconds=0.05))
+        assert transports[1].naps >= 1
+        sent = torch.ones(1)
+        late = transports[1].recv(torch.zeros(1), 0, 5)
+        drive(transports, [transports[0].send(sent, 1, 5), late])
+        for transport in transports:
+            transport.close()
+    finally:
+        for fd in fillers:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

@@ -140,6 +140,13 @@ class ShmTransport:
         self._pids = {peer: outboxes[peer].owner_pid for peer in self.peers}
         self._closed = False
         self.payload_bytes_written = 0  # counted as bytes are copied into the rings
+        self._poller = select.poll()
+        self._poller.register(bell, select.POLLIN)
+        self._nap_lock = threading.Lock()
+        self._nap_done = threading.Condition(self._nap_lock)
+        self._napping = False  # a thread of this rank is blocked on the doorbell
+        self.naps = 0  # blocks on the doorbell
+        self.naps_timed_out = 0  # of those, ended by the cap with no bell rung
 
     # ----- posting ----------------------------------------------------------------------
     def send(self, tensor: torch.Tensor, peer: int, tag: int) -> ShmWork:
@@ -359,18 +366,34 @@ class ShmTransport:
             raise RuntimeError(work.error)
 
     def _nap(self, nap_s: float, work: ShmWork) -> None:
+        """Block until a peer rings this rank's doorbell (or ``nap_s`` passes). One
+        thread at a time blocks on the doorbell and owns the ``sleeping`` word; other
+        threads of this rank waiting meanwhile (a p2p wait beside a collective on the
+        group's comm thread) wait for that one to wake, then look again: a bell is
+        meant for the rank, whichever thread's message it announces."""
+        with self._nap_lock:
+            if self._napping:
+                self._nap_done.wait(nap_s)
+                return
+            self._napping = True
         self.inbox.set_sleeping(True)
         try:
             if self.progress() or work.done:  # re-check after announcing the sleep
                 return
-            ready, _, _ = select.select([self.bell], [], [], max(nap_s, 0.0))
-            if ready:
+            self.naps += 1
+            ready = self._poller.poll(max(nap_s, 0.0) * 1000.0)  # poll, not select: fds may pass 1024
+            if not ready:
+                self.naps_timed_out += 1
+            else:
                 try:
                     os.read(self.bell, 4096)
                 except BlockingIOError:
-                    pass  # another waiting thread drained it
+                    pass
         finally:
             self.inbox.set_sleeping(False)
+            with self._nap_lock:
+                self._napping = False
+                self._nap_done.notify_all()
 
     def _check_peers(self) -> None:
         """Fail pending work of a peer whose process is gone or whose transport closed."""
