@@ -8,8 +8,9 @@ checks that no two ranges overlap.
 
     COLLECTIVE          schedule messages: (step mod 2^13) << 16 | message index
     COLLECTIVE_PACKED   the same, carrying an in-band header (plait.comm.inband)
-    PIPELINE            pipeline activations and gradients: 2·(step slot·2mS + message),
-                        header at even tags, payload at odd
+    PIPELINE            pipeline activations and gradients: 3·(step slot·2mS + message)
+                        + 0 header, 1 payload in the agreed shape, 2 payload in a new
+                        shape (plait.parallel.pipeline.messages)
     CHIMERA_REPLICA     Chimera's exchange of a replicated stage's gradients
     EVALUATION          forward-only evaluation's activations: 2·stage (+1 payload)
     PARAMETER_SERVER    push, reply and data (+ tensor index) messages
