@@ -152,4 +152,4 @@ def test_calibrate_checks_its_default_profile_path_too(tmp_path, monkeypatch, ca
     cache.write_text("")
     monkeypatch.setenv("PLAIT_CACHE_DIR", str(cache))
     error = refused(capsys, ["calibrate", "--nprocs", "2"])
-    assert f"--output (default) {cache / 'profile-gloo.json'}: {cache} is a file, not a directory" in error
+    assert f"--output (default) {cache / 'profile-gloo+shm.json'}: {cache} is a file, not a directory" in error

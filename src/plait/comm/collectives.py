@@ -26,6 +26,8 @@ thread, so plait and torch calls on a group stay in program order.
 
 from __future__ import annotations
 
+import dataclasses
+
 import time
 import zlib
 from datetime import timedelta
@@ -143,14 +145,28 @@ def transport_kind(communicator: Communicator) -> str:
     return "shm" if communicator.transport.all_peers_local(communicator.size) else "gloo"
 
 
+def _table_pending(algorithm, collective: str, communicator: Communicator) -> bool:
+    """True when ``algorithm`` comes from a default table that depends on the group's
+    transport and the group's set-up has not finished: the choice is then made again
+    on the group's comm thread, after the set-up (its first job), by _settled_algorithm."""
+    config = communicator.config
+    return (algorithm in DEFAULT_NAMES and not config.algorithms.get(collective) and config.tuner is None
+            and not communicator.created.is_completed())
+
+
+def _settled_algorithm(collective: str, nbytes: int, communicator: Communicator) -> str:
+    """The table's choice once the set-up has said which transport the whole group uses
+    (every rank gets the same answer)."""
+    return default_algorithm(collective, nbytes, communicator.size, transport_kind(communicator))
+
+
 def _resolve_algorithm(algorithm, collective: str, nbytes: int, communicator: Communicator) -> str:
     if algorithm in DEFAULT_NAMES:
         config = communicator.config
         if config.tuner is not None and collective not in config.algorithms:
             communicator.tuner_used = getattr(config.tuner, "source", "a tuner")
-        # which table is the group-wide set-up's answer (every rank gets the same one), so
-        # wait for it: the creation is the group's first job
-        communicator.created.wait()
+        # provisional while the group's set-up runs (see _settled_algorithm); never wait for
+        # it here: groups first used in different orders on different ranks would deadlock
         return auto_algorithm(collective, nbytes, communicator.size, config, transport_kind(communicator))
     if not isinstance(algorithm, str):
         raise TypeError(f"algorithm must be a string, got {type(algorithm).__name__}")
@@ -247,6 +263,7 @@ def _launch(collective, communicator, async_op, algorithm, prepare, *, tensor, n
     dtype = tensor.dtype
     if collective in REDUCING:
         check_reducible(dtype, op, collective)
+    pending = _table_pending(algorithm, collective, communicator)
     algorithm = _resolve_algorithm(algorithm, collective, nbytes, communicator)
     prepared = prepare(rank, p) if algorithm != TORCH else None  # validates this rank's arguments now
     tree = shape = None
@@ -275,6 +292,11 @@ def _launch(collective, communicator, async_op, algorithm, prepare, *, tensor, n
     check = "off" if p == 1 else ("deep" if config.check == "inband" and grouped else config.check)
 
     def job(seq):
+        nonlocal algorithm, signature
+        if pending:  # the set-up has finished now: it ran first on this thread
+            settled = _settled_algorithm(collective, nbytes, communicator)
+            if settled != algorithm:
+                algorithm, signature = settled, dataclasses.replace(signature, algorithm=settled)
         if check == "deep":
             _deep_check(communicator, signature, torch.device("cpu") if staged else tensor.device)
         start = time.perf_counter()
