@@ -97,15 +97,24 @@ def reference_losses(tmp_path: Path, **values) -> list[float]:
 # ----------------------------------------------------------------------------- one writer
 def test_a_second_run_on_the_same_out_is_refused_and_the_first_is_intact(tmp_path):
     """The probe: run B, started 8 s after A with another seed, "resumed" A's in-flight
-    checkpoint; both wrote steps 110-150 and A's results were gone."""
+    checkpoint; both wrote steps 110-150 and A's results were gone.
+
+    A's launcher is stopped (SIGSTOP) once A has a checkpoint, so A is certainly still
+    running when B starts however fast its 40 steps are: a stopped launcher cannot exit
+    and so holds the lock (CI once saw A finish during B's start-up). A's ranks go on.
+    """
     out = tmp_path / "run"
     first = launch(out, tmp_path / "a.log", steps=40, checkpoint_interval=10)
     try:
         wait_for(lambda: (ckpt.checkpoint_dir(out, 10) / ckpt.MANIFEST_NAME).exists(), 180, "A's first checkpoint")
+        os.kill(first.pid, signal.SIGSTOP)
         written_before = (out / "metrics.jsonl").read_bytes()
-        second = subprocess.run([sys.executable, "-m", "plait", "train", *flags(**TINY, steps=40, seed=1),
-                                 "--sample-chars", "0", "--out", str(out)], env=env(), capture_output=True,
-                                text=True, timeout=120)
+        try:
+            second = subprocess.run([sys.executable, "-m", "plait", "train", *flags(**TINY, steps=40, seed=1),
+                                     "--sample-chars", "0", "--out", str(out)], env=env(), capture_output=True,
+                                    text=True, timeout=120)
+        finally:
+            os.kill(first.pid, signal.SIGCONT)
         assert second.returncode == 2, second.stdout + second.stderr
         assert f"{out} is in use by another plait train run: pid {first.pid}" in second.stderr
         assert first.wait(timeout=300) == 0, (tmp_path / "a.log").read_text()[-3000:]
