@@ -1,6 +1,8 @@
 """`plait --help` and every subcommand's --help: clean text, and the bench modes discoverable."""
 
 import argparse
+import subprocess
+import sys
 
 import pytest
 
@@ -55,3 +57,14 @@ def test_bench_help_names_every_training_benchmark(capsys):
 def test_bench_mode_usage_is_spelled_as_typed(mode, capsys):
     assert main(["bench", mode, "--help"]) == 0
     assert capsys.readouterr().out.startswith(f"usage: plait bench {mode} ")
+
+
+def test_a_subcommand_imports_only_its_own_module():
+    """`plait train` builds only train's parser: the benchmarks' torch.distributed.pipelining
+    and the plotting stay unimported (every rank of a run starts through this path)."""
+    probe = ("import sys; from plait.cli.main import main; main(['train', '--help']); "
+             "print(sorted(m for m in ('torch.distributed.pipelining', 'matplotlib', 'plait.cli.bench') "
+             "if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "[]"

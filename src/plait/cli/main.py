@@ -23,14 +23,18 @@ SUBCOMMANDS = ("train", "bench", "bench_dp", "bench_tp", "bench_pp", "bench_memo
                "schedule", "cost", "tune", "calibrate", "simulate", "checkpoint", "plan", "testbed", "optimize")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser of every subcommand, or of ``command`` alone when it names one: a
+    subcommand's module is imported only to run it (``plait train`` skips the
+    benchmarks' torch.distributed.pipelining and the plotting, about 2 s a start)."""
     parser = argparse.ArgumentParser(
         prog="plait",
         description="plait: distributed training on torch.distributed, with collectives "
                     "built on send/recv, a cost model and parallelism strategies.")
     parser.add_argument("--version", action="version", version=f"plait {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for name in SUBCOMMANDS:
+    module = None if command is None else command.replace("-", "_")
+    for name in (module,) if module in SUBCOMMANDS else SUBCOMMANDS:
         importlib.import_module(f"plait.cli.{name}").add_parser(subparsers)
     return parser
 
@@ -64,7 +68,7 @@ def _run_command(argv: list[str] | None) -> int:
         prog = "plait" if command is None else f"plait {command.replace('-', ' ')}"
         print(f"{prog}: error: {environment_error}", file=sys.stderr)
         return 2
-    parser = build_parser()
+    parser = build_parser(argv[0] if argv else None)
     try:
         args = parser.parse_args(argv)
     except SystemExit as exit_request:  # --help, --version or a usage error
