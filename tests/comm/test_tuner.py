@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import plait.comm as comm
-from plait.comm.collectives import auto_algorithm, default_algorithm
+from plait.comm.choice import auto_algorithm, default_algorithm
 from plait.comm.tuner import Tuner, parse_overrides, size_bucket
 from plait.cost import LinkModel
 from plait.cost.alpha_beta import predict_time_s

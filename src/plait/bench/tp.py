@@ -45,7 +45,7 @@ import torch.distributed as dist
 from plait import comm
 from plait.comm.algorithms import DEFAULT_NAMES, TORCH, build_schedule, builder
 from plait.comm.algorithms.hierarchical import parse_hierarchy
-from plait.comm.collectives import auto_algorithm
+from plait.comm.choice import auto_algorithm
 from plait.cost.alpha_beta import pipeline_segments
 from plait.models.gpt import GPT, GPTConfig
 from plait.parallel.tensor import new_tensor_parallel

@@ -16,7 +16,7 @@ import json
 from plait.cli.bench import parse_collective, parse_nbytes
 from plait.cli.cost import parse_rate, parse_time_s
 from plait.comm.algorithms import COLLECTIVES
-from plait.comm.collectives import default_algorithm
+from plait.comm.choice import default_algorithm
 from plait.comm.config import config_from_environment
 from plait.comm.tuner import size_ranges, Tuner, tuner_from_profile
 from plait.cost import LinkModel

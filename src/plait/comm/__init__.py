@@ -15,10 +15,8 @@ from plait.comm.collectives import (
     all_gather_single,
     all_reduce,
     all_to_all_single,
-    auto_algorithm,
     barrier,
     broadcast,
-    default_algorithm,
     default_device,
     enqueue,
     gather,
@@ -30,6 +28,7 @@ from plait.comm.collectives import (
     stats,
     synchronize,
 )
+from plait.comm.choice import auto_algorithm, default_algorithm
 from plait.comm.communicator import (Communicator, all_communicators, communicator_for, destroy_process_group,
                                      init_communicator)
 from plait.comm.config import CommConfig, config_from_environment

@@ -6,7 +6,7 @@ link you give (``Tuner(link)``), passed in as ``CommConfig(tuner=...)``: nothing
 read behind the caller's back. A choice is made once per (collective, world size,
 power-of-two size bucket) at the bucket's geometric middle and cached, so every
 rank picks the same algorithm whatever order its calls come in. Without a profile
-the measured default table (``plait.comm.collectives.default_algorithm``) decides.
+the measured default table (``plait.comm.choice.default_algorithm``) decides.
 
 Overrides beat both: ``CommConfig(algorithms={"all_reduce": "ring"})`` (the CLI takes
 ``PLAIT_ALGORITHMS="all_reduce=ring,broadcast=tree"``).
