@@ -67,7 +67,7 @@ def plain_loop(config) -> dict | None:
     import torch.distributed as dist
 
     from plait.parallel.tensor import LOCAL
-    from plait.train.loop import batch, build_model, load_data, make_optimizer
+    from plait.train.build import batch, build_model, load_data, make_optimizer
 
     rank, world_size = dist.get_rank(), dist.get_world_size()
     data = load_data(config)
@@ -246,7 +246,7 @@ def main(argv=None) -> int:
     config = _config(args, args.extra)
     if config.model != "gpt":
         raise SystemExit("this comparison trains the GPT (--model gpt)")
-    from plait.train.loop import load_data
+    from plait.train.build import load_data
 
     load_data(config)  # tokenised and cached once here: neither side's ranks race to write the cache
     out = Path(args.out)

@@ -69,9 +69,10 @@ LOCAL_ALLOWED = {
     ("plait.parallel.pipeline.draw", "matplotlib"): "optional heavy dependency, only for PNG Gantt charts",
     ("plait.train.report", "matplotlib"): "optional heavy dependency, only for plots",
     ("plait.train.budget", "plait.parallel.pipeline.partition"): "loads torch; budget is checked before any process",
-    ("plait.train.config", "plait.comm"): "comm loads torch; TrainConfig parses flags without it",
-    ("plait.train.config", "plait.compress"): "compress loads torch; TrainConfig parses flags without it",
-    ("plait.train.loop", ""): "inside branches per model/data kind (GPT or MLP, corpus or digits, tuner)",
+    ("plait.train.config_rules", "plait.comm"): "comm loads torch; TrainConfig parses flags without it",
+    ("plait.train.config_rules", "plait.compress"): "compress loads torch; TrainConfig parses flags without it",
+    ("plait.train.loop", ""): "inside branches (progress on rank 0, the GPT's FLOPs, a tuner from a profile)",
+    ("plait.train.build", ""): "inside branches per model/data kind (GPT or MLP, corpus or digits)",
 }
 
 

@@ -212,7 +212,7 @@ RANK_LINE = re.compile(r"^  rank +(\d+): dp (\d+) tp (\d+) pp (\d+)  stage (.*?)
 def _tiny_parameter_count(**overrides) -> int:
     """The oracle: build the GPT the dry run describes and count its parameters."""
     from plait.models.gpt import GPT
-    from plait.train.loop import gpt_config, load_data
+    from plait.train.build import gpt_config, load_data
 
     config = TrainConfig(**{**TINY_CONFIG, **overrides})
     data = load_data(config)

@@ -12,7 +12,7 @@ import torch
 from plait.testing import run_distributed
 from plait.train import budget
 from plait.train.config import TrainConfig
-from plait.train.loop import load_data
+from plait.train.build import load_data
 
 TINY = dict(layers=3, hidden=32, heads=4, seq_len=16, data_max_bytes=60_000, global_batch=8, micro_batch=2,
             dp=1, tp=1, pp=1, steps=1, eval_interval=0, checkpoint_interval=0, timeout_s=60.0)
@@ -30,7 +30,7 @@ def test_the_largest_rank_matches_the_real_model_and_split(overrides, data):
     from plait.models.gpt import GPT
     from plait.parallel.pipeline import build
     from plait.parallel.pipeline.partition import sequential_layers, split_layers
-    from plait.train.loop import gpt_config
+    from plait.train.build import gpt_config
 
     config = TrainConfig(**{**TINY, "tied_head": False, **overrides})
     model = GPT(gpt_config(config, data.vocab_size))

@@ -15,7 +15,7 @@ import torch
 from plait.models import GPT, GPTConfig
 from plait.parallel.tensor.sharding import shard_spec, shard_tensor
 from plait.train import atomic_files
-from plait.train import checkpoint as ckpt
+from plait.train import checkpoint as ckpt, checkpoint_load
 from plait.train import export as export_file
 
 CONFIG = GPTConfig(layers=2, hidden=16, heads=4, seq_len=8, vocab=13, tied_head=False)
@@ -167,7 +167,7 @@ def test_load_full_reproduces_the_full_state(tmp_path, reference):
     full, specs, optimizer = reference
     directory = save(tmp_path, 100, reference)
     assert ckpt.verify(directory) == []
-    manifest, model, optimizer_state, got_specs = ckpt.load_full(directory)
+    manifest, model, optimizer_state, got_specs = checkpoint_load.load_full(directory)
     assert manifest["step"] == 100 and manifest["format"] == 1 and len(manifest["files"]) == 4
     assert got_specs == specs
     _assert_state_equal(model, full)
@@ -177,12 +177,12 @@ def test_load_full_reproduces_the_full_state(tmp_path, reference):
 
 def test_reshard_to_tp4_then_load_again(tmp_path, reference):
     full, specs, optimizer = reference
-    _, model, optimizer_state, got_specs = ckpt.load_full(save(tmp_path / "a", 100, reference))
+    _, model, optimizer_state, got_specs = checkpoint_load.load_full(save(tmp_path / "a", 100, reference))
     payloads = []
     for pp in range(2):
         names = [name for name in model if _stage(name, 2) == pp]
         for tp in range(4):
-            model_shard, optimizer_shard = ckpt.reshard(model, optimizer_state, got_specs, tp, 4, names)
+            model_shard, optimizer_shard = checkpoint_load.reshard(model, optimizer_state, got_specs, tp, 4, names)
             payloads.append({"format": 1, "tp_rank": tp, "tp_size": 4, "pp_rank": pp, "pp_size": 2,
                              "model": model_shard, "specs": {name: got_specs[name] for name in names},
                              "optimizer": optimizer_shard, "extra": {}})
@@ -196,7 +196,7 @@ def test_reshard_to_tp4_then_load_again(tmp_path, reference):
                     assert torch.equal(model_shard["embedding.weight"][0], full["embedding.weight"][12])
                 assert optimizer_shard["embedding.weight"]["step"].shape == ()
     directory = _write(tmp_path / "b", 100, payloads, 4, 2)
-    _, model4, optimizer4, specs4 = ckpt.load_full(directory)
+    _, model4, optimizer4, specs4 = checkpoint_load.load_full(directory)
     _assert_state_equal(model4, full)
     _assert_state_equal(optimizer4, optimizer)
     assert specs4 == specs
@@ -204,18 +204,18 @@ def test_reshard_to_tp4_then_load_again(tmp_path, reference):
 
 def test_reshard_to_tp1_gives_the_full_tensors(reference):
     full, specs, optimizer = reference
-    model_shard, optimizer_shard = ckpt.reshard(full, optimizer, specs, 0, 1, ["head", "ln_f.bias"])
+    model_shard, optimizer_shard = checkpoint_load.reshard(full, optimizer, specs, 0, 1, ["head", "ln_f.bias"])
     _assert_state_equal(model_shard, {"head": full["head"], "ln_f.bias": full["ln_f.bias"]})
     _assert_state_equal(optimizer_shard, {"head": optimizer["head"], "ln_f.bias": optimizer["ln_f.bias"]})
     with pytest.raises(ValueError, match=r"no parameter \['blocks.9.ln1.weight'\]"):
-        ckpt.reshard(full, optimizer, specs, 0, 1, ["blocks.9.ln1.weight"])
+        checkpoint_load.reshard(full, optimizer, specs, 0, 1, ["blocks.9.ln1.weight"])
     with pytest.raises(ValueError, match="tp_rank=2, tp_size=2"):
-        ckpt.reshard(full, optimizer, specs, 2, 2, ["head"])
+        checkpoint_load.reshard(full, optimizer, specs, 2, 2, ["head"])
 
 
 def test_load_full_from_a_single_rank_checkpoint(tmp_path, reference):
     full, _, _ = reference
-    _, model, _, _ = ckpt.load_full(save(tmp_path, 5, reference, tp_size=1, pp_size=1))
+    _, model, _, _ = checkpoint_load.load_full(save(tmp_path, 5, reference, tp_size=1, pp_size=1))
     _assert_state_equal(model, full)
 
 
@@ -228,7 +228,7 @@ def test_corrupt_byte_falls_back_to_the_older_checkpoint(tmp_path, reference):
     assert ckpt.latest_complete(tmp_path, log=lines.append) == older
     assert lines == ["step_00000200: tp0-pp1.pt sha256 mismatch (corrupt): using step_00000100"]
     with pytest.raises(ValueError, match="sha256 mismatch"):
-        ckpt.load_full(newer)
+        checkpoint_load.load_full(newer)
 
 
 def test_partial_truncated_and_missing_are_skipped(tmp_path, reference):
@@ -291,7 +291,7 @@ def test_load_full_rejects_an_inconsistent_grid(tmp_path, reference, change, mes
     directory = _write_raw(tmp_path / "c", payloads, 2, 2)
     assert ckpt.verify(directory) == []
     with pytest.raises(ValueError, match=message):
-        ckpt.load_full(directory)
+        checkpoint_load.load_full(directory)
 
 
 def test_load_full_rejects_a_parameter_in_two_stages(tmp_path, reference):
@@ -302,7 +302,7 @@ def test_load_full_rejects_a_parameter_in_two_stages(tmp_path, reference):
         for key in ("model", "specs"):
             payloads[f"tp{tp}-pp1.pt"][key]["position"] = payloads[f"tp{tp}-pp0.pt"][key]["position"]
     with pytest.raises(ValueError, match="position is in pipeline stages 0 and 1"):
-        ckpt.load_full(_write_raw(tmp_path / "c", payloads, 2, 2))
+        checkpoint_load.load_full(_write_raw(tmp_path / "c", payloads, 2, 2))
 
 
 def test_load_full_rejects_disagreeing_replicas(tmp_path, reference):
@@ -311,17 +311,17 @@ def test_load_full_rejects_disagreeing_replicas(tmp_path, reference):
     payloads[3]["model"]["ln_f.weight"] = payloads[3]["model"]["ln_f.weight"] + 1
     directory = _write(tmp_path, 1, payloads, 2, 2)
     with pytest.raises(ValueError, match=r"ln_f.weight \(pp 1\) differs between tp rank 0 and tp rank 1"):
-        ckpt.load_full(directory)
-    _, model, _, _ = ckpt.load_full(directory, check_replicas=False)
+        checkpoint_load.load_full(directory)
+    _, model, _, _ = checkpoint_load.load_full(directory, check_replicas=False)
     assert torch.equal(model["ln_f.weight"], full["ln_f.weight"])
 
 
 def test_check_compatible_names_every_differing_field(tmp_path, reference):
     manifest = ckpt.read_manifest(save(tmp_path, 100, reference))
-    ckpt.check_compatible(manifest, asdict(CONFIG))
+    checkpoint_load.check_compatible(manifest, asdict(CONFIG))
     other = asdict(GPTConfig(layers=6, hidden=32, heads=4, seq_len=8, vocab=13, tied_head=False))
     with pytest.raises(ValueError) as error:
-        ckpt.check_compatible(manifest, other)
+        checkpoint_load.check_compatible(manifest, other)
     assert str(error.value) == ("checkpoint step_00000100 was saved for a different model: layers 2 != 6, "
                                 "hidden 16 != 32; train with the same model settings or start a new --out "
                                 "directory")
@@ -393,9 +393,9 @@ def test_a_manifest_naming_files_outside_its_directory_is_not_valid(tmp_path, re
     with pytest.raises(ValueError, match="plain names inside its directory"):
         ckpt.read_manifest(directory)
     with pytest.raises(ValueError, match="not a complete checkpoint"):
-        ckpt.load_full(directory)
+        checkpoint_load.load_full(directory)
     with pytest.raises(ValueError, match="plain names"):
-        ckpt.load_full(directory, check_files=False)  # the loader itself never opens such a name
+        checkpoint_load.load_full(directory, check_files=False)  # the loader itself never opens such a name
     assert ckpt.latest_complete(tmp_path / "run", log=None) is None
     with pytest.raises(ValueError, match="not a complete checkpoint"):
         export_file.export(directory, tmp_path / "model.pt", log=None)

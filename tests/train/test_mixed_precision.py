@@ -47,7 +47,7 @@ def _reference(config: TrainConfig, device: str = "cpu") -> tuple[list[float], l
     from plait.models.gpt import GPT
     from plait.parallel.tensor import UNSHARDED, vocab_parallel_cross_entropy
     from plait.train.corpus import lm_batch, load_corpus
-    from plait.train.loop import gpt_config, make_optimizer
+    from plait.train.build import gpt_config, make_optimizer
 
     corpus = load_corpus(config.data, max_bytes=config.data_max_bytes, val_fraction=config.val_fraction)
     model = GPT(gpt_config(config, corpus.vocab_size), seed=config.seed).to(device)
@@ -99,7 +99,7 @@ def _reference_fp32_first_loss(config: TrainConfig) -> float:
     from plait.models.gpt import GPT
     from plait.parallel.tensor import UNSHARDED, vocab_parallel_cross_entropy
     from plait.train.corpus import lm_batch, load_corpus
-    from plait.train.loop import gpt_config
+    from plait.train.build import gpt_config
 
     corpus = load_corpus(config.data, max_bytes=config.data_max_bytes, val_fraction=config.val_fraction)
     model = GPT(gpt_config(config, corpus.vocab_size), seed=config.seed)

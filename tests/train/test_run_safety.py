@@ -252,7 +252,7 @@ def test_a_killed_rank_is_named_once(tmp_path):
 # ----------------------------------------------------------------------------- a disk that fills up
 def test_a_disk_filling_up_during_a_save_is_named_and_nothing_counts_complete(tmp_path):
     from plait.train import budget
-    from plait.train.loop import load_data
+    from plait.train.build import load_data
 
     config = TrainConfig(**TINY, steps=6, checkpoint_interval=1, keep_checkpoints=0)
     one = budget.checkpoint_bytes(config, load_data(config))

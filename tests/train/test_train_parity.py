@@ -66,7 +66,7 @@ def _reference_run(config: TrainConfig) -> tuple[list[float], list[float]]:
     """(losses, pre-clip global gradient norms) of the single-process run."""
     from plait.models.gpt import GPT
     from plait.train.corpus import lm_batch, load_corpus
-    from plait.train.loop import gpt_config, make_optimizer
+    from plait.train.build import gpt_config, make_optimizer
 
     corpus = load_corpus(config.data, max_bytes=config.data_max_bytes, val_fraction=config.val_fraction)
     model = GPT(gpt_config(config, corpus.vocab_size), seed=config.seed)
@@ -176,13 +176,13 @@ def test_lossy_compression_keeps_tensor_parallel_replicas_identical(tmp_path):
     """Top-k with error feedback on dp2 x tp2: the LayerNorm, bias and position
     parameters every tp rank holds must stay bitwise equal (they are compressed in
     buckets of their own, alike on every tp rank); load_full checks it."""
-    from plait.train import checkpoint as ckpt
+    from plait.train import checkpoint as ckpt, checkpoint_load
 
     config = _config(tmp_path / "topk", dp=2, tp=2, pp=1, steps=6, compression="topk:0.1+ef")
     run_distributed(_train_rank, 4, config, timeout_s=300)
     losses = _losses(tmp_path / "topk")
     assert len(losses) == 6 and losses[-1] < losses[0]
-    ckpt.load_full(ckpt.latest_complete(tmp_path / "topk"), check_replicas=True)  # raises if replicas differ
+    checkpoint_load.load_full(ckpt.latest_complete(tmp_path / "topk"), check_replicas=True)  # raises if replicas differ
 
 
 def _train_with_a_full_disk_on_rank(rank, world_size, config, failing_rank):

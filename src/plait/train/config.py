@@ -35,6 +35,8 @@ from pathlib import Path
 
 import tomli_w
 
+from plait.train.config_rules import listed, value_problems
+
 MODELS = ("gpt", "mlp")
 DTYPES = ("float32", "float64", "bfloat16")
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "chimera", "zero_bubble")
@@ -46,12 +48,7 @@ OFFLOADS = ("none", "optimizer")
 LR_SCHEDULES = ("cosine", "linear", "constant")
 BACKENDS = ("auto", "nccl", "gloo")
 TRANSPORTS = ("auto", "shm", "gloo")  # plait.comm.config's
-AXES = ("tp", "dp", "pp")
 TABLES = ("model", "data", "batch", "parallel", "optim", "run")
-# A step's schedule is built, replayed and held as data every step (O(microbatches · pp)
-# actions); past this many micro-batches per step a run is a typo, not a plan.
-MAX_MICROBATCHES = 4096
-ALGORITHM_DEFAULTS = ("auto", "default", "torch")  # names every collective accepts
 CLI_GROUP_TITLE = "training config (also settable in --config FILE)"
 
 
@@ -157,7 +154,7 @@ class TrainConfig:
                 object.__setattr__(self, name, tuple(value))
         if "mesh_order" in typed:
             object.__setattr__(self, "mesh_order", ",".join(part.strip() for part in self.mesh_order.split(",")))
-        problems += _value_problems(self, typed)
+        problems += value_problems(self, typed)
         if problems:
             raise ValueError("invalid TrainConfig:\n" + "\n".join(f"  - {problem}" for problem in problems))
 
@@ -299,18 +296,6 @@ def _default(name: str):
     return next(spec.default for spec in FIELDS if spec.name == name)
 
 
-def _divisors(n: int) -> list[int]:
-    """Divisors of n, ascending: O(sqrt n), and [] above 10^14 (a message would not list them)."""
-    if n < 1 or n > 10**14:
-        return []
-    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
-    return sorted(set(small + [n // d for d in small]))
-
-
-def _listed(values) -> str:
-    return ", ".join(map(str, values))
-
-
 # Names other trainers use, which difflib would not match to ours.
 _ALIASES = {"learning_rate": "lr", "batch_size": "global_batch", "micro_batch_size": "micro_batch",
             "max_steps": "steps", "iterations": "steps", "epochs": "steps", "n_layer": "layers",
@@ -323,7 +308,7 @@ def _suggest(name: str, names=FIELD_NAMES) -> str:
     if names is FIELD_NAMES and key in _ALIASES:
         return f"did you mean {_ALIASES[key]!r}?"
     close = difflib.get_close_matches(key, names, n=1, cutoff=0.5)
-    return f"did you mean {close[0]!r}?" if close else f"valid names: {_listed(names)}"
+    return f"did you mean {close[0]!r}?" if close else f"valid names: {listed(names)}"
 
 
 def _check_names(values: Mapping, source: str) -> None:
@@ -331,257 +316,6 @@ def _check_names(values: Mapping, source: str) -> None:
     if unknown:
         raise ValueError(f"unknown TrainConfig field(s) in {source}: "
                          + "; ".join(f"{name!r} ({_suggest(name)})" for name in unknown))
-
-
-def _value_problems(config: TrainConfig, typed: set[str]) -> list[str]:
-    """Range and cross-field checks; a field with a type problem is left out."""
-    problems: list[str] = []
-    c = config
-
-    def ok(*names: str) -> bool:
-        return all(name in typed for name in names)
-
-    def at_least(name: str, low: int, meaning: str = "") -> None:
-        if ok(name) and getattr(c, name) < low:
-            problems.append(f"{name}={getattr(c, name)} must be >= {low}{meaning}")
-
-    def fraction(name: str, meaning: str) -> None:
-        if ok(name) and not 0.0 <= getattr(c, name) < 1.0:
-            problems.append(f"{name}={getattr(c, name)} must be in [0, 1) ({meaning}), e.g. {_default(name)}")
-
-    for name, choices in FIELD_CHOICES.items():
-        if choices and ok(name) and getattr(c, name) not in choices:
-            close = difflib.get_close_matches(getattr(c, name), choices, n=1, cutoff=0.5)
-            hint = f"did you mean {close[0]!r}? " if close else ""
-            problems.append(f"{name}={getattr(c, name)!r} is not valid: {hint}use one of {_listed(choices)}")
-            typed.discard(name)  # cross checks below assume a valid choice
-    # ----- single fields -----
-    for name in ("layers", "hidden", "heads", "seq_len", "data_max_bytes", "global_batch", "micro_batch",
-                 "dp", "tp", "pp", "virtual", "steps", "eval_batches", "log_interval"):
-        at_least(name, 1)
-    at_least("ffn_hidden", 0, " (0 means 4*hidden)")
-    at_least("warmup_steps", 0, " (0 = no warmup)")
-    at_least("eval_interval", 0, " (0 = no evaluation)")
-    at_least("checkpoint_interval", 0, " (0 = checkpoint only at the end)")
-    at_least("keep_checkpoints", 0, " (0 = keep all)")
-    at_least("seed", 0)
-    fraction("dropout", "a probability")
-    fraction("val_fraction", "the held-out share of the data")
-    fraction("beta1", "adamw's first-moment decay")
-    fraction("beta2", "adamw's second-moment decay")
-    fraction("momentum", "sgd's momentum")
-    if ok("mlp_hidden") and any(width < 1 for width in c.mlp_hidden):
-        problems.append(f"mlp_hidden={list(c.mlp_hidden)} widths must all be >= 1, e.g. mlp_hidden=128,128,128")
-    for name, what in (("data", "stdlib, digits or a path"), ("algorithm", "auto or an algorithm name"),
-                       ("out", "a run directory")):
-        if ok(name) and not getattr(c, name).strip():
-            problems.append(f"{name}={getattr(c, name)!r} is empty: give {what}, e.g. {name}={_default(name)!r}")
-    if ok("mesh_order") and sorted(c.mesh_order.split(",")) != sorted(AXES):
-        problems.append(f"mesh_order={c.mesh_order!r} must list tp, dp and pp once each, innermost first, "
-                        f"e.g. 'tp,dp,pp'")
-    if ok("lr") and c.lr <= 0:
-        problems.append(f"lr={c.lr} must be > 0, e.g. lr={_default('lr')}")
-    if ok("min_lr") and c.min_lr < 0:
-        problems.append(f"min_lr={c.min_lr} must be >= 0")
-    elif ok("lr", "min_lr") and c.lr > 0 and c.min_lr > c.lr:
-        problems.append(f"min_lr({c.min_lr}) > lr({c.lr}): the schedule decays from lr down to min_lr; "
-                        f"use min_lr <= {c.lr} (e.g. {c.lr / 10:g})")
-    for name in ("weight_decay", "grad_clip"):
-        if ok(name) and getattr(c, name) < 0:
-            problems.append(f"{name}={getattr(c, name)} must be >= 0" + (" (0 = off)" if name == "grad_clip" else ""))
-    if ok("timeout_s") and c.timeout_s <= 0:
-        problems.append(f"timeout_s={c.timeout_s} must be > 0 seconds, e.g. timeout_s={_default('timeout_s')}")
-    if ok("eval_interval", "val_fraction") and c.eval_interval > 0 and c.val_fraction == 0:
-        problems.append(f"eval_interval={c.eval_interval} needs held-out data but val_fraction=0: set "
-                        f"val_fraction > 0 (e.g. 0.05) or eval_interval=0")
-    compressor = None
-    if ok("compression") and c.compression != "none":
-        from plait.compress.spec import from_spec  # imports torch; only when asked for
-
-        try:
-            compressor = from_spec(c.compression)
-        except ValueError as error:
-            problems.append(f"compression={c.compression!r}: {error}")
-            typed.discard("compression")
-        else:
-            if compressor is not None and ok("dp") and c.dp == 1:
-                problems.append(f"compression={c.compression!r} compresses the dp gradient all-reduce, but dp=1 "
-                                f"has none: set compression=none or dp >= 2")
-    if ok("algorithm", "tp", "sequence_parallel", "compression") and c.algorithm.strip() \
-            and c.algorithm not in ALGORITHM_DEFAULTS:
-        problems += _algorithm_problems(c, compressor)
-    problems += _batch_problems(c, ok)
-    problems += _model_problems(c, ok)
-    return problems
-
-
-def _algorithm_problems(c: TrainConfig, compressor) -> list[str]:
-    """``algorithm`` must implement every collective the run calls with it: the dp
-    gradient all-reduce (or the compressor's collective), and under tensor parallelism
-    the all-reduces (and with sequence parallelism the all-gathers and reduce-scatters)."""
-    from plait.comm.algorithms import ALGORITHMS, algorithms_for  # imports torch; only when asked for
-
-    if c.algorithm not in ALGORITHMS:
-        close = difflib.get_close_matches(c.algorithm, [*ALGORITHMS, *ALGORITHM_DEFAULTS], n=1, cutoff=0.5)
-        hint = f"did you mean {close[0]!r}? " if close else ""
-        valid = algorithms_for("all_reduce")
-        return [f"algorithm={c.algorithm!r} is not a plait algorithm: {hint}use auto, torch or one of "
-                f"{_listed(valid)}"]
-    needed = {"all_reduce": "the dp gradient all-reduce"} if compressor is None else \
-        {name: f"compression={c.compression!r}" for name in compressor.collectives}
-    if c.tp > 1:
-        needed.setdefault("all_reduce", "tensor parallelism")
-        if c.sequence_parallel:
-            needed.update(all_gather="sequence parallelism", reduce_scatter="sequence parallelism")
-    missing = [name for name in needed if c.algorithm not in algorithms_for(name)]
-    if not missing:
-        return []
-    usable = [name for name in ALGORITHMS if all(name in algorithms_for(collective) for collective in needed)]
-    return [f"algorithm={c.algorithm!r} has no {', '.join(missing)} (needed by "
-            f"{', '.join(sorted({needed[name] for name in missing}))}): use auto, torch"
-            + (f" or one of {_listed(usable)}" if usable else "")]
-
-
-def _batch_problems(c: TrainConfig, ok) -> list[str]:
-    """global_batch / dp / micro_batch divisibility, then what the schedule needs of them."""
-    if not ok("global_batch", "micro_batch", "dp") or min(c.global_batch, c.micro_batch, c.dp) < 1:
-        return []
-    if c.global_batch % c.dp:
-        below, above = c.global_batch // c.dp * c.dp, (c.global_batch // c.dp + 1) * c.dp
-        batches = _listed(b for b in (below, above) if b >= 1)
-        return [f"global_batch({c.global_batch}) % dp({c.dp}) = {c.global_batch % c.dp}: the dp ranks split the "
-                f"global batch evenly; use global_batch in {{{batches}}} or dp in "
-                f"{{{_listed(_divisors(c.global_batch))}}}"]
-    per_rank = c.per_rank_batch
-    if per_rank % c.micro_batch:
-        return [f"per_rank_batch = global_batch({c.global_batch}) / dp({c.dp}) = {per_rank} is not a multiple of "
-                f"micro_batch({c.micro_batch}): use micro_batch in {{{_listed(_divisors(per_rank))}}}"]
-    if not ok("pp", "virtual", "schedule") or min(c.pp, c.virtual) < 1:
-        return []
-    problems = []
-    m = c.microbatches
-    derivation = f"microbatches = global_batch({c.global_batch}) / dp({c.dp}) / micro_batch({c.micro_batch}) = {m}"
-    if m > MAX_MICROBATCHES:
-        low = -(-per_rank // MAX_MICROBATCHES)
-        smallest = next((d for d in _divisors(per_rank) if d >= low), low)
-        return [f"{derivation} exceeds the limit of {MAX_MICROBATCHES} micro-batches per step (each step builds "
-                f"and runs a schedule of that length): use micro_batch >= {smallest} (a divisor of "
-                f"per_rank_batch {per_rank}), or a smaller global_batch"]
-
-    def micro_batches_where(good) -> str:
-        valid = [d for d in _divisors(per_rank) if good(per_rank // d)]
-        return (f"use micro_batch in {{{_listed(valid)}}}" if valid
-                else f"no micro_batch works with per_rank_batch={per_rank}; raise global_batch")
-
-    if c.virtual > 1 and c.schedule != "interleaved_1f1b":
-        problems.append(f"virtual={c.virtual} model chunks per rank apply to schedule='interleaved_1f1b' only, not "
-                        f"{c.schedule!r}: set virtual=1 or schedule=interleaved_1f1b")
-    if c.schedule == "interleaved_1f1b":
-        if c.virtual < 2:
-            problems.append(f"schedule='interleaved_1f1b' needs virtual >= 2 model chunks per pipeline rank, got "
-                            f"virtual={c.virtual}: set virtual=2 (or schedule=1f1b)")
-        if m % c.pp:
-            problems.append(f"schedule='interleaved_1f1b' needs microbatches to be a multiple of pp({c.pp}), but "
-                            f"{derivation}: {micro_batches_where(lambda k: k % c.pp == 0)}")
-    if c.schedule == "chimera":
-        if c.pp % 2:
-            problems.append(f"schedule='chimera' runs two pipelines in opposite directions and needs an even pp, "
-                            f"got pp={c.pp}: use pp={c.pp + 1 if c.pp > 1 else 2} or another schedule")
-        if m % 2:
-            problems.append(f"schedule='chimera' splits the micro-batches between its two pipelines and needs an "
-                            f"even number, but {derivation}: {micro_batches_where(lambda k: k % 2 == 0)}")
-    return problems
-
-
-def _model_problems(c: TrainConfig, ok) -> list[str]:
-    """What the chosen model needs of tp, pp and the data."""
-    problems = []
-    if not ok("model"):
-        return problems
-    if ok("pp", "virtual") and min(c.pp, c.virtual) >= 1:
-        chunks = c.pp * c.virtual
-        if c.model == "gpt" and ok("layers") and c.layers < chunks:
-            problems.append(f"layers({c.layers}) < pp({c.pp}) * virtual({c.virtual}) = {chunks} pipeline chunks, "
-                            f"each needing at least one block: use layers >= {chunks} or fewer stages")
-        linear_layers = len(c.mlp_hidden) + 1 if ok("mlp_hidden") else chunks
-        if c.model == "mlp" and linear_layers < chunks:
-            problems.append(f"mlp_hidden={list(c.mlp_hidden)} gives {linear_layers} linear layers < pp({c.pp}) * "
-                            f"virtual({c.virtual}) = {chunks} pipeline chunks: give mlp_hidden >= {chunks - 1} "
-                            f"widths or fewer stages")
-    if ok("precision", "dtype") and c.precision != "fp32" and c.dtype != "float32":
-        problems.append(f"precision={c.precision!r} with dtype={c.dtype!r}: mixed precision keeps fp32 master "
-                        "weights; set dtype=float32 (the parameters' type) or precision=fp32")
-    if ok("precision", "grad_reduce_dtype") and c.grad_reduce_dtype != "fp32" and \
-            c.precision != {"bf16": "bf16-mixed", "fp16": "fp16-mixed"}[c.grad_reduce_dtype]:
-        wanted = {"bf16": "bf16-mixed", "fp16": "fp16-mixed"}[c.grad_reduce_dtype]
-        problems.append(f"grad_reduce_dtype={c.grad_reduce_dtype!r} with precision={c.precision!r}: gradients are "
-                        f"reduced in the compute dtype only; use precision={wanted} or grad_reduce_dtype=fp32")
-    if ok("grad_reduce_dtype", "compression") and c.grad_reduce_dtype != "fp32" and c.compression != "none":
-        problems.append(f"grad_reduce_dtype={c.grad_reduce_dtype!r} with compression={c.compression!r}: the "
-                        "compressor decides what is sent; leave grad_reduce_dtype=fp32")
-    if ok("zero_stage"):
-        z = c.zero_stage
-        if z not in (0, 1, 2, 3):
-            problems.append(f"zero_stage={z} is not valid: 0 (off), 1, 2 or 3")
-        elif z == 3 and ok("pp") and c.pp > 1:
-            problems.append(f"zero_stage=3 with pp={c.pp}: stage 3 gathers each block's parameters around its "
-                            "forward and backward and drops its gradients inside the backward, but a pipeline sums "
-                            "the gradients of parameters its stages share after the backward; use pp=1 with "
-                            "zero_stage=3, or zero_stage <= 2 with a pipeline")
-        elif z == 3 and ok("offload_activations") and c.offload_activations:
-            problems.append("zero_stage=3 with offload_activations=true: the activation offloader would move the "
-                            "gathered parameters autograd keeps for the backward to files; use one of the two")
-        if z in (1, 2, 3):
-            if ok("schedule") and c.schedule == "chimera":
-                problems.append(f"zero_stage={z} with schedule='chimera': Chimera keeps two replicas of every stage, "
-                                "summed outside the dp group; use another schedule or zero_stage=0")
-            if ok("compression") and c.compression != "none":
-                problems.append(f"zero_stage={z} with compression={c.compression!r}: ZeRO reduce-scatters the exact "
-                                "gradients; set compression=none or zero_stage=0")
-            if ok("grad_reduce_dtype") and c.grad_reduce_dtype != "fp32":
-                problems.append(f"zero_stage={z} with grad_reduce_dtype={c.grad_reduce_dtype!r}: ZeRO reduces in the "
-                                "parameters' dtype; set grad_reduce_dtype=fp32")
-        if ok("offload") and c.offload == "optimizer" and z == 0:
-            problems.append("offload='optimizer' with zero_stage=0: the offloaded state is ZeRO's shards; set "
-                            "zero_stage 1, 2 or 3 (or offload=none)")
-    if ok("recompute_layers") and c.recompute_layers < -1:
-        problems.append(f"recompute_layers={c.recompute_layers}: give a block count >= 0, or -1 for every block")
-    if c.model == "mlp":
-        if ok("recompute") and c.recompute != "none":
-            problems.append(f"recompute={c.recompute!r} with model='mlp': recomputation re-runs the GPT's "
-                            "transformer blocks and the MLP has none; set recompute=none (or model=gpt)")
-        if ok("tp") and c.tp != 1:
-            problems.append(f"tp={c.tp} with model='mlp': tensor parallelism is for the GPT; set tp=1 or model=gpt")
-        if ok("sequence_parallel") and c.sequence_parallel:
-            problems.append("sequence_parallel=true with model='mlp': sequence parallelism is for the GPT; "
-                            "set sequence_parallel=false")
-        if ok("data") and c.data != "digits":
-            problems.append(f"data={c.data!r} with model='mlp': the MLP trains on scikit-learn's digits; "
-                            f"set data=digits (or model=gpt)")
-        return problems
-    # ----- gpt -----
-    if ok("data") and c.data == "digits":
-        problems.append("data='digits' with model='gpt': digits is the MLP's image data set; use data=stdlib, a "
-                        "text file or directory, or model=mlp")
-    if ok("tied_head", "pp") and c.tied_head and c.pp > 1:
-        problems.append(f"tied_head=true with pp({c.pp}) > 1: the embedding (first stage) and the head (last "
-                        f"stage) would live on different stages; set tied_head=false (or pp=1)")
-    if not ok("hidden", "heads", "ffn_hidden", "tp", "seq_len", "sequence_parallel") or min(
-            c.hidden, c.heads, c.tp, c.seq_len) < 1 or c.ffn_hidden < 0:
-        return problems
-    if c.hidden % c.heads:
-        problems.append(f"hidden({c.hidden}) % heads({c.heads}) = {c.hidden % c.heads}: each head takes "
-                        f"hidden/heads channels; use heads in {{{_listed(_divisors(c.hidden)[:8])}}}"
-                        f"{', ...' if len(_divisors(c.hidden)) > 8 else ''} or hidden a multiple of {c.heads}")
-    sizes = {"heads": c.heads, "ffn": c.ffn} | ({"seq_len": c.seq_len} if c.sequence_parallel else {})
-    valid_tp = _listed(_divisors(math.gcd(*sizes.values())))
-    why = {"heads": "attention heads are split across tp ranks",
-           "ffn": "the MLP's inner width (ffn_hidden, 0 = 4*hidden) is split across tp ranks",
-           "seq_len": "sequence parallelism splits the sequence across tp ranks"}
-    for name, size in sizes.items():
-        if size % c.tp:
-            problems.append(f"{name}({size}) % tp({c.tp}) = {size % c.tp}: {why[name]}; use tp in {{{valid_tp}}}")
-    return problems
 
 
 # ----- TOML -------------------------------------------------------------------------------
@@ -622,7 +356,7 @@ def load_toml(path) -> dict:
             else:
                 close = difflib.get_close_matches(key, TABLES, n=1, cutoff=0.5)
                 hint = f"did you mean [{close[0]}]? " if close else ""
-                problems.append(f"unknown table [{key}]: {hint}tables are {_listed(f'[{t}]' for t in TABLES)}")
+                problems.append(f"unknown table [{key}]: {hint}tables are {listed(f'[{t}]' for t in TABLES)}")
         else:
             take(key, value, "the top level", None)
     if problems:

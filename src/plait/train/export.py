@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import Callable
 
 from plait.train.atomic_files import atomic_write, torch_save
-from plait.train.checkpoint import load_full, resolve
+from plait.train.checkpoint import resolve
+from plait.train.checkpoint_load import load_full
 
 EXPORT_FORMATS = ("safetensors", "torch")
 _SUFFIX_FORMATS = {".safetensors": "safetensors", ".pt": "torch", ".pth": "torch", ".bin": "torch"}

@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 from plait.models.gpt import GPT, GPTConfig
-from plait.train import checkpoint as ckpt
+from plait.train import checkpoint as ckpt, checkpoint_load
 
 
 @torch.no_grad()
@@ -45,7 +45,7 @@ def model_from_checkpoint(path):
         if found is None:
             raise ValueError(f"no complete checkpoint under {path}")
         path = found
-    manifest, state, _, _ = ckpt.load_full(path)
+    manifest, state, _, _ = checkpoint_load.load_full(path)
     info = {key: value for key, value in manifest["model"].items() if key != "kind"}
     model = GPT(GPTConfig(**info))
     model.load_state_dict(state, strict=True)

@@ -19,10 +19,10 @@ from pathlib import Path
 from plait.parallel.mesh import ParallelDims
 from plait.parallel.pipeline import build
 from plait.parallel.pipeline.partition import balanced_boundaries
-from plait.train import budget, checkpoint as ckpt, rundir
+from plait.train import budget, checkpoint as ckpt, checkpoint_load, rundir
 from plait.train.config import TrainConfig
 from plait.train.corpus import CorpusTooSmall, min_characters, windows_per_epoch
-from plait.train.loop import load_data, model_description
+from plait.train.build import load_data, model_description
 
 SIOCGIFADDR = 0x8915  # <linux/sockios.h>: an interface's IPv4 address
 
@@ -135,8 +135,8 @@ def check_resume_choice(config: TrainConfig, resume: str, data, *, run_id: str |
     plan = rundir.decide(Path(config.out), resume, run_id=run_id, force_fresh=force_fresh)
     if plan.checkpoint is not None:
         manifest = ckpt.read_manifest(plan.checkpoint)
-        ckpt.check_compatible(manifest, model_description(config, data))
-        ckpt.check_same_data(manifest, getattr(data, "digest", None))
+        checkpoint_load.check_compatible(manifest, model_description(config, data))
+        checkpoint_load.check_same_data(manifest, getattr(data, "digest", None))
     what = f"resuming from {plan.checkpoint}" if plan.checkpoint is not None else "starting at step 0"
     if plan.move_aside_earlier_run:
         what += f"; the earlier run in {config.out} will be moved to {Path(config.out) / rundir.PREVIOUS_DIR}/"

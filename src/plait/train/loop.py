@@ -22,25 +22,20 @@ import os
 import shutil
 import signal
 import time
-from dataclasses import asdict
 from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch import nn
-from torch.nn import functional as F
 
 from plait import comm
-from plait.models.gpt import GPTConfig
-from plait.models.mlp import MLP
 from plait.parallel.hybrid import build_hybrid, evaluate, HybridModel, train_step
 from plait.parallel.mesh import DeviceMesh, ParallelDims
 from plait.parallel.precision import check_device
 from plait.parallel.sharded_optimizer import ShardedOptimizer
-from plait.train import checkpoint as ckpt, rundir, runlock
+from plait.train import checkpoint as ckpt, checkpoint_load, rundir, runlock
+from plait.train.build import batch, build_model, load_data, make_optimizer, model_description
 from plait.train.config import TrainConfig
-from plait.train.data import load_digits, rank_batch
 from plait.train.memory import MemoryMonitor
 from plait.train.metrics import MetricsLog
 from plait.train.offload_dirs import prepare_offload_dir, remove_offload_dir
@@ -86,83 +81,6 @@ def init_distributed(timeout_s: float, backend: str = "auto") -> torch.device:
 def _threads_per_process() -> int:
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     return max(1, (os.cpu_count() or 1) // max(local, 1))
-
-
-def load_data(config: TrainConfig):
-    """The corpus (GPT) or the digits (MLP)."""
-    if config.model == "gpt":
-        from plait.train.corpus import load_corpus
-
-        return load_corpus(config.data, max_bytes=config.data_max_bytes, val_fraction=config.val_fraction)
-
-    return load_digits(seed=config.seed)
-
-
-def model_description(config: TrainConfig, data) -> dict:
-    """What fixes the model's parameters: compared with a checkpoint's."""
-    if config.model == "gpt":
-        return {"kind": "gpt", **asdict(gpt_config(config, data.vocab_size))}
-    return {"kind": "mlp", "sizes": [64, *config.mlp_hidden, 10], "dtype": config.dtype}
-
-
-def gpt_config(config: TrainConfig, vocab: int):
-    return GPTConfig(layers=config.layers, hidden=config.hidden, heads=config.heads, seq_len=config.seq_len,
-                     vocab=vocab, ffn_hidden=config.ffn_hidden, dropout=config.dropout,
-                     tied_head=config.tied_head, dtype=config.dtype)
-
-
-def build_model(config: TrainConfig, data, tp_group=None):
-    """(model at this rank's tp degree, its sequential layers, loss_fn)."""
-    if config.model == "gpt":
-        from plait.models.gpt import GPT
-        from plait.parallel.pipeline.partition import sequential_layers
-        from plait.parallel.tensor import TensorParallel, vocab_parallel_cross_entropy
-
-        tp = TensorParallel(group=tp_group, algorithm=config.algorithm, sequence_parallel=config.sequence_parallel,
-                            check_args=False)
-        model = GPT(gpt_config(config, data.vocab_size), tp, seed=config.seed)
-        vocab = data.vocab_size
-
-        def loss_fn(logits, targets):  # (b, s, V'/tp), (b, s)
-            return vocab_parallel_cross_entropy(logits, targets, tp, vocab).mean()
-
-        # a tied head shares the embedding weight, so the model stays in one piece (pp=1 only: TrainConfig)
-        layers = [model] if config.tied_head else sequential_layers(model)
-        return model, layers, loss_fn
-
-    torch.manual_seed(config.seed)
-    model = MLP((64, *config.mlp_hidden, 10)).to(getattr(torch, config.dtype))
-    children = list(model.net)
-    layers = [nn.Sequential(*children[i:i + 2]) for i in range(0, len(children), 2)]  # Linear + ReLU pairs
-    return model, layers, lambda logits, labels: F.cross_entropy(logits, labels)
-
-
-def make_optimizer(named_params, config: TrainConfig) -> torch.optim.Optimizer:
-    """AdamW (or SGD with momentum); weight decay on matrices only, not on biases,
-    LayerNorm scales or position vectors (GPT-2 / Megatron practice)."""
-    named = list(named_params)
-    decay = [param for name, param in named if param.dim() >= 2]
-    rest = [param for name, param in named if param.dim() < 2]
-    groups = [{"params": decay, "weight_decay": config.weight_decay}, {"params": rest, "weight_decay": 0.0}]
-    groups = [group for group in groups if group["params"]]
-    if config.optimizer == "sgd":
-        return torch.optim.SGD(groups, lr=config.lr, momentum=config.momentum)
-    return torch.optim.AdamW(groups, lr=config.lr, betas=(config.beta1, config.beta2))
-
-
-def batch(config: TrainConfig, data, step: int, rank: int, world_size: int, *, evaluation: bool = False):
-    """Global batch ``step`` (or validation batch ``step``), this dp rank's slice."""
-    if config.model == "gpt":
-        from plait.train.corpus import eval_batch, lm_batch
-
-        if evaluation:
-            return eval_batch(data.val, step, config.global_batch, config.seq_len, rank=rank, world_size=world_size)
-        return lm_batch(data.train, step, config.global_batch, config.seq_len, seed=config.seed, rank=rank,
-                        world_size=world_size)
-
-    dataset = data[1] if evaluation else data[0]
-    size = min(config.global_batch, len(dataset) // world_size * world_size)
-    return rank_batch(dataset, step, size, rank, world_size, seed=config.seed)
 
 
 class Trainer:
@@ -287,11 +205,11 @@ class Trainer:
         if chosen is None:
             return
         path = Path(chosen)
-        manifest, model_state, optimizer_state, specs = ckpt.load_full(path, check_files=False)  # verified above
-        ckpt.check_compatible(manifest, self.model_info)
-        ckpt.check_same_data(manifest, getattr(self.data, "digest", None))
+        manifest, model_state, optimizer_state, specs = checkpoint_load.load_full(path, check_files=False)  # verified above
+        checkpoint_load.check_compatible(manifest, self.model_info)
+        checkpoint_load.check_same_data(manifest, getattr(self.data, "digest", None))
         names = list(self.hybrid.names)
-        model_shard, optimizer_shard = ckpt.reshard(model_state, optimizer_state, specs, self.coords["tp"],
+        model_shard, optimizer_shard = checkpoint_load.reshard(model_state, optimizer_state, specs, self.coords["tp"],
                                                     self.config.tp, names)
         with torch.no_grad(), self._whole_parameters(write=True):
             for name, param in self.hybrid.names.items():
