@@ -45,7 +45,7 @@ from plait.plan import (
 )
 from plait.cost.topology_io import load_topology
 from plait.plan.cluster import check_count, MAX_DEVICES, topology_cluster
-from plait.plan.estimate import MESH_ORDERS
+from plait.plan.layout import MESH_ORDERS
 from plait.plan.device import load_device_profile, measure_device
 from plait.plan.grid import DEFAULT_MAX_LAYOUTS
 from plait.plan.layers import RECOMPUTE_MODES

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 from plait.plan.cluster import Cluster, cluster_preset, CLUSTER_PRESETS
 from plait.plan.device import device_preset, DEVICE_PRESETS, DeviceSpec
-from plait.plan.estimate import estimate, Estimate, Layout, layout_problems
+from plait.plan.estimate import estimate, Estimate
+from plait.plan.layout import Layout, layout_problems
 from plait.plan.precision import Precision, PRECISIONS, precision_for
 from plait.plan.explain import explain, table
 from plait.plan.layers import LayerCost

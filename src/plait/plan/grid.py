@@ -33,7 +33,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
-from plait.plan.estimate import Layout, layout_problems
+from plait.plan.layout import Layout, layout_problems
 from plait.plan.layers import RECOMPUTE_MODES
 from plait.plan.pipeline import MAX_LIST_SCHEDULED_PP
 

@@ -33,8 +33,8 @@ from collections import Counter
 from dataclasses import dataclass, field, replace
 
 from plait.plan.cluster import MAX_DEVICES, Cluster
-from plait.plan.estimate import (MESH_ORDERS, SCHEDULES, Estimate, Layout, alpa_split, combine, estimate,
-                                 layout_problems, split_groups, summarize)
+from plait.plan.estimate import Estimate, alpa_split, combine, estimate, split_groups, summarize
+from plait.plan.layout import MESH_ORDERS, SCHEDULES, Layout, layout_problems
 from plait.plan.precision import PRECISIONS, precision_for
 from plait.plan.grid import (DEFAULT_MAX_LAYOUTS, Family, Pruning, divisors, enumerate_families, fit_budget,
                              variant_choices)
