@@ -65,20 +65,12 @@ _LEARNING_RATE = 1e-3
 
 
 @dataclass(frozen=True, kw_only=True)
-class PpVsTorchConfig:
-    """Flags of `plait bench pp --vs-torch` (one field per flag)."""
+class PpVsTorchConfig(PpBenchConfig):
+    """Flags of `plait bench pp --vs-torch`: `plait bench pp`'s (the same model, batch,
+    steps and checks), the schedules torch has too, and the rounds to alternate."""
 
-    stages: tuple[int, ...] = (2, 4)
     schedules: tuple[str, ...] = VS_TORCH_SCHEDULES
-    microbatches: int = 8
-    virtual: int = 2
-    layers: int = 16
-    width: int = 512
-    batch: int = 1024
-    steps: int = 3
-    warmup: int = 1
     rounds: int = 5
-    timeout_s: float = 300.0
 
     def __post_init__(self):
         problems = []
@@ -88,19 +80,13 @@ class PpVsTorchConfig:
         if missing or not self.schedules:
             problems.append(f"--vs-torch: torch.distributed.pipelining has no counterpart of {missing}; "
                             f"choose from {list(VS_TORCH_SCHEDULES)}")
-        try:
-            self.model_config()
-        except ValueError as error:
-            problems.append(str(error))
+        else:
+            try:
+                super().__post_init__()
+            except ValueError as error:
+                problems.append(str(error))
         if problems:
             raise ValueError("; ".join(problems))
-
-    def model_config(self) -> PpBenchConfig:
-        """The same model, batch and steps as `plait bench pp` (its checks apply)."""
-        known = tuple(name for name in self.schedules if name in VS_TORCH_SCHEDULES) or VS_TORCH_SCHEDULES
-        return PpBenchConfig(stages=self.stages, schedules=known, microbatches=self.microbatches,
-                             virtual=self.virtual, layers=self.layers, width=self.width, batch=self.batch,
-                             steps=self.steps, warmup=self.warmup, timeout_s=self.timeout_s)
 
 
 class _PlaitSide:
@@ -152,8 +138,7 @@ def compare_schedule(config: PpVsTorchConfig, name: str, device=None) -> dict | 
     device = torch.device("cpu") if device is None else device
     v = config.virtual if name == "interleaved_1f1b" else 1
     schedule = build(name, p, config.microbatches, v if name == "interleaved_1f1b" else None)
-    model = config.model_config()
-    plait_layers, torch_layers = _mlp(model), _mlp(model)  # the same seed: equal weights
+    plait_layers, torch_layers = _mlp(config), _mlp(config)  # the same seed: equal weights
     chunks = split_layers(plait_layers, p, virtual=v)
     stage_ids = [s for _, s in schedule.stages_of(rank)]
     sides = {"plait": _PlaitSide(schedule, plait_layers, chunks, stage_ids, config),

@@ -62,6 +62,8 @@ from plait.parallel.pipeline.schedules import (
     STEP,
     WEIGHT,
     PipelineSchedule,
+    backward_next,
+    next_backward,
 )
 from plait.parallel.offload import ActivationOffloader
 from plait.parallel.precision import autocast
@@ -249,8 +251,8 @@ class PipelineEngine:
         micro_targets = self._split(targets, "targets") if self.last in self.stages else None
         self.messages.begin(self.steps, self.device)
         try:
-            upcoming = _next_backward(actions) if self.offloader is not None else None
-            state.backward_next = _backward_next(actions) if self.offloader is not None else set()
+            upcoming = next_backward(actions) if self.offloader is not None else None
+            state.backward_next = backward_next(actions) if self.offloader is not None else set()
             for state.position, action in enumerate(actions):
                 if upcoming is not None and upcoming[state.position] is not None:
                     self.offloader.prefetch(upcoming[state.position])  # read back while this action computes
@@ -466,27 +468,6 @@ class _StepState:
 
 def _identity(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
-
-
-def _backward_next(actions) -> set[int]:
-    """Positions of forwards whose own backward is this rank's next computation (the
-    last stage's, in 1F1B): nothing to gain from offloading those."""
-    computing = [position for position, action in enumerate(actions) if action.kind in (FORWARD, BACKWARD, WEIGHT)]
-    return {here for here, following in zip(computing, computing[1:])
-            if actions[here].kind == FORWARD and actions[following].kind == BACKWARD
-            and (actions[following].microbatch, actions[following].stage) == (actions[here].microbatch,
-                                                                            actions[here].stage)}
-
-
-def _next_backward(actions) -> list:
-    """Per position, the (micro-batch, stage) of the first backward at or after the
-    next action (what to read back while this one runs), None past the last."""
-    upcoming, found = [None] * len(actions), None
-    for position in range(len(actions) - 1, -1, -1):
-        upcoming[position] = found
-        if actions[position].kind == BACKWARD:
-            found = (actions[position].microbatch, actions[position].stage)
-    return upcoming
 
 
 def _as_leaf(tensor: torch.Tensor) -> torch.Tensor:

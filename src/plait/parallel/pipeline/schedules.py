@@ -335,3 +335,24 @@ def _with_communication(schedule: PipelineSchedule, all_reduce: bool) -> Pipelin
                             stages=schedule.stages, pipelines=schedule.pipelines,
                             microbatch_pipeline=schedule.microbatch_pipeline, actions=tuple(actions),
                             split_backward=schedule.split_backward)
+
+
+def backward_next(actions) -> set[int]:
+    """Positions of forwards whose own backward is this rank's next computation (the
+    last stage's, in 1F1B): nothing to gain from offloading those (plait.parallel.offload)."""
+    computing = [position for position, action in enumerate(actions) if action.kind in (FORWARD, BACKWARD, WEIGHT)]
+    return {here for here, following in zip(computing, computing[1:])
+            if actions[here].kind == FORWARD and actions[following].kind == BACKWARD
+            and (actions[following].microbatch, actions[following].stage) == (actions[here].microbatch,
+                                                                            actions[here].stage)}
+
+
+def next_backward(actions) -> list:
+    """Per position, the (micro-batch, stage) of the first backward at or after the
+    next action (what to read back while this one runs), None past the last."""
+    upcoming, found = [None] * len(actions), None
+    for position in range(len(actions) - 1, -1, -1):
+        upcoming[position] = found
+        if actions[position].kind == BACKWARD:
+            found = (actions[position].microbatch, actions[position].stage)
+    return upcoming
