@@ -242,26 +242,6 @@ class BenchRow:
         return out
 
 
-def memcpy_gbps(nbytes: int = 64 << 20, repeats: int = 5) -> float:
-    """This process's copy bandwidth (GB/s, bytes copied per second): the median of
-    ``repeats`` one-thread copies of ``nbytes`` between two host buffers, the limit a
-    transport through shared memory copies at (each message is copied in and out)."""
-    source = torch.ones(nbytes, dtype=torch.uint8)
-    target = torch.empty_like(source)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        target.copy_(source)  # first touch of the target's pages
-        times_s = []
-        for _ in range(repeats):
-            start_s = time.perf_counter()
-            target.copy_(source)
-            times_s.append(time.perf_counter() - start_s)
-    finally:
-        torch.set_num_threads(threads)
-    return nbytes / sorted(times_s)[len(times_s) // 2] / 1e9
-
-
 def choose_iteration_counts(per_call_s: float, iters: int, warmup_left: int,
                             time_budget_s: float) -> tuple[int, int]:
     """(timed iters, further warm-up calls) for a size whose calls take ~per_call_s.

@@ -26,7 +26,8 @@ import sys
 
 from plait.bench import report
 from plait.bench.buffers import canonical_dtype_name, COLLECTIVES, DTYPE_NAMES, OPS
-from plait.bench.collectives import accepted_algorithms, available_algorithms, BenchConfig, BenchRow, memcpy_gbps
+from plait.bench.collectives import accepted_algorithms, available_algorithms, BenchConfig, BenchRow
+from plait.bench.memcpy import memcpy_gbps
 from plait.bench.launch import choose_backend, in_torchrun, run_in_current_world, spawn_and_run, WorkerError
 from plait.bench.predict import Predictor
 from plait.comm.config import TRANSPORTS
