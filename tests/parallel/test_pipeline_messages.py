@@ -15,9 +15,10 @@ from torch import nn
 from plait import comm
 from plait.comm import tags
 from plait.parallel.pipeline import build
-from plait.parallel.pipeline.engine import PipelineEngine, PipelineError
+from plait.parallel.pipeline.engine import PipelineEngine
 from plait.parallel.pipeline.messages import TAGS_PER_MESSAGE
 from plait.testing import run_distributed, run_fresh_world
+from tests.parallel.test_pipeline_engine import _error_text
 
 WIDTH, CLASSES = 16, 5
 PART = {0: "header", 1: "agreed payload", 2: "new payload"}
@@ -107,14 +108,6 @@ class LateShrinking(nn.Module):
     def forward(self, x):
         self.calls += 1
         return self.linear(x)[:, : WIDTH - (self.calls > 3)]
-
-
-def _error_text(call):
-    try:
-        call()
-    except (ValueError, PipelineError) as error:
-        return f"{type(error).__name__}: {error}"
-    return None
 
 
 def late_shape_change(rank, world_size):
