@@ -33,7 +33,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
                     "built on send/recv, a cost model and parallelism strategies.")
     parser.add_argument("--version", action="version", version=f"plait {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    module = None if command is None else command.replace("-", "_")
+    module = None if command is None or "_" in command else command.replace("-", "_")  # names use "-"
     for name in (module,) if module in SUBCOMMANDS else SUBCOMMANDS:
         importlib.import_module(f"plait.cli.{name}").add_parser(subparsers)
     return parser
