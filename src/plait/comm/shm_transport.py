@@ -396,8 +396,11 @@ class ShmTransport:
                 self._nap_done.notify_all()
 
     def _check_peers(self) -> None:
-        """Fail pending work of a peer whose process is gone or whose transport closed."""
+        """Fail pending work of a peer whose process is gone or whose transport closed,
+        after taking in whatever it wrote before it went (a peer may send its last
+        message and exit between this rank's last look at the rings and this check)."""
         with self._lock:
+            self._progress_locked()
             for peer in self.peers:
                 reason = self._peer_gone(peer)
                 if reason is None:
