@@ -153,6 +153,34 @@ def test_a_message_sent_just_before_its_sender_closed_is_still_received(pair):
     assert torch.equal(target, torch.arange(5))
 
 
+def _rung(transport) -> bool:
+    """Whether a peer rang ``transport``'s doorbell since it was last read (drains it)."""
+    try:
+        return len(os.read(transport.bell, 4096)) > 0
+    except BlockingIOError:
+        return False
+
+
+def test_a_reader_rings_a_sleeping_sender_only_while_it_wants_room(pair):
+    """Consuming bytes wakes the sender only if it waits for room in the ring: a
+    sender asleep for another reason (its own receive) is not woken for nothing."""
+    sender, owner = pair
+    _rung(sender)
+    assert sender.send(torch.arange(8), 1, 1).done  # fits: nothing waits for room
+    sender.inbox.set_sleeping(True)  # as if blocked on its doorbell, waiting for something else
+    receive = owner.recv(torch.zeros(8, dtype=torch.int64), 0, 1)
+    assert receive.done and not _rung(sender)
+    big = torch.arange(3000)  # 24000 bytes through a 4096-byte ring
+    send = sender.send(big, 1, 2)
+    assert not send.done and sender.outbound[1].room_wanted()
+    target = torch.zeros(3000, dtype=torch.int64)
+    receive = owner.recv(target, 0, 2)  # takes in what fits, freeing room
+    assert _rung(sender)
+    sender.inbox.set_sleeping(False)
+    drive(pair, [send, receive])
+    assert torch.equal(target, big) and not sender.outbound[1].room_wanted()
+
+
 def test_a_frame_is_its_header_and_its_padded_payload():
     assert frame_bytes(0) == 64 and frame_bytes(1) == 128 and frame_bytes(64) == 128 and frame_bytes(65) == 192
 

@@ -9,7 +9,8 @@ reader's field)::
     64     sleeping 1 while the owner is blocked on its doorbell (peers ring it then)
     128    closed   1 once the owner has closed its transport
     4096   ring 0   tail (sender's: frame bytes written) at +0, head (owner's: bytes
-                    consumed) at +64, data at +4096 .. +4096+C
+                    consumed) at +64, wanted (sender's: 1 while it has bytes the ring
+                    had no room for) at +128, data at +4096 .. +4096+C
     ...    ring k   the ring of the k-th other local rank, at 4096 + k·(4096 + C)
 
 A ring is single-producer, single-consumer. Positions only grow; byte ``pos`` of the
@@ -27,8 +28,10 @@ architectures would need fences, which Python cannot issue:
 
 The doorbell is a FIFO the owner reads; a rank about to block sets its ``sleeping``
 word and waits on the FIFO with a short timeout; a rank that moves bytes a sleeping
-owner waits for writes one byte to its FIFO (the only syscall, and only when the
-owner sleeps).
+rank waits for writes one byte to its FIFO (the only syscall, and only when that
+rank sleeps): a sender after writing frames, the owner after consuming bytes only
+while the ring's sender wants room (so a sender that waits for something else is
+not woken for nothing).
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ FRAME_ALIGN = 64
 _NONCE, _PID, _RING_BYTES, _RINGS = 1, 2, 3, 4
 _SLEEPING = 64 // 8
 _CLOSED = 128 // 8
-_TAIL, _HEAD = 0, 64 // 8
+_TAIL, _HEAD, _WANTED = 0, 64 // 8, 128 // 8
 
 
 def ordering_is_safe() -> bool:
@@ -151,7 +154,7 @@ class Segment:
 class Ring:
     """One single-producer single-consumer byte ring inside a segment."""
 
-    __slots__ = ("words", "data", "capacity", "_tail", "_head", "_base")
+    __slots__ = ("words", "data", "capacity", "_tail", "_head", "_wanted", "_base")
 
     def __init__(self, segment: Segment, offset: int, capacity: int):
         self.words = segment.words
@@ -159,6 +162,7 @@ class Ring:
         self.capacity = capacity
         self._tail = offset // 8 + _TAIL
         self._head = offset // 8 + _HEAD
+        self._wanted = offset // 8 + _WANTED
         self._base = offset + HEADER_BYTES
 
     def tail(self) -> int:
@@ -172,6 +176,13 @@ class Ring:
 
     def set_head(self, position: int) -> None:
         self.words[self._head] = position
+
+    def room_wanted(self) -> bool:
+        """Whether the sender has bytes waiting for room in this ring."""
+        return self.words[self._wanted] != 0
+
+    def set_room_wanted(self, value: bool) -> None:
+        self.words[self._wanted] = 1 if value else 0
 
     def write_header(self, position: int, tag: int, payload_bytes: int) -> None:
         index = (self._base + position % self.capacity) // 8  # frames start 64-aligned: never wrap

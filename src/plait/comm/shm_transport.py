@@ -137,6 +137,7 @@ class ShmTransport:
         self._any: deque[_Recv] = deque()
         self._unexpected: dict[int, deque[_Unexpected]] = {peer: deque() for peer in self.peers}
         self._reading: dict[int, _Inbound | None] = {peer: None for peer in self.peers}
+        self._wanting = {peer: False for peer in self.peers}  # what this rank last said in outbound[peer]
         self._pids = {peer: outboxes[peer].owner_pid for peer in self.peers}
         self._closed = False
         self.payload_bytes_written = 0  # counted as bytes are copied into the rings
@@ -251,6 +252,9 @@ class ShmTransport:
                 queue.popleft()
                 send.work.done = True
                 send.source = None
+        if bool(queue) != self._wanting[peer]:  # tell the owner whether to ring when it frees room
+            self._wanting[peer] = bool(queue)
+            ring.set_room_wanted(bool(queue))
         if tail == start_tail:
             return False
         ring.set_tail(tail)
@@ -294,7 +298,8 @@ class ShmTransport:
         if head == start_head:
             return False
         ring.set_head(head)
-        self._ring(peer)
+        if ring.room_wanted():  # the sender waits for room (else a bell would wake it for nothing)
+            self._ring(peer)
         return True
 
     def _match(self, peer: int, tag: int, payload: int) -> _Inbound | None:
