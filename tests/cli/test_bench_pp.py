@@ -82,6 +82,8 @@ def test_bench_pp_vs_torch_summary_and_errors():
         PpVsTorchConfig(schedules=("gpipe", "chimera"))
     with pytest.raises(ValueError, match=r"rounds=0 must be an int >= 1"):
         PpVsTorchConfig(rounds=0)
+    with pytest.raises(ValueError, match=r"no counterpart of \['chimera'\].*batch=7 does not split"):
+        PpVsTorchConfig(schedules=("chimera",), batch=7)  # every problem at once
     err = io.StringIO()
     with redirect_stderr(err):
         assert main(["bench", "pp", "--vs-torch", "--schedules", "chimera"]) == 2
