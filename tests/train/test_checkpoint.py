@@ -263,7 +263,8 @@ def test_no_complete_checkpoint(tmp_path, reference):
     (partial / "manifest.json").write_text("{not json")
     lines = []
     assert ckpt.latest_complete(tmp_path, log=lines.append) is None
-    assert lines == ["step_00000100: manifest.json unreadable: no complete checkpoint left"]
+    assert lines == ["step_00000100: manifest.json unreadable (JSONDecodeError: Expecting property name enclosed in "
+                     "double quotes: line 1 column 2 (char 1)): no complete checkpoint left"]
 
 
 def _write_raw(directory, payloads, tp_size, pp_size):
@@ -278,20 +279,26 @@ def _write_raw(directory, payloads, tp_size, pp_size):
     return directory
 
 
-@pytest.mark.parametrize("change, message", [
-    ({"tp_rank": 0}, r"tp1-pp0.pt holds tp_rank 0, pp_rank 0, which does not match its name"),
-    ({"tp_size": 3}, r"shards disagree on \(tp_size, pp_size\): \[\(2, 2\), \(3, 2\)\]"),
-    ({"format": 2}, r"shard format 2 != 1"),
+@pytest.mark.parametrize("change, message, problem", [
+    ({"tp_rank": 0}, r"tp1-pp0.pt holds tp_rank 0, pp_rank 0, which does not match its name",
+     "tp1-pp0.pt holds tp_rank 0 of tp_size 2, pp_rank 0 of pp_size 2; its name and the manifest's mesh say "
+     "tp_rank 1 of 2, pp_rank 0 of 2 (not valid)"),
+    ({"tp_size": 3}, r"shards disagree on \(tp_size, pp_size\): \[\(2, 2\), \(3, 2\)\]",
+     "tp1-pp0.pt holds tp_rank 1 of tp_size 3, pp_rank 0 of pp_size 2; its name and the manifest's mesh say "
+     "tp_rank 1 of 2, pp_rank 0 of 2 (not valid)"),
+    ({"format": 2}, r"shard format 2 != 1", "tp1-pp0.pt: shard format 2 != 1; this plait reads format 1 only"),
 ])
-def test_load_full_rejects_an_inconsistent_grid(tmp_path, reference, change, message):
+def test_load_full_rejects_an_inconsistent_grid(tmp_path, reference, change, message, problem):
+    """Sizes and hashes agree with the manifest, the contents do not: verify (info,
+    resume, export) names the shard, and the loader refuses it too."""
     full, specs, optimizer = reference
     payloads = {ckpt.shard_name(tp, pp): _payload(full, specs, optimizer, tp, 2, pp, 2)
                 for pp in range(2) for tp in range(2)}
     payloads["tp1-pp0.pt"].update(change)
     directory = _write_raw(tmp_path / "c", payloads, 2, 2)
-    assert ckpt.verify(directory) == []
+    assert ckpt.verify(directory) == [problem]
     with pytest.raises(ValueError, match=message):
-        checkpoint_load.load_full(directory)
+        checkpoint_load.load_full(directory, check_files=False)
 
 
 def test_load_full_rejects_a_parameter_in_two_stages(tmp_path, reference):
@@ -301,8 +308,10 @@ def test_load_full_rejects_a_parameter_in_two_stages(tmp_path, reference):
     for tp in range(2):
         for key in ("model", "specs"):
             payloads[f"tp{tp}-pp1.pt"][key]["position"] = payloads[f"tp{tp}-pp0.pt"][key]["position"]
+    directory = _write_raw(tmp_path / "c", payloads, 2, 2)
+    assert ckpt.verify(directory) == ["'position' is in pipeline stages 0 and 1; each tensor belongs to one stage"]
     with pytest.raises(ValueError, match="position is in pipeline stages 0 and 1"):
-        checkpoint_load.load_full(_write_raw(tmp_path / "c", payloads, 2, 2))
+        checkpoint_load.load_full(directory, check_files=False)
 
 
 def test_load_full_rejects_disagreeing_replicas(tmp_path, reference):

@@ -78,7 +78,7 @@ def info_lines(directory: Path, manifest: dict) -> list[str]:
 
 
 def run_info(args: argparse.Namespace) -> int:
-    directory, verified = checkpoint.resolve(args.path, log=_note)
+    directory, verified = checkpoint.resolve(args.path, log=_note, what="PATH")
     problems = [] if verified else checkpoint.verify(directory)
     if problems:
         raise ValueError(f"{directory} is not a complete checkpoint: {'; '.join(problems)}; use an older "
@@ -90,8 +90,9 @@ def run_info(args: argparse.Namespace) -> int:
 
 def run_export(args: argparse.Namespace) -> int:
     fmt = export_file.export_format(args.out, args.format)  # a bad --out suffix fails before any reading
+    export_file.check_out_path(args.out)  # an overlong name, too
     prepare_output_paths(output_file("--out", args.out))
-    directory, verified = checkpoint.resolve(args.path, log=_note)
+    directory, verified = checkpoint.resolve(args.path, log=_note, what="PATH")
     out_path = export_file.export(directory, args.out, fmt, log=_note, check_files=not verified)
     manifest = checkpoint.read_manifest(directory)
     print(f"exported step {manifest.get('step')} of {directory} ({len(manifest['files'])} shards) to {out_path} "

@@ -26,11 +26,13 @@ each parameter and its optimizer state once per (tp, pp) shard, about
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
 import re
 import shutil
+import stat
 from pathlib import Path
 from typing import Callable
 
@@ -38,10 +40,12 @@ import torch
 
 from plait.parallel.tensor.sharding import ShardSpec
 from plait.train.atomic_files import atomic_write, torch_save
+from plait.train.checkpoint_checks import (FORMAT, MANIFEST_NAME, ManifestUnreadable, UnsafeManifest,  # noqa: F401
+                                          SHOWN_CHARS, check_header, check_user_path, cut, is_plain_name,
+                                          manifest_problems,
+                                          read_manifest, shard_name, shard_problems, shown, step_of_name)
 
-FORMAT = 1
-MANIFEST_NAME = "manifest.json"
-_STEP_DIR = re.compile(r"^step_(\d{8,})$")
+PARTIAL = f"no {MANIFEST_NAME} (partial: the save did not finish)"
 
 
 def checkpoint_dir(run_dir: str | os.PathLike, step: int) -> Path:
@@ -49,11 +53,6 @@ def checkpoint_dir(run_dir: str | os.PathLike, step: int) -> Path:
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ValueError(f"step={step!r} must be an int >= 0")
     return Path(run_dir) / "checkpoints" / f"step_{step:08d}"
-
-
-def shard_name(tp_rank: int, pp_rank: int) -> str:
-    """The file of tensor-parallel rank ``tp_rank`` of pipeline stage ``pp_rank``."""
-    return f"tp{tp_rank}-pp{pp_rank}.pt"
 
 
 # ----------------------------------------------------------------------------- writing
@@ -130,29 +129,6 @@ def _spec_entry(spec, name: str) -> list[int] | None:
     raise ValueError(f"specs[{name!r}] = {spec!r}: use None (replicated) or [dim, full_size]")
 
 
-def check_header(payload: dict, where: str) -> None:
-    """The shard payload's format, coordinates and key sets (``where`` names the file)."""
-    if not isinstance(payload, dict):
-        raise ValueError(f"{where}: a shard payload is a dict, got {type(payload).__name__}")
-    missing = [key for key in ("format", "tp_rank", "tp_size", "pp_rank", "pp_size", "model", "specs")
-               if key not in payload]
-    if missing:
-        raise ValueError(f"{where}: shard payload lacks {missing}")
-    if payload["format"] != FORMAT:
-        raise ValueError(f"{where}: shard format {payload['format']!r} != {FORMAT}; this plait reads format "
-                         f"{FORMAT} only")
-    for axis in ("tp", "pp"):
-        rank, size = payload[f"{axis}_rank"], payload[f"{axis}_size"]
-        if not (type(rank) is int and type(size) is int and 0 <= rank < size):
-            raise ValueError(f"{where}: {axis}_rank={rank!r}, {axis}_size={size!r}: need 0 <= rank < size")
-    if set(payload["model"]) != set(payload["specs"]):
-        raise ValueError(f"{where}: model and specs name different tensors: "
-                         f"{sorted(set(payload['model']) ^ set(payload['specs']))}")
-    extra = sorted(set(payload.get("optimizer", {})) - set(payload["model"]))
-    if extra:
-        raise ValueError(f"{where}: optimizer state for tensors not in model: {extra}")
-
-
 def write_shard(directory: str | os.PathLike, name: str, payload: dict) -> dict:
     """Write one (tp, pp) shard atomically; returns {"name", "nbytes", "sha256"} for
     ``write_manifest``. Specs may be ShardSpec or (dim, full_size); views are cloned
@@ -185,7 +161,8 @@ def write_shard(directory: str | os.PathLike, name: str, payload: dict) -> dict:
 def write_manifest(directory: str | os.PathLike, manifest: dict, files: list[dict]) -> Path:
     """Commit the checkpoint: manifest.json (``manifest`` plus "format" and "files"
     {name: {nbytes, sha256}}) written atomically after every shard. ``files`` are
-    write_shard's results; with ``manifest["mesh"]`` they must be its tp x pp grid."""
+    write_shard's results, the tp x pp grid of ``manifest["mesh"]``; ``manifest``
+    records "step" (its directory's) and "data_position" (the same), as verify requires."""
     directory = Path(directory)
     entries = {}
     for entry in files:
@@ -204,6 +181,9 @@ def write_manifest(directory: str | os.PathLike, manifest: dict, files: list[dic
             raise ValueError(f"{path} is missing or not {entry['nbytes']} bytes: write every shard (and wait for "
                              "all writers) before the manifest")
     document = {**manifest, "format": FORMAT, "files": entries}
+    problems = manifest_problems(directory, document)  # what verify would refuse is never written
+    if problems:
+        raise ValueError(f"manifest not written to {directory}: {problems_summary(problems)}")
     text = json.dumps(document, indent=2) + "\n"  # a TypeError here names the value that is not JSON
     path = directory / MANIFEST_NAME
     atomic_write(path, lambda temp: Path(temp).write_text(text), nbytes=len(text.encode()))
@@ -212,77 +192,105 @@ def write_manifest(directory: str | os.PathLike, manifest: dict, files: list[dic
 
 # ----------------------------------------------------------------------------- finding
 
-def read_manifest(directory: str | os.PathLike) -> dict:
-    """The parsed manifest.json of a checkpoint directory (ValueError if absent or bad)."""
-    path = Path(directory) / MANIFEST_NAME
+def _directory_problem(directory: Path) -> str | None:
+    """Why ``directory`` cannot be a checkpoint directory (a link, not a directory,
+    under a linked checkpoints/), or None."""
     try:
-        manifest = json.loads(path.read_text())
+        mode = os.lstat(directory).st_mode
     except FileNotFoundError:
-        raise ValueError(f"{path.parent} has no {MANIFEST_NAME}: it is a partial checkpoint (the save did not "
-                         "finish) or not a checkpoint directory; use an older step_* directory") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise ValueError(f"{path} is unreadable ({error}); use an older step_* directory") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or not isinstance(manifest.get("files"),
-                                                                                             dict):
-        raise ValueError(f"{path}: not a format-{FORMAT} plait manifest (need \"format\": {FORMAT} and \"files\")")
-    outside = [name for name in manifest["files"] if not is_plain_name(name)]
-    if outside:
-        raise UnsafeManifest(path, outside)
-    return manifest
+        return f"{cut(str(directory), 2 * SHOWN_CHARS)} does not exist"
+    except OSError as error:
+        return f"{cut(str(directory), 2 * SHOWN_CHARS)} cannot be read ({error.strerror})"
+    if stat.S_ISLNK(mode):
+        try:
+            target = f" to {shown(os.readlink(directory))}"
+        except OSError:
+            target = ""
+        return (f"the directory is a symbolic link{target}: a checkpoint is a directory inside its run, never a "
+                "link; plait neither reads nor deletes through one (not valid)")
+    if not stat.S_ISDIR(mode):
+        return "not a directory (not valid)"
+    parent = directory.parent
+    if parent.name == "checkpoints" and parent.is_symlink():
+        return _linked_checkpoints(parent)
+    return None
 
 
-class UnsafeManifest(ValueError):
-    """A manifest that names files outside its checkpoint directory."""
-
-    def __init__(self, path: Path, names: list):
-        self.names = names
-        super().__init__(f"{path} lists {', '.join(map(repr, names[:3]))}: a checkpoint's files are plain names "
-                         "inside its directory (no '/', '..' or absolute paths); this checkpoint is not valid")
-
-
-def is_plain_name(name) -> bool:
-    """A file name that stays in its directory: no separators, not '.' or '..', not absolute."""
-    return (isinstance(name, str) and name not in ("", ".", "..", MANIFEST_NAME) and "/" not in name
-            and "\\" not in name and "\x00" not in name and Path(name).name == name)
+def _linked_checkpoints(root: Path) -> str:
+    return (f"{root} is a symbolic link: a run's checkpoints are a directory inside it, and plait neither reads "
+            "nor deletes checkpoints through a link; replace the link by a directory (copy the checkpoints in)")
 
 
 def verify(directory: str | os.PathLike, *, check_sha256: bool = True) -> list[str]:
-    """Why ``directory`` is not a complete checkpoint; [] if it is. Reads every file
-    to hash it (``check_sha256=False``: sizes only, no reads)."""
+    """Why ``directory`` is not a complete checkpoint; [] if it is. Complete: a real
+    directory (not a link, nor under a linked checkpoints/), a manifest that agrees with
+    its directory and its files (plait.train.checkpoint_checks), every listed file a
+    regular file of its size and sha256, every shard's coordinates and shapes right.
+    Reads every file to hash it (``check_sha256=False``: sizes only); the shards are
+    then loaded memory-mapped to read their headers and shapes."""
     directory = Path(directory)
-    if not (directory / MANIFEST_NAME).exists():
-        return [f"no {MANIFEST_NAME} (partial: the save did not finish)"]
-    if (directory / MANIFEST_NAME).is_symlink():
+    problem = _directory_problem(directory)
+    if problem is not None:
+        return [problem]
+    try:
+        mode = os.lstat(directory / MANIFEST_NAME).st_mode
+    except FileNotFoundError:
+        return [PARTIAL]
+    except OSError as error:
+        return [f"{MANIFEST_NAME} unreadable ({error.strerror})"]
+    if stat.S_ISLNK(mode):
         return [f"{MANIFEST_NAME} is a symbolic link (a checkpoint's files are regular files inside it)"]
     try:
         manifest = read_manifest(directory)
     except UnsafeManifest as error:
         return [f"{MANIFEST_NAME} lists files outside the checkpoint directory: "
-                f"{', '.join(map(repr, error.names[:3]))} (not valid)"]
-    except ValueError:
-        return [f"{MANIFEST_NAME} unreadable"]
-    problems = []
+                f"{', '.join(map(shown, error.names[:3]))} (not valid)"]
+    except ManifestUnreadable as error:
+        return [f"{MANIFEST_NAME} unreadable ({error.reason})"]
+    except ValueError:  # removed since the lstat above
+        return [PARTIAL]
+    problems = manifest_problems(directory, manifest)
+    if problems:
+        return problems
     for name, entry in manifest["files"].items():
         path = directory / name
-        if path.is_symlink():
-            problems.append(f"{name} is a symbolic link (a checkpoint's files are regular files inside it)")
-        elif not path.is_file():
+        try:
+            info = os.lstat(path)
+        except FileNotFoundError:
             problems.append(f"{name} missing")
-        elif (nbytes := path.stat().st_size) != entry.get("nbytes"):
-            problems.append(f"{name} is {nbytes} bytes, manifest says {entry.get('nbytes')} (truncated or "
+            continue
+        except OSError as error:
+            problems.append(f"{name} unreadable ({error.strerror})")
+            continue
+        if stat.S_ISLNK(info.st_mode):
+            problems.append(f"{name} is a symbolic link (a checkpoint's files are regular files inside it)")
+        elif not stat.S_ISREG(info.st_mode):
+            problems.append(f"{name} is not a regular file")
+        elif info.st_size != entry["nbytes"]:
+            problems.append(f"{name} is {info.st_size} bytes, manifest says {entry['nbytes']} (truncated or "
                             "overwritten)")
-        elif check_sha256 and _sha256(path) != entry.get("sha256"):
+        elif check_sha256 and _sha256(path) != entry["sha256"]:
             problems.append(f"{name} sha256 mismatch (corrupt)")
-    return problems
+    return problems or shard_problems(directory, manifest)
 
 
 def list_checkpoints(run_dir: str | os.PathLike) -> list[Path]:
-    """Every RUN/checkpoints/step_* directory, oldest (lowest step) first."""
+    """Every RUN/checkpoints/step_* entry, oldest (lowest step) first: directories, and
+    links or files with such a name (which verify refuses by name). Only names
+    checkpoint_dir writes count (step_ and 8 or more ASCII digits, no extra zeros).
+    ValueError if checkpoints/ is a symbolic link (plait reads no run through one)."""
     root = Path(run_dir) / "checkpoints"
-    if not root.is_dir():
+    try:
+        mode = os.lstat(root).st_mode
+    except (FileNotFoundError, NotADirectoryError):
         return []
-    found = [(int(match.group(1)), path) for path in root.iterdir()
-             if path.is_dir() and (match := _STEP_DIR.match(path.name))]
+    except OSError as error:
+        raise ValueError(f"{cut(str(root), 2 * SHOWN_CHARS)} cannot be read ({error.strerror})") from None
+    if stat.S_ISLNK(mode):
+        raise ValueError(_linked_checkpoints(root))
+    if not stat.S_ISDIR(mode):
+        return []
+    found = [(step, root / name) for name in os.listdir(root) if (step := step_of_name(name)) is not None]
     return [path for _, path in sorted(found)]
 
 
@@ -309,17 +317,31 @@ def latest_complete(run_dir: str | os.PathLike, log: Callable[[str], None] | Non
     return chosen
 
 
-def resolve(path: str | os.PathLike, log: Callable[[str], None] | None = print) -> tuple[Path, bool]:
+def _exists(path: Path) -> bool:
+    """Whether anything (a link included) has this name; ValueError for a path the
+    system refuses (check_user_path said why before: this is the last guard)."""
+    try:
+        os.lstat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    except OSError as error:
+        raise ValueError(f"{cut(str(path), 2 * SHOWN_CHARS)} cannot be read ({error.strerror})") from None
+    return True
+
+
+def resolve(path: str | os.PathLike, log: Callable[[str], None] | None = print,
+            what: str = "PATH") -> tuple[Path, bool]:
     """(checkpoint directory, verified): ``path`` itself if it is a checkpoint
     directory (not yet verified), or a run directory's latest complete checkpoint
-    (verified by ``latest_complete``, which logs what it skipped)."""
-    path = Path(path)
-    if not path.exists():
+    (verified by ``latest_complete``, which logs what it skipped). ``what`` names the
+    argument in the one-line ValueError of a path the system refuses."""
+    path = check_user_path(path, what)
+    if not _exists(path):
         raise ValueError(f"{path} does not exist: pass a run directory (with checkpoints/) or a checkpoint "
                          "directory (checkpoints/step_*)")
-    if (path / MANIFEST_NAME).exists() or _STEP_DIR.match(path.name):
+    if _exists(path / MANIFEST_NAME) or step_of_name(path.name) is not None:
         return path, False
-    if (path / "checkpoints").is_dir():
+    if _exists(path / "checkpoints"):
         chosen = latest_complete(path, log=log)
         if chosen is None:
             raise ValueError(f"{path} has no complete checkpoint (none of {len(list_checkpoints(path))} step_* "
@@ -329,46 +351,109 @@ def resolve(path: str | os.PathLike, log: Callable[[str], None] | None = print) 
                      "checkpoints/)")
 
 
+def aside_reason(path: Path) -> str:
+    """What set_aside calls a checkpoint that is out of rotation: "link" (a symbolic
+    link), "partial" (a directory without a manifest) or "corrupt" (anything else)."""
+    try:
+        if stat.S_ISLNK(os.lstat(path).st_mode):
+            return "link"
+        os.lstat(path / MANIFEST_NAME)
+    except FileNotFoundError:
+        return "partial"
+    except OSError:
+        pass
+    return "corrupt"
+
+
 def prune(run_dir: str | os.PathLike, keep: int, *, check_sha256: bool = False,
           log: Callable[[str], None] | None = print) -> list[Path]:
     """Delete all but the newest ``keep`` complete checkpoints, and partial ones (no
     manifest: a save that never finished) older than the newest complete; returns the
-    deleted directories. Complete means the manifest is readable and every file has
-    its size (``check_sha256``: also hashed). A corrupt checkpoint (a manifest whose
-    files do not match it) is never deleted as if it were old: it is renamed
-    ``step_N.corrupt`` (out of rotation) and logged."""
+    deleted directories. Complete is what ``verify`` says (``check_sha256``: files
+    also hashed). A corrupt checkpoint, and a link or file named like a checkpoint,
+    is never deleted as if it were old: it is renamed ``step_N.corrupt`` /
+    ``step_N.link`` (the link itself, never what it points to; out of rotation) and
+    logged. Everything is done relative to checkpoints/ opened without following a
+    link (a linked checkpoints/ prunes nothing), and a step directory is opened with
+    O_NOFOLLOW before anything in it is removed, so nothing outside the run is ever
+    deleted, even if an entry is replaced by a link after it was verified."""
     if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
         raise ValueError(f"keep={keep!r} must be an int >= 1 (the newest complete checkpoint is never deleted)")
-    paths = list_checkpoints(run_dir)
+    root = Path(run_dir) / "checkpoints"
+    try:
+        root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return []
+    except OSError as error:
+        if log is not None:
+            log(f"{root}: nothing pruned: {'a symbolic link' if error.errno == errno.ELOOP else error.strerror}")
+        return []
+    try:
+        return _prune_in(root, root_fd, keep, check_sha256, log)
+    finally:
+        os.close(root_fd)
+
+
+def _prune_in(root: Path, root_fd: int, keep: int, check_sha256: bool, log) -> list[Path]:
+    found = sorted((step, name) for name in os.listdir(root_fd) if (step := step_of_name(name)) is not None)
+    paths = [root / name for _, name in found]
     problems = {path: verify(path, check_sha256=check_sha256) for path in paths}
     complete = [path for path in paths if not problems[path]]
     if not complete:
         return []
     kept = set(complete[-keep:])
     newest = paths.index(complete[-1])
-    doomed = []
+    deleted = []
     for path in paths[:newest]:
         if path in kept:
             continue
-        if problems[path] and (path / MANIFEST_NAME).exists():
-            target = set_aside(path, "corrupt")
+        reason = aside_reason(path)
+        if reason == "partial" and problems[path] == [PARTIAL]:
+            if _remove_step_dir(root_fd, path.name, log):
+                deleted.append(path)
+            continue
+        if not problems[path] and _remove_step_dir(root_fd, path.name, log):
+            deleted.append(path)
+            continue
+        if problems[path]:
+            target = set_aside(path, reason)
             if log is not None:
                 log(f"{path.name}: {problems_summary(problems[path])}: kept as {target.name}, not pruned")
-            continue
-        doomed.append(path)
-    for path in doomed:
-        # The manifest first: a half-deleted directory then reads as partial, not corrupt.
-        (path / MANIFEST_NAME).unlink(missing_ok=True)
-        shutil.rmtree(path)
-    return doomed
+    return deleted
+
+
+def _remove_step_dir(root_fd: int, name: str, log) -> bool:
+    """Remove checkpoints/``name`` if it is a directory (not a link): its manifest
+    first (a half-deleted directory then reads as partial, not corrupt), then the rest
+    with shutil.rmtree's descriptor-based walk, which follows no link."""
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=root_fd)
+    except OSError as error:  # replaced by a link or a file since it was verified
+        if log is not None:
+            log(f"{name}: not pruned ({'a symbolic link' if error.errno == errno.ELOOP else error.strerror})")
+        return False
+    try:
+        os.unlink(MANIFEST_NAME, dir_fd=fd)
+    except (FileNotFoundError, IsADirectoryError, PermissionError):
+        pass  # none, or a directory of that name: rmtree removes it
+    finally:
+        os.close(fd)
+    try:
+        shutil.rmtree(name, dir_fd=root_fd)
+    except OSError as error:  # e.g. replaced by a link between the open above and rmtree's own check
+        if log is not None:
+            log(f"{name}: not pruned ({error})")
+        return False
+    return True
 
 
 def set_aside(path: Path, reason: str) -> Path:
     """Rename checkpoint directory ``path`` to ``step_N.<reason>`` (or ``.<reason>.K``
-    if taken): kept on disk, out of list_checkpoints, so never resumed from or pruned."""
+    if taken): kept on disk, out of list_checkpoints, so never resumed from or pruned.
+    A link is renamed itself (a rename never follows one)."""
     target = path.with_name(f"{path.name}.{reason}")
     index = 0
-    while target.exists():
+    while os.path.lexists(target):
         index += 1
         target = path.with_name(f"{path.name}.{reason}.{index}")
     path.rename(target)

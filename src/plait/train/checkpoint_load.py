@@ -12,7 +12,8 @@ from pathlib import Path
 import torch
 
 from plait.parallel.tensor.sharding import ShardSpec, shard_tensor
-from plait.train.checkpoint import check_header, problems_summary, read_manifest, shard_name, verify
+from plait.train.checkpoint import problems_summary, verify
+from plait.train.checkpoint_checks import check_header, read_manifest, shard_name
 
 
 def _agree(values: list, what: str) -> object:

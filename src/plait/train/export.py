@@ -14,9 +14,12 @@ from typing import Callable
 
 from plait.train.atomic_files import atomic_write, torch_save
 from plait.train.checkpoint import resolve
+from plait.train.checkpoint_checks import check_user_path, cut, name_max
 from plait.train.checkpoint_load import load_full
 
 EXPORT_FORMATS = ("safetensors", "torch")
+# atomic_write fills ".NAME.XXXXXXXX.tmp" first (tempfile.mkstemp: 8 random characters): 14 bytes more than NAME
+TEMPORARY_NAME_EXTRA_NBYTES = len("..") + 8 + len(".tmp")
 _SUFFIX_FORMATS = {".safetensors": "safetensors", ".pt": "torch", ".pth": "torch", ".bin": "torch"}
 
 
@@ -33,6 +36,20 @@ def export_format(out_path: str | os.PathLike, fmt: str | None = None) -> str:
     return _SUFFIX_FORMATS[suffix]
 
 
+def check_out_path(out_path: str | os.PathLike, what: str = "--out") -> Path:
+    """``out_path`` as a Path, or ValueError in one line if the system would refuse it
+    or its temporary name: a name longer than NAME_MAX - 14 bytes (atomic_write's
+    temporary file is ".NAME.XXXXXXXX.tmp"), a path longer than PATH_MAX - 1."""
+    out_path = check_user_path(out_path, what)
+    longest = name_max(out_path.parent) - TEMPORARY_NAME_EXTRA_NBYTES  # 255 where the parent is not made yet
+    nbytes = len(os.fsencode(out_path.name))
+    if nbytes > longest:
+        raise ValueError(f"{what} {cut(str(out_path))}: the file name is {nbytes:,} bytes; the longest this "
+                         f"filesystem takes here is {longest} (NAME_MAX less {TEMPORARY_NAME_EXTRA_NBYTES} for the "
+                         "temporary name it is written under first): give a shorter name")
+    return out_path
+
+
 def export(directory: str | os.PathLike, out_path: str | os.PathLike, fmt: str | None = None,
            log: Callable[[str], None] | None = print, *, check_files: bool = True) -> Path:
     """Write the unsharded model state dict (GPT names, contiguous tensors) of a
@@ -40,7 +57,7 @@ def export(directory: str | os.PathLike, out_path: str | os.PathLike, fmt: str |
     the GPTConfig and step as metadata) or a torch.save'd dict of tensors; both load
     into GPT(GPTConfig(**manifest["model"])) with strict=True. The checkpoint is
     verified first unless ``check_files`` is False (or it was found via a run dir)."""
-    out_path = Path(out_path)
+    out_path = check_out_path(out_path)
     fmt = export_format(out_path, fmt)
     directory, verified = resolve(directory, log=log)
     manifest, model, _, _ = load_full(directory, check_files=check_files and not verified)

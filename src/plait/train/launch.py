@@ -137,12 +137,12 @@ def check_resume_choice(config: TrainConfig, resume: str, data, *, run_id: str |
         manifest = ckpt.read_manifest(plan.checkpoint)
         checkpoint_load.check_compatible(manifest, model_description(config, data))
         checkpoint_load.check_same_data(manifest, getattr(data, "digest", None))
-    what = f"resuming from {plan.checkpoint}" if plan.checkpoint is not None else "starting at step 0"
+    what = "; ".join((*plan.notes, f"resuming from {plan.checkpoint}" if plan.checkpoint is not None
+                      else "starting at step 0"))
     if plan.move_aside_earlier_run:
         what += f"; the earlier run in {config.out} will be moved to {Path(config.out) / rundir.PREVIOUS_DIR}/"
     for state in plan.set_aside:
-        what += (f"; {state.describe()} is newer but not complete: it will be kept as {state.path.name}."
-                 f"{'partial' if state.partial else 'corrupt'}")
+        what += f"; {state.describe()} is newer but not complete: it will be kept as {state.path.name}.{state.reason}"
     log(f"plait train: {what}")
     return plan
 

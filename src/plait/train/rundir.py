@@ -10,7 +10,12 @@ changes) and returns a ``ResumePlan`` or raises ValueError saying what it found:
   ``--force-fresh`` an earlier run is first moved to ``OUT/previous/<time>/``.
 - ``--resume DIR``: that checkpoint, into a directory with no run, into its own run
   (DIR inside ``OUT/checkpoints``, with no newer checkpoint there to overwrite), or
-  with ``--force-fresh`` after the earlier run is moved aside.
+  with ``--force-fresh`` after the earlier run is moved aside. DIR may be a run
+  directory (one with ``checkpoints/``): its newest complete checkpoint, the one
+  `plait checkpoint info DIR` shows; ``--resume OUT`` (the run's own) is ``auto``.
+- A checkpoint that is a symbolic link (or under a linked ``checkpoints/``) is never
+  complete (plait.train.checkpoint.verify): never resumed from, and set aside (the
+  link renamed ``step_N.link``, never what it points to).
 - A restart of the same run (``run.json`` names this ``run_id``: an elastic restart
   after a failure) continues from the run's own newest complete checkpoint, or
   redoes what the run itself wrote.
@@ -55,7 +60,12 @@ class CheckpointState:
 
     @property
     def partial(self) -> bool:
-        return not (self.path / ckpt.MANIFEST_NAME).exists()
+        return self.reason == "partial"
+
+    @property
+    def reason(self) -> str:
+        """What set_aside calls it: "partial", "corrupt" or "link" (ckpt.aside_reason)."""
+        return ckpt.aside_reason(self.path)
 
     def describe(self) -> str:
         return self.path.name + (f" ({'; '.join(self.problems[:2])})" if self.problems else "")
@@ -126,7 +136,7 @@ def survey(out: str | os.PathLike, *, verify_all: bool = False) -> Survey:
     out = Path(out)
     states, found = [], False
     for path in reversed(ckpt.list_checkpoints(out)):
-        step = int(path.name.split("_")[1])
+        step = ckpt.step_of_name(path.name)
         if found and not verify_all:
             states.append(CheckpointState(path, step, ()))  # older than a complete one: not read
             continue
@@ -146,9 +156,14 @@ def decide(out: str | os.PathLike, resume: str, *, run_id: str | None, force_fre
     """What a run started with ``--resume resume`` does in ``out`` (module docstring);
     raises ValueError naming what it found and the ways forward."""
     out = Path(out)
+    given, notes = resume, ()
+    if resume not in ("auto", "never") and _is_run_dir(ckpt.check_user_path(resume, "--resume")):
+        if _same_dir(Path(resume), out):  # this run's own directory: what auto does
+            notes = (f"--resume {resume} is --out itself: continuing it as --resume auto does",)
+            resume = "auto"
     if force_fresh and resume == "auto":
-        raise ValueError("--force-fresh replaces an earlier run, but --resume auto continues it: use --resume never "
-                         "--force-fresh to start over, or drop --force-fresh")
+        raise ValueError(f"--force-fresh replaces an earlier run, but --resume {given} continues it: use --resume "
+                         "never --force-fresh to start over, or drop --force-fresh")
     found = survey(out) if out.is_dir() else Survey(out, (), 0, (), None)
     own = run_id is not None and found.run_id == run_id
     fixes = RESUME_FIXES.format(out=out)
@@ -159,16 +174,17 @@ def decide(out: str | os.PathLike, resume: str, *, run_id: str | None, force_fre
             return ResumePlan(newest.path, set_aside=corrupt, own_restart=True,
                               notes=(f"restart of this run: continuing from its newest checkpoint {newest.path.name}",))
         if resume not in ("auto", "never"):
-            return ResumePlan(_checked_dir(resume), own_restart=True)
+            path, notes = _checked_dir(resume)
+            return ResumePlan(path, own_restart=True, notes=notes)
         return ResumePlan(None, own_restart=True,
                           notes=("restart of this run before its first checkpoint: starting again at step 0",))
     if resume == "auto":
         newest = found.newest_complete
         if newest is not None:
             broken = tuple(state for state in _newer_than(found, newest.step) if not state.complete)
-            return ResumePlan(newest.path, set_aside=broken)
+            return ResumePlan(newest.path, set_aside=broken, notes=notes)
         if not found.holds_run:
-            return ResumePlan(None)
+            return ResumePlan(None, notes=notes)
         raise ValueError(f"--resume auto found an earlier run in {out} but no complete checkpoint to continue it "
                          f"from ({found.describe()}); nothing was changed: {fixes}")
     if resume == "never":
@@ -179,30 +195,56 @@ def decide(out: str | os.PathLike, resume: str, *, run_id: str | None, force_fre
         raise ValueError(f"--resume never would start over in {out}, which holds an earlier run "
                          f"({found.describe()}): add --force-fresh to move it to {out / PREVIOUS_DIR}/, use "
                          f"--resume auto to continue it, or choose another --out")
-    path = _checked_dir(resume)
+    path, notes = _checked_dir(resume)
     inside = path.resolve().parent == (out / "checkpoints").resolve()
     if inside:
-        newer = _newer_than(found, int(path.name.split("_")[1]))
+        newer = _newer_than(found, ckpt.step_of_name(path.name))
         if newer:
             raise ValueError(f"--resume {resume}: {out} holds newer checkpoints that this run would overwrite ("
                              f"{', '.join(state.path.name for state in newer)}): move them out of "
                              f"{out / 'checkpoints'}, or resume into another --out")
-        return ResumePlan(path)
+        return ResumePlan(path, notes=notes)
     if found.holds_run and not force_fresh:
         raise ValueError(f"--resume {resume} into {out}, which holds another run ({found.describe()}): choose "
                          f"another --out, or add --force-fresh to move that run to {out / PREVIOUS_DIR}/")
-    return ResumePlan(path, move_aside_earlier_run=found.holds_run)
+    return ResumePlan(path, move_aside_earlier_run=found.holds_run, notes=notes)
 
 
-def _checked_dir(resume: str) -> Path:
-    path = Path(resume)
-    if not path.exists():
+def _is_run_dir(path: Path) -> bool:
+    """A run directory (it has checkpoints/), not a checkpoint directory (no manifest,
+    not named step_*)."""
+    return (os.path.lexists(path / "checkpoints") and not os.path.lexists(path / ckpt.MANIFEST_NAME)
+            and ckpt.step_of_name(path.name) is None)
+
+
+def _same_dir(first: Path, second: Path) -> bool:
+    try:
+        return os.path.samefile(first, second)
+    except OSError:
+        return False
+
+
+def _checked_dir(resume: str) -> tuple[Path, tuple[str, ...]]:
+    """(checkpoint directory, notes) of ``--resume resume``: a complete checkpoint
+    directory, or a run directory's newest complete checkpoint (as `plait checkpoint
+    info RUN` shows it); ValueError naming why not."""
+    path = ckpt.check_user_path(resume, "--resume")
+    if not os.path.lexists(path):
         raise ValueError(f"--resume {resume}: {path} does not exist; give a checkpoint directory "
-                         "(RUN/checkpoints/step_*), or --resume auto|never")
+                         "(RUN/checkpoints/step_*), a run directory (its newest complete checkpoint), or "
+                         "--resume auto|never")
+    if _is_run_dir(path):
+        skipped = []
+        newest = ckpt.latest_complete(path, log=skipped.append)
+        if newest is None:
+            raise ValueError(f"--resume {resume}: the run directory has no complete checkpoint ("
+                             + ("; ".join(skipped[:3]) or "checkpoints/ holds no step_* directory")
+                             + "); give a checkpoint directory (RUN/checkpoints/step_*) instead")
+        return newest, (*skipped, f"--resume {resume}: its newest complete checkpoint is {newest.name}")
     problems = ckpt.verify(path)
     if problems:
         raise ValueError(f"--resume {resume}: not a complete checkpoint: " + "; ".join(problems[:3]))
-    return path
+    return path, ()
 
 
 def apply(plan: ResumePlan, out: str | os.PathLike, log=print) -> list[str]:
@@ -211,7 +253,7 @@ def apply(plan: ResumePlan, out: str | os.PathLike, log=print) -> list[str]:
     out = Path(out)
     lines = list(plan.notes)
     for state in plan.set_aside:
-        target = ckpt.set_aside(state.path, "partial" if state.partial else "corrupt")
+        target = ckpt.set_aside(state.path, state.reason)
         lines.append(f"{state.describe()} is newer than {plan.checkpoint.name if plan.checkpoint else 'step 0'} but "
                      f"not complete: kept as {target} (not resumed from, never pruned)")
     if plan.move_aside_earlier_run:
