@@ -3,6 +3,11 @@ gradients with its saved tensors in files; what autograd holds in memory drops
 (measured from live storages); a backward split in two passes (zero bubble) reads each
 file once; every file is gone once the backward is done."""
 
+import errno
+import re
+import subprocess
+
+import pytest
 import torch
 
 from plait.models import GPT, GPTConfig
@@ -75,3 +80,57 @@ def test_a_recompute_in_the_backward_stays_in_memory(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(got, grads, strict=True))
     assert offloader.stats["storages"] > 0 and offloader.stats["written_in_backward"] == 0
     assert list((tmp_path / "off").iterdir()) == []
+
+
+# ----------------------------------------------------------------------------- a full disk
+@pytest.fixture
+def tiny_disk(tmp_path):
+    """A 1 MiB tmpfs: a real filesystem that fills up (mounting needs root / CAP_SYS_ADMIN)."""
+    mount_point = tmp_path / "tiny"
+    mount_point.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount_point)],
+                             capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"mounting a small tmpfs needs root (CAP_SYS_ADMIN): {mounted.stderr.strip()}")
+    try:
+        yield mount_point
+    finally:
+        subprocess.run(["umount", "-l", str(mount_point)], check=False)
+
+
+def test_a_full_disk_names_the_offload_file_and_its_bytes(tiny_disk):
+    """Before: a bare "OSError: [Errno 28] No space left on device" from the pack hook,
+    no path. Now: the checkpoint's message (plait.errors.DiskFull): the file, the bytes
+    it needs, the bytes free; the part written is removed. A real 1 MiB tmpfs, a 2 MiB
+    activation: nothing of plait's is simulated."""
+    directory = tiny_disk / "offload"
+    offloader = ActivationOffloader(directory, min_bytes=1024)
+    weight = torch.ones(512, 512, dtype=torch.float64, requires_grad=True)  # 2 MiB: saved for the backward
+    inputs = torch.ones(512, 512, dtype=torch.float64, requires_grad=True)
+    offloader.begin((0, 0))
+    with pytest.raises(OSError) as full, torch.autograd.graph.saved_tensors_hooks(offloader.pack, offloader.unpack):
+        (inputs * weight).sum()
+    offloader.close()
+    assert full.value.errno == errno.ENOSPC
+    message = str(full.value)
+    nbytes = 512 * 512 * 8
+    assert f"no space left on device writing {directory / '0.bin'}: it needs about {nbytes:,} bytes" in message, \
+        message
+    assert "bytes are free there" in message and "offload" in message
+    assert list(directory.iterdir()) == []  # the partial file is gone
+
+
+def test_an_offload_directory_that_cannot_be_written_is_named(tiny_disk):
+    """A read-only filesystem (root ignores permission bits, not a read-only mount): the
+    error names the file it could not create."""
+    directory = tiny_disk / "offload"
+    directory.mkdir()
+    subprocess.run(["mount", "-o", "remount,ro", str(tiny_disk)], check=True)
+    offloader = ActivationOffloader(directory, min_bytes=1024)
+    offloader.begin((0, 0))
+    weight = torch.ones(64, 64, dtype=torch.float64, requires_grad=True)
+    with pytest.raises(OSError, match=re.escape(str(directory / "0.bin"))) as refused, \
+            torch.autograd.graph.saved_tensors_hooks(offloader.pack, offloader.unpack):
+        (weight * weight).sum()
+    offloader.close()
+    assert refused.value.errno == errno.EROFS

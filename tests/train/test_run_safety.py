@@ -222,12 +222,24 @@ def _agent(mode: str, tmp_path: Path) -> subprocess.CompletedProcess:
 ])
 def test_a_rank_error_is_printed_once_without_torchruns_traceback(mode, first_line, other_line, tmp_path):
     result = _agent(mode, tmp_path)
-    assert result.returncode == 1
+    assert result.returncode == 2  # a user error: the plait command's status for one
     lines = result.stderr.strip().splitlines()
     assert lines[0] == first_line, result.stderr
     assert result.stderr.count("bad value") == 1
     assert lines[1:] == ([other_line] if other_line else [])
     assert "Traceback" not in result.stderr and "ChildFailedError" not in result.stderr
+
+
+def test_a_diverged_run_is_one_line_without_a_traceback(tmp_path):
+    """Before: LossScaleError (a RuntimeError) was taken for a bug: its line, then the
+    rank's traceback, exit 1. Now it is a plait.errors.PlaitError: one line, exit 2."""
+    result = _agent("diverged", tmp_path)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.splitlines() == [
+        "plait train: ranks 0-2 failed: LossScaleError: the gradients held inf or NaN at 1 steps in a row; the loss "
+        "scale is down to 32768: the model diverged (lower the learning rate, or train in bf16 or fp32)"], \
+        result.stderr
+    assert "Traceback" not in result.stderr
 
 
 def test_a_bug_in_a_rank_is_printed_once_with_its_traceback(tmp_path):

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from plait import comm
+from plait.errors import PlaitError
 
 DEFAULT_INIT_SCALE = 2.0 ** 16
 DEFAULT_GROWTH_FACTOR = 2.0
@@ -31,8 +32,9 @@ DEFAULT_GROWTH_INTERVAL = 2000
 DEFAULT_MAX_CONSECUTIVE_OVERFLOWS = 50
 
 
-class LossScaleError(RuntimeError):
-    """The gradients overflowed at every scale tried: the run cannot go on."""
+class LossScaleError(PlaitError, RuntimeError):
+    """The gradients overflowed at every scale tried: the run cannot go on. A user error
+    (the model diverged; the message gives the fix): one line, no traceback."""
 
 
 class LossScaler:

@@ -14,7 +14,9 @@ computes. ``unpack`` returns the prefetched tensor, or reads it on the spot when
 prefetch has not finished (counted in ``stats["late"]``). Views of one storage saved
 in one forward share one file and one read-back. A storage is read once and kept
 while autograd holds a view of it (zero bubble's weight pass unpacks again); its
-file is deleted when the last view dies.
+file is deleted when the last view dies. A file that does not fit raises
+plait.errors.DiskFull, naming its path, its bytes and the bytes free there (the
+message a checkpoint's full disk gives).
 """
 
 from __future__ import annotations
@@ -28,6 +30,12 @@ import weakref
 from pathlib import Path
 
 import torch
+
+from plait.errors import DiskFull, is_disk_full
+
+# what to do when an offload file does not fit (plait train's offload directory is OUT/offload/rank<r>)
+DISK_FULL_FIX = ("free some space there, or put the offload directory on a filesystem with room (plait train keeps it "
+                 "under --out), or offload less")
 
 
 class _Stored:
@@ -111,8 +119,14 @@ class ActivationOffloader:
         whole = torch.empty(0, dtype=torch.uint8, device=device).set_(storage)  # the storage as bytes
         if device.type == "cpu":
             stored.path = self.directory / f"{next(self._names)}.bin"
-            with open(stored.path, "wb") as file:
-                file.write(whole.numpy().tobytes())
+            try:
+                with open(stored.path, "wb") as file:
+                    file.write(whole.numpy().tobytes())
+            except OSError as error:
+                _remove(stored.path)  # what part of it was written
+                if is_disk_full(error):
+                    raise DiskFull(stored.path, stored.nbytes, DISK_FULL_FIX) from None
+                raise
             weakref.finalize(stored, _remove, stored.path)
         else:
             stored.host = whole.to("cpu")

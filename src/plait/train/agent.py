@@ -17,8 +17,10 @@ It is torch's own elastic agent (``torch.distributed.run``) with three differenc
   ``TORCHELASTIC_ERROR_FILE`` (``record_rank_error``) and prints nothing; the agent
   prints the first failure (the root cause, earliest in time) once, then one line
   for the ranks that stopped after it, instead of torchrun's traceback and report.
-  User errors (ValueError, OSError) are printed as their message; anything else with
-  the rank's traceback.
+  User errors (ValueError, OSError and plait.errors.PlaitError: LossScaleError,
+  DiskFull, TestbedError, ...) are printed as their message, one line, and the agent
+  exits 2 as the plait command does for a user error; anything else with the rank's
+  traceback, exit 1.
 """
 
 from __future__ import annotations
@@ -34,9 +36,12 @@ import sys
 import time
 import traceback
 
+from plait.errors import PlaitError
 from plait.train import lifeline
 
-USER_ERRORS = (ValueError, OSError)  # messages written for users: no traceback
+USER_ERRORS = (ValueError, OSError, PlaitError)  # messages written for users: no traceback (plait.errors says which)
+EXIT_USER_ERROR = 2  # the root cause was a user error (the plait command's status for one)
+EXIT_FAILED = 1
 BACKEND = "plait-c10d"
 DEFAULT_RENDEZVOUS_PORT = 29400
 PROG = "plait train"
@@ -160,10 +165,23 @@ def _ranks_text(ranks: list[int]) -> str:
     return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
 
 
+def _root_cause(failures: dict) -> int:
+    """The rank whose failure is reported first (``_cause_order``)."""
+    return min(failures, key=lambda rank: _cause_order(rank, failures[rank]))
+
+
+def failure_status(failures: dict) -> int:
+    """EXIT_USER_ERROR when the root cause is a user error its rank recorded (no
+    traceback kept), else EXIT_FAILED."""
+    first = failures[_root_cause(failures)]
+    recorded = _recorded(first)
+    return EXIT_USER_ERROR if recorded is not None and not _failure_text(first)[1] else EXIT_FAILED
+
+
 def failure_report(failures: dict) -> list[str]:
     """The lines printed for a failed world: the root cause once (``_cause_order``),
     naming every rank that failed the same way, then one line per other reason."""
-    first = min(failures, key=lambda rank: _cause_order(rank, failures[rank]))
+    first = _root_cause(failures)
     reason, callstack = _failure_text(failures[first])
     same = [rank for rank in failures if _failure_text(failures[rank])[0] == reason]
     lines = [f"{PROG}: {_ranks_text(same)} failed: {reason}"]
@@ -205,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
         torchrun.run(args)
     except ChildFailedError as error:
         print("\n".join(failure_report(error.failures)), file=sys.stderr)
-        return 1
+        return failure_status(error.failures)
     except SignalException as error:
         print(f"{PROG}: the agent was stopped by {signal.Signals(error.sigval).name}; its ranks were stopped",
               file=sys.stderr)

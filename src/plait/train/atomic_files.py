@@ -6,12 +6,12 @@ to ``path``; it is fsynced and renamed over ``path``, then the directory is fsyn
 (the rename lives in the directory). ``nbytes``, the expected size, is checked against
 the free space first, and a write that fails on a full disk (ENOSPC or EDQUOT
 anywhere in the exception chain) raises DiskFull naming the path, the bytes needed
-and the bytes free. The temporary file is removed on every failure.
+and the bytes free (plait.errors.DiskFull, the message activation offload gives
+too). The temporary file is removed on every failure.
 """
 
 from __future__ import annotations
 
-import errno
 import os
 import shutil
 import tempfile
@@ -19,6 +19,8 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+
+from plait.errors import DiskFull, is_disk_full
 
 
 def fsync_dir(directory: Path) -> None:
@@ -46,38 +48,16 @@ def atomic_write(path: Path, write: Callable[[str], None], nbytes: int = 0) -> N
         os.replace(temp_name, path)
     except BaseException as error:
         Path(temp_name).unlink(missing_ok=True)
-        if _disk_full(error):
+        if is_disk_full(error):
             raise DiskFull(path, nbytes) from None
         raise
     fsync_dir(path.parent)
-
-
-class DiskFull(OSError):
-    """A checkpoint file does not fit on its filesystem."""
-
-    def __init__(self, path: Path, nbytes: int):
-        free = shutil.disk_usage(path.parent).free
-        need = f"it needs about {nbytes:,} bytes" if nbytes else "it needs more room"
-        super().__init__(errno.ENOSPC, f"no space left on device writing {path}: {need} and {free:,} bytes are free "
-                                       "there; free some space or give --out a filesystem with room")
 
 
 def check_free_space(path: Path, nbytes: int) -> None:
     """Raise DiskFull unless ``path``'s filesystem has ``nbytes`` free."""
     if nbytes and shutil.disk_usage(path.parent).free < nbytes:
         raise DiskFull(path, nbytes)
-
-
-def _disk_full(error: BaseException | None) -> bool:
-    """ENOSPC or EDQUOT anywhere in the chain (torch.save's writer may raise its own
-    RuntimeError while closing, with the OSError as its context)."""
-    seen = set()
-    while error is not None and id(error) not in seen:
-        if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
-            return True
-        seen.add(id(error))
-        error = error.__cause__ or error.__context__
-    return False
 
 
 def torch_save(value, path: str) -> None:
