@@ -20,6 +20,7 @@ from plait.testbed import netns
 from plait.testbed.measure import tcp_rate_bits_per_s
 from plait.testbed.probe import probe, profiled_topology
 from plait.testbed.run import run_on_testbed
+from plait.testbed import spec as testbed_spec
 from plait.testbed.spec import PRESETS, LinkSpec, TestbedSpec, parse_rate, spec_from
 
 PREFIX = f"plt-test{os.getpid()}"
@@ -57,15 +58,68 @@ def test_rates_and_links_parse_as_tc_reads_them():
     (dict(links=["0-5:rate=10mbit"]), "link 0-5: hosts are numbered 0 to 1"),
     (dict(links=["0-1:rate=1mbit", "1-0:rate=2mbit"]), "link 1-0 is given twice"),
     (dict(links=["0:1"]), "write A-B:rate=RATE"),
-    (dict(hosts=1), "1 hosts: a testbed has 2 to 9"),
+    (dict(hosts=1), "--hosts 1: a testbed has 2 to 9 hosts"),
     (dict(preset="2x2-slow", hosts=2), "--preset names the whole testbed"),
     (dict(preset="nope", hosts=None), "--preset 'nope' is unknown; presets: 2x2-slow, partial-3+5, ring-one-slow"),
-    (dict(hosts=10), "10 hosts: a testbed has 2 to 9"),
+    (dict(hosts=10), "--hosts 10: a testbed has 2 to 9 hosts"),
 ])
 def test_bad_specs_are_named_before_anything_is_built(flags, message):
     arguments = {"preset": None, "hosts": 2, "ranks_per_host": None, "links": [], **flags}
     with pytest.raises(ValueError, match=re.escape(message)):
         spec_from(arguments["preset"], arguments["hosts"], arguments["ranks_per_host"], arguments["links"])
+
+
+@pytest.mark.parametrize("flags,message", [
+    # before: 0 was taken for "unset" and the testbed came up with 1 rank per host
+    (dict(ranks_per_host=0), "--ranks-per-host 0: every host runs 1 to "),
+    (dict(ranks_per_host=-1), "--ranks-per-host -1: every host runs 1 to "),
+    # before: accepted (up printed 100000000 rank(s) per host; run would start them)
+    (dict(ranks_per_host=10**8), "--ranks-per-host 100000000: every host runs 1 to "),
+    # before: a MemoryError traceback (the ranks tuple was built before the host count was checked)
+    (dict(hosts=10**11), "--hosts 100000000000: a testbed has 2 to 9 hosts"),
+    (dict(hosts=0), "--hosts 0: a testbed has 2 to 9 hosts"),
+    # before: tc failed inside `up` ('"rate" is required'), after the namespaces were made
+    (dict(links=["0-1:rate=99999999999999999999gbit"]), "is not a rate tc takes: give a positive number below"),
+    (dict(links=["0-1:rate=0mbit"]), "rate '0mbit' is not a rate tc takes"),
+])
+def test_bad_counts_and_rates_are_refused_naming_the_value(flags, message):
+    arguments = {"preset": None, "hosts": 2, "ranks_per_host": None, "links": [], **flags}
+    with pytest.raises(ValueError, match=re.escape(message)):
+        spec_from(arguments["preset"], arguments["hosts"], arguments["ranks_per_host"], arguments["links"])
+
+
+def test_the_rank_limit_is_the_machines_process_limit():
+    limit = testbed_spec.max_processes()
+    assert spec_from(None, 2, limit // 2, []).ranks == (limit // 2, limit // 2)
+    with pytest.raises(ValueError, match=f"every host runs 1 to {limit // 2} ranks"):
+        spec_from(None, 2, limit // 2 + 1, [])
+    assert spec_from(None, 3, None, []).ranks == (1, 1, 1)  # unset: one rank per host
+
+
+@pytest.mark.parametrize("job,message", [
+    # before: every agent started, and torchrun's traceback per host ended it (exit 1)
+    (["nonexistent.py"], "script 'nonexistent.py' does not exist (looked in "),
+    (["."], "'.' is a directory without __main__.py"),
+    (["-m", "plait_no_such_module"], "module 'plait_no_such_module' cannot be found from "),
+    (["--no-python", "plait-no-such-program"], "program 'plait-no-such-program' is not on PATH"),
+    ([], "give the command to run after --"),
+])
+def test_testbed_run_checks_the_script_before_any_namespace(job, message, tmp_path, monkeypatch, capsys):
+    """The check comes before the privilege check and before the testbed is looked up,
+    so it needs no testbed (and no root): one line, exit 2."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["testbed", "run", "--", *job]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"plait testbed: error: {message}"), err
+    assert len(err.splitlines()) == 1 and "Traceback" not in err
+
+
+@pytest.mark.parametrize("timeout", ["0", "-5", "nan", "inf"])
+def test_testbed_run_refuses_a_timeout_that_is_no_deadline(timeout, tmp_path, monkeypatch, capsys):
+    """Before: -5 or 0 stopped every agent at once (exit 124), nan never did."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["testbed", "run", "--timeout", timeout, "--", "job.py"]) == 2
+    assert f"--timeout {float(timeout)}: give a finite number of seconds > 0" in capsys.readouterr().err
 
 
 def test_the_presets_are_what_their_names_say():
@@ -124,7 +178,9 @@ def test_a_failure_inside_up_removes_what_it_made(monkeypatch):
     assert netns.namespaces(PREFIX) == []
 
 
-def test_the_cli_names_bad_flags(capsys):
+def test_the_cli_names_bad_flags(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "job.py").write_text("")  # a script that exists: the testbed is what is missing
     assert main(["testbed", "up", "--hosts", "2", "--link", "0-1:rate=fast"]) == 2
     assert "rate 'fast' is not a rate tc takes" in capsys.readouterr().err
     assert main(["testbed", "up"]) == 2

@@ -24,12 +24,13 @@ Mbit between).
 from __future__ import annotations
 
 import argparse
+import math
 
 from plait.cli.output_paths import output_file, prepare_output_paths
 from plait.cost.topology_io import save_topology
 from plait.testbed import netns
 from plait.testbed.probe import probe, profiled_topology
-from plait.testbed.run import run_on_testbed
+from plait.testbed.run import check_command, run_on_testbed
 from plait.testbed.spec import PRESETS, spec_from
 
 
@@ -81,6 +82,9 @@ def run_probe(args) -> int:
 
 def run_job(args) -> int:
     command = args.job[1:] if args.job[:1] == ["--"] else args.job
+    if args.timeout is not None and not 0 < args.timeout < math.inf:  # nan fails both
+        raise ValueError(f"--timeout {args.timeout}: give a finite number of seconds > 0 (or leave it out: no limit)")
+    check_command(command)  # before any namespace is touched: a missing script is one line, not a traceback per rank
     try:
         netns.check_privileges()
         testbed = netns.Testbed.current()

@@ -25,6 +25,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+from plait.errors import PlaitError
 from plait.testbed.spec import LinkSpec, TestbedSpec, host_address
 
 PREFIX = "plait-tb"
@@ -33,8 +34,8 @@ UNSHAPED = "10gbit"  # htb's default class: far above what a veth moves here
 SMALL_SHARE = 0.05  # of a link's rate promised to its small packets; either queue may use all of it
 
 
-class TestbedError(RuntimeError):
-    """A testbed command failed: the command and what it printed."""
+class TestbedError(PlaitError, RuntimeError):
+    """A testbed command failed: the command and what it printed (a user error: one line)."""
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,9 @@ has none (``tc qdisc add ... netem`` answers "Specified qdisc kind is unknown").
 from __future__ import annotations
 
 import re
+import resource
 from dataclasses import dataclass
+from pathlib import Path
 
 # torchrun's c10d rendezvous numbers the agents in the order of their addresses as
 # strings; up to 9 hosts (198.18.0.1 .. 198.18.0.9) that is host order, so host h runs
@@ -20,15 +22,19 @@ from dataclasses import dataclass
 MAX_HOSTS = 9
 _RATE = re.compile(r"^(\d+(?:\.\d+)?)(bit|kbit|mbit|gbit)$")
 _UNITS = {"bit": 1.0, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
+# tc keeps a rate as bytes per second in 64 bits: `tc class add ... rate 147573952589676412920bit`
+# (8 * (2**64 - 1)) answers '"rate" is required', one below is taken
+MAX_RATE_BITS_PER_S = 8 * (2**64 - 1)
 
 
 def parse_rate(text: str) -> float:
     """'100mbit' -> 1e8 bits per second (tc's decimal units)."""
     match = _RATE.match(text.strip().lower())
-    if not match or float(match.group(1)) <= 0:
-        raise ValueError(f"rate {text!r} is not a rate tc takes: give a positive number and one of "
-                         f"{', '.join(_UNITS)}, e.g. 100mbit")
-    return float(match.group(1)) * _UNITS[match.group(2)]
+    rate = float(match.group(1)) * _UNITS[match.group(2)] if match else 0.0
+    if not 0 < rate < MAX_RATE_BITS_PER_S:
+        raise ValueError(f"rate {text!r} is not a rate tc takes: give a positive number below "
+                         f"{MAX_RATE_BITS_PER_S:.4g} bit/s and one of {', '.join(_UNITS)}, e.g. 100mbit")
+    return rate
 
 
 @dataclass(frozen=True)
@@ -118,8 +124,27 @@ def spec_from(preset: str | None, hosts: int | None, ranks_per_host: int | None,
         return PRESETS[preset]
     if hosts is None:
         raise ValueError("give --preset NAME, or --hosts H [--ranks-per-host R] [--link A-B:rate=RATE ...]")
-    spec = TestbedSpec(ranks=(ranks_per_host or 1,) * hosts, links=tuple(LinkSpec.parse(text) for text in links))
+    if not 2 <= hosts <= MAX_HOSTS:  # before the ranks tuple is built from it
+        raise ValueError(f"--hosts {hosts}: a testbed has 2 to {MAX_HOSTS} hosts")
+    ranks = 1 if ranks_per_host is None else ranks_per_host  # 0 is a value to refuse, not "unset"
+    limit = max_processes()
+    if ranks < 1 or ranks * hosts > limit:
+        raise ValueError(f"--ranks-per-host {ranks}: every host runs 1 to {limit // hosts} ranks ({hosts} hosts; "
+                         f"each rank is a process, and this machine starts at most {limit:,}: "
+                         "kernel.pid_max and RLIMIT_NPROC)")
+    spec = TestbedSpec(ranks=(ranks,) * hosts, links=tuple(LinkSpec.parse(text) for text in links))
     problems = spec.problems()
     if problems:
         raise ValueError("; ".join(problems))
     return spec
+
+
+def max_processes() -> int:
+    """How many processes this machine can run at once, at most: the kernel's pid_max,
+    lowered by this user's RLIMIT_NPROC (a testbed's ranks are processes of it)."""
+    try:
+        limit = int(Path("/proc/sys/kernel/pid_max").read_text())
+    except (OSError, ValueError):
+        limit = 32768  # the kernel's default pid_max
+    soft, _ = resource.getrlimit(resource.RLIMIT_NPROC)
+    return limit if soft == resource.RLIM_INFINITY else min(limit, soft)
