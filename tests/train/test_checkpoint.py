@@ -114,7 +114,7 @@ def test_write_shard_is_atomic_and_loads_with_weights_only(tmp_path, reference):
     entry = ckpt.write_shard(tmp_path / "d", "tp1-pp0.pt", payload)
     path = tmp_path / "d" / "tp1-pp0.pt"
     assert entry["name"] == "tp1-pp0.pt" and entry["nbytes"] == path.stat().st_size
-    assert entry["sha256"] == ckpt._sha256(path)
+    assert entry["sha256"] == ckpt.file_sha256(path)
     assert [p.name for p in (tmp_path / "d").iterdir()] == ["tp1-pp0.pt"]  # no temporary file left
     loaded = torch.load(path, weights_only=True)
     assert loaded["tp_rank"] == 1 and loaded["extra"]["dropout_calls"] == 5

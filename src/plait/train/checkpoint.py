@@ -1,5 +1,8 @@
 """Sharded training checkpoints: one file per (tp, pp) coordinate, a manifest as the
-commit point, and resharding to another tensor-parallel degree on load.
+commit point, and resharding to another tensor-parallel degree on load. This module
+finds, verifies and prunes them; plait.train.checkpoint_write writes them,
+plait.train.checkpoint_checks says what a valid one is, plait.train.checkpoint_load
+loads one (the writers and checks are importable from here too).
 
 Layout: ``RUN/checkpoints/step_00000100/{tp0-pp0.pt, ..., manifest.json}``. The
 dp-rank-0 process of every (tp, pp) coordinate writes its shard (``write_shard``),
@@ -26,24 +29,19 @@ each parameter and its optimizer state once per (tp, pp) shard, about
 
 from __future__ import annotations
 
-import errno
-import hashlib
-import json
 import os
-import re
 import shutil
 import stat
 from pathlib import Path
 from typing import Callable
 
-import torch
-
-from plait.parallel.tensor.sharding import ShardSpec
-from plait.train.atomic_files import atomic_write, torch_save
-from plait.train.checkpoint_checks import (FORMAT, MANIFEST_NAME, ManifestUnreadable, UnsafeManifest,  # noqa: F401
-                                          SHOWN_CHARS, check_header, check_user_path, cut, is_plain_name,
-                                          manifest_problems,
-                                          read_manifest, shard_name, shard_problems, shown, step_of_name)
+from plait.parallel.tensor.sharding import ShardSpec  # noqa: F401  (plait.train.checkpoint.ShardSpec)
+from plait.train.checkpoint_checks import (FORMAT, MANIFEST_NAME, SHOWN_CHARS, ManifestUnreadable,  # noqa: F401
+                                          UnsafeManifest, check_header, check_user_path, cut, is_plain_name,
+                                          manifest_problems, problems_summary, read_manifest, shard_name,
+                                          shard_problems, shown, step_of_name)
+from plait.train.checkpoint_write import (CheckpointNotWritten, file_sha256, payload_nbytes,  # noqa: F401
+                                          write_manifest, write_shard)
 
 PARTIAL = f"no {MANIFEST_NAME} (partial: the save did not finish)"
 
@@ -53,141 +51,6 @@ def checkpoint_dir(run_dir: str | os.PathLike, step: int) -> Path:
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ValueError(f"step={step!r} must be an int >= 0")
     return Path(run_dir) / "checkpoints" / f"step_{step:08d}"
-
-
-# ----------------------------------------------------------------------------- writing
-
-class CheckpointNotWritten(OSError):
-    """A save failed on some rank; every rank raises it, naming each failure."""
-
-    def __init__(self, step: int, failures: list[str]):
-        super().__init__(f"checkpoint at step {step} not written (the previous complete one stays): "
-                         + "; ".join(failures))
-
-
-def payload_nbytes(value) -> int:
-    """Bytes of the tensors in a (nested) payload: about its size on disk."""
-    if isinstance(value, torch.Tensor):
-        return value.numel() * value.element_size()
-    if isinstance(value, dict):
-        return sum(payload_nbytes(item) for item in value.values())
-    if isinstance(value, (list, tuple)):
-        return sum(payload_nbytes(item) for item in value)
-    return 0
-
-
-def _sha256(path: Path) -> str:
-    with open(path, "rb") as file:
-        return hashlib.file_digest(file, "sha256").hexdigest()
-
-
-def _file_entry(path: Path) -> dict:
-    return {"name": path.name, "nbytes": path.stat().st_size, "sha256": _sha256(path)}
-
-
-def _check_loadable(value, where: str) -> None:
-    """Raise unless ``value`` is built from what ``torch.load(weights_only=True)`` reads."""
-    if isinstance(value, (torch.Tensor, int, float, bool, str, type(None))):
-        return
-    if isinstance(value, dict):
-        for key, item in value.items():
-            if not isinstance(key, (str, int)):
-                raise TypeError(f"{where}: key {key!r} is a {type(key).__name__}; use str or int keys")
-            _check_loadable(item, f"{where}[{key!r}]")
-        return
-    if isinstance(value, (list, tuple)):
-        for index, item in enumerate(value):
-            _check_loadable(item, f"{where}[{index}]")
-        return
-    raise TypeError(f"{where} is a {type(value).__module__}.{type(value).__qualname__}, which "
-                    "torch.load(weights_only=True) cannot read back; store it as a tensor, int, float, str, "
-                    "or a list/dict of those")
-
-
-def _compact(value):
-    """Views cloned to their own storage: torch.save writes a tensor's whole storage."""
-    if isinstance(value, torch.Tensor):
-        value = value.detach()
-        if value.untyped_storage().nbytes() != value.numel() * value.element_size() or not value.is_contiguous():
-            value = value.clone(memory_format=torch.contiguous_format)
-        return value.cpu()
-    if isinstance(value, dict):
-        return {key: _compact(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_compact(item) for item in value)
-    return value
-
-
-def _spec_entry(spec, name: str) -> list[int] | None:
-    """None, ShardSpec, (dim, full_size) or [dim, full_size] -> [dim, full_size] | None."""
-    if spec is None:
-        return None
-    if isinstance(spec, ShardSpec):
-        return [spec.dim, spec.full_size]
-    if isinstance(spec, (list, tuple)) and len(spec) == 2 and all(type(x) is int for x in spec):
-        return [spec[0], spec[1]]
-    raise ValueError(f"specs[{name!r}] = {spec!r}: use None (replicated) or [dim, full_size]")
-
-
-def write_shard(directory: str | os.PathLike, name: str, payload: dict) -> dict:
-    """Write one (tp, pp) shard atomically; returns {"name", "nbytes", "sha256"} for
-    ``write_manifest``. Specs may be ShardSpec or (dim, full_size); views are cloned
-    so the file holds only their elements. Cost: one write plus one read to hash."""
-    directory = Path(directory)
-    if not name or name != Path(name).name or name == MANIFEST_NAME:
-        raise ValueError(f"shard name {name!r} must be a plain file name other than {MANIFEST_NAME}, "
-                         "e.g. shard_name(tp_rank, pp_rank)")
-    check_header(payload, name)
-    if re.fullmatch(r"tp\d+-pp\d+\.pt", name) and name != shard_name(payload["tp_rank"], payload["pp_rank"]):
-        raise ValueError(f"shard name {name!r} does not match tp_rank {payload['tp_rank']}, pp_rank "
-                         f"{payload['pp_rank']}: use shard_name(tp_rank, pp_rank)")
-    payload = dict(payload)
-    payload["specs"] = {key: _spec_entry(spec, key) for key, spec in payload["specs"].items()}
-    payload.setdefault("optimizer", {})
-    payload.setdefault("extra", {})
-    tp_size = payload["tp_size"]
-    for key, tensor in payload["model"].items():
-        spec = payload["specs"][key]
-        if spec is not None and (spec[0] >= tensor.dim() or tensor.shape[spec[0]] != -(-spec[1] // tp_size)):
-            raise ValueError(f"{name}: {key} has shape {tuple(tensor.shape)} but spec {spec} at tp_size "
-                             f"{tp_size} means {-(-spec[1] // tp_size)} along dim {spec[0]}")
-    _check_loadable(payload, "payload")
-    payload = _compact(payload)
-    path = directory / name
-    atomic_write(path, lambda temp: torch_save(payload, temp), nbytes=payload_nbytes(payload) + (1 << 16))
-    return _file_entry(path)
-
-
-def write_manifest(directory: str | os.PathLike, manifest: dict, files: list[dict]) -> Path:
-    """Commit the checkpoint: manifest.json (``manifest`` plus "format" and "files"
-    {name: {nbytes, sha256}}) written atomically after every shard. ``files`` are
-    write_shard's results, the tp x pp grid of ``manifest["mesh"]``; ``manifest``
-    records "step" (its directory's) and "data_position" (the same), as verify requires."""
-    directory = Path(directory)
-    entries = {}
-    for entry in files:
-        if entry["name"] in entries:
-            raise ValueError(f"{entry['name']} is listed twice in files")
-        entries[entry["name"]] = {"nbytes": int(entry["nbytes"]), "sha256": str(entry["sha256"])}
-    mesh = manifest.get("mesh")
-    if mesh is not None:
-        expected = {shard_name(tp, pp) for tp in range(mesh["tp"]) for pp in range(mesh["pp"])}
-        if set(entries) != expected:
-            raise ValueError(f"files do not match mesh tp={mesh['tp']} pp={mesh['pp']}: missing "
-                             f"{sorted(expected - set(entries))}, unexpected {sorted(set(entries) - expected)}")
-    for name, entry in entries.items():
-        path = directory / name
-        if not path.is_file() or path.stat().st_size != entry["nbytes"]:
-            raise ValueError(f"{path} is missing or not {entry['nbytes']} bytes: write every shard (and wait for "
-                             "all writers) before the manifest")
-    document = {**manifest, "format": FORMAT, "files": entries}
-    problems = manifest_problems(directory, document)  # what verify would refuse is never written
-    if problems:
-        raise ValueError(f"manifest not written to {directory}: {problems_summary(problems)}")
-    text = json.dumps(document, indent=2) + "\n"  # a TypeError here names the value that is not JSON
-    path = directory / MANIFEST_NAME
-    atomic_write(path, lambda temp: Path(temp).write_text(text), nbytes=len(text.encode()))
-    return path
 
 
 # ----------------------------------------------------------------------------- finding
@@ -203,7 +66,7 @@ def _directory_problem(directory: Path) -> str | None:
         return f"{cut(str(directory), 2 * SHOWN_CHARS)} cannot be read ({error.strerror})"
     if stat.S_ISLNK(mode):
         try:
-            target = f" to {shown(os.readlink(directory))}"
+            target = f" to {cut(os.readlink(directory), 4 * SHOWN_CHARS)}"
         except OSError:
             target = ""
         return (f"the directory is a symbolic link{target}: a checkpoint is a directory inside its run, never a "
@@ -269,7 +132,7 @@ def verify(directory: str | os.PathLike, *, check_sha256: bool = True) -> list[s
         elif info.st_size != entry["nbytes"]:
             problems.append(f"{name} is {info.st_size} bytes, manifest says {entry['nbytes']} (truncated or "
                             "overwritten)")
-        elif check_sha256 and _sha256(path) != entry["sha256"]:
+        elif check_sha256 and file_sha256(path) != entry["sha256"]:
             problems.append(f"{name} sha256 mismatch (corrupt)")
     return problems or shard_problems(directory, manifest)
 
@@ -292,11 +155,6 @@ def list_checkpoints(run_dir: str | os.PathLike) -> list[Path]:
         return []
     found = [(step, root / name) for name in os.listdir(root) if (step := step_of_name(name)) is not None]
     return [path for _, path in sorted(found)]
-
-
-def problems_summary(problems: list[str]) -> str:
-    shown = "; ".join(problems[:3])
-    return shown + (f"; and {len(problems) - 3} more" if len(problems) > 3 else "")
 
 
 def latest_complete(run_dir: str | os.PathLike, log: Callable[[str], None] | None = print) -> Path | None:
@@ -386,7 +244,7 @@ def prune(run_dir: str | os.PathLike, keep: int, *, check_sha256: bool = False,
         return []
     except OSError as error:
         if log is not None:
-            log(f"{root}: nothing pruned: {'a symbolic link' if error.errno == errno.ELOOP else error.strerror}")
+            log(f"{root}: nothing pruned: {'a symbolic link' if os.path.islink(root) else error.strerror}")
         return []
     try:
         return _prune_in(root, root_fd, keep, check_sha256, log)
@@ -422,6 +280,13 @@ def _prune_in(root: Path, root_fd: int, keep: int, check_sha256: bool, log) -> l
     return deleted
 
 
+def _is_link(name: str, dir_fd: int) -> bool:
+    try:
+        return stat.S_ISLNK(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode)
+    except OSError:
+        return False
+
+
 def _remove_step_dir(root_fd: int, name: str, log) -> bool:
     """Remove checkpoints/``name`` if it is a directory (not a link): its manifest
     first (a half-deleted directory then reads as partial, not corrupt), then the rest
@@ -430,7 +295,7 @@ def _remove_step_dir(root_fd: int, name: str, log) -> bool:
         fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=root_fd)
     except OSError as error:  # replaced by a link or a file since it was verified
         if log is not None:
-            log(f"{name}: not pruned ({'a symbolic link' if error.errno == errno.ELOOP else error.strerror})")
+            log(f"{name}: not pruned ({'a symbolic link' if _is_link(name, root_fd) else error.strerror})")
         return False
     try:
         os.unlink(MANIFEST_NAME, dir_fd=fd)

@@ -75,6 +75,11 @@ def shown(value) -> str:
     return f"{text[:SHOWN_CHARS - 20]}... ({len(text):,} characters as text)"
 
 
+def problems_summary(problems: list[str]) -> str:
+    text = "; ".join(problems[:3])
+    return text + (f"; and {len(problems) - 3} more" if len(problems) > 3 else "")
+
+
 def _is_count(value, least: int = 0) -> bool:
     return type(value) is int and value >= least
 
@@ -165,9 +170,10 @@ def read_manifest(directory: str | os.PathLike) -> dict:
     except OSError as error:
         raise ManifestUnreadable(path, "a symbolic link" if error.errno == errno.ELOOP else error.strerror) from None
     try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise ManifestUnreadable(path, "not a regular file")
         with os.fdopen(fd, "rb") as file:
-            if not stat.S_ISREG(os.fstat(file.fileno()).st_mode):
-                raise ManifestUnreadable(path, "not a regular file")
             text = file.read()
         manifest = json.loads(text)
     except ManifestUnreadable:
