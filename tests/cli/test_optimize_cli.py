@@ -119,12 +119,12 @@ def test_changed_outputs_stop_before_timing(capsys):
 
 
 @pytest.mark.parametrize("target, message", [
-    ("no_colon_here", "'no_colon_here' is not PKG.MOD:NAME"),
+    ("no_colon_here", "factory 'no_colon_here' is not PKG.MOD:FUNCTION"),
     ("no_such_package_xyz.mod:f", "cannot import 'no_such_package_xyz.mod'"),
     (f"{__name__}:missing", f"module '{__name__}' has no 'missing'"),
-    (f"{__name__}:TARGET", "is a str, not a function"),
+    (f"{__name__}:TARGET", f"names a str ({TARGET!r}), not a function"),
     (f"{__name__}:bare_module", "returned a bare Tiny: return (module, example_inputs)"),
-    (f"{__name__}:not_a_tuple", "returned list: it must return (module, example_inputs)"),
+    (f"{__name__}:not_a_tuple", "returned 1 items (Tiny), not 2: it must name a function"),
 ])
 def test_bad_target(capsys, target, message):
     status, out, err = run(capsys, target)

@@ -91,7 +91,7 @@ def test_local_cluster_measures_this_machine(capsys):
     (["--gpus", "8", "--tp", "8", "--model", "gpt-125m"], "tp=8 does not divide heads=12"),
     (["--model", "gpt-175b", "--gpus", "8", "--dp", "1"], "GiB more than the 72.0 GiB available"),
     (["--cluster", "local"], "--cluster local needs --nprocs"),
-    (["--module", "nodots", "--gpus", "8"], "must be PKG.MOD:FUNCTION"),
+    (["--module", "nodots", "--gpus", "8"], "factory 'nodots' is not PKG.MOD:FUNCTION"),
 ])
 def test_bad_input_is_a_clear_error(capsys, argv, message):
     assert main(["plan", "--global-batch", "64", *argv]) == 2
@@ -100,7 +100,7 @@ def test_bad_input_is_a_clear_error(capsys, argv, message):
 
 @pytest.mark.parametrize("argv,message", [
     (["--module", "no_such_module_xyz:f"], "cannot import 'no_such_module_xyz'"),
-    (["--module", "tests.cli.test_plan_cli:nothing_here"], "has no function 'nothing_here'"),
+    (["--module", "tests.cli.test_plan_cli:nothing_here"], "module 'tests.cli.test_plan_cli' has no 'nothing_here'; its functions: digits_mlp"),
     (["--module", "tests.cli.test_plan_cli:digits_mlp", "--layers", "4"], "--layers describe a GPT"),
     (["--profile", "x.json"], "--profile is for --cluster local"),
     (["--cluster", "local", "--nprocs", "2", "--nodes", "2"], "--nodes is for DGX clusters"),

@@ -5,9 +5,12 @@ and why the rest did not, and check the optimized model gives the same outputs.
 PKG.MOD is imported with the current directory on the import path (as `python -m`
 has it), and FUNCTION is called with no arguments and returns ``(module, example_inputs)``: the
 module (put it in eval mode: BatchNorm and dropout in training mode are refused) and a
-tensor or tuple of tensors it is called with. The equivalence check compares the
-outputs on those inputs, ‖out − ref‖/‖ref‖ <= 1e-5 in float32, 1e-12 in float64
-(plait.graph.bench); if they differ, plait optimize shows the difference and exits 1.
+tensor or a tuple of tensors it is called with (``plait plan --module`` takes the same
+factory: plait.cli.factory). The module runs once on those inputs before it is traced,
+so inputs of the wrong shape are named with the shape the failing layer expects. The
+equivalence check compares the outputs on those inputs, ‖out − ref‖/‖ref‖ <= 1e-5 in
+float32, 1e-12 in float64 (plait.graph.bench); if they differ, plait optimize shows the
+difference and exits 1.
 
     plait optimize plait.graph.examples:resnet18_like
     plait optimize plait.graph.examples:mobilenet_like --rules fold_conv_bn,remove_dropout
@@ -24,16 +27,14 @@ graph-after.png.
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
-import os
-import sys
 from collections import Counter
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from plait.cli.factory import check_forward, describe_tensor, FACTORY_HELP, import_attribute, load_factory
 from plait.cli.output_paths import output_directory, prepare_output_paths
 from plait.graph import RULES, optimize
 from plait.graph.bench import (
@@ -74,7 +75,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "optimize", help="rewrite a model's torch.fx graph (conv+BatchNorm folding, ...), check and time it",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("target", metavar="PKG.MOD:FUNCTION",
-                        help="a function returning (module, example_inputs), e.g. plait.graph.examples:resnet18_like")
+                        help=f"{FACTORY_HELP}; e.g. plait.graph.examples:resnet18_like")
     parser.add_argument("--rules", type=_names, default=None, metavar="RULE,...",
                         help=f"rules to apply, in this order (default all: {', '.join(RULES)})")
     parser.add_argument("--leaf", type=_names, default=(), metavar="NAME,...",
@@ -93,47 +94,6 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     return parser
 
 
-def _import_attribute(text: str, what: str):
-    """The object PKG.MOD:NAME names; ValueError saying which part is wrong and how to fix it."""
-    module_name, colon, attribute = text.partition(":")
-    if not colon or not module_name or not attribute:
-        raise ValueError(f"{what} {text!r} is not PKG.MOD:NAME (e.g. plait.graph.examples:resnet18_like)")
-    if os.getcwd() not in sys.path and "" not in sys.path:  # the console script's path lacks it
-        sys.path.insert(0, os.getcwd())
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as error:
-        raise ValueError(f"cannot import {module_name!r} (from {what} {text!r}): {error}; "
-                         f"is its package installed or on PYTHONPATH?") from None
-    if not hasattr(module, attribute):
-        public = sorted(name for name in vars(module) if not name.startswith("_"))
-        raise ValueError(f"module {module_name!r} has no {attribute!r} (from {what} {text!r}); "
-                         f"it has: {', '.join(public[:20])}")
-    return getattr(module, attribute)
-
-
-def load_target(text: str) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
-    """Call the FUNCTION of PKG.MOD:FUNCTION and check it returned (module, example_inputs)."""
-    function = _import_attribute(text, "PKG.MOD:FUNCTION")
-    if not callable(function) or isinstance(function, nn.Module):
-        raise ValueError(f"{text} is a {type(function).__name__}, not a function: name a function returning "
-                         f"(module, example_inputs)")
-    result = function()
-    if isinstance(result, nn.Module):
-        raise ValueError(f"{text}() returned a bare {type(result).__name__}: return (module, example_inputs), "
-                         f"e.g. `return model.eval(), (torch.randn(2, 3, 32, 32),)`, so that plait can trace, "
-                         f"check and time it on real inputs")
-    if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], nn.Module)):
-        raise ValueError(f"{text}() returned {type(result).__name__}: it must return (module, example_inputs)")
-    module, inputs = result
-    if isinstance(inputs, torch.Tensor):
-        inputs = (inputs,)
-    if not (isinstance(inputs, (tuple, list)) and all(isinstance(item, torch.Tensor) for item in inputs)):
-        raise ValueError(f"{text}() returned example_inputs of type {type(inputs).__name__}: use a tensor or a "
-                         f"tuple of tensors")
-    return module, tuple(inputs)
-
-
 def resolve_leaves(names: tuple[str, ...]) -> tuple:
     """--leaf entries: PKG.MOD:CLASS (a module class or a tuple of them) become classes,
     the rest stay qualified module names (plait.graph checks they exist)."""
@@ -142,7 +102,7 @@ def resolve_leaves(names: tuple[str, ...]) -> tuple:
         if ":" not in name:
             leaves.append(name)
             continue
-        found = _import_attribute(name, "--leaf")
+        found = import_attribute(name, "--leaf", form="PKG.MOD:CLASS", example="plait.graph.examples:GPT_LEAF_MODULES")
         classes = found if isinstance(found, tuple) else (found,)
         for leaf in classes:
             if not (isinstance(leaf, type) and issubclass(leaf, nn.Module)):
@@ -181,7 +141,7 @@ def rules_fired(report) -> str:
 
 
 def _shapes(inputs) -> str:
-    return ", ".join(f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}" for t in inputs)
+    return ", ".join(describe_tensor(t) for t in inputs)
 
 
 def _bench(module, gm, before, inputs, reference, tolerance, repeats) -> list[dict]:
@@ -233,11 +193,12 @@ def _write_report(directory: Path, result: dict, before, gm, markdown: list[str]
 
 def run(args) -> int:
     prepare_output_paths(output_directory("--report", args.report))
-    module, inputs = load_target(args.target)
+    module, inputs = load_factory(args.target)
     if args.dtype is not None:
         module, inputs = with_dtype(module, inputs, DTYPES[args.dtype])
     if args.batch is not None:
         inputs = with_batch(inputs, args.batch)
+    check_forward(args.target, module, inputs)  # eagerly, before the trace: wrong shapes named in one line
     leaves = resolve_leaves(args.leaf)
     rules = None if args.rules is None else list(args.rules)
     before, _ = optimize(module, inputs, rules=[], leaf_modules=leaves)  # traced, nothing rewritten

@@ -19,9 +19,7 @@ were not priced.
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
-import os
 import sys
 import time
 import warnings
@@ -69,8 +67,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                        help=f"gpt (give the shape below) or a preset: {', '.join(MODEL_PRESETS)} "
                             "(default: gpt-1.3b, or plait train's GPT with --cluster local)")
     model.add_argument("--module", default=None, metavar="PKG.MOD:FUNCTION",
-                       help="trace a real nn.Module instead: FUNCTION() returns (module, sample_input); "
-                            "the sample's first dimension is its batch")
+                       help="trace a real nn.Module instead (plait optimize's factory): FUNCTION is a function "
+                            "called with no arguments that returns (module, example_inputs): an nn.Module "
+                            "instance and one tensor, or a tuple of one, whose first dimension is the batch")
     for flag, help in (("layers", "transformer blocks"), ("hidden", "model width h"), ("heads", "attention heads"),
                        ("seq", "sequence length"), ("vocab", "vocabulary size"),
                        ("ffn-hidden", "MLP width (default 4h)")):
@@ -179,28 +178,26 @@ def _train_vocab() -> int:
 
 
 def _module_model(spec: str):
-    if ":" not in spec:
-        raise ValueError(f"--module {spec!r} must be PKG.MOD:FUNCTION (a function returning (module, sample_input))")
-    import torch
+    """The ModuleModel of a user's factory (plait.cli.factory, as plait optimize loads it):
+    one example input, its first dimension the batch, traced layer by layer."""
+    # imported here: the factory needs torch, which plait plan without --module never loads
+    from plait.cli.factory import check_forward, describe_tensor, FactoryError, load_factory
 
-    module_name, function_name = spec.split(":", 1)
-    if "" not in sys.path and os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())  # a module in the working directory, as `python -m` finds it
+    module, inputs = load_factory(spec)
+    if len(inputs) != 1 or inputs[0].dim() < 1:
+        given = ", ".join(describe_tensor(tensor) for tensor in inputs)
+        raise FactoryError(f"factory {spec!r} returned example inputs {given}: plait plan --module traces a model "
+                           f"called on one tensor whose first dimension is the batch; return (module, tensor) or "
+                           f"(module, (tensor,)) (wrap a model of several inputs in one that takes one)")
+    sample = inputs[0]
+    check_forward(spec, module, inputs)
     try:
-        imported = importlib.import_module(module_name)
-    except ImportError as error:
-        raise ValueError(f"--module {spec!r}: cannot import {module_name!r} ({error}); give an importable "
-                         "PKG.MOD (from the working directory or the environment)") from None
-    factory = getattr(imported, function_name, None)
-    if not callable(factory):
-        raise ValueError(f"--module {spec!r}: {module_name} has no function {function_name!r}")
-    made = factory()
-    if not (isinstance(made, tuple) and len(made) == 2 and isinstance(made[0], torch.nn.Module)
-            and isinstance(made[1], torch.Tensor) and made[1].dim() >= 1):
-        raise ValueError(f"--module {spec!r}: {function_name}() must return (nn.Module, sample input tensor with a "
-                         f"batch dimension), got {type(made).__name__}")
-    module, sample = made
-    layers = describe_module(module, sample)
+        layers = describe_module(module, sample)
+    except Exception as error:  # it ran eagerly as returned: this is training mode, a layer's output or the backward
+        where = "".join(f" ({note})" for note in getattr(error, "__notes__", ()))  # describe_layers: which layer
+        raise FactoryError(f"factory {spec!r}: tracing its {type(module).__name__} for the plan (training mode, "
+                           f"forward and backward, on {describe_tensor(sample)}) failed{where}: "
+                           f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0]}") from None
     dtypes = [p.dtype for p in module.parameters() if p.is_floating_point()]
     element_bytes = dtypes[0].itemsize if dtypes else (sample.element_size() if sample.is_floating_point() else 4)
     return ModuleModel(name=spec, layers=tuple(layers), traced_batch=int(sample.shape[0]),
