@@ -3,6 +3,7 @@ overlapping groups, async calls), in-band checks name mismatched calls, creation
 missing ranks, p2p takes torch's global ranks, barriers and async calls really wait."""
 
 import gc
+import itertools
 import threading
 import time
 import weakref
@@ -151,6 +152,86 @@ def test_mismatched_calls_are_named_in_band_on_every_rank(case, fragments):
         for fragment in fragments:
             assert fragment in message, (rank, fragment, message)
         assert f"rank {rank} is running call" in message and f"rank {1 - rank} sent call" in message
+
+
+ROOTED_CALLS = ("broadcast", "reduce", "gather", "scatter")
+
+
+def mismatched_roots(rank, p, transport, algorithms):
+    """Each rank names itself (at p = 3: ranks 0 and 1 name rank 0, rank 2 itself) as the
+    root of each rooted call, at 1 KB and 1 MB, under each of ``algorithms`` (None: the
+    default table); after each, an all-reduce on the same group. Returns, per
+    (collective, numel, algorithm): the error, the tensor's first element afterwards and
+    the all-reduce's result."""
+    comm.init_communicator(None, comm.CommConfig(timeout_s=20.0, transport=transport))
+    root = rank if p == 2 else (2 if rank == 2 else 0)
+    results = {}
+    for collective, algorithm in itertools.product(ROOTED_CALLS, algorithms):
+        kwargs = {} if algorithm is None else {"algorithm": algorithm}
+        for numel in (256, 1 << 18):  # 1 KB and 1 MB: inside and above the 64 KiB inline size
+            x = torch.full((numel,), float(rank + 1))
+            outcome = None
+            try:
+                if collective == "broadcast":
+                    comm.broadcast(x, src=root, **kwargs)
+                elif collective == "reduce":
+                    comm.reduce(x, dst=root, **kwargs)
+                elif collective == "gather":
+                    targets = [torch.empty(numel) for _ in range(p)] if rank == root else None
+                    comm.gather(x, targets, dst=root, **kwargs)
+                else:
+                    sources = [torch.full((numel,), 10.0 + i) for i in range(p)] if rank == root else None
+                    comm.scatter(x, sources, src=root, **kwargs)
+            except comm.MismatchError as error:
+                outcome = str(error)
+            except comm.CommError as error:
+                outcome = f"{type(error).__name__}: {error}"
+            y = torch.full((8,), float(rank + 1))
+            comm.all_reduce(y)  # no data moved: the group is still in step
+            results[collective, numel, algorithm] = (outcome, x[0].item(), y[0].item())
+    return results
+
+
+@pytest.mark.parametrize("transport", ["shm", "gloo"])
+@pytest.mark.parametrize("p", [2, 3])
+def test_mismatched_roots_are_named_on_every_rank_before_any_data_moves(transport, p):
+    """Different roots used to return at once with different data over shared memory (a
+    broadcast, a scatter: each "root" only sends) or wait out the deadline (a reduce, a
+    gather: each only receives). Every rank now names every rank's root, its tensor is
+    untouched, and the group goes on; under algorithm="torch" (torch's own collective
+    after plait's check) too."""
+    algorithms = (None, "torch") if (p, transport) == (2, "shm") else (None,)
+    expected = "root: rank 0=0, rank 1=1" if p == 2 else "root: rank 0=0, rank 1=0, rank 2=2"
+    for rank, results in enumerate(run_fresh_world(mismatched_roots, p, transport, algorithms, timeout_s=120)):
+        assert len(results) == 2 * len(ROOTED_CALLS) * len(algorithms)
+        for (collective, numel, algorithm), (message, x0, y0) in results.items():
+            where = (collective, numel, algorithm, rank)
+            assert message is not None and f"{collective}: ranks disagree ({expected})" in message, (where, message)
+            assert x0 == float(rank + 1), where  # nothing received into the tensor
+            assert y0 == sum(range(1, p + 1)), where
+
+
+def agreed_rooted_calls(rank, p):
+    """Rooted calls whose ranks agree still move their data, with no header on the payload:
+    the agreement (a Bruck all-gather of the arguments) is the only extra traffic."""
+    comm.init_communicator(None, comm.CommConfig(transport="shm"))
+    results = []
+    for root in range(p):
+        x = torch.full((1000,), float(rank))
+        comm.broadcast(x, src=root)
+        y = torch.full((1000,), float(rank + 1))
+        comm.reduce(y, dst=root)
+        results.append((x[0].item(), y[0].item() if rank == root else None))
+    comm.init_communicator(None)
+    return results
+
+
+def test_rooted_calls_that_agree_move_their_data():
+    p = 3
+    for rank, results in enumerate(run_distributed(agreed_rooted_calls, p)):
+        for root, (broadcast_value, reduced) in enumerate(results):
+            assert broadcast_value == float(root)
+            assert reduced == (sum(range(1, p + 1)) if rank == root else None)
 
 
 def inband_costs_no_message(rank, p):

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from plait.comm import layout
-from plait.comm.algorithms import (DEFAULT_NAMES, REDUCING, TOPOLOGY_ALGORITHMS, TORCH, build_schedule,
+from plait.comm.algorithms import (DEFAULT_NAMES, REDUCING, ROOTED, TOPOLOGY_ALGORITHMS, TORCH, build_schedule,
                                    checked_topology_fingerprint)
 from plait.comm.algorithms.hierarchical import parse_hierarchy
 from plait.comm.choice import resolve_algorithm, settled_algorithm, table_pending
@@ -92,9 +92,16 @@ _CHECK_FIELDS = ("collective", "algorithm", "elements", "dtype", "op", "root", "
                  "segment_bytes", "pipeline_segment_bytes")
 
 
-def _deep_check(communicator: Communicator, signature: CallSignature, device) -> None:
+def _deep_check(communicator: Communicator, signature: CallSignature, device, seq: int | None = None) -> None:
     """The "deep" check: exchange the call's signature over a Bruck all-gather before
-    any of its messages; every rank raises the same MismatchError if they differ."""
+    any of its messages (ceil(lg p) rounds of 8 * 9 * p bytes at most); every rank
+    raises the same MismatchError, naming each rank's value, if they differ.
+
+    ``seq``: the call's number on the group, for a rooted call under the in-band check.
+    The exchange's own messages then carry the in-band header, so a rank at another
+    call (a broadcast on one rank against an all-reduce on the other) is named as the
+    in-band check names it, while the root is left to the exchange, which names every
+    rank's root."""
     p, rank, config = communicator.size, communicator.rank, communicator.config
     mine = [_code(signature.collective), _code(signature.algorithm), signature.elements,
             _DTYPE_CODES.get(signature.dtype, 99), _OP_CODES[signature.op],
@@ -104,8 +111,13 @@ def _deep_check(communicator: Communicator, signature: CallSignature, device) ->
     table = torch.zeros(p * k, dtype=torch.int64, device=device)
     table[rank * k : (rank + 1) * k] = torch.tensor(mine, dtype=torch.int64)
     schedule = build_schedule("all_gather", "bruck", p, p * k)
-    call = Call(schedule, rank, communicator.transport, config.timeout_s,
-                label=f"{signature.collective} argument check", grouped=_grouped(table))
+    label = f"{signature.collective} argument check"
+    transport = communicator.transport
+    if seq is not None:
+        small = table.numel() * table.element_size() <= INLINE_BYTES
+        transport = InbandCall(transport, signature, seq, rank, label, communicator.known_calls(), small,
+                               deferred=("root",))
+    call = Call(schedule, rank, transport, config.timeout_s, label=label, grouped=_grouped(table))
     communicator.executor.run(call, table, COMBINE["sum"])
     rows = table.view(p, k).tolist()
     bad = [i for i in range(k) if len({row[i] for row in rows}) > 1]
@@ -199,6 +211,11 @@ def _launch(collective, communicator, async_op, algorithm, prepare, *, tensor, n
     staged = p > 1 and stages_through_host(communicator.group, tensor.device)
     grouped = _grouped(tensor) and not staged
     check = "off" if p == 1 else ("deep" if config.check == "inband" and grouped else config.check)
+    # A rooted call's ranks agree on the root before any data moves: with different roots,
+    # ranks that each take themselves for the root would only send (a broadcast, a scatter)
+    # and return with different data, or only receive (a reduce, a gather) until the
+    # deadline, and no in-band header would ever be compared
+    agree_first = check == "inband" and collective in ROOTED
 
     def job(seq):
         nonlocal algorithm, signature
@@ -206,8 +223,9 @@ def _launch(collective, communicator, async_op, algorithm, prepare, *, tensor, n
             settled = settled_algorithm(collective, nbytes, communicator)
             if settled != algorithm:
                 algorithm, signature = settled, dataclasses.replace(signature, algorithm=settled)
-        if check == "deep":
-            _deep_check(communicator, signature, torch.device("cpu") if staged else tensor.device)
+        if check == "deep" or agree_first:
+            _deep_check(communicator, signature, torch.device("cpu") if staged else tensor.device,
+                        seq if agree_first else None)
         start = time.perf_counter()
         if algorithm == TORCH:
             torch_call(communicator)  # waits with plait's deadline (_torch_wait)
@@ -221,7 +239,7 @@ def _launch(collective, communicator, async_op, algorithm, prepare, *, tensor, n
             schedule = build_schedule(collective, algorithm, p, prepared.numel, root, segments, tree,
                                       config.topology)
             transport = communicator.transport
-            if check == "inband":
+            if check == "inband" and not agree_first:  # an agreed call's messages need no header
                 small = buffer.numel() * buffer.element_size() <= INLINE_BYTES
                 transport = InbandCall(transport, signature, seq, rank, collective, communicator.known_calls(), small)
             segment_numel = config.segment_bytes // buffer.element_size() if config.segment_bytes else 0
@@ -250,6 +268,7 @@ def _nbytes(tensor) -> int:
 def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op=False, *, algorithm=None, hierarchy=None):
     """All-reduce ``tensor`` in place across the group (see plait.comm.algorithms for
     each algorithm's steps and cost). ``hierarchy`` only matters for "hierarchical"."""
+    layout.check_tensor(tensor, "tensor", "all_reduce")
     name = op_name(op)
     communicator = communicator_for(group)
 
@@ -267,6 +286,8 @@ def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op=False, *, algorithm
 
 def reduce_scatter_single(output, input, op=ReduceOp.SUM, group=None, async_op=False, *, algorithm=None):
     """Reduce ``input`` (p equal chunks) across ranks; rank r gets chunk r in ``output``."""
+    layout.check_tensor(output, "output", "reduce_scatter")
+    layout.check_tensor(input, "input", "reduce_scatter")
     name = op_name(op)
     communicator = communicator_for(group)
 
@@ -284,6 +305,8 @@ def reduce_scatter_single(output, input, op=ReduceOp.SUM, group=None, async_op=F
 
 def all_gather_single(output, input, group=None, async_op=False, *, algorithm=None):
     """Gather every rank's ``input`` into ``output`` (p * input elements), rank order."""
+    layout.check_tensor(output, "output", "all_gather")
+    layout.check_tensor(input, "input", "all_gather")
     communicator = communicator_for(group)
 
     def torch_call(comm):
@@ -310,6 +333,7 @@ def _rooted(collective, communicator, async_op, algorithm, root, prepare, torch_
 def broadcast(tensor, src=None, group=None, async_op=False, group_src=None, *, algorithm=None):
     """Copy ``tensor`` from rank ``src`` (a global rank, as in torch; or ``group_src``, a
     group rank; default global rank 0) to every rank."""
+    layout.check_tensor(tensor, "tensor", "broadcast")
     communicator = communicator_for(group)
     if communicator is None:
         return None
@@ -326,6 +350,7 @@ def broadcast(tensor, src=None, group=None, async_op=False, group_src=None, *, a
 def reduce(tensor, dst=None, op=ReduceOp.SUM, group=None, async_op=False, group_dst=None, *, algorithm=None):
     """Reduce every rank's ``tensor`` into rank ``dst``'s (a global rank; or ``group_dst``;
     others are left unchanged)."""
+    layout.check_tensor(tensor, "tensor", "reduce")
     name = op_name(op)
     communicator = communicator_for(group)
     if communicator is None:
@@ -345,6 +370,7 @@ def reduce(tensor, dst=None, op=ReduceOp.SUM, group=None, async_op=False, group_
 
 def gather(tensor, gather_list=None, dst=None, group=None, async_op=False, group_dst=None, *, algorithm=None):
     """Gather every rank's ``tensor`` into ``gather_list`` on rank ``dst`` (global; or ``group_dst``)."""
+    layout.check_tensor(tensor, "tensor", "gather")
     communicator = communicator_for(group)
     if communicator is None:
         return None
@@ -364,6 +390,7 @@ def gather(tensor, gather_list=None, dst=None, group=None, async_op=False, group
 def scatter(tensor, scatter_list=None, src=None, group=None, async_op=False, group_src=None, *, algorithm=None):
     """Rank ``src`` (global; or ``group_src``) sends ``scatter_list[r]`` to rank r, which
     receives it in ``tensor``."""
+    layout.check_tensor(tensor, "tensor", "scatter")
     communicator = communicator_for(group)
     if communicator is None:
         return None
@@ -383,6 +410,8 @@ def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=
                       async_op=False, *, algorithm=None):
     """Rank s's input chunk d goes to rank d's output chunk s (equal chunks; with
     split sizes, torch.distributed's own all-to-all runs)."""
+    layout.check_tensor(output, "output", "all_to_all")
+    layout.check_tensor(input, "input", "all_to_all")
     uneven = bool(output_split_sizes or input_split_sizes)
     if uneven:
         if algorithm not in DEFAULT_NAMES and algorithm != TORCH:

@@ -114,7 +114,8 @@ class InbandCall:
     (same ``send``/``recv``/``describe`` interface, so the executors do not know).
     ``small``: every message of the call fits ``INLINE_BYTES`` (the packed form)."""
 
-    def __init__(self, transport, signature: CallSignature, seq: int, rank: int, label: str, history, small: bool):
+    def __init__(self, transport, signature: CallSignature, seq: int, rank: int, label: str, history, small: bool,
+                 deferred: tuple[str, ...] = ()):
         self.transport = transport
         self.signature = signature
         self.seq = seq
@@ -123,6 +124,9 @@ class InbandCall:
         self.history = history  # seq -> CallSignature of this rank's recent and queued calls
         self.small = small
         self._codes = signature.codes(seq)
+        # fields not compared here: the call's own exchange compares them across every rank
+        # (a rooted call's argument agreement names each rank's root; plait.comm.collectives)
+        self._compared = [i for i, name in enumerate(HEADER_FIELDS[: len(self._codes)]) if name not in deferred]
         self._sent_to: set[int] = set()
         self._received_from: set[int] = set()
 
@@ -156,7 +160,7 @@ class InbandCall:
         return _CheckedRecv(self, tensor, peer, HEADER_TAG, self.transport.recv(tensor, peer, tag))
 
     def _verify(self, peer: int, codes: list[int]) -> None:
-        if codes[: len(self._codes)] == self._codes:
+        if all(codes[i] == self._codes[i] for i in self._compared):
             return
         if peer not in self._sent_to:  # let the peer, maybe waiting for our header, name it too
             self._sent_to.add(peer)
