@@ -302,12 +302,30 @@ class _Registry:
 REGISTRY = _Registry()
 
 
+def check_group(group) -> None:
+    """A TypeError naming ``group=`` when it is none of what it may be: None (the world),
+    a torch ProcessGroup or a plait Communicator (a name, a list of ranks or a number is
+    not a group: torch's own message for one is an unrelated "not registered")."""
+    if group is None or isinstance(group, (Communicator, dist.ProcessGroup)):
+        return
+    if group == dist.GroupMember.NON_GROUP_MEMBER:  # what new_group returns on a rank outside it
+        return
+    hint = ""
+    if isinstance(group, (list, tuple)):
+        hint = f": make one with torch.distributed.new_group({list(group)!r})"
+    elif hasattr(group, "get_group") and hasattr(group, "mesh"):  # a torch DeviceMesh
+        hint = ": pass mesh.get_group() (or mesh.get_group(dim) of a larger mesh)"
+    raise TypeError(f"group={group!r} ({type(group).__name__}) is not a process group; pass None (the world), a "
+                    f"torch.distributed ProcessGroup or a plait Communicator{hint}")
+
+
 def communicator_for(group) -> Communicator | None:
     """The communicator ``group=`` means: a Communicator itself; None (the world) or a
     process group's registered one, created with the defaults if it has none; None
     when this rank is not in the group (the call is then a no-op, as in torch)."""
     if isinstance(group, Communicator):
         return group
+    check_group(group)
     _require_initialized()
     group = dist.group.WORLD if group is None else group
     if group == dist.GroupMember.NON_GROUP_MEMBER or dist.get_rank(group) < 0:

@@ -22,8 +22,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from plait.comm.algorithms import DEFAULT_NAMES, TORCH, builder
 from plait.comm.collectives import _DTYPE_CODES, ReduceOp, all_gather_single, all_reduce, enqueue
-from plait.comm.communicator import communicator_for
+from plait.comm.communicator import check_group, communicator_for
 
 
 @dataclass
@@ -69,6 +70,15 @@ def ddp_comm_hook(algorithm="auto", compression=None, group=None):
         )
     if algorithm is not None and not isinstance(algorithm, str):
         raise TypeError(f"ddp_comm_hook: algorithm must be a string such as 'ring' or 'auto', got {algorithm!r}")
+    if compression is None and algorithm not in DEFAULT_NAMES and algorithm != TORCH:
+        try:
+            builder("all_reduce", algorithm)  # refused now, naming the valid ones, not at DDP's first bucket
+        except (ValueError, TypeError) as error:
+            raise ValueError(f"ddp_comm_hook: algorithm={algorithm!r}: {error}") from None
+    try:
+        check_group(group)
+    except TypeError as error:
+        raise TypeError(f"ddp_comm_hook: {error}") from None
     return DDPHookState(group=group, algorithm=algorithm, compressor=compression), plait_hook
 
 

@@ -33,9 +33,14 @@ def _flat(tensor: torch.Tensor) -> tuple[torch.Tensor, bool]:
     return tensor.reshape(-1).clone(), True
 
 
-def _check_tensor(tensor, name: str, collective: str) -> torch.Tensor:
+def check_tensor(tensor, name: str, collective: str) -> torch.Tensor:
+    """``tensor`` detached, or a TypeError naming the argument (a list, a number or a
+    NumPy array given where a collective takes a tensor, as torch refuses it)."""
     if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"{collective}: {name} must be a torch.Tensor, got {type(tensor).__name__}")
+        hint = ""
+        if isinstance(tensor, (list, tuple)) or hasattr(tensor, "__array__") or isinstance(tensor, (int, float)):
+            hint = " (wrap the data in one: torch.tensor(...) or torch.as_tensor(...))"
+        raise TypeError(f"{collective}: {name} must be a torch.Tensor, got {type(tensor).__name__}{hint}")
     return tensor.detach()
 
 
@@ -45,7 +50,7 @@ def _average(view: torch.Tensor, op: str, world_size: int) -> None:
 
 
 def prepare_all_reduce(tensor, rank: int, p: int, op: str) -> Prepared:
-    tensor = _check_tensor(tensor, "tensor", "all_reduce")
+    tensor = check_tensor(tensor, "tensor", "all_reduce")
     copied = not tensor.is_contiguous()
 
     def finish(buffer):
@@ -62,8 +67,8 @@ def _check_dtypes(output, input, collective: str) -> None:
 
 
 def prepare_reduce_scatter(output, input, rank: int, p: int, op: str) -> Prepared:
-    output = _check_tensor(output, "output", "reduce_scatter")
-    input = _check_tensor(input, "input", "reduce_scatter")
+    output = check_tensor(output, "output", "reduce_scatter")
+    input = check_tensor(input, "input", "reduce_scatter")
     _check_dtypes(output, input, "reduce_scatter")
     m = output.numel()
     if input.numel() != p * m:
@@ -82,8 +87,8 @@ def prepare_reduce_scatter(output, input, rank: int, p: int, op: str) -> Prepare
 
 
 def prepare_all_gather(output, input, rank: int, p: int) -> Prepared:
-    output = _check_tensor(output, "output", "all_gather")
-    input = _check_tensor(input, "input", "all_gather")
+    output = check_tensor(output, "output", "all_gather")
+    input = check_tensor(input, "input", "all_gather")
     _check_dtypes(output, input, "all_gather")
     m = input.numel()
     if output.numel() != p * m:
@@ -106,7 +111,7 @@ def prepare_all_gather(output, input, rank: int, p: int) -> Prepared:
 
 
 def prepare_broadcast(tensor, rank: int, p: int, root: int) -> Prepared:
-    tensor = _check_tensor(tensor, "tensor", "broadcast")
+    tensor = check_tensor(tensor, "tensor", "broadcast")
     copied = not tensor.is_contiguous()
 
     def finish(buffer):
@@ -117,7 +122,7 @@ def prepare_broadcast(tensor, rank: int, p: int, root: int) -> Prepared:
 
 
 def prepare_reduce(tensor, rank: int, p: int, root: int, op: str) -> Prepared:
-    tensor = _check_tensor(tensor, "tensor", "reduce")
+    tensor = check_tensor(tensor, "tensor", "reduce")
     copied = rank == root and not tensor.is_contiguous()
 
     def build():
@@ -145,7 +150,7 @@ def _check_list(tensors, tensor, p: int, name: str, collective: str, needed: boo
         raise ValueError(f"{collective}: the root's {name} must hold world_size = {p} tensors, got {got}")
     checked = []
     for i, item in enumerate(tensors):
-        item = _check_tensor(item, f"{name}[{i}]", collective)
+        item = check_tensor(item, f"{name}[{i}]", collective)
         if item.numel() != tensor.numel() or item.dtype != tensor.dtype:
             raise ValueError(
                 f"{collective}: {name}[{i}] has {item.numel()} elements of {item.dtype}; "
@@ -156,7 +161,7 @@ def _check_list(tensors, tensor, p: int, name: str, collective: str, needed: boo
 
 
 def prepare_gather(tensor, gather_list, rank: int, p: int, root: int) -> Prepared:
-    tensor = _check_tensor(tensor, "tensor", "gather")
+    tensor = check_tensor(tensor, "tensor", "gather")
     gather_list = _check_list(gather_list, tensor, p, "gather_list", "gather", rank == root)
     m = tensor.numel()
 
@@ -174,7 +179,7 @@ def prepare_gather(tensor, gather_list, rank: int, p: int, root: int) -> Prepare
 
 
 def prepare_scatter(tensor, scatter_list, rank: int, p: int, root: int) -> Prepared:
-    tensor = _check_tensor(tensor, "tensor", "scatter")
+    tensor = check_tensor(tensor, "tensor", "scatter")
     scatter_list = _check_list(scatter_list, tensor, p, "scatter_list", "scatter", rank == root)
     m = tensor.numel()
 
@@ -192,8 +197,8 @@ def prepare_scatter(tensor, scatter_list, rank: int, p: int, root: int) -> Prepa
 
 
 def prepare_all_to_all(output, input, rank: int, p: int) -> Prepared:
-    output = _check_tensor(output, "output", "all_to_all")
-    input = _check_tensor(input, "input", "all_to_all")
+    output = check_tensor(output, "output", "all_to_all")
+    input = check_tensor(input, "input", "all_to_all")
     _check_dtypes(output, input, "all_to_all_single")
     if output.numel() != input.numel():
         raise ValueError(

@@ -26,9 +26,10 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from plait.comm.communicator import REGISTRY, communicator_for, group_ranks
+from plait.comm.communicator import REGISTRY, check_group, communicator_for, group_ranks
 from plait.comm.config import CommConfig
 from plait.comm.errors import CommError, CommTimeoutError
+from plait.comm.layout import check_tensor
 from plait.comm.transport import stages_through_host
 
 _DEFAULT_TIMEOUT_S = CommConfig().timeout_s
@@ -57,6 +58,7 @@ def _transport_of(group):
 
 
 def _group_rank(group) -> tuple[object, int]:
+    check_group(group)
     group = dist.group.WORLD if group is None else group
     if hasattr(group, "group") and hasattr(group, "config"):  # a plait Communicator
         group = group.group
@@ -161,6 +163,7 @@ def isend(tensor: torch.Tensor, dst: int | None = None, group=None, tag: int = 0
           label: str = "send", timeout_s: float | None = None) -> Message:
     """Post ``tensor`` to global rank ``dst`` (or group rank ``group_dst``); ``wait()``
     the returned message before changing the tensor."""
+    check_tensor(tensor, "tensor", label)
     transport = _transport_of(group)
     group, rank = _group_rank(group)
     peer = _peer(group, rank, dst, group_dst, "dst")
@@ -182,6 +185,7 @@ def irecv(tensor: torch.Tensor, src: int | None = None, group=None, tag: int = 0
     ``group_src``; neither: from any rank of the group, ``wait()`` returns who sent it).
     A GPU tensor on a gloo group is received into a host buffer and copied into
     ``tensor`` by ``wait()``."""
+    check_tensor(tensor, "tensor", label)
     transport = _transport_of(group)
     group, rank = _group_rank(group)
     peer = _peer(group, rank, src, group_src, "src", allow_none=True)

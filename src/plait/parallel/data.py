@@ -31,6 +31,7 @@ from torch import nn
 from plait import comm
 from plait.comm.algorithms import algorithms_for, builder
 from plait.compress.base import Compressor
+from plait.parallel.arguments import check_wrapper_arguments
 from plait.parallel.buckets import Bucket, build_buckets, unflatten_into
 from plait.parallel.weak_hooks import weak_method
 
@@ -154,6 +155,7 @@ class DataParallel(nn.Module):
                  compression=None, broadcast_buffers: bool = True, init: str = "check",
                  find_unused_parameters: bool = False):
         super().__init__()
+        check_wrapper_arguments(module, group, "DataParallel")
         problems = []
         if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float)) or not bucket_mb > 0 \
                 or math.isinf(bucket_mb):

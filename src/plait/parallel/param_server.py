@@ -62,6 +62,7 @@ from plait import comm
 from plait.parallel.ps_config import (_ABORT, _CLOSE, _DATA_TAG, _GLOO_FALLBACK_FACTOR, _KINDS, _PUSH, _PUSH_TAG,
                                       _RAISED, _REASONS, _REPLY, _REPLY_TAG, ParameterServerConfig,
                                       ParameterServerStats, PushRecord, Shard, _check_compression, shard_by_size)
+from plait.parallel.arguments import check_wrapper_arguments
 from plait.parallel.buckets import unflatten_into
 from plait.parallel.ps_server import ServerLoop
 
@@ -80,6 +81,7 @@ class ParameterServer(ServerLoop):
     def __init__(self, module: nn.Module, optimizer_factory: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
                  *, num_servers: int = 1, mode: str = "sync", max_staleness: int = 0, order: str | int = "arrival",
                  compression=None, group=None):
+        check_wrapper_arguments(module, group, "ParameterServer")
         self.config = ParameterServerConfig(num_servers=num_servers, mode=mode, max_staleness=max_staleness,
                                             order=order)
         if not callable(optimizer_factory):

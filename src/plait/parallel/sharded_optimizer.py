@@ -10,6 +10,7 @@ import torch.distributed as dist
 from torch import nn
 
 from plait import comm
+from plait.comm.communicator import check_group
 from plait.parallel.flat_units import (FlatUnit, add_reduced, check_elementwise, clear_grads, reduce_units,
                                        step_and_gather)
 from plait.parallel.state_offload import StateFiles
@@ -54,6 +55,10 @@ class ShardedOptimizer:
 
     def __init__(self, optimizer: torch.optim.Optimizer, group, *, bucket_mb: float = 25,
                  algorithm: str = "auto", stage: int = 1, late=(), offload_dir=None, modules=None):
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"ShardedOptimizer: optimizer must be a torch.optim.Optimizer over the parameters, "
+                            f"got {type(optimizer).__name__}, e.g. torch.optim.AdamW(model.parameters(), lr=3e-4)")
+        check_group(group)
         check_elementwise(optimizer)
         if optimizer.state:
             raise ValueError("ZeRO: give the optimizer before its first step (its state is rebuilt on shards)")

@@ -63,6 +63,7 @@ import torch.distributed as dist
 from torch import nn
 
 from plait import comm
+from plait.parallel.arguments import check_wrapper_arguments
 from plait.parallel.data import verify_replicas
 from plait.parallel.flat_units import FlatUnit, add_reduced, check_elementwise, clear_grads, step_and_gather
 from plait.parallel.state_offload import StateFiles
@@ -87,6 +88,7 @@ class ZeRO(nn.Module):
                  init: str = "check", broadcast_buffers: bool = True, offload: str | None = None,
                  offload_dir=None):
         super().__init__()
+        check_wrapper_arguments(module, group, "ZeRO")
         problems = []
         if isinstance(stage, bool) or stage not in STAGES:
             problems.append(f"stage={stage!r} must be 1, 2 or 3 (stage 0 is plain data parallelism: "
