@@ -14,6 +14,7 @@ import select
 import sys
 
 from plait import __version__
+from plait.errors import PlaitError
 
 # A reader that stops early (plait ... | head -1) ends plait quietly with this status: 128 + 13
 # (SIGPIPE), what a shell reports for a process that SIGPIPE killed, as it would kill a C tool.
@@ -75,8 +76,8 @@ def _run_command(argv: list[str] | None) -> int:
         return exit_request.code if isinstance(exit_request.code, int) else 1
     try:
         return int(args.run(args) or 0)
-    except ValueError as error:
-        # User errors: say what is wrong and how to fix it, no traceback.
+    except (ValueError, PlaitError) as error:
+        # User errors (plait.errors lists plait's): say what is wrong and how to fix it, no traceback.
         print(f"plait {args.command.replace('-', ' ')}: error: {error}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
@@ -84,14 +85,19 @@ def _run_command(argv: list[str] | None) -> int:
         return 130
 
 
-def _comm_environment_error() -> ValueError | None:
-    """The error of a bad PLAIT_COMM_TIMEOUT_S, PLAIT_COMM_CHECK, PLAIT_COMM_SEGMENT_BYTES,
-    PLAIT_HIERARCHY or PLAIT_ALGORITHMS, or None. The CLI reads them (the library never
-    does) and passes the CommConfig they make down to the runs that train or measure."""
+def _comm_environment_error() -> str | None:
+    """The error of an unknown PLAIT_* variable (a misspelt one would be ignored: see
+    plait.cli.environment), or of a bad PLAIT_COMM_TIMEOUT_S, PLAIT_COMM_CHECK,
+    PLAIT_COMM_SEGMENT_BYTES, PLAIT_HIERARCHY or PLAIT_ALGORITHMS, or None. The CLI
+    reads them (the library never does) and passes the CommConfig they make down to the
+    runs that train or measure."""
+    unknown = importlib.import_module("plait.cli.environment").unknown_variables_error()
+    if unknown is not None:
+        return unknown
     try:
         importlib.import_module("plait.comm.config").config_from_environment()
     except ValueError as error:
-        return error
+        return str(error)
     return None
 
 

@@ -92,6 +92,7 @@ def run(args) -> int:
         prepare_data
 
     nprocs = _check_launcher_options(args, config)
+    _check_comm_environment(config)
     out = Path(config.out)
     check_output_path(out)
     endpoint, local_addr, run_id = _rendezvous(args)
@@ -205,6 +206,19 @@ def _check_launcher_options(args, config) -> int:
         raise ValueError("; ".join(problems))
     _warn_if_oversubscribed(nprocs, config.backend)
     return nprocs
+
+
+def _check_comm_environment(config) -> None:
+    """The PLAIT_* communicator settings against this run's layout (a hierarchy of the
+    wrong size, ...), before any process starts and in --dry-run: plait.train.comm_environment."""
+    from plait.comm.config import config_from_environment
+    from plait.train.comm_environment import comm_environment_problems
+
+    problems, notes = comm_environment_problems(config, config_from_environment())
+    if problems:
+        raise ValueError("; ".join(problems))
+    for note in notes:
+        print(f"plait train: warning: {note}", file=sys.stderr)
 
 
 def _rendezvous(args) -> tuple[str, str, str]:

@@ -6,7 +6,9 @@ the two cannot drift: the same value is accepted or refused, in the same words, 
     check_args     PLAIT_COMM_CHECK          1/0, true/false, yes/no, on/off (any case)
     segment_bytes  PLAIT_COMM_SEGMENT_BYTES  whole bytes, 0 (never split) .. 2**53
     algorithms     PLAIT_ALGORITHMS          "all_reduce=ring,broadcast=tree"
-    hierarchy      PLAIT_HIERARCHY           not checked here: it needs the world size
+    hierarchy      PLAIT_HIERARCHY           sizes "2x4" (2 groups of 4) or "3+5", each >= 1; that
+                                             it names a group's ranks needs the group:
+                                             hierarchy_ranks() says how many it names
 
 A variable that is unset or empty leaves the default. Errors are ValueErrors that
 begin ``NAME=value:`` (the variable, or CommConfig's keyword) and give the valid range.
@@ -103,8 +105,29 @@ def _algorithms(value, source: str) -> dict:
 
 
 def _hierarchy(value, source: str):
-    """Kept as given (a spec parse_hierarchy takes); checked when a collective uses it,
-    against that group's size. Empty text means none."""
+    """Kept as given (a spec parse_hierarchy takes); text must be sizes ("2x4", "3+5"),
+    each >= 1. Whether it names a group's ranks is checked against the group: when a
+    collective uses it, and by plait train's launcher against its layout before any
+    process starts. Empty text means none."""
     if isinstance(value, str) and not value.strip():
         return None
+    if isinstance(value, str):
+        hierarchy_ranks(value, source)
     return value
+
+
+def hierarchy_ranks(spec: str, source: str = "hierarchy") -> int:
+    """How many ranks a hierarchy of sizes names: "2x4" -> 8 (2 groups of 4), "3+5" -> 8
+    (groups of 3 and 5); a ValueError naming ``source`` unless every size is a whole
+    number >= 1. Computed without building the groups (a hostile "100000x100000" costs
+    nothing here)."""
+    text = spec.replace(" ", "")
+    separator = "+" if "+" in text else "x"
+    try:
+        sizes = [int(size) for size in text.split(separator)]
+    except ValueError:
+        sizes = []
+    if not sizes or any(size < 1 for size in sizes):
+        raise ValueError(f"{source}={spec!r}: a hierarchy is sizes like '2x4' (2 groups of 4 consecutive ranks; "
+                         "more x for more levels) or '3+5' (groups of 3 and 5), each a whole number >= 1")
+    return math.prod(sizes) if separator == "x" else sum(sizes)
