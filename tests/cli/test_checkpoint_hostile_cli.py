@@ -135,12 +135,12 @@ def test_training_on_beside_a_linked_step_directory_leaves_the_other_run_intact(
     before = tree(victim)
 
     resumed = plait("train", *TINY, "--steps", "3", "--keep-checkpoints", "1", "--out", str(run))
+    assert tree(victim) == before, resumed.stdout + resumed.stderr  # before: victim's manifest.json deleted
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert f"resuming from {run / 'checkpoints' / 'step_00000001'}; step_00000002 (the directory is a symbolic " \
            "link to" in resumed.stdout
     assert "it will be kept as step_00000002.link" in resumed.stdout
     assert sorted(os.listdir(run / "checkpoints")) == ["step_00000002.link", "step_00000003"]
-    assert tree(victim) == before
 
     for argv in (["checkpoint", "info", str(run)], ["checkpoint", "export", str(run), "--out", str(tmp_path / "m.pt")],
                  ["checkpoint", "info", str(run / "checkpoints" / "step_00000002.link")]):

@@ -7,7 +7,10 @@ A run directory stands for its newest complete checkpoint (newer partial or corr
 ones are named on stderr and skipped). `info` verifies every file's size and sha256,
 then prints the step, mesh, model and files; `export` writes the unsharded model
 state dict (GPT parameter names), loadable into plait.models.GPT with strict=True.
-A bad or corrupt checkpoint exits 2 with the reason.
+A bad or corrupt checkpoint exits 2 with the reason, in one line: among them a step
+directory (or checkpoints/) that is a symbolic link, a manifest whose step is not its
+directory's or whose mesh, shapes or model are not its files', and a path longer than
+the system takes (plait.train.checkpoint_checks).
 """
 
 from __future__ import annotations
