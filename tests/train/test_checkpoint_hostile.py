@@ -389,3 +389,13 @@ def test_a_step_directory_replaced_by_a_link_after_it_was_verified_is_not_remove
         os.close(root_fd)
     assert lines == ["step_00000100: not pruned (a symbolic link)"]
     assert tree(victim) == before and os.path.islink(root / "step_00000100")
+
+
+def test_a_run_directory_whose_name_is_not_utf8_verifies(tmp_path, reference):
+    """A guard for the shard check (it loads each shard memory-mapped): torch's mmap path
+    must not need the name encoded as UTF-8 (a first version failed here with
+    UnicodeEncodeError: surrogates not allowed)."""
+    run = tmp_path / os.fsdecode(b"\xff\xfe-run")
+    directory = save(run, 100, reference)
+    assert ckpt.verify(directory) == []
+    assert ckpt.latest_complete(run, log=None) == directory

@@ -320,6 +320,21 @@ def _tensor_problems(name: str, payload: dict, tp_size: int, full_shapes: dict) 
     return problems
 
 
+def _load_shard(path: Path) -> dict:
+    """torch.load(weights_only=True, mmap=True) of the regular file at ``path``, opened
+    without following a link; loaded through /proc/self/fd where there is one (the file
+    opened is the file read, and torch need not encode a name that is not UTF-8)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ValueError("not a regular file")
+        opened = f"/proc/self/fd/{fd}"
+        return torch.load(opened if os.path.exists(opened) else path, map_location="cpu", weights_only=True,
+                          mmap=True)
+    finally:
+        os.close(fd)
+
+
 def shard_problems(directory: str | os.PathLike, manifest: dict) -> list[str]:
     """Why the shard files disagree with ``manifest`` (one that manifest_problems
     accepts) or with each other; [] if they agree. Loads each shard with
@@ -329,7 +344,7 @@ def shard_problems(directory: str | os.PathLike, manifest: dict) -> list[str]:
     problems, specs_of, stage_of, full_shapes = [], {}, {}, {}
     for name in sorted(manifest["files"]):
         try:
-            payload = torch.load(directory / name, map_location="cpu", weights_only=True, mmap=True)
+            payload = _load_shard(directory / name)
         except Exception as error:  # torch raises several types for a damaged or hostile file
             problems.append(f"{name} cannot be loaded ({cut(f'{type(error).__name__}: {error}', 2 * SHOWN_CHARS)})")
             continue
