@@ -399,3 +399,13 @@ def test_a_run_directory_whose_name_is_not_utf8_verifies(tmp_path, reference):
     directory = save(run, 100, reference)
     assert ckpt.verify(directory) == []
     assert ckpt.latest_complete(run, log=None) == directory
+
+
+def test_the_loader_does_not_read_a_shard_through_a_link(tmp_path, reference):
+    """A shard replaced by a link after verification (the loop loads with
+    check_files=False, after rank 0 verified): the loader opens it with O_NOFOLLOW."""
+    directory = save(tmp_path / "run", 100, reference)
+    (directory / "tp0-pp0.pt").rename(tmp_path / "elsewhere.pt")
+    (directory / "tp0-pp0.pt").symlink_to(tmp_path / "elsewhere.pt")
+    with pytest.raises(ValueError, match=r"tp0-pp0.pt cannot be loaded \(OSError: \[Errno 40\] Too many levels"):
+        checkpoint_load.load_full(directory, check_files=False)

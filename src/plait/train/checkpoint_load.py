@@ -47,8 +47,9 @@ def _load_grid(directory: Path, manifest: dict) -> dict[tuple[int, int], dict]:
     """{(tp_rank, pp_rank): payload}, checked to be the complete tp x pp grid."""
     grid, sizes = {}, set()
     for name in manifest["files"]:
-        try:
-            payload = torch.load(directory / name, map_location="cpu", weights_only=True)
+        try:  # O_NOFOLLOW: a shard replaced by a link since it was verified is not read through it
+            with os.fdopen(os.open(directory / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK), "rb") as file:
+                payload = torch.load(file, map_location="cpu", weights_only=True)
         except Exception as error:  # torch raises several types for a damaged zip
             raise ValueError(f"{directory / name} cannot be loaded ({type(error).__name__}: {error}); run "
                              "`plait checkpoint info` on the directory") from None
