@@ -8,15 +8,16 @@ import warnings
 import pytest
 
 from plait.cost.link import LinkModel
-from plait.cost.profile import (MachineIdentity, Profile, ProfileMismatchWarning, Sample, default_profile_path,
-                                link_for_world, load_profile, machine_identity, save_profile)
+from plait.cost.profile import (calibrate_command, DEFAULT_PROFILE_BACKEND, default_profile_path, link_for_world,
+                                load_profile, machine_identity, MachineIdentity, Profile, profile_backend,
+                                ProfileMismatchWarning, Sample, save_profile)
 
 
 def make_profile(**changes):
     samples = (Sample(kind="shift", steps=1, nbytes=1024, reduce=False, time_s=2e-3, rep_times_s=(2e-3, 2.1e-3)),
                Sample(kind="shift", steps=4, nbytes=1 << 20, reduce=True, time_s=9e-3),
                Sample(kind="ping_pong", steps=1, nbytes=1024, reduce=False, time_s=1e-4))
-    fields = dict(link=LinkModel(8e-4, 1.1e-9, 2.5e-10), call_overhead_s=9e-4, backend="gloo", device="cpu",
+    fields = dict(link=LinkModel(8e-4, 1.1e-9, 2.5e-10), call_overhead_s=9e-4, backend="gloo+shm", device="cpu",
                   world_size=4, sizes_nbytes=(1024, 1 << 20), samples=samples,
                   r2={"shift": 0.93, "ping_pong": 0.7}, notes=("a note",),
                   ping_pong_link=LinkModel(1.5e-4, 5e-10))
@@ -35,7 +36,7 @@ def test_round_trip_through_the_default_path(cache_dir):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # same machine: no warning
         path = save_profile(profile)
-        assert path == cache_dir / "profile-gloo.json"
+        assert path == cache_dir / "profile-gloo+shm.json"  # plait calibrate's default transport's
         loaded = load_profile()
     assert loaded == profile
     assert loaded.samples[0].rep_times_s == (2e-3, 2.1e-3)
@@ -61,7 +62,9 @@ def test_default_path_precedence(monkeypatch, tmp_path):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     assert default_profile_path("nccl") == tmp_path / "xdg" / "plait" / "profile-nccl.json"
     monkeypatch.setenv("PLAIT_CACHE_DIR", str(tmp_path / "plait"))
-    assert default_profile_path() == tmp_path / "plait" / "profile-gloo.json"
+    # no backend: the one plait calibrate saves by default (gloo workers over plait's shared memory)
+    assert DEFAULT_PROFILE_BACKEND == profile_backend("gloo", "shm") == "gloo+shm"
+    assert default_profile_path() == tmp_path / "plait" / "profile-gloo+shm.json"
     with pytest.raises(ValueError, match="not a backend name"):
         default_profile_path("../etc")
 
@@ -76,7 +79,7 @@ def test_other_machine_warns_listing_every_differing_field(cache_dir):
     message = str(caught[0].message)
     for fragment in ("hostname: stored 'elsewhere', now " + repr(now.hostname),
                      "cpu_model: stored 'Some Other CPU'", "torch_version: stored '1.0.0', now "
-                     + repr(now.torch_version), "re-run `plait calibrate"):
+                     + repr(now.torch_version), "re-run `plait calibrate --nprocs 4` on this machine"):
         assert fragment in message
     for same in ("cpu_count", "python_version", "plait_version"):
         assert same not in message
@@ -100,9 +103,19 @@ def test_link_for_world():
         assert link_for_world(profile, 8) is profile.link
 
 
+def test_the_calibrate_command_of_each_profile():
+    """The command a message suggests saves that profile (calibrate has no --backend gloo+shm)."""
+    assert calibrate_command() == "plait calibrate"
+    assert calibrate_command("gloo+shm", 4) == "plait calibrate --nprocs 4"
+    assert calibrate_command("gloo", 8) == "plait calibrate --transport gloo --nprocs 8"
+    assert calibrate_command("nccl") == "plait calibrate --backend nccl"
+    with pytest.warns(ProfileMismatchWarning, match=r"re-run `plait calibrate --transport gloo --nprocs 8`"):
+        link_for_world(make_profile(backend="gloo"), 8)
+
+
 def _write(cache_dir, document) -> str:
     cache_dir.mkdir(parents=True, exist_ok=True)
-    path = cache_dir / "profile-gloo.json"
+    path = cache_dir / "profile-gloo+shm.json"
     path.write_text(document if isinstance(document, str) else json.dumps(document))
     return str(path)
 
@@ -137,7 +150,7 @@ def test_malformed_files_name_the_file_and_the_field(cache_dir, edit, fragment):
 @pytest.mark.parametrize("text", ["{not json", "[1, 2]"])
 def test_not_a_profile_at_all(cache_dir, text):
     path = _write(cache_dir, text)
-    with pytest.raises(ValueError, match="profile .*profile-gloo.json"):
+    with pytest.raises(ValueError, match=r"profile .*profile-gloo\+shm.json"):
         load_profile()
     assert path
 

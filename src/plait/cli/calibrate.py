@@ -12,7 +12,10 @@ once, copy and reduce, plus a two-rank ping-pong for reference
 weighted by 1/t (``plait.cost.calibration``), and saves the profile
 (``plait.cost.profile``) where the cost model and the tuner look for it:
 $PLAIT_CACHE_DIR, else $XDG_CACHE_HOME/plait, else
-~/.cache/plait, as profile-{backend}.json.
+~/.cache/plait, as profile-{backend}.json. The default (--transport shm, gloo workers)
+is profile-gloo+shm.json, the file every reader takes when not told otherwise
+(plait tune --show, plait cost, plait simulate --topology local, plait plan --cluster
+local, plait bench --predict); the last line says how to read any other one.
 """
 
 from __future__ import annotations
@@ -29,7 +32,8 @@ from plait.bench.launch import Job, WorkerError, choose_backend, in_torchrun, ru
 from plait.cli.bench import parse_nbytes
 from plait.cli.output_paths import output_file, prepare_output_paths
 from plait.cost.calibration import CalibrationReport, make_profile
-from plait.cost.profile import Profile, default_profile_path, profile_backend, save_profile
+from plait.cost.profile import (DEFAULT_PROFILE_BACKEND, default_profile_path, Profile, profile_backend,
+                                save_profile)
 
 
 def _positive_int(text: str) -> int:
@@ -145,6 +149,15 @@ def _plus_minus(value: float, scale: float = 1.0, spec: str = ".2g") -> str:
     return "clamped" if math.isnan(value) else format(value * scale, spec)
 
 
+def reading_hint(path, profile_name: str, nprocs: int) -> str:
+    """How the readers find the profile just saved at ``path``: by default, by --backend, or by path."""
+    if str(path) != str(default_profile_path(profile_name)):
+        return f"read it with plait tune --show --p {nprocs} --profile {path} (and --profile with the other commands)"
+    if profile_name != DEFAULT_PROFILE_BACKEND:
+        return f"read it with plait tune --show --p {nprocs} --backend {profile_name} (or --profile {path})"
+    return f"read by default: plait tune --show --p {nprocs}, plait cost, plait plan --cluster local, ..."
+
+
 def run(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     use_world = args.nprocs is None and in_torchrun()
@@ -188,6 +201,7 @@ def run(args: argparse.Namespace) -> int:
     for line in format_samples(profile) + format_fit(profile, report):
         print(line, file=out)
     print(f"# measured in {time.monotonic() - start_s:.1f} s; profile saved to {path}", file=out, flush=True)
+    print(f"# {reading_hint(path, profile_name, nprocs)}", file=out, flush=True)
     if args.json:
         json.dump(profile.as_dict(), sys.stdout, indent=1)
         print()

@@ -25,7 +25,7 @@ import time
 import warnings
 
 from plait.cost.presets import PLACEHOLDER_LOCAL_LINK
-from plait.cost.profile import load_profile, profile_backend, ProfileMismatchWarning
+from plait.cost.profile import DEFAULT_PROFILE_BACKEND, load_profile, ProfileMismatchWarning
 from plait.plan import (
     cluster_preset,
     CLUSTER_PRESETS,
@@ -231,7 +231,7 @@ def _local_cluster(args, precision_name: str, emit, model=None):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ProfileMismatchWarning)
         # plait train's default on one host: shared memory, so its calibration (calibrate's default)
-        profile = load_profile(args.profile, backend=profile_backend("gloo", "shm"))
+        profile = load_profile(args.profile, backend=DEFAULT_PROFILE_BACKEND)
     if profile is None:
         if args.profile:
             raise ValueError(f"no calibration profile at {args.profile}; run plait calibrate --output {args.profile}")

@@ -2,9 +2,13 @@
 algorithm="auto" runs each algorithm (like NCCL's tuning table).
 
 The tuner prices every algorithm with the calibrated profile (``plait calibrate``)
-or the link you give; overrides (PLAIT_ALGORITHMS) are shown where they apply.
+or the link you give; overrides (PLAIT_ALGORITHMS) are shown where they apply. The
+profile read is the one plait calibrate saves by default (profile-gloo+shm.json in the
+cache directory: plait.cost.profile.default_profile_path), or --backend's, or --profile;
+the output names the file.
 
-    plait tune --show --p 4
+    plait calibrate --nprocs 4 && plait tune --show --p 4
+    plait tune --show --p 4 --backend gloo      # after plait calibrate --transport gloo
     plait tune --show --p 8 --collective all --alpha 5us --bandwidth 12.5GB/s
 """
 
@@ -12,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 from plait.cli.bench import parse_collective, parse_nbytes
 from plait.cli.cost import parse_rate, parse_time_s
@@ -20,7 +25,7 @@ from plait.comm.choice import default_algorithm
 from plait.comm.config import config_from_environment
 from plait.comm.tuner import size_ranges, Tuner, tuner_from_profile
 from plait.cost import LinkModel
-from plait.cost.profile import load_profile
+from plait.cost.profile import calibrate_command, DEFAULT_PROFILE_BACKEND, default_profile_path, load_profile
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -32,8 +37,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         help="a collective or 'all' (default all_reduce)")
     parser.add_argument("--min-bytes", type=parse_nbytes, default=1, help="smallest size (default 1 B)")
     parser.add_argument("--max-bytes", type=parse_nbytes, default=1 << 30, help="largest size (default 1 GB)")
-    parser.add_argument("--profile", default=None, help="calibration profile (default: the saved one)")
-    parser.add_argument("--backend", default="gloo", help="whose saved profile to use (default gloo)")
+    parser.add_argument("--profile", default=None, metavar="PATH",
+                        help="calibration profile (default: the one plait calibrate saved for --backend)")
+    parser.add_argument("--backend", default=DEFAULT_PROFILE_BACKEND,
+                        help=f"whose saved profile to read: {DEFAULT_PROFILE_BACKEND} (plait calibrate's default, "
+                             f"--transport shm; the default here), gloo (plait calibrate --transport gloo) or nccl")
     parser.add_argument("--alpha", type=parse_time_s, default=None, help="latency per message, e.g. 5us")
     parser.add_argument("--bandwidth", type=parse_rate, default=None, help="e.g. 12.5GB/s or 100Gb/s")
     parser.add_argument("--reduce-bandwidth", type=parse_rate, default=None, help="e.g. 20GB/s")
@@ -43,22 +51,31 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     return parser
 
 
+def profile_path(args) -> str:
+    """The profile file tune reads: --profile, else where plait calibrate saved --backend's."""
+    return args.profile if args.profile is not None else str(default_profile_path(args.backend))
+
+
 def _tuner(args) -> Tuner | None:
-    profile = load_profile(args.profile, backend=args.backend)
+    path = profile_path(args)
+    profile = load_profile(path)
     if args.profile is not None and profile is None:
         raise ValueError(f"no calibration profile at {args.profile}; run plait calibrate --output {args.profile}")
     given = (args.alpha, args.bandwidth, args.reduce_bandwidth)
     if profile is None and all(x is None for x in given):
         return None
     if profile is None and (args.alpha is None or args.bandwidth is None):
-        raise ValueError("without a calibration profile give both --alpha and --bandwidth (or run plait calibrate)")
+        raise ValueError(f"without a calibration profile (none at {path}) give both --alpha and --bandwidth (or "
+                         f"run {calibrate_command(args.backend)})")
+    if profile is not None and profile.world_size != args.world_size:
+        print(f"plait tune: note: {path} was measured with {profile.world_size} ranks, not --p {args.world_size}: "
+              f"its link may misprice {args.world_size}-rank collectives (re-run "
+              f"{calibrate_command(profile.backend, args.world_size)})", file=sys.stderr)
 
     if profile is not None and all(x is None for x in given):
-        return tuner_from_profile(profile, source=f"profile {args.profile or 'saved for ' + args.backend}",
-                                  ) if args.hierarchy is None else Tuner(
+        return tuner_from_profile(profile, source=f"profile {path}") if args.hierarchy is None else Tuner(
             profile.link, call_overhead_s=profile.call_overhead_s, hierarchy=args.hierarchy,
-            source=f"profile {args.profile or 'saved for ' + args.backend}",
-            shared_host_ranks=tuner_from_profile(profile).shared_host_ranks)
+            source=f"profile {path}", shared_host_ranks=tuner_from_profile(profile).shared_host_ranks)
     base = profile.link if profile is not None else None
     link = LinkModel(
         args.alpha if args.alpha is not None else base.alpha_s,
@@ -66,7 +83,7 @@ def _tuner(args) -> Tuner | None:
         1 / args.reduce_bandwidth if args.reduce_bandwidth is not None else (base.gamma_s_per_byte if base else 0.0),
     )
     source = "command line" if profile is None else (
-        f"profile {args.profile or 'saved for ' + args.backend}" + (" with command-line changes" if any(
+        f"profile {path}" + (" with command-line changes" if any(
             x is not None for x in given) else ""))
     return Tuner(link, call_overhead_s=profile.call_overhead_s if profile is not None else 0.0,
                  hierarchy=args.hierarchy, source=source)
@@ -93,7 +110,8 @@ def run(args) -> int:
     else:
         collectives = [args.parse_collective(args.collective)]
     tuner = _tuner(args)
-    source = tuner.source if tuner is not None else "the default table (no calibration profile: run plait calibrate)"
+    source = tuner.source if tuner is not None else (
+        f"the default table (no calibration profile at {profile_path(args)}: run {calibrate_command(args.backend)})")
     out = []
     for collective in collectives:
         override = config_from_environment().algorithms.get(collective)

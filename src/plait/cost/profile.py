@@ -12,7 +12,11 @@ it was measured on. A profile holds ONE world size: on an oversubscribed machine
 with p ranks prices p-rank collectives; :func:`link_for_world` warns when asked for
 another p. Profiles live in ``default_profile_path(backend)``:
 ``$PLAIT_CACHE_DIR``, else ``$XDG_CACHE_HOME/plait``, else ``~/.cache/plait``, file
-``profile-{backend}.json``. Pure python (no torch import): it runs anywhere.
+``profile-{backend}.json``, ``backend`` as ``profile_backend`` names it ("gloo+shm",
+"gloo", "nccl"). Without a backend every reader looks where ``plait calibrate`` saves
+by default: ``DEFAULT_PROFILE_BACKEND``, gloo with plait's shared memory between the
+ranks of a host (``profile-gloo+shm.json``). Pure python (no torch import): it runs
+anywhere.
 """
 
 from __future__ import annotations
@@ -31,8 +35,9 @@ from pathlib import Path
 from plait import __version__
 from plait.cost.link import LinkModel
 
-__all__ = ["Sample", "MachineIdentity", "Profile", "ProfileMismatchWarning", "machine_identity",
-           "default_profile_path", "save_profile", "load_profile", "link_for_world"]
+__all__ = ["Sample", "MachineIdentity", "Profile", "ProfileMismatchWarning", "machine_identity", "profile_backend",
+           "DEFAULT_PROFILE_BACKEND", "calibrate_command", "default_profile_path", "save_profile", "load_profile",
+           "link_for_world"]
 
 FORMAT_NAME = "plait-profile"
 FORMAT_VERSION = 1
@@ -200,9 +205,23 @@ def profile_backend(backend: str, transport: str) -> str:
     return f"{backend}+shm" if transport == "shm" and backend == "gloo" else backend
 
 
-def default_profile_path(backend: str = "gloo") -> Path:
+# The profile plait calibrate saves by default (--backend auto spawning gloo workers,
+# --transport shm: plait's shared memory, what a run on one host uses), so the one
+# every reader (tune, cost, simulate, plan, bench --predict) finds without being told.
+DEFAULT_PROFILE_BACKEND = profile_backend("gloo", "shm")
+
+
+def calibrate_command(backend: str = DEFAULT_PROFILE_BACKEND, world_size: int | None = None) -> str:
+    """The plait calibrate command that saves ``backend``'s profile: 'plait calibrate
+    --nprocs 4' for gloo+shm (its defaults), '--transport gloo' for gloo, '--backend
+    nccl' (under torchrun) for nccl."""
+    flags = {DEFAULT_PROFILE_BACKEND: "", "gloo": " --transport gloo"}.get(backend, f" --backend {backend}")
+    return "plait calibrate" + flags + (f" --nprocs {world_size}" if world_size is not None else "")
+
+
+def default_profile_path(backend: str = DEFAULT_PROFILE_BACKEND) -> Path:
     """``$PLAIT_CACHE_DIR``, else ``$XDG_CACHE_HOME/plait``, else ``~/.cache/plait``;
-    file ``profile-{backend}.json``."""
+    file ``profile-{backend}.json`` (default: plait calibrate's, profile-gloo+shm.json)."""
     if not backend or any(c in backend for c in "/\\"):
         raise ValueError(f"backend={backend!r} is not a backend name (gloo, nccl, ...)")
     if os.environ.get("PLAIT_CACHE_DIR"):
@@ -317,9 +336,9 @@ def _parse(path: Path, data) -> Profile:
         raise ValueError(f"profile {path}: {error}; re-run `plait calibrate`") from None
 
 
-def load_profile(path: str | os.PathLike | None = None, *, backend: str = "gloo") -> Profile | None:
-    """The profile at ``path`` (default: ``default_profile_path(backend)``), or None
-    when there is no such file.
+def load_profile(path: str | os.PathLike | None = None, *, backend: str = DEFAULT_PROFILE_BACKEND) -> Profile | None:
+    """The profile at ``path`` (default: ``default_profile_path(backend)``, where plait
+    calibrate saves it), or None when there is no such file.
 
     Raises ValueError naming the file and the field when it is malformed or of
     another format version. When it was measured on another machine (hostname, CPU,
@@ -340,8 +359,8 @@ def load_profile(path: str | os.PathLike | None = None, *, backend: str = "gloo"
     if differences:
         warnings.warn(
             f"profile {target} was measured on another machine or software stack ("
-            + "; ".join(differences) + f"); its predictions may be off: re-run `plait calibrate "
-            f"--backend {profile.backend} --nprocs {profile.world_size}` on this machine",
+            + "; ".join(differences) + f"); its predictions may be off: re-run "
+            f"`{calibrate_command(profile.backend, profile.world_size)}` on this machine",
             ProfileMismatchWarning, stacklevel=2)
     return profile
 
@@ -355,6 +374,6 @@ def link_for_world(profile: Profile, world_size: int) -> LinkModel:
     if world_size != profile.world_size:
         warnings.warn(
             f"the profile was measured with {profile.world_size} ranks, not {world_size}; its link "
-            f"may misprice {world_size}-rank collectives: re-run `plait calibrate --nprocs {world_size}`",
+            f"may misprice {world_size}-rank collectives: re-run `{calibrate_command(profile.backend, world_size)}`",
             ProfileMismatchWarning, stacklevel=2)
     return profile.link
