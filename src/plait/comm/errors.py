@@ -37,7 +37,8 @@ class CommTimeoutError(CommError, TimeoutError):
             f"{self.timeout_s:g}s at step {self.step} waiting for peer {self.peer} ({self.reason}); "
             "check that every rank calls the same collectives in the same order and that no rank "
             "has died; raise the limit with the group's CommConfig(timeout_s=...) "
-            "(plait.comm.init_communicator) or, from the plait CLI, PLAIT_COMM_TIMEOUT_S"
+            "(plait.comm.init_communicator) or, from the plait CLI, plait train --timeout-s or "
+            "PLAIT_COMM_TIMEOUT_S for the other commands"
         )
 
 
