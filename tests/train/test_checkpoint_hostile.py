@@ -409,3 +409,35 @@ def test_the_loader_does_not_read_a_shard_through_a_link(tmp_path, reference):
     (directory / "tp0-pp0.pt").symlink_to(tmp_path / "elsewhere.pt")
     with pytest.raises(ValueError, match=r"tp0-pp0.pt cannot be loaded \(OSError: \[Errno 40\] Too many levels"):
         checkpoint_load.load_full(directory, check_files=False)
+
+
+def _save_beside_a_planted_link(rank, world_size, config, victim_directory):
+    from plait.train.loop import Trainer
+
+    trainer = Trainer(config, log=lambda _: None)  # a fresh --out: starts at step 0
+    link = ckpt.checkpoint_dir(config.out, 5)
+    link.parent.mkdir(parents=True, exist_ok=True)
+    link.symlink_to(victim_directory)  # planted during the run, after rundir.decide looked
+    trainer.save(5)
+    return sorted(os.listdir(link.parent)), os.readlink(link.parent / "step_00000005.replaced")
+
+
+@pytest.mark.slow
+def test_a_save_never_writes_through_a_link_planted_during_the_run(tmp_path, reference, victim):
+    """Sibling: the step directory a save is about to write is a link planted during the
+    run (to another run's partial checkpoint). Before: rank 0 died in shutil.rmtree
+    ("Cannot call rmtree on a symbolic link"); now the link itself is set aside and the
+    save writes a real directory."""
+    from plait.testing import run_distributed
+    from plait.train.config import TrainConfig
+
+    partial = victim / "checkpoints" / "step_00000300"
+    partial.mkdir()
+    (partial / "tp0-pp0.pt").write_bytes(b"the other run's bytes")
+    before = tree(victim)
+    config = TrainConfig(layers=2, hidden=32, heads=4, seq_len=16, data_max_bytes=60_000, global_batch=8,
+                         micro_batch=2, dp=1, tp=1, pp=1, eval_interval=0, out=str(tmp_path / "run"), timeout_s=60.0)
+    [(names, target)] = run_distributed(_save_beside_a_planted_link, 1, config, partial, timeout_s=120.0)
+    assert names == ["step_00000005", "step_00000005.replaced"] and target == str(partial)
+    assert ckpt.verify(ckpt.checkpoint_dir(tmp_path / "run", 5)) == []
+    assert tree(victim) == before

@@ -250,7 +250,8 @@ class Trainer:
         writes the manifest (the commit point) once all are on disk."""
         directory = ckpt.checkpoint_dir(self.out, step)
         if self.rank == 0:
-            if (directory / ckpt.MANIFEST_NAME).exists():  # never overwritten: rundir.decide prevents it; kept if not
+            # never overwritten, nor written through a link put there during the run: the link itself is renamed
+            if directory.is_symlink() or (directory / ckpt.MANIFEST_NAME).exists():
                 self.log(f"{directory.name} already exists: kept as {ckpt.set_aside(directory, 'replaced').name}")
             elif directory.exists():
                 shutil.rmtree(directory)  # partial (no manifest): this run's own interrupted save
