@@ -25,15 +25,19 @@ import re
 import sys
 
 from plait.bench import report
-from plait.bench.buffers import canonical_dtype_name, COLLECTIVES, DTYPE_NAMES, OPS
-from plait.bench.collectives import accepted_algorithms, available_algorithms, BenchConfig, BenchRow
+from plait.bench.buffers import canonical_dtype_name, COLLECTIVES, DTYPE_NAMES, OPS, parse_dtype
+from plait.bench.collectives import (accepted_algorithms, available_algorithms, BenchConfig, BenchRow, buffer_plan,
+                                    message_sizes)
+from plait.bench.limits import collective_rank_bytes, human_bytes, WORKER_BASE_BYTES
 from plait.bench.memcpy import memcpy_gbps
 from plait.bench.launch import choose_backend, in_torchrun, run_in_current_world, spawn_and_run, WorkerError
 from plait.bench.predict import Predictor
 from plait.comm.config import TRANSPORTS
+from plait.cli.local_ranks import add_oversubscribe_flag, check_spawn
 from plait.cli.output_paths import output_file, prepare_output_paths
 from plait.cost.profile import default_profile_path, load_profile, profile_backend
 from plait.cost.topology_io import load_topology
+from plait.train.budget import available_memory_bytes
 
 _SIZE_PATTERN = re.compile(r"^\s*(\d+(?:\.\d*)?)\s*([kmgt]?)(?:i?b)?\s*$", re.IGNORECASE)
 _SIZE_SCALES = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
@@ -155,6 +159,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                              "synth are built from it, auto and --predict price schedules on it with the simulator")
     parser.add_argument("--plot", metavar="FILE.png", default=None,
                         help="plot busbw against size (log2 axis), one line per algorithm")
+    add_oversubscribe_flag(parser)
     parser.set_defaults(run=run)
     return parser
 
@@ -181,6 +186,9 @@ def run(args: argparse.Namespace) -> int:
         backend = choose_backend(args.backend, spawned=True)
     if config.root >= nprocs:
         raise ValueError(f"--root {config.root} must be < the number of processes ({nprocs})")
+    _checked_topology(args.topology, nprocs)
+    if not use_world:
+        _check_workers_fit(args, config, nprocs, backend)
     predictor = None
     if args.predict:
         predictor, config = _predictor(args, config, backend, nprocs)
@@ -219,6 +227,44 @@ def run(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 1
     return 0
+
+
+def _checked_topology(path: str | None, nprocs: int):
+    """--topology loaded and matched against the run's ranks before anything starts (the
+    workers would each fail on it), or None without one."""
+    if path is None:
+        return None
+    try:
+        topology = load_topology(path, allocation=None)
+    except ValueError as error:
+        raise ValueError(str(error) if path in str(error) else f"--topology {path}: {error}") from None
+    if topology.world_size != nprocs:
+        raise ValueError(f"--topology {path} places {topology.world_size} ranks but the run has {nprocs} processes: "
+                         f"give the topology of these {nprocs} ranks (plait testbed probe) or --nprocs "
+                         f"{topology.world_size}")
+    return topology
+
+
+def _check_workers_fit(args: argparse.Namespace, config: BenchConfig, nprocs: int, backend: str) -> None:
+    """Refuse, before any worker starts, a world this machine cannot hold: nprocs workers
+    of plait.bench.limits' runtime plus (on CPU) the largest size's buffers and scratch."""
+    element_size = parse_dtype(config.dtype).itemsize
+    largest = 0
+    if config.collective != "barrier":
+        largest = max(buffer_plan(config.collective, nbytes, nprocs, element_size)[1]
+                      for nbytes in message_sizes(config.min_nbytes, config.max_nbytes, config.factor))
+    per_rank = 0 if backend == "nccl" else collective_rank_bytes(
+        config.collective, largest, nprocs, check=config.check, element_size=element_size)
+    what, fix = "", "use a smaller --nprocs"
+    if per_rank:
+        what = (f"the {config.collective} buffers of {largest} B (the largest size of --min-bytes {config.min_nbytes} "
+                f"--max-bytes {config.max_nbytes}), their receive scratch" + (" and the --check oracle"
+                                                                                  if config.check else ""))
+        room = available_memory_bytes() // nprocs - WORKER_BASE_BYTES
+        fitting = int(largest * room / per_rank) if room > 0 else 0
+        fix = (f"use --max-bytes {fitting} ({human_bytes(fitting)}) or less, or fewer --nprocs" if fitting >= 1
+               else "use a smaller --nprocs")
+    check_spawn(nprocs, allow_oversubscribe=args.allow_oversubscribe, per_rank_bytes=per_rank, what=what, fix=fix)
 
 
 def _predictor(args: argparse.Namespace, config: BenchConfig, backend: str, nprocs: int):
