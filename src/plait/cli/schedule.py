@@ -17,6 +17,7 @@ import argparse
 import json
 
 from plait.cli.output_paths import output_file, prepare_output_paths
+from plait.cli.work_limits import check_pipeline, check_transfers, estimated_transfers, MAX_SCHEDULE_TRANSFERS
 from plait.comm.algorithms import build_schedule, COLLECTIVES, describe, ROOTED
 from plait.comm.algorithms.hierarchical import parse_hierarchy
 from plait.parallel.pipeline.draw import (
@@ -49,6 +50,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--segments", type=int, default=1, help="pipeline segments (chains, binary trees)")
     parser.add_argument("--hierarchy", default=None, help="for hierarchical: '2x4', '3+5' or nested lists")
     parser.add_argument("--max-steps", type=int, default=64, help="rows to print")
+    parser.add_argument("--max-transfers", type=int, default=MAX_SCHEDULE_TRANSFERS, metavar="N",
+                        help=f"refuse schedules of more than about N transfers, estimated as 4 p (p + segments) before "
+                             f"building (default {MAX_SCHEDULE_TRANSFERS:,}: a few seconds here)")
     pipeline = parser.add_argument_group("pipeline schedules (instead of a collective and algorithm)")
     pipeline.add_argument("--schedule", default=None, metavar="NAME", help=f"one of {', '.join(SCHEDULES)}")
     pipeline.add_argument("--stages", type=int, default=None, metavar="P", help="pipeline ranks p")
@@ -87,6 +91,11 @@ def run(args) -> int:
     numel = args.numel if args.numel is not None else 2 * p
     if numel < 0:
         raise ValueError(f"--numel must be >= 0, got {numel}")
+    if args.segments < 1:
+        raise ValueError(f"--segments must be >= 1, got {args.segments}")
+    check_transfers(estimated_transfers(p, args.segments), args.max_transfers, MAX_SCHEDULE_TRANSFERS,
+                    f"{args.collective} {args.algorithm} on -n {p} ranks with --segments {args.segments}",
+                    "use a smaller -n or fewer --segments")
     hierarchy = None
     if args.algorithm == "hierarchical":
         spec = args.hierarchy
@@ -135,6 +144,23 @@ def _load_timeline(path: str):
         raise ValueError(f"--timeline {path}: {error}") from None
 
 
+def _check_pipeline_size(name: str, p: int, m: int, virtual: int | None) -> None:
+    """Refuse, before building, a schedule past plait.cli.work_limits' limits; the message
+    gives the bubble formula's value, which needs no replay."""
+    if name not in SCHEDULES:
+        return  # build() names the valid ones
+    for flag, value in (("--stages", p), ("--microbatches", m), ("--virtual", virtual)):
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} {value} must be >= 1")
+    v = (2 if virtual is None else virtual) if name == "interleaved_1f1b" else 1
+    try:
+        check_pipeline(name, p, m, v)
+    except ValueError as error:
+        formula = theory(name, p, m, v)
+        raise ValueError(f"{error}; the bubble by formula, with no replay: {formula['bubble_formula']} = "
+                         f"{formula['bubble_fraction']:.4f}") from None
+
+
 def run_pipeline(args) -> int:
     """Print (and with --out draw) a pipeline schedule's or a recorded run's Gantt chart."""
 
@@ -160,6 +186,7 @@ def run_pipeline(args) -> int:
             raise ValueError(f"--schedule {args.schedule} needs --stages P and --microbatches M, "
                              "e.g. --stages 4 --microbatches 8")
         name, p, m = args.schedule, args.stages, args.microbatches
+        _check_pipeline_size(name, p, m, args.virtual)
         schedule = build(name, p, m, args.virtual)
         v = schedule.stages // p  # chunks per rank (interleaved: --virtual, default 2)
         timeline = with_chunk_labels(validate(schedule), schedule)

@@ -13,15 +13,17 @@ local) or JSON/TOML files (plait.cost.topology_io).
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import time
 
 from plait.bench.collectives import busbw_factor
 from plait.cli.bench import parse_collective, parse_nbytes
 from plait.cli.output_paths import output_file, prepare_output_paths
+from plait.cli.work_limits import check_preset_devices, check_transfers, estimated_transfers, MAX_SIMULATED_TRANSFERS
 from plait.comm.algorithms import algorithms_for, build_schedule, COLLECTIVES, ROOTED
 from plait.cost.alpha_beta import pipeline_segments
-from plait.cost.presets import preset
+from plait.cost.presets import preset, PRESETS
 from plait.cost.simulator import MAX_NBYTES, simulate
 from plait.cost.topology_io import load_topology, save_topology
 
@@ -55,6 +57,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--root", type=int, default=0, help="root rank of rooted collectives")
     parser.add_argument("--segments", type=int, default=None,
                         help="pipeline segments of chains and binary trees (default: plait's rule for the size)")
+    parser.add_argument("--max-transfers", type=int, default=MAX_SIMULATED_TRANSFERS, metavar="N",
+                        help="refuse runs of more than about N transfers in all, estimated as 4 p (p + segments) per "
+                             f"algorithm and size before building (default {MAX_SIMULATED_TRANSFERS:,}: a few seconds "
+                             "here)")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     parser.add_argument("--plot", default=None, metavar="OUT.png",
                         help="time vs size per algorithm (with --sizes), else the busiest links' utilisation")
@@ -117,9 +123,29 @@ def algorithms_from_args(args) -> list[str]:
     return names
 
 
+def preset_devices(args) -> int | None:
+    """Devices the preset of ``args`` builds (nodes x devices per node, the preset's
+    defaults where not given), or None where the preset or a count is invalid (preset()
+    then says why)."""
+    builder = PRESETS.get(args.topology)
+    if builder is None:
+        return None
+    defaults = inspect.signature(builder).parameters
+    nodes = args.nodes if args.nodes is not None else defaults["nodes"].default
+    per_node = 8  # DGX nodes
+    if "devices_per_node" in defaults:
+        per_node = args.devices_per_node if args.devices_per_node is not None else defaults["devices_per_node"].default
+    if not all(isinstance(count, int) and count >= 1 for count in (nodes, per_node)):
+        return None
+    return nodes * per_node
+
+
 def topology_from_args(args):
     if args.topology_file:
         return load_topology(args.topology_file, allocation=args.allocation)
+    devices = preset_devices(args)
+    if devices is not None:
+        check_preset_devices(args.topology, devices)
     params = {}
     if args.nodes is not None:
         params["nodes"] = args.nodes
@@ -237,6 +263,11 @@ def run(args) -> int:
     topology = topology_from_args(args)
     if args.collective in ROOTED and not 0 <= args.root < topology.world_size:
         raise ValueError(f"--root {args.root} must be in [0, {topology.world_size})")
+    p = topology.world_size
+    estimate = sum(estimated_transfers(p, args.segments or pipeline_segments(nbytes)) for nbytes in sizes) * len(algorithms)
+    check_transfers(estimate, args.max_transfers, MAX_SIMULATED_TRANSFERS,
+                    f"{len(algorithms)} algorithm(s) x {len(sizes)} size(s) on {p} ranks ({topology.summary()})",
+                    "use fewer nodes, algorithms or sizes")
     prepare_output_paths(output_file("--plot", args.plot), output_file("--save-topology", args.save_topology))
     if args.save_topology:
         save_topology(topology, args.save_topology)
