@@ -195,6 +195,8 @@ FORGERIES = {
                       "manifest data_position 999999 != step 200 (a checkpoint continues the data at its own step)"),
     "tp=2 over tp=2 x pp=2 files as tp=4": (dict(mesh={"tp": 4}), "manifest mesh tp=4 pp=2 needs the files"),
     "mesh without dp": (dict(mesh={"dp": 0}), "manifest mesh {'dp': 0, "),
+    "tp=10**9": (dict(mesh={"tp": 10**9}), "manifest mesh tp=1000000000 pp=2 needs 2,000,000,000 shard files, but "
+                                           "it lists ['tp0-pp0.pt', 'tp0-pp1.pt', 'tp1-pp0.pt', 'tp1-pp1.pt']"),
     "config against mesh": (dict(config={"tp": 1, "pp": 2}), "manifest config says tp=1 but its mesh says dp=1, "
                                                              "tp=2, pp=2"),
     "wrong shapes": (dict(model={**asdict(CONFIG), "hidden": 32}),
