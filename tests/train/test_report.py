@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from plait.train.progress import Progress, format_duration, format_rate
+from plait.train.progress import format_duration, format_rate, Progress
 from plait.train.report import gpt_train_flops, measure_peak_flops, summary_lines, write_report
 
 
@@ -84,6 +84,27 @@ def test_gpt_flops_match_plait_gpt(tied_head):
     with FlopCounterMode(display=False) as counter:
         model.loss(tokens, tokens).backward()
     assert counter.get_total_flops() == gpt_train_flops(b, s, l, h, v)
+
+
+@pytest.mark.parametrize("sizes", [(64, 128, 128, 128, 10), (64, 10), (5, 3, 7)])
+def test_mlp_flops_are_six_per_weight_and_sample_as_torch_counts_them(sizes):
+    """plait train's MLP: torch's FlopCounterMode gives 6·B·Σ d_i·d_(i+1) when the input
+    wants a gradient (every layer's dW and dX), and 2·B·d_0·d_1 less on a data batch
+    (autograd skips the first layer's input gradient; the 6N rule counts it)."""
+    from plait.models.mlp import MLP
+    from plait.train.report import mlp_train_flops
+
+    batch = 16
+    model = MLP(sizes).double()
+    weights = sum(module.weight.numel() for module in model.modules() if isinstance(module, nn.Linear))
+    assert mlp_train_flops(batch, sizes) == 6 * batch * weights
+    for wants_grad, skipped in ((True, 0), (False, 2 * batch * sizes[0] * sizes[1])):
+        x = torch.randn(batch, sizes[0], dtype=torch.float64, requires_grad=wants_grad)
+        with FlopCounterMode(display=False) as counter:
+            model(x).square().mean().backward()
+        assert counter.get_total_flops() == mlp_train_flops(batch, sizes) - skipped
+    with pytest.raises(ValueError, match=r"batch\(0\).*sizes\[1\]\(0\)"):
+        mlp_train_flops(0, (4, 0))
 
 
 def test_gpt_flops_reject_bad_sizes():
@@ -353,3 +374,107 @@ def test_progress_tty_line_fits_columns():
 def test_progress_rejects_bad_arguments():
     with pytest.raises(ValueError, match=r"start_step\(5\) > total_steps\(3\).*interval_s\(-1\)"):
         Progress(3, start_step=5, interval_s=-1)
+
+
+# ---- units: an MLP trains on samples ----------------------------------------------------
+
+def test_every_model_has_a_throughput_unit():
+    from plait.train.config import MODELS
+    from plait.train.progress import rate_key, throughput_unit
+
+    assert {model: throughput_unit(model) for model in MODELS} == {"gpt": "tokens", "mlp": "samples"}
+    assert rate_key("samples") == "samples_per_s" and rate_key("tokens") == "tokens_per_s"
+    with pytest.raises(ValueError, match="model='cnn' has no throughput unit"):
+        throughput_unit("cnn")
+
+
+def test_progress_of_an_mlp_says_samples_per_s():
+    from plait.train.progress import throughput_unit
+
+    stream, clock = io.StringIO(), _Clock()
+    progress = Progress(3, stream=stream, interval_s=0.0, clock=clock, unit=throughput_unit("mlp"))
+    for step in (1, 2, 3):
+        clock.now_s += 1.0
+        progress.update(step, 2.0, 1234.0)
+    progress.close()
+    lines = stream.getvalue().splitlines()
+    assert len(lines) == 3 and all("1.23k samples/s" in line and "tok" not in line for line in lines)
+    with pytest.raises(ValueError, match="unit\\('words'\\) must be one of tokens, samples"):
+        Progress(3, unit="words")
+
+
+MLP_SAMPLES_PER_STEP = 16
+MLP_FLOPS_PER_STEP = 6 * MLP_SAMPLES_PER_STEP * (64 * 128 + 2 * 128 * 128 + 128 * 10)  # widths 64, 128 ×3, 10
+
+
+def _mlp_run(keys: str):
+    """The synthetic run as plait train's MLP (digits, global batch 16): ``keys`` "legacy" are
+    the names plait train wrote for every model (tokens_per_s, tokens_per_step), "samples" the
+    MLP's own (samples_per_s, samples_per_step)."""
+    metrics, ranks, run = _synthetic_run()
+    rate, per_step = ("tokens_per_s", "tokens_per_step") if keys == "legacy" else ("samples_per_s", "samples_per_step")
+    for record in metrics:
+        del record["tokens_per_s"]
+        record[rate] = MLP_SAMPLES_PER_STEP / record["step_s"]
+    del run["tokens_per_step"]
+    config = {"model": "mlp", "data": "digits", "mlp_hidden": [128, 128, 128], "dp": 2, "tp": 1, "pp": 2, "steps": 10}
+    run = dict(run, config=config, flops_per_step=MLP_FLOPS_PER_STEP, **{per_step: MLP_SAMPLES_PER_STEP})
+    return metrics, ranks, run
+
+
+@pytest.mark.parametrize("keys", ["legacy", "samples"])
+def test_an_mlp_report_counts_samples_not_tokens(tmp_path, keys):
+    metrics, ranks, run = _mlp_run(keys)
+    report = write_report(tmp_path, metrics=metrics, ranks=ranks, run=run)
+    # steps 2..10 (step 1 excluded): 9 steps of 16 samples in 5 × 0.25 s + 4 × 0.5 s
+    mean_samples_per_s = 9 * MLP_SAMPLES_PER_STEP / (5 * 0.25 + 4 * 0.5)
+    throughput = report["throughput"]
+    assert throughput["unit"] == "samples" and "mean_tokens_per_s" not in throughput
+    assert throughput["mean_samples_per_s"] == pytest.approx(mean_samples_per_s)
+    assert report["run"]["unit"] == "samples" and report["run"]["samples_per_step"] == MLP_SAMPLES_PER_STEP
+    assert "tokens_per_step" not in report["run"]
+    assert json.loads((tmp_path / "report.json").read_text())["throughput"]["unit"] == "samples"
+    # MFU from the MLP's FLOPs per sample; the steady state at samples/s ÷ samples per step
+    assert report["mfu"]["flops_per_step"] == MLP_FLOPS_PER_STEP
+    assert report["mfu"]["steady_value"] == pytest.approx(
+        MLP_FLOPS_PER_STEP * (mean_samples_per_s / MLP_SAMPLES_PER_STEP) / (4 * 2e10))
+    markdown = (tmp_path / "report.md").read_text()
+    assert f"{MLP_SAMPLES_PER_STEP} samples per step" in markdown
+    assert f"- mean throughput: {format_rate(mean_samples_per_s)} samples/s over 9 recorded steps" in markdown
+    assert "6·B·Σ d_i·d_(i+1) for the MLP" in markdown and "mean samples/s without the first step" in markdown
+    assert "token" not in markdown.lower()
+    summary = "\n".join(summary_lines(report))
+    assert f"throughput: {format_rate(mean_samples_per_s)} samples/s" in summary and "token" not in summary
+
+
+def test_a_gpt_report_keeps_its_token_keys(written):
+    _, report = written
+    assert report["throughput"]["unit"] == "tokens" and report["run"]["tokens_per_step"] == TOKENS_PER_STEP
+
+
+def _train_mlp(rank, world_size, out):
+    from plait.train.config import TrainConfig
+    from plait.train.loop import Trainer
+
+    lines = []
+    config = TrainConfig(model="mlp", data="digits", mlp_hidden=(32,), global_batch=16, micro_batch=16, steps=3,
+                         dp=1, tp=1, pp=1, eval_interval=0, checkpoint_interval=0, out=str(out), timeout_s=60.0)
+    Trainer(config, log=lines.append).train()
+    return lines
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_real_mlp_run_reports_samples_per_s(tmp_path):
+    """plait train --model mlp --data digits, 3 steps on one rank: its report and summary count samples."""
+    from plait.testing import run_distributed
+
+    out = tmp_path / "mlp"
+    [lines] = run_distributed(_train_mlp, 1, out, timeout_s=100.0)
+    report = json.loads((out / "report.json").read_text())
+    assert report["throughput"]["unit"] == "samples" and report["run"]["samples_per_step"] == 16
+    assert report["mfu"]["flops_per_step"] == 6 * 16 * (64 * 32 + 32 * 10)  # the MLP's 6N per sample
+    markdown = (out / "report.md").read_text()
+    assert "16 samples per step" in markdown and " samples/s over 2 recorded steps" in markdown
+    assert "token" not in markdown.split("## Config")[0].lower()
+    assert any(line.startswith("throughput: ") and " samples/s " in line for line in lines), lines

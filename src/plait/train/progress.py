@@ -4,6 +4,9 @@ On a TTY one line is redrawn with ``\\r``::
 
     [#########...............] step 120/300  loss 2.345  12.3k tok/s  ETA 1m20s
 
+The rate is in the unit the model trains on (``throughput_unit``): tokens for the GPT
+(``tok/s``), samples for the MLP (``samples/s``: one digit image is one sample).
+
 On anything else (a pipe, a log file, pytest's capture) a plain line with no control
 characters is written at most every ``interval_s`` seconds, plus always the first and
 the last step. ``step`` counts completed steps: ``update(step)`` is called after step
@@ -25,6 +28,24 @@ from typing import IO, Callable
 
 BAR_WIDTH = 24
 DEFAULT_INTERVAL_S = 5.0
+# What one step of each of plait train's models (TrainConfig.model) processes: the GPT
+# global_batch x seq_len tokens, the MLP global_batch samples (digit images, no sequence).
+THROUGHPUT_UNITS = {"gpt": "tokens", "mlp": "samples"}
+RATE_LABELS = {"tokens": "tok/s", "samples": "samples/s"}  # the progress line's short form
+
+
+def throughput_unit(model: str) -> str:
+    """The unit ("tokens" or "samples") a throughput of plait train's ``model`` counts."""
+    if model not in THROUGHPUT_UNITS:
+        raise ValueError(f"model={model!r} has no throughput unit; known: {', '.join(THROUGHPUT_UNITS)}")
+    return THROUGHPUT_UNITS[model]
+
+
+def rate_key(unit: str) -> str:
+    """The metrics.jsonl / report key of a rate in ``unit``: "tokens_per_s", "samples_per_s"."""
+    if unit not in RATE_LABELS:
+        raise ValueError(f"unit={unit!r} is not a throughput unit; use one of {', '.join(RATE_LABELS)}")
+    return f"{unit}_per_s"
 
 
 def format_duration(seconds: float) -> str:
@@ -67,12 +88,15 @@ class Progress:
     """Progress of steps ``start_step+1 .. total_steps``: a TTY bar or rate-limited plain lines.
 
     ``clock`` (seconds, monotonic) is injectable for tests; ``columns`` caps the TTY
-    line width (default: the terminal's), so a long line never wraps and breaks ``\\r``."""
+    line width (default: the terminal's), so a long line never wraps and breaks ``\\r``.
+    ``unit`` ("tokens" or "samples", ``throughput_unit(model)``) labels the rate."""
 
     def __init__(self, total_steps: int, *, start_step: int = 0, stream: IO[str] | None = None,
                  interval_s: float = DEFAULT_INTERVAL_S, clock: Callable[[], float] = time.monotonic,
-                 columns: int | None = None):
+                 columns: int | None = None, unit: str = "tokens"):
         problems = []
+        if unit not in RATE_LABELS:
+            problems.append(f"unit({unit!r}) must be one of {', '.join(RATE_LABELS)}")
         if not isinstance(total_steps, int) or total_steps < 0:
             problems.append(f"total_steps({total_steps!r}) must be an int >= 0")
         if not isinstance(start_step, int) or start_step < 0:
@@ -87,6 +111,7 @@ class Progress:
             raise ValueError("Progress: " + "; ".join(problems))
         self.total_steps = total_steps
         self.start_step = start_step
+        self.unit = unit
         self.stream = sys.stderr if stream is None else stream
         self.interval_s = float(interval_s)
         self.is_tty = _is_tty(self.stream)
@@ -119,8 +144,8 @@ class Progress:
 
     # ---- output -------------------------------------------------------------------
 
-    def update(self, step: int, loss: float, tokens_per_s: float, extra: str = "") -> None:
-        """Report that step ``step`` finished with this loss and throughput."""
+    def update(self, step: int, loss: float, rate_per_s: float, extra: str = "") -> None:
+        """Report that step ``step`` finished with this loss and throughput (in ``unit`` per second)."""
         if self._closed:
             raise ValueError("Progress.update after close(); make a new Progress")
         now_s = self._clock()
@@ -128,7 +153,8 @@ class Progress:
             self._first_update = (step, now_s)
         eta_s = self.eta_s(step, now_s)
         done = step >= self.total_steps
-        parts = [f"step {step}/{self.total_steps}", f"loss {loss:.3f}", f"{format_rate(tokens_per_s)} tok/s"]
+        parts = [f"step {step}/{self.total_steps}", f"loss {loss:.3f}",
+                 f"{format_rate(rate_per_s)} {RATE_LABELS[self.unit]}"]
         if done:
             parts.append(f"done in {format_duration(now_s - self._start_time_s)}")
         else:

@@ -11,9 +11,17 @@ A layer's forward does 24·B·s·h² matmul FLOPs (QKV 6, projection 2, MLP 16) 
 Backward costs twice the forward; recomputation adds one more forward of the layers
 (not of the logits).
 
+The MLP (widths d_0 .. d_L, no sequence) does 2·B·Σ d_i·d_{i+1} matmul FLOPs forward and
+twice that backward: 6·B·Σ d_i·d_{i+1}, the 6N model-FLOPs rule (N its weights).
+
 MFU = flops_per_step × steps / (training wall time × world_size × peak_flops_per_s).
 On CPU there is no datasheet peak, so ``measure_peak_flops`` times a square matmul in
 this process and that achieved rate stands in for the peak of one process.
+
+Throughput is in the unit the model trains on (``plait.train.progress.throughput_unit``
+of the run's config): tokens/s for the GPT, samples/s for the MLP; report.json names it
+(``throughput.unit``, ``throughput.mean_tokens_per_s`` or ``mean_samples_per_s``,
+``run.tokens_per_step`` or ``run.samples_per_step``).
 """
 
 from __future__ import annotations
@@ -26,13 +34,13 @@ from pathlib import Path
 import torch
 
 from plait.train.memory import memory_rows, render_memory
-from plait.train.progress import format_duration, format_rate
+from plait.train.progress import format_duration, format_rate, rate_key, throughput_unit
 
 AXES = ("dp", "tp", "pp")
 TIME_PARTS = ("compute", "comm", "bubble", "other")
 MIB = float(1 << 20)
-RUN_KEYS = ("config", "mesh", "world_size", "backend", "device", "tokens_per_step", "flops_per_step",
-            "peak_flops_per_s", "time_to_first_step_s", "steps", "start_step")
+RUN_KEYS = ("config", "mesh", "world_size", "backend", "device", "flops_per_step", "peak_flops_per_s",
+            "time_to_first_step_s", "steps", "start_step")  # and the items per step: see _per_step
 RANK_KEYS = ("rank", "coords", "wall_s", "compute_s", "comm_s", "bubble_s", "other_s")
 # Number of final train-loss records averaged into the smoothed final loss.
 FINAL_LOSS_WINDOW = 10
@@ -65,6 +73,23 @@ def gpt_train_flops(batch: int, seq_len: int, layers: int, hidden: int, vocab: i
     # Expanded, in integers (exact): 72bslh²(1 + s/6h + V/12lh) = 72bslh² + 12bs²lh + 6bshV.
     layer_passes = 4 if recompute else 3  # forward, backward (2×), and the recomputed forward
     return float(layer_passes * 24 * b * s * l * h * h + layer_passes * 4 * b * s * s * l * h + 6 * b * s * h * v)
+
+
+def mlp_train_flops(batch: int, sizes) -> float:
+    """FLOPs of one training step of plait's MLP (Linear widths ``sizes`` = d_0 .. d_L) on
+    ``batch`` samples: 6·B·Σ d_i·d_{i+1}, forward 2 and backward 4 per weight and sample
+    (the 6N model-FLOPs rule MFU counts; the first layer's input gradient, 2·B·d_0·d_1,
+    which autograd skips for a data batch, is counted as for any layer). Biases and
+    activations are not matmuls and are not counted."""
+    sizes = tuple(sizes)
+    values = [("batch", batch), *((f"sizes[{index}]", width) for index, width in enumerate(sizes))]
+    bad = [f"{name}({value!r})" for name, value in values
+           if isinstance(value, bool) or not isinstance(value, int) or value < 1]
+    if len(sizes) < 2:
+        bad.append(f"sizes({sizes!r}) needs an input and an output width")
+    if bad:
+        raise ValueError(f"mlp_train_flops needs positive ints: {', '.join(bad)}")
+    return float(6 * batch * sum(a * b for a, b in zip(sizes, sizes[1:])))
 
 
 def measure_peak_flops(dtype: torch.dtype = torch.float32, size: int = 512, seconds: float = 0.3,
@@ -109,11 +134,29 @@ def _percent(part_s: float, wall_s: float) -> float | None:
     return 100.0 * part_s / wall_s if wall_s > 0 else None
 
 
+def _unit(run: dict) -> str:
+    """The unit ("tokens" or "samples") the run's model counts: its config's "model" (gpt when absent)."""
+    return throughput_unit((run.get("config") or {}).get("model", "gpt"))
+
+
+def _per_step(run: dict, unit: str):
+    """Items of ``unit`` per optimiser step: run["samples_per_step"] / ["tokens_per_step"]; plait
+    train has passed the MLP's samples per step as "tokens_per_step", which is read too."""
+    return run.get(f"{unit}_per_step", run.get("tokens_per_step"))
+
+
 def _check_inputs(metrics: list[dict], ranks: list[dict], run: dict) -> None:
     problems = []
     missing = [key for key in RUN_KEYS if key not in run]
     if missing:
         problems.append(f"run lacks {missing}")
+    try:
+        unit = _unit(run)
+    except ValueError as error:
+        problems.append(f"run['config']: {error}")
+    else:
+        if _per_step(run, unit) is None:
+            problems.append(f"run lacks '{unit}_per_step'")
     for index, record in enumerate(metrics):
         if "step" not in record:
             problems.append(f"metrics[{index}] lacks 'step'")
@@ -150,26 +193,38 @@ def _loss_summary(metrics: list[dict]) -> dict:
     }
 
 
-def _throughput(metrics: list[dict], start_step: int) -> dict:
-    """Time-weighted mean tokens/s over this run's recorded steps after its first (warm-up):
-    Σ tokens_per_s·step_s / Σ step_s, i.e. tokens / seconds when every step is recorded.
-    This run's records are those with step >= start_step (a resumed run's metrics also
-    hold the earlier run's steps, which the loss curve shows but the throughput skips)."""
-    timed = [r for r in metrics if _finite(r.get("tokens_per_s")) and r["step"] >= start_step]
+def _rate(record: dict, unit: str):
+    """A record's rate in ``unit``/s: its "samples_per_s" / "tokens_per_s"; plait train has
+    written an MLP's samples/s as "tokens_per_s", which is read too."""
+    value = record.get(rate_key(unit))
+    return value if _finite(value) else record.get("tokens_per_s")
+
+
+def _throughput(metrics: list[dict], start_step: int, unit: str = "tokens") -> dict:
+    """Time-weighted mean rate (``unit``/s: tokens or samples) over this run's recorded steps
+    after its first (warm-up): Σ rate·step_s / Σ step_s, i.e. items / seconds when every step
+    is recorded. This run's records are those with step >= start_step (a resumed run's
+    metrics also hold the earlier run's steps, which the loss curve shows but the
+    throughput skips). Keys: "unit", "mean_{unit}_per_s", "mean_step_s", ..."""
+    timed = [r for r in metrics if _finite(_rate(r, unit)) and r["step"] >= start_step]
     timed.sort(key=lambda r: r["step"])
     measured = timed[1:] if len(timed) > 1 else timed
     weighted = [r for r in measured if _finite(r.get("step_s")) and r["step_s"] > 0]
     if measured and len(weighted) == len(measured):
         total_s = sum(r["step_s"] for r in weighted)
-        tokens_per_s = sum(r["tokens_per_s"] * r["step_s"] for r in weighted) / total_s
+        rate_per_s = sum(_rate(r, unit) * r["step_s"] for r in weighted) / total_s
         mean_step_s = total_s / len(weighted)
     elif measured:  # no usable step times: plain mean of the rates
-        tokens_per_s = sum(r["tokens_per_s"] for r in measured) / len(measured)
+        rate_per_s = sum(_rate(r, unit) for r in measured) / len(measured)
         mean_step_s = None
     else:
-        tokens_per_s = mean_step_s = None
-    return {"mean_tokens_per_s": tokens_per_s, "mean_step_s": mean_step_s, "steps_measured": len(measured),
-            "first_step_excluded": len(timed) > 1}
+        rate_per_s = mean_step_s = None
+    return {"unit": unit, f"mean_{rate_key(unit)}": rate_per_s, "mean_step_s": mean_step_s,
+            "steps_measured": len(measured), "first_step_excluded": len(timed) > 1}
+
+
+def _mean_rate(throughput: dict):
+    return throughput[f"mean_{rate_key(throughput['unit'])}"]
 
 
 def _rank_rows(ranks: list[dict]) -> list[dict]:
@@ -243,11 +298,12 @@ def _mfu(run: dict, rows: list[dict], throughput: dict) -> dict:
     flops_per_step, peak, world_size = run["flops_per_step"], run["peak_flops_per_s"], run["world_size"]
     usable = _finite(flops_per_step) and _finite(peak) and peak > 0 and wall_s and wall_s > 0
     value = flops_per_step * steps_run / (wall_s * world_size * peak) if usable else None
-    # Same ratio at the steady-state rate (first step excluded): steps/s = tokens/s ÷ tokens per step.
+    # Same ratio at the steady-state rate (first step excluded): steps/s = rate ÷ items per step
+    # (tokens or samples, as the model counts).
     steady = None
-    if usable and _finite(throughput["mean_tokens_per_s"]) and _finite(run["tokens_per_step"]) \
-            and run["tokens_per_step"] > 0:
-        steps_per_s = throughput["mean_tokens_per_s"] / run["tokens_per_step"]
+    per_step = _per_step(run, throughput["unit"])
+    if usable and _finite(_mean_rate(throughput)) and _finite(per_step) and per_step > 0:
+        steps_per_s = _mean_rate(throughput) / per_step
         steady = flops_per_step * steps_per_s / (world_size * peak)
     return {"value": value, "steady_value": steady, "flops_per_step": flops_per_step, "steps_run": steps_run,
             "wall_s": wall_s, "world_size": world_size, "peak_flops_per_s": peak,
@@ -289,10 +345,11 @@ def write_report(out_dir, *, metrics: list[dict], ranks: list[dict], run: dict,
              "loss_png": str(out_dir / "loss.png")}
     metrics = sorted(metrics, key=lambda r: r["step"])
     rows = _rank_rows(ranks)
-    throughput = _throughput(metrics, int(run["start_step"]))
+    unit = _unit(run)
+    throughput = _throughput(metrics, int(run["start_step"]), unit)
     slowest = max(rows, key=lambda row: row["wall_s"]) if rows else None
     report = {
-        "run": {key: run[key] for key in RUN_KEYS},
+        "run": {**{key: run[key] for key in RUN_KEYS}, "unit": unit, f"{unit}_per_step": _per_step(run, unit)},
         "mesh_shape": _mesh_shape(ranks, run),
         "loss": _loss_summary(metrics),
         "throughput": throughput,
@@ -369,6 +426,7 @@ def _flops_rate(value) -> str:
 def render_markdown(report: dict) -> str:
     """The report as markdown, readable on its own (columns and formulas explained)."""
     run, loss, throughput, mfu = report["run"], report["loss"], report["throughput"], report["mfu"]
+    unit = throughput["unit"]
     shape = report["mesh_shape"]
     lines = ["# plait training report", ""]
     val_text = (f"{loss['final_val']:.4f} (step {loss['final_val_step']}, best {loss['best_val']:.4f})"
@@ -376,17 +434,17 @@ def render_markdown(report: dict) -> str:
     train_text = (f"{loss['final_train']:.4f} (step {loss['final_train_step']}; mean of last "
                   f"{loss['final_train_mean_over']}: {loss['final_train_mean']:.4f})"
                   if loss["final_train"] is not None else "n/a")
-    tokens_text = (f"{format_rate(throughput['mean_tokens_per_s'])} tokens/s over {throughput['steps_measured']} "
-                   f"recorded steps" + (" (first step excluded)" if throughput["first_step_excluded"] else "")
-                   if throughput["mean_tokens_per_s"] is not None else "n/a")
+    rate_text = (f"{format_rate(_mean_rate(throughput))} {unit}/s over {throughput['steps_measured']} "
+                 f"recorded steps" + (" (first step excluded)" if throughput["first_step_excluded"] else "")
+                 if _mean_rate(throughput) is not None else "n/a")
     lines += [
         f"- mesh: {_mesh_title(shape)}, world size {run['world_size']}, backend {run['backend']}, "
         f"device {run['device']}",
         f"- steps: {run['start_step']} -> {run['steps']} ({mfu['steps_run']} run), "
-        f"{run['tokens_per_step']} tokens per step",
+        f"{run[f'{unit}_per_step']} {unit} per step",
         f"- final train loss: {train_text}",
         f"- final val loss: {val_text}",
-        f"- mean throughput: {tokens_text}",
+        f"- mean throughput: {rate_text}",
         f"- time to first step: {_num(report['time_to_first_step_s'], '.2f')} s; training wall time "
         f"(slowest rank): {_num(report['wall_s'], '.2f')} s",
         f"- MFU: {_pct(mfu['value'])}% (steady state, first step excluded: {_pct(mfu['steady_value'])}%)",
@@ -456,13 +514,16 @@ def render_markdown(report: dict) -> str:
                      f"{mfu['world_size']} × {mfu['peak_flops_per_s']:.4g} FLOP/s) = {100 * mfu['value']:.2f}%")
     else:
         lines.append("    not available (no FLOP count, peak or wall time)")
+    model = (run.get("config") or {}).get("model", "gpt")
+    formula = {"gpt": "72·B·s·l·h²·(1 + s/(6h) + V/(12·l·h)) for a GPT (96·… with recomputation)",
+               "mlp": "6·B·Σ d_i·d_(i+1) for the MLP of widths d_0 .. d_L (B samples; 2 FLOPs per weight and "
+                      "sample forward, 4 backward: the 6N rule)"}[model]
     lines += ["",
-              "flops_per_step is the model FLOPs of one optimiser step over the global batch, "
-              "72·B·s·l·h²·(1 + s/(6h) + V/(12·l·h)) for a GPT (96·… with recomputation); "
+              f"flops_per_step is the model FLOPs of one optimiser step over the global batch, {formula}; "
               "wall_s is the slowest rank's training loop, first step included. "
               f"peak_flops_per_s ({_flops_rate(mfu['peak_flops_per_s'])}) is the matmul rate one process "
               "achieved on this machine (measured, not a datasheet peak). The steady-state MFU uses the mean "
-              "tokens/s without the first step instead of steps_run / wall_s.", ""]
+              f"{unit}/s without the first step instead of steps_run / wall_s.", ""]
     lines += render_memory(report.get("memory") or [])
     lines += ["## Mesh", "", "```", str(run["mesh"]).rstrip(), "```", "",
               "## Config", "", "```json", json.dumps(run["config"], indent=2, sort_keys=True), "```", ""]
@@ -477,10 +538,9 @@ def summary_lines(report: dict) -> list[str]:
     val = f", val {loss['final_val']:.4f}" if loss["final_val"] is not None else ""
     train = f"{loss['final_train']:.4f} (step {loss['final_train_step']})" if loss["final_train"] is not None else "n/a"
     lines = [f"loss: train {train}{val}"]
-    tokens = throughput["mean_tokens_per_s"]
     first_s = report["time_to_first_step_s"]
-    lines.append(f"throughput: {format_rate(tokens)} tokens/s (first step excluded); first step after "
-                 f"{format_duration(first_s) if _finite(first_s) else 'n/a'}")
+    lines.append(f"throughput: {format_rate(_mean_rate(throughput))} {throughput['unit']}/s (first step excluded); "
+                 f"first step after {format_duration(first_s) if _finite(first_s) else 'n/a'}")
     slowest = next((row for row in report["ranks"] if row["rank"] == report["slowest_rank"]), None)
     if slowest is not None:
         coords = " ".join(f"{axis}{slowest['coords'][axis]}" for axis in AXES)
