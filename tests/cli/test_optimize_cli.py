@@ -157,6 +157,8 @@ def test_bad_leaf_names(capsys):
     assert status == 2 and "not an nn.Module class" in err
     status, _, err = run(capsys, TARGET, "--leaf", "no.such.block")
     assert status == 2 and "no.such.block" in err
+    status, _, err = run(capsys, TARGET, "--leaf", "./blocks.py:Block")  # a file path: it was a traceback
+    assert status == 2 and "--leaf './blocks.py:Block' is a file path, not PKG.MOD:CLASS: write blocks:Block" in err
 
 
 def test_leaf_resolution_and_batch_resizing():
