@@ -25,7 +25,12 @@ from plait.comm.choice import default_algorithm
 from plait.comm.config import config_from_environment
 from plait.comm.tuner import size_ranges, Tuner, tuner_from_profile
 from plait.cost import LinkModel
-from plait.cost.profile import calibrate_command, DEFAULT_PROFILE_BACKEND, default_profile_path, load_profile
+from plait.cost.profile import (calibrate_command, DEFAULT_PROFILE_BACKEND, default_profile_path, load_profile,
+                                profile_backend)
+
+
+# The profiles plait calibrate saves: --transport shm (the default), --transport gloo, --backend nccl
+PROFILE_BACKENDS = (DEFAULT_PROFILE_BACKEND, profile_backend("gloo", "gloo"), profile_backend("nccl", "shm"))
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -39,7 +44,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--max-bytes", type=parse_nbytes, default=1 << 30, help="largest size (default 1 GB)")
     parser.add_argument("--profile", default=None, metavar="PATH",
                         help="calibration profile (default: the one plait calibrate saved for --backend)")
-    parser.add_argument("--backend", default=DEFAULT_PROFILE_BACKEND,
+    parser.add_argument("--backend", default=DEFAULT_PROFILE_BACKEND, choices=PROFILE_BACKENDS,
                         help=f"whose saved profile to read: {DEFAULT_PROFILE_BACKEND} (plait calibrate's default, "
                              f"--transport shm; the default here), gloo (plait calibrate --transport gloo) or nccl")
     parser.add_argument("--alpha", type=parse_time_s, default=None, help="latency per message, e.g. 5us")
