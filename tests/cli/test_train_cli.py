@@ -540,6 +540,8 @@ def test_data_max_bytes_beyond_the_text_reads_the_text(tmp_path, capsys, launche
 @pytest.mark.parametrize("make, expected", [
     (lambda tmp: (tmp / "file").write_text("x") and tmp / "file", "is a file, not a directory"),
     (lambda tmp: (tmp / "file").write_text("x") and tmp / "file" / "run", "is a file, so the run directory"),
+    # was an OSError traceback (File name too long) from Path.exists
+    (lambda tmp: tmp / ("x" * 300) / "run", "is 300 bytes, longer than this filesystem's NAME_MAX"),
 ])
 def test_an_out_that_cannot_be_a_directory_is_refused(make, expected, tmp_path, capsys, launcher):
     out = make(tmp_path)

@@ -50,7 +50,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--resume", default="auto", metavar="auto|never|DIR",
                         help="auto: continue from the newest complete checkpoint in --out; start fresh only if --out "
                              "holds no run (default); never: start fresh (refused if --out holds a run, unless "
-                             "--force-fresh); DIR: a checkpoint directory, possibly saved with another dp/tp/pp")
+                             "--force-fresh); DIR: a checkpoint directory (OUT/checkpoints/step_*), possibly saved with another "
+                             "dp/tp/pp, or a run directory (its newest complete checkpoint)")
     parser.add_argument("--force-fresh", action="store_true",
                         help="with --resume never (or DIR): move an earlier run in --out to OUT/previous/<time>/ "
                              "and start over")

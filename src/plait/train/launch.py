@@ -23,6 +23,7 @@ from plait.train import budget, checkpoint as ckpt, checkpoint_load, rundir
 from plait.train.config import TrainConfig
 from plait.train.corpus import CorpusTooSmall, min_characters, windows_per_epoch
 from plait.train.build import load_data, model_description
+from plait.train.checkpoint_checks import check_user_path
 
 SIOCGIFADDR = 0x8915  # <linux/sockios.h>: an interface's IPv4 address
 
@@ -98,7 +99,9 @@ def describe_layout(config: TrainConfig, data) -> str:
 # ----------------------------------------------------------------------------- output directory
 
 def check_output_path(out: Path) -> None:
-    """Without writing: --out is not a file, and no file stands where a parent must be."""
+    """Without writing: --out is a path the system takes (no name over NAME_MAX, not
+    over PATH_MAX), not a file, and no file stands where a parent must be."""
+    check_user_path(out, "--out")
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out} is a file, not a directory: give a directory for the run (it is created "
                          "if missing)")
