@@ -478,3 +478,6 @@ def test_a_real_mlp_run_reports_samples_per_s(tmp_path):
     assert "16 samples per step" in markdown and " samples/s over 2 recorded steps" in markdown
     assert "token" not in markdown.split("## Config")[0].lower()
     assert any(line.startswith("throughput: ") and " samples/s " in line for line in lines), lines
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [record for record in records if "loss" in record]
+    assert steps and all("samples_per_s" in record and "tokens_per_s" not in record for record in steps), steps

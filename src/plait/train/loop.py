@@ -39,7 +39,8 @@ from plait.train.config import TrainConfig
 from plait.train.memory import MemoryMonitor
 from plait.train.metrics import MetricsLog
 from plait.train.offload_dirs import prepare_offload_dir, remove_offload_dir
-from plait.train.report import measure_peak_flops, summary_lines, write_report
+from plait.train.progress import rate_key, throughput_unit
+from plait.train.report import measure_peak_flops, mlp_train_flops, summary_lines, write_report
 
 FAULT_ENV = "PLAIT_FAULT_KILL"  # "RANK:STEP": that rank kills itself before STEP, first attempt only (tests)
 
@@ -337,11 +338,12 @@ class Trainer:
         metrics = MetricsLog(self.out / "metrics.jsonl", group=self.mesh.group["dp"], dp_size=config.dp,
                              write=self.rank == 0, interval=config.log_interval, start_step=self.start_step)
         progress = None
+        unit = throughput_unit(config.model)  # tokens for the GPT, samples for the MLP
         if self.rank == 0:
             from plait.train.progress import Progress
 
-            progress = Progress(config.steps, start_step=self.start_step)
-        tokens_per_step = config.global_batch * (config.seq_len if config.model == "gpt" else 1)
+            progress = Progress(config.steps, start_step=self.start_step, unit=unit)
+        items_per_step = config.global_batch * (config.seq_len if unit == "tokens" else 1)
         comm.reset_stats()
         first_step_s = None
         loop_start_s = time.perf_counter()
@@ -364,7 +366,7 @@ class Trainer:
                 for key in self.times:
                     self.times[key] += getattr(times, key)
                 record = {"step": step, "loss": loss, "lr": lr, "grad_norm": norm,
-                          "tokens_per_s": tokens_per_step / times.wall_s, "step_s": times.wall_s,
+                          rate_key(unit): items_per_step / times.wall_s, "step_s": times.wall_s,
                           "elapsed_s": time.perf_counter() - loop_start_s,
                           **({"loss_scale": self.hybrid.scaler.scale, "skipped_steps": self.hybrid.scaler.skipped_steps}
                              if self.hybrid.scaler is not None else {}),
@@ -379,7 +381,7 @@ class Trainer:
                     for flushed in metrics.flush():
                         if progress is not None:
                             extra = f"val {flushed['val_loss']:.3f}" if "val_loss" in flushed else ""
-                            progress.update(flushed["step"] + 1, flushed["loss"], flushed["tokens_per_s"], extra)
+                            progress.update(flushed["step"] + 1, flushed["loss"], flushed[rate_key(unit)], extra)
                 if checkpoint:
                     path = self.save(step + 1)
                     if self.rank == 0:
@@ -390,7 +392,7 @@ class Trainer:
             if progress is not None:
                 progress.close()
         records = metrics.records
-        return self._report(records, steps_run, tokens_per_step, first_step_s)
+        return self._report(records, steps_run, {f"{unit}_per_step": items_per_step}, first_step_s)
 
     def _transports(self) -> dict[str, str]:
         """How each group this rank talks on moves its messages (shared memory, gloo and why)."""
@@ -398,7 +400,7 @@ class Trainer:
         return {axis: comm.communicator_for(group).transport.description for axis, group in groups.items()
                 if comm.communicator_for(group) is not None}
 
-    def _report(self, records, steps_run, tokens_per_step, first_step_s) -> dict | None:
+    def _report(self, records, steps_run, per_step: dict, first_step_s) -> dict | None:
         peak_flops_per_s = self.peak_flops_per_process(measure_peak_flops)
         mine = {"rank": self.rank, "coords": dict(self.coords), "steps": steps_run, **self.times,
                 "collectives": {name: {key: entry[key] for key in ("calls", "bytes_sent", "time_s", "algorithms")}
@@ -414,7 +416,7 @@ class Trainer:
             return None
 
         run_info = {"config": self.config.to_dict(), "mesh": self.dims.describe(), "world_size": self.world_size,
-                    "backend": dist.get_backend(), "device": str(self.device), "tokens_per_step": tokens_per_step,
+                    "backend": dist.get_backend(), "device": str(self.device), **per_step,
                     "flops_per_step": self.flops_per_step(), "peak_flops_per_s": peak_flops_per_s,
                     "time_to_first_step_s": first_step_s or 0.0, "steps": self.config.steps,
                     "start_step": self.start_step}
@@ -440,8 +442,7 @@ class Trainer:
 
             return gpt_train_flops(config.global_batch, config.seq_len, config.layers, config.hidden,
                                    self.data.vocab_size)
-        sizes = [64, *config.mlp_hidden, 10]
-        return 6.0 * config.global_batch * sum(a * b for a, b in zip(sizes, sizes[1:]))
+        return mlp_train_flops(config.global_batch, (64, *config.mlp_hidden, 10))
 
 
 def comm_config(config: TrainConfig, base: comm.CommConfig | None = None) -> comm.CommConfig:
