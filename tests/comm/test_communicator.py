@@ -234,6 +234,69 @@ def test_rooted_calls_that_agree_move_their_data():
             assert reduced == (sum(range(1, p + 1)) if rank == root else None)
 
 
+def carried_rooted_calls(rank, p):
+    """Small broadcasts, scatters and gathers whose payload rides in the agreement, and
+    the sizes just above the carried limit that run their schedule after it: every dtype
+    byte-exact against what each rank computes for itself, every root, a non-contiguous
+    broadcast, and what ran (stats) and how many messages each rank sent."""
+    from plait.comm.agreement import CARRIED_BYTES
+
+    comm.init_communicator(None, comm.CommConfig(transport="shm"))
+    failures, ran = [], {}
+
+    def data(r, numel, dtype, salt):
+        g = torch.Generator().manual_seed(1000 * r + salt)
+        values = torch.randn(numel, generator=g, dtype=torch.float64) * 100
+        return values > 0 if dtype == torch.bool else values.to(dtype)
+
+    for dtype in (torch.float32, torch.float16, torch.bool, torch.int64, torch.complex64):
+        size = torch.tensor([], dtype=dtype).element_size()
+        limit = CARRIED_BYTES // size
+        for numel in (1, 7, limit // p, limit // p + 1, limit, limit + 1):
+            for root in range(p):
+                salt = numel * 10 + root
+                comm.reset_stats()
+                x = data(rank, numel, dtype, salt)
+                comm.broadcast(x, src=root)
+                if not torch.equal(x, data(root, numel, dtype, salt)):
+                    failures.append(("broadcast", dtype, numel, root))
+                out = torch.empty(numel, dtype=dtype)
+                comm.scatter(out, [data(i, numel, dtype, salt) for i in range(p)] if rank == root else None, src=root)
+                if not torch.equal(out, data(rank, numel, dtype, salt)):
+                    failures.append(("scatter", dtype, numel, root))
+                targets = [torch.empty(numel, dtype=dtype) for _ in range(p)] if rank == root else None
+                comm.gather(data(rank, numel, dtype, salt), targets, dst=root)
+                if rank == root and not all(torch.equal(t, data(i, numel, dtype, salt)) for i, t in enumerate(targets)):
+                    failures.append(("gather", dtype, numel, root))
+                stats = comm.stats()
+                for name in ("broadcast", "scatter", "gather"):
+                    ran[name, dtype, numel, root] = (dict(stats[name]["algorithms"]), stats[name]["messages"])
+    strided = torch.arange(20.0).view(4, 5).t() * (rank + 1)  # non-contiguous: written back
+    comm.broadcast(strided, src=p - 1)
+    if not torch.equal(strided, torch.arange(20.0).view(4, 5).t() * p):
+        failures.append(("broadcast non-contiguous",))
+    comm.init_communicator(None)
+    return failures, ran
+
+
+def test_small_rooted_calls_carry_their_payload_in_the_agreement():
+    """One exchange where the agreement and the payload used to take two: ceil(lg p)
+    messages per rank for a carried call (the Bruck all-gather), and byte-exact data."""
+    p = 3
+    rounds = 2  # ceil(lg 3)
+    for rank, (failures, ran) in enumerate(run_distributed(carried_rooted_calls, p, timeout_s=300)):
+        assert failures == [], (rank, failures[:5])
+        for (name, dtype, numel, root), (algorithms, messages) in ran.items():
+            nbytes = numel * torch.tensor([], dtype=dtype).element_size()
+            block = nbytes if name == "gather" else (nbytes * p if name == "scatter" else nbytes)
+            carried = block <= (8 << 10) and p * (72 + -(-block // 8) * 8) <= (64 << 10)
+            where = (rank, name, dtype, numel, root, algorithms, messages)
+            if carried:
+                assert algorithms == {"bruck": 1} and messages == rounds, where
+            else:
+                assert "bruck" not in algorithms and messages >= rounds, where  # the exchange, then the schedule
+
+
 def inband_costs_no_message(rank, p):
     """The in-band check adds bytes (a header per first message to a peer) but, for small
     calls, not one message: counted at the transport."""

@@ -28,13 +28,13 @@ from __future__ import annotations
 
 import dataclasses
 import time
-import zlib
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from plait.comm import layout
+from plait.comm.agreement import carried_payload_bytes, code as agreement_code, exchange
 from plait.comm.algorithms import (DEFAULT_NAMES, REDUCING, ROOTED, TOPOLOGY_ALGORITHMS, TORCH, build_schedule,
                                    checked_topology_fingerprint)
 from plait.comm.algorithms.hierarchical import parse_hierarchy
@@ -50,14 +50,6 @@ from plait.cost.alpha_beta import pipeline_segments
 
 ReduceOp = dist.ReduceOp
 
-_DTYPE_CODES = {
-    dtype: code
-    for code, dtype in enumerate(
-        [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8, torch.uint8,
-         torch.int16, torch.int32, torch.int64, torch.bool, torch.complex64, torch.complex128]
-    )
-}
-_OP_CODES = {"none": 0, "sum": 1, "avg": 2, "min": 3, "max": 4, "prod": 5, "band": 6, "bor": 7, "bxor": 8}
 _TORCH_OPS = {"sum": ReduceOp.SUM, "avg": ReduceOp.SUM, "min": ReduceOp.MIN, "max": ReduceOp.MAX,
               "prod": ReduceOp.PRODUCT, "band": ReduceOp.BAND, "bor": ReduceOp.BOR, "bxor": ReduceOp.BXOR}
 
@@ -82,60 +74,6 @@ def _group_root(communicator: Communicator, global_root, group_root, name: str) 
         raise ValueError(f"{name}={root} (a global rank) is not a member of this {communicator.describe()}; "
                          f"pass one of its global ranks, or its group rank as group_{name}=")
     return communicator.ranks.index(root)
-
-
-def _code(text: str) -> int:
-    return zlib.crc32(text.encode()) & 0x7FFFFFFF
-
-
-_CHECK_FIELDS = ("collective", "algorithm", "elements", "dtype", "op", "root", "hierarchy or schedule",
-                 "segment_bytes", "pipeline_segment_bytes")
-
-
-def _deep_check(communicator: Communicator, signature: CallSignature, device, seq: int | None = None) -> None:
-    """The "deep" check: exchange the call's signature over a Bruck all-gather before
-    any of its messages (ceil(lg p) rounds of 8 * 9 * p bytes at most); every rank
-    raises the same MismatchError, naming each rank's value, if they differ.
-
-    ``seq``: the call's number on the group, for a rooted call under the in-band check.
-    The exchange's own messages then carry the in-band header, so a rank at another
-    call (a broadcast on one rank against an all-reduce on the other) is named as the
-    in-band check names it, while the root is left to the exchange, which names every
-    rank's root."""
-    p, rank, config = communicator.size, communicator.rank, communicator.config
-    mine = [_code(signature.collective), _code(signature.algorithm), signature.elements,
-            _DTYPE_CODES.get(signature.dtype, 99), _OP_CODES[signature.op],
-            -1 if signature.root is None else signature.root, signature.hierarchy, config.segment_bytes,
-            config.pipeline_segment_bytes]
-    k = len(mine)
-    table = torch.zeros(p * k, dtype=torch.int64, device=device)
-    table[rank * k : (rank + 1) * k] = torch.tensor(mine, dtype=torch.int64)
-    schedule = build_schedule("all_gather", "bruck", p, p * k)
-    label = f"{signature.collective} argument check"
-    transport = communicator.transport
-    if seq is not None:
-        small = table.numel() * table.element_size() <= INLINE_BYTES
-        transport = InbandCall(transport, signature, seq, rank, label, communicator.known_calls(), small,
-                               deferred=("root",))
-    call = Call(schedule, rank, transport, config.timeout_s, label=label, grouped=_grouped(table))
-    communicator.executor.run(call, table, COMBINE["sum"])
-    rows = table.view(p, k).tolist()
-    bad = [i for i in range(k) if len({row[i] for row in rows}) > 1]
-    if not bad:
-        return
-    parts = []
-    for i in bad:
-        if _CHECK_FIELDS[i] in ("elements", "root", "segment_bytes", "pipeline_segment_bytes"):
-            parts.append(f"{_CHECK_FIELDS[i]}: " + ", ".join(f"rank {r}={row[i]}" for r, row in enumerate(rows)))
-        else:
-            groups: dict[int, list[int]] = {}
-            for r, row in enumerate(rows):
-                groups.setdefault(row[i], []).append(r)
-            parts.append(f"{_CHECK_FIELDS[i]} differs between ranks {list(groups.values())}")
-    raise MismatchError(
-        f"{signature.collective}: ranks disagree ({'; '.join(parts)}); every rank must call the same collective "
-        f"with the same algorithm, op, root, tensor size and dtype, and the same CommConfig segment sizes "
-        f"(this rank {rank}: {signature.describe()})", before_any_message=True)
 
 
 def _grouped(tensor) -> bool:
@@ -185,6 +123,7 @@ def _launch(collective, communicator, async_op, algorithm, prepare, *, tensor, n
     if collective in REDUCING:
         check_reducible(dtype, op, collective)
     pending = table_pending(algorithm, collective, communicator)
+    chosen_by_plait = algorithm in DEFAULT_NAMES  # the user named none: a small rooted call may carry its payload
     algorithm = resolve_algorithm(algorithm, collective, nbytes, communicator)
     prepared = prepare(rank, p) if algorithm != TORCH else None  # validates this rank's arguments now
     tree = shape = None
@@ -205,7 +144,7 @@ def _launch(collective, communicator, async_op, algorithm, prepare, *, tensor, n
                                   pipeline_segments(nbytes, config.pipeline_segment_bytes), None, config.topology)
         shape = f"{fingerprint}:{schedule.digest()}"
     signature = CallSignature(collective, algorithm, tensor.numel() if check_numel is None else check_numel, dtype,
-                              op, root, 0 if shape is None else _code(shape), config.segment_bytes,
+                              op, root, 0 if shape is None else agreement_code(shape), config.segment_bytes,
                               config.pipeline_segment_bytes)
     # a tensor on a GPU over gloo travels through a host copy (gloo moves CPU memory)
     staged = p > 1 and stages_through_host(communicator.group, tensor.device)
@@ -223,18 +162,26 @@ def _launch(collective, communicator, async_op, algorithm, prepare, *, tensor, n
             settled = settled_algorithm(collective, nbytes, communicator)
             if settled != algorithm:
                 algorithm, signature = settled, dataclasses.replace(signature, algorithm=settled)
-        if check == "deep" or agree_first:
-            _deep_check(communicator, signature, torch.device("cpu") if staged else tensor.device,
-                        seq if agree_first else None)
+        host_or_device = torch.device("cpu") if staged else tensor.device
+        if check == "deep":
+            exchange(communicator, signature, host_or_device)
         start = time.perf_counter()
         if algorithm == TORCH:
+            if agree_first:
+                exchange(communicator, signature, host_or_device, seq=seq)
             torch_call(communicator)  # waits with plait's deadline (_torch_wait)
             communicator.record(collective, TORCH, nbytes, 0, time.perf_counter() - start)
             return nbytes
         buffer = prepared.build()  # reads the inputs now, after earlier queued collectives
         device_buffer, buffer = (buffer, buffer.cpu()) if staged else (None, buffer)
         sent = messages = 0
-        if p > 1:
+        carried = agree_first and chosen_by_plait and carried_payload_bytes(collective, buffer, p) is not None
+        if agree_first:
+            # the agreement first; a small broadcast, scatter or gather ends with it (its payload
+            # rides in the exchange's blocks: plait.comm.agreement), the others run their schedule
+            sent, messages = exchange(communicator, signature, buffer.device, seq=seq,
+                                      buffer=buffer if carried else None, root=root)
+        if p > 1 and not carried:
             segments = pipeline_segments(nbytes, config.pipeline_segment_bytes)
             schedule = build_schedule(collective, algorithm, p, prepared.numel, root, segments, tree,
                                       config.topology)
@@ -244,12 +191,15 @@ def _launch(collective, communicator, async_op, algorithm, prepare, *, tensor, n
                 transport = InbandCall(transport, signature, seq, rank, collective, communicator.known_calls(), small)
             segment_numel = config.segment_bytes // buffer.element_size() if config.segment_bytes else 0
             call = Call(schedule, rank, transport, config.timeout_s, label=collective, grouped=grouped)
-            sent, messages = communicator.executor.run(call, buffer, COMBINE[op if op != "none" else "sum"],
-                                                       segment_numel=segment_numel)
+            payload_sent, payload_messages = communicator.executor.run(
+                call, buffer, COMBINE[op if op != "none" else "sum"], segment_numel=segment_numel)
+            sent, messages = sent + payload_sent, messages + payload_messages
         prepared.finish(buffer)  # a staged call finishes (averages) on the host, as on a CPU
         if device_buffer is not None:
             device_buffer.copy_(buffer)
-        communicator.record(collective, algorithm, sent, messages, time.perf_counter() - start)
+        # what ran: a carried call is the agreement's Bruck all-gather alone
+        communicator.record(collective, "bruck" if carried else algorithm, sent, messages,
+                            time.perf_counter() - start)
         return sent
 
     handle = communicator.submit(job, signature, async_op)
