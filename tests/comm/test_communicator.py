@@ -129,6 +129,8 @@ def mismatched_calls(rank, p, case):
                 comm.all_gather_single(torch.empty(300 * p), torch.ones(300), algorithm="ring")
             else:
                 comm.reduce_scatter_single(torch.empty(300), torch.ones(300 * p), algorithm="ring")
+        elif case == "named":  # a small broadcast is carried in the agreement unless its algorithm is named
+            comm.broadcast(x, src=0, algorithm="tree" if rank == 1 else None)
         elif case == "large":  # over INLINE_BYTES: the header travels alone, the payload after it
             comm.all_reduce(torch.ones(40_000), algorithm="ring" if rank == 0 else "halving_doubling")
         else:
@@ -145,6 +147,7 @@ def mismatched_calls(rank, p, case):
     ("order", ["issued in different orders", "all_reduce(", "broadcast("]),
     ("collective", ["all_gather(", "reduce_scatter(", "they differ in collective"]),
     ("large", ["algorithm=ring", "algorithm=halving_doubling", "they differ in algorithm"]),
+    ("named", ["algorithm=bruck", "algorithm=tree", "they differ in algorithm"]),
 ])
 def test_mismatched_calls_are_named_in_band_on_every_rank(case, fragments):
     for rank, (kind, message) in enumerate(run_fresh_world(mismatched_calls, 2, case, timeout_s=60)):

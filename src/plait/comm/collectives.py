@@ -178,8 +178,12 @@ def _launch(collective, communicator, async_op, algorithm, prepare, *, tensor, n
         carried = agree_first and chosen_by_plait and carried_payload_bytes(collective, buffer, p) is not None
         if agree_first:
             # the agreement first; a small broadcast, scatter or gather ends with it (its payload
-            # rides in the exchange's blocks: plait.comm.agreement), the others run their schedule
-            sent, messages = exchange(communicator, signature, buffer.device, seq=seq,
+            # rides in the exchange's blocks: plait.comm.agreement), the others run their schedule.
+            # A carried call says so in its signature ("bruck", what runs): a rank that named the
+            # algorithm (not carried) against one that did not is a named mismatch, not a rank
+            # waiting for a schedule its peer never runs
+            agreed = dataclasses.replace(signature, algorithm="bruck") if carried else signature
+            sent, messages = exchange(communicator, agreed, buffer.device, seq=seq,
                                       buffer=buffer if carried else None, root=root)
         if p > 1 and not carried:
             segments = pipeline_segments(nbytes, config.pipeline_segment_bytes)
