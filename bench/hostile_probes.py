@@ -369,7 +369,8 @@ def _bounded(argv, *, limit_s: float = BOUND_S, memory_limit_bytes: int = 4 << 3
     """Answers within ``limit_s`` (any exit 0 or 2) without a traceback."""
     def probe(work: Path, shared: Shared):
         result = plait(*argv, timeout_s=limit_s, cwd=work, memory_limit_bytes=memory_limit_bytes)
-        ok = not result.timed_out and result.code in (0, 2) and not result.traceback and "MemoryError" not in result.text
+        crashed = result.traceback or "MemoryError" in result.text
+        ok = not result.timed_out and result.code in (0, 2) and not crashed
         return ok, result.summary()
 
     return probe
@@ -584,9 +585,9 @@ def probe_resume_run_dir(work: Path, shared: Shared):
 def probe_calibrate_then_tune(work: Path, shared: Shared):
     cache = work / "cache"
     env = _env(PLAIT_CACHE_DIR=str(cache))
-    calibrated = plait("calibrate", "--nprocs", "4", "--min-bytes", "1K", "--max-bytes", "2K", "--reps", "1",
-                       "--max-calls", "2", "--time-budget", "0.001", "--no-ping-pong", env=env, timeout_s=180,
-                       cwd=work)
+    calibrated = plait("calibrate", "--nprocs", "4", "--min-bytes", "16K", "--max-bytes", "1M", "--factor", "4",
+                       "--reps", "1", "--max-calls", "2", "--time-budget", "0.001", "--no-ping-pong", env=env,
+                       timeout_s=180, cwd=work)
     if calibrated.code != 0:
         return False, f"calibrate failed: {calibrated.summary()}"
     saved = sorted(path.name for path in cache.glob("profile-*.json"))
@@ -608,7 +609,8 @@ def probe_plan_module_factory(work: Path, shared: Shared):
                 ["plan", "--module", f"user_factories:{factory}", "--gpus", "1", "--global-batch", "2"]
             result = plait(*argv, cwd=work, timeout_s=60)
             ok = ok and result.code == 0
-            seen.append(f"{command} {factory}: exit {result.code}" + ("" if result.code == 0 else f" ({result.last(70)})"))
+            why = "" if result.code == 0 else f" ({result.last(70)})"
+            seen.append(f"{command} {factory}: exit {result.code}{why}")
     return ok, "; ".join(seen)
 
 
