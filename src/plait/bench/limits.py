@@ -73,13 +73,14 @@ def collective_rank_bytes(collective: str, size_bytes: int, world_size: int, *, 
 
 
 def check_local_ranks(nprocs: int, *, available_bytes: int, cores: int, per_rank_bytes: int = 0,
-                      allow_oversubscribe: bool = False, what: str = "", fix: str = "") -> None:
+                      allow_oversubscribe: bool = False, what: str = "", fix: str = "", flag: str = "--nprocs") -> None:
     """Raise ValueError, with the numbers, when ``nprocs`` local workers (each
     WORKER_BASE_BYTES + ``per_rank_bytes``) do not fit ``available_bytes``, or exceed
     MAX_RANKS_PER_CORE x ``cores`` without ``allow_oversubscribe``. ``what`` names the
-    per-rank bytes (e.g. "a 64 MiB all_reduce buffer + scratch"), ``fix`` the remedy."""
+    per-rank bytes (e.g. "a 64 MiB all_reduce buffer + scratch"), ``fix`` the remedy,
+    ``flag`` the option that sets the number of processes."""
     if nprocs < 1:
-        raise ValueError(f"--nprocs {nprocs} must be >= 1")
+        raise ValueError(f"{flag} {nprocs} must be >= 1")
     per_rank = WORKER_BASE_BYTES + per_rank_bytes
     total = nprocs * per_rank
     if total > available_bytes:
@@ -88,9 +89,9 @@ def check_local_ranks(nprocs: int, *, available_bytes: int, cores: int, per_rank
         fit = f" (at most {fitting} such processes fit)" if fitting >= 1 else ""
         raise ValueError(f"{nprocs} local processes need at least {human_bytes(total)} of memory, each "
                          f"{human_bytes(WORKER_BASE_BYTES)} of runtime{detail}, but {human_bytes(available_bytes)} "
-                         f"is available (MemAvailable){fit}; " + (fix or "use a smaller --nprocs"))
+                         f"is available (MemAvailable){fit}; " + (fix or f"use a smaller {flag}"))
     most = MAX_RANKS_PER_CORE * cores
     if nprocs > most and not allow_oversubscribe:
-        raise ValueError(f"--nprocs {nprocs} is more than {MAX_RANKS_PER_CORE} processes per core on the {cores} "
+        raise ValueError(f"{flag} {nprocs} is more than {MAX_RANKS_PER_CORE} processes per core on the {cores} "
                          f"core(s) this process may use ({most}): timings would measure the scheduler; use "
-                         f"--nprocs {most} or fewer, or pass --allow-oversubscribe")
+                         f"{flag} {most} or fewer, or pass --allow-oversubscribe")

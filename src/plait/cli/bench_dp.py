@@ -18,6 +18,7 @@ import sys
 from plait.bench.dp import DpBenchConfig, median_by_mode, run_dp_bench, summary_numbers
 from plait.bench.launch import Job, WorkerError, choose_backend, in_torchrun, run_in_current_world, spawn_and_run
 from plait.bench.report import write_json_document
+from plait.cli.local_ranks import add_oversubscribe_flag, check_spawn
 from plait.cli.output_paths import output_file, prepare_output_paths
 from plait.models.mlp import MODELS
 
@@ -55,6 +56,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--json", metavar="FILE", default=None, help="write all rows as JSON ('-': stdout)")
     parser.add_argument("--plot", metavar="FILE.png", default=None,
                         help="plot training loss against step, one line per compressor")
+    add_oversubscribe_flag(parser)
     parser.set_defaults(run=run)
     return parser
 
@@ -103,6 +105,8 @@ def run(args: argparse.Namespace) -> int:
         nprocs, backend, is_reporter = args.nprocs or 2, choose_backend(args.backend, spawned=True), True
     if nprocs < 2:
         raise ValueError(f"--nprocs {nprocs}: data parallelism needs >= 2 processes")
+    if not use_world:
+        check_spawn(nprocs, allow_oversubscribe=args.allow_oversubscribe)
     if args.plot and not config.compressions:
         raise ValueError("--plot draws the loss curves of the compression runs: add --compression")
     prepare_output_paths(output_file("--json", args.json, stdout_allowed=True), output_file("--plot", args.plot))

@@ -14,6 +14,7 @@ from plait.bench.launch import in_torchrun, run_in_fresh_worlds
 from plait.bench.pp import SCHEDULE_NAMES, PpBenchConfig, run_pp_bench
 from plait.bench.pp_vs_torch import LOSS_RTOL, VS_TORCH_SCHEDULES, PpVsTorchConfig, run_pp_vs_torch
 from plait.bench.report import write_json_document
+from plait.cli.local_ranks import add_oversubscribe_flag, check_spawn
 from plait.cli.output_paths import output_directory, output_file, prepare_output_paths
 from plait.parallel.pipeline import Interval, Timeline, timeline_to_json
 
@@ -42,6 +43,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--timeline-out", default=None, metavar="DIR",
                         help="write each run's measured timeline as JSON (plait schedule --timeline draws it)")
     parser.add_argument("--json", default=None, metavar="PATH", help="write every row as JSON ('-': stdout)")
+    add_oversubscribe_flag(parser)
     parser.set_defaults(run=run)
     return parser
 
@@ -53,6 +55,8 @@ def _kib(values) -> str:
 def run(args) -> int:
     if in_torchrun():
         raise ValueError("plait bench pp starts its own worlds: run it without torchrun")
+    # before the config, which builds every schedule at every p (a list-scheduled one at p = 1000 runs for hours)
+    check_spawn(max(args.stages, default=1), allow_oversubscribe=args.allow_oversubscribe, flag="--stages")
     if args.vs_torch:
         return run_vs_torch(args)
     config = PpBenchConfig(stages=args.stages, schedules=args.schedules or SCHEDULE_NAMES, microbatches=args.microbatches,

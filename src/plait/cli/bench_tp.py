@@ -23,6 +23,7 @@ import torch
 from plait.bench.launch import in_torchrun, run_in_fresh_worlds
 from plait.bench.report import write_json_document
 from plait.bench.tp import COUNTED, PHASES, TpBenchConfig, run_tp_bench
+from plait.cli.local_ranks import add_oversubscribe_flag, check_spawn
 from plait.cli.output_paths import output_file, prepare_output_paths
 
 _SHORT = {"all_reduce": "AR", "all_gather": "AG", "reduce_scatter": "RS"}
@@ -63,6 +64,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--timeout", type=float, default=defaults.timeout_s, metavar="SECONDS",
                         help="per-collective timeout (default 300)")
     parser.add_argument("--json", metavar="FILE", default=None, help="write all rows as JSON ('-': stdout)")
+    add_oversubscribe_flag(parser)
     parser.set_defaults(run=run)
     return parser
 
@@ -137,6 +139,7 @@ def run(args: argparse.Namespace) -> int:
     if in_torchrun():
         raise ValueError("plait bench tp starts its own world of tp processes for each --tp value: "
                          "run it directly, not under torchrun")
+    check_spawn(max(config.tp), allow_oversubscribe=args.allow_oversubscribe, flag="--tp")
     prepare_output_paths(output_file("--json", args.json, stdout_allowed=True))
     stream = sys.stderr if args.json == "-" else sys.stdout
 

@@ -15,6 +15,7 @@ import os
 from plait.bench.launch import in_torchrun, run_in_fresh_worlds
 from plait.bench.report import mib, write_json_document
 from plait.bench.zero import VARIANTS, ZeroBenchConfig, run_zero_bench, summarize
+from plait.cli.local_ranks import add_oversubscribe_flag, check_spawn
 from plait.cli.output_paths import output_file, prepare_output_paths
 
 
@@ -29,6 +30,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(d, name),
                             help=f"(default {getattr(d, name)})")
     parser.add_argument("--json", default=None, metavar="PATH", help="write every row and the summary ('-': stdout)")
+    add_oversubscribe_flag(parser)
     parser.set_defaults(run=run)
     return parser
 
@@ -42,6 +44,7 @@ def run(args) -> int:
     problems = config.problems()
     if problems:
         raise ValueError("plait bench zero: " + "; ".join(problems))
+    check_spawn(config.nprocs, allow_oversubscribe=args.allow_oversubscribe)
     prepare_output_paths(output_file("--json", args.json, stdout_allowed=True))
     print(f"# plait bench zero: GPT {config.layers} layers, h {config.hidden}, {config.heads} heads, s {config.seq_len}, "
           f"vocab {config.vocab}; {config.batch} sequences per rank; AdamW; {config.nprocs} gloo processes on "

@@ -30,6 +30,7 @@ import time
 from plait.bench.calibrate import CalibrateConfig, describe_device, run_calibration
 from plait.bench.launch import Job, WorkerError, choose_backend, in_torchrun, run_in_current_world, spawn_and_run
 from plait.cli.bench import parse_nbytes
+from plait.cli.local_ranks import add_oversubscribe_flag, check_spawn
 from plait.cli.output_paths import output_file, prepare_output_paths
 from plait.cost.calibration import CalibrationReport, make_profile
 from plait.cost.profile import (DEFAULT_PROFILE_BACKEND, default_profile_path, Profile, profile_backend,
@@ -88,6 +89,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         help="where to save the profile (default: the cache path for the backend)")
     parser.add_argument("--json", action="store_true",
                         help="print the saved profile as JSON on stdout (the tables go to stderr)")
+    add_oversubscribe_flag(parser)
     parser.set_defaults(run=run)
     return parser
 
@@ -169,6 +171,14 @@ def run(args: argparse.Namespace) -> int:
         nprocs, backend = args.nprocs or 4, choose_backend(args.backend, spawned=True)
     if nprocs < 2:
         raise ValueError(f"calibration needs >= 2 processes, got {nprocs}: use --nprocs 2 or more")
+    if not use_world:
+        # each rank holds one buffer of max(2, p) x the largest size (plait.bench.calibrate) and receives into
+        # up to one more of that size
+        largest = max(config.sizes_nbytes)
+        per_rank = 0 if backend == "nccl" else (max(2, nprocs) + 1) * largest
+        check_spawn(nprocs, allow_oversubscribe=args.allow_oversubscribe, per_rank_bytes=per_rank,
+                    what=f"a buffer of max(2, p) x {largest} B (the largest size, --max-bytes) and a receive buffer",
+                    fix="use a smaller --max-bytes or --nprocs")
     profile_name = profile_backend(backend, config.transport)
     if is_reporter:  # the profile's path, given or default, before minutes of measuring
         if args.output is not None:

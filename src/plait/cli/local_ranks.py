@@ -29,8 +29,12 @@ def add_oversubscribe_flag(parser: argparse.ArgumentParser) -> None:
 
 
 def check_spawn(nprocs: int, *, allow_oversubscribe: bool = False, per_rank_bytes: int = 0, what: str = "",
-                fix: str = "") -> None:
+                fix: str = "", flag: str = "--nprocs") -> None:
     """Raise ValueError (one line, with the numbers) if ``nprocs`` local workers do not
-    fit this machine's memory or cores (plait.bench.limits.check_local_ranks)."""
+    fit this machine's memory or cores (plait.bench.limits.check_local_ranks). A count
+    below 1 is left to the command's own config, which names its flag."""
+    if nprocs < 1:
+        return
     check_local_ranks(nprocs, available_bytes=available_memory_bytes(), cores=usable_cores(),
-                      per_rank_bytes=per_rank_bytes, allow_oversubscribe=allow_oversubscribe, what=what, fix=fix)
+                      per_rank_bytes=per_rank_bytes, allow_oversubscribe=allow_oversubscribe, what=what, fix=fix,
+                      flag=flag)
