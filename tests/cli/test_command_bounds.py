@@ -176,3 +176,36 @@ def test_bench_size_between_a_quarter_of_memory_and_all_of_it_refused(tmp_path, 
     result, answer_s = run_timed(tmp_path, "bench", ["bench", collective, "-n", "2", "-b", str(nbytes),
                                                      "-e", str(nbytes), "-a", "torch"])
     assert_refused(result, answer_s, "bench", f"{nbytes} B", "MemAvailable")
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("module, argv, flag", [
+    ("bench_dp", ["bench", "dp", "--nprocs"], "--nprocs"),
+    ("bench_zero", ["bench", "zero", "--nprocs"], "--nprocs"),
+    ("bench_pp", ["bench", "pp", "--stages"], "--stages"),
+    ("calibrate", ["calibrate", "--nprocs"], "--nprocs"),
+])
+def test_sibling_spawners_refuse_more_ranks_than_memory_holds(tmp_path, module, argv, flag):
+    nprocs = max(1000, available_bytes() // RUNTIME_BYTES + 1)
+    result, answer_s = run_timed(tmp_path, module, [*argv, str(nprocs), "--allow-oversubscribe"])
+    command = " ".join(argv[:-1])
+    assert_refused(result, answer_s, command, f"{nprocs} local processes", "MemAvailable", f"smaller {flag}"
+                   if flag != "--nprocs" else "--nprocs")
+
+
+@pytest.mark.timeout(60)
+def test_bench_pp_stages_refused_before_the_schedules_are_built(tmp_path):
+    # before: PpBenchConfig built every schedule at p = 1000 (zero_bubble's list scheduler: hours)
+    nprocs = max(1000, available_bytes() // RUNTIME_BYTES + 1)
+    result, answer_s = run_timed(tmp_path, "bench_pp", ["bench", "pp", "--stages", f"2,{nprocs}"])
+    assert_refused(result, answer_s, "bench pp", f"{nprocs} local processes", "--stages")
+
+
+@pytest.mark.timeout(60)
+def test_calibrate_size_past_memory_refused(tmp_path):
+    # each rank holds max(2, p) x the largest size and a receive buffer: the sizes double from
+    # 1 KiB up to 60 % of MemAvailable, so the largest is 30-60 % of it and 2 ranks need 3 x that each
+    limit = int(0.6 * available_bytes())
+    largest = 1024 << (limit // 1024).bit_length() - 1
+    result, answer_s = run_timed(tmp_path, "calibrate", ["calibrate", "-n", "2", "-b", "1K", "-e", str(limit)])
+    assert_refused(result, answer_s, "calibrate", f"{largest} B", "MemAvailable", "--max-bytes")
