@@ -88,14 +88,14 @@ def test_simulate_huge_preset_refused(tmp_path, argv):
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("argv", [
-    ["--topology", "dgx-a100", "--nodes", "64"],  # 512 ranks, 3 algorithms: 3 x 4 p (p + 64) transfers
+    ["--topology", "dgx-a100", "--nodes", "64"],  # 512 ranks, 3 algorithms: 3 x 4 p (p + 1) transfers
     ["--topology", "local", "--devices-per-node", "300", "--sizes", "1:1GB"],  # 31 sizes
 ])
 def test_simulate_too_many_transfers_refused(tmp_path, argv):
     result, answer_s = run_timed(tmp_path, "simulate", ["simulate", *argv])
     line = assert_refused(result, answer_s, "simulate", "transfers", "--max-transfers")
-    if argv[1] == "dgx-a100":  # the estimate, from the same inputs: p = 512, 1 GB -> 64 segments
-        assert f"{3 * 4 * 512 * (512 + 64):,} transfers" in line
+    if argv[1] == "dgx-a100":  # the estimate, from the same inputs: p = 512, none of the three pipelines
+        assert f"{3 * 4 * 512 * (512 + 1):,} transfers" in line
 
 
 # ----- plait schedule ------------------------------------------------------------------------------
@@ -103,7 +103,8 @@ def test_simulate_too_many_transfers_refused(tmp_path, argv):
 @pytest.mark.parametrize("argv, words", [
     (["all_reduce", "ring", "-n", "100000", "--numel", "10"], [f"{4 * 100000 * 100001:,} transfers", "--max-transfers"]),
     (["all_to_all", "direct", "-n", "100000"], ["transfers", "--max-transfers"]),
-    (["broadcast", "tree", "-n", "8", "--segments", "1000000000"], ["transfers", "--segments"]),
+    # a chain pipelines in segments (the binomial tree ignores them, and answers at once)
+    (["broadcast", "ring", "-n", "8", "--segments", "1000000000"], ["transfers", "--segments"]),
     (["--schedule", "1f1b", "--stages", "10000", "--microbatches", "100000"],
      ["1,000,000,000 forwards", "limit", "(p-1)/(m+p-1) = 0.0909"]),
     (["--schedule", "zero_bubble", "--stages", "16", "--microbatches", "128"], ["m x p = 2,048", "limit"]),
@@ -113,6 +114,18 @@ def test_simulate_too_many_transfers_refused(tmp_path, argv):
 def test_schedule_too_large_refused(tmp_path, argv, words):
     result, answer_s = run_timed(tmp_path, "schedule", ["schedule", *argv])
     assert_refused(result, answer_s, "schedule", *words)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("module, argv", [
+    # algorithms that ignore --segments still answer for any value of it
+    ("schedule", ["schedule", "broadcast", "tree", "-n", "8", "--segments", "1000000000"]),
+    ("simulate", ["simulate", "--topology", "dgx-a100", "--nodes", "1", "--segments", "1000000000"]),
+])
+def test_segments_ignored_by_the_algorithm_are_not_counted(tmp_path, module, argv):
+    result, answer_s = run_timed(tmp_path, module, argv)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert answer_s < ANSWER_S
 
 
 # ----- plait bench ---------------------------------------------------------------------------------

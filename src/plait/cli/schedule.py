@@ -17,7 +17,7 @@ import argparse
 import json
 
 from plait.cli.output_paths import output_file, prepare_output_paths
-from plait.cli.work_limits import check_pipeline, check_transfers, estimated_transfers, MAX_SCHEDULE_TRANSFERS
+from plait.cli.work_limits import check_pipeline, check_transfers, estimated_transfers, MAX_SCHEDULE_TRANSFERS, uses_segments
 from plait.comm.algorithms import build_schedule, COLLECTIVES, describe, ROOTED
 from plait.comm.algorithms.hierarchical import parse_hierarchy
 from plait.parallel.pipeline.draw import (
@@ -93,7 +93,8 @@ def run(args) -> int:
         raise ValueError(f"--numel must be >= 0, got {numel}")
     if args.segments < 1:
         raise ValueError(f"--segments must be >= 1, got {args.segments}")
-    check_transfers(estimated_transfers(p, args.segments), args.max_transfers, MAX_SCHEDULE_TRANSFERS,
+    segments = args.segments if uses_segments(args.collective, args.algorithm) else 1
+    check_transfers(estimated_transfers(p, segments), args.max_transfers, MAX_SCHEDULE_TRANSFERS,
                     f"{args.collective} {args.algorithm} on -n {p} ranks with --segments {args.segments}",
                     "use a smaller -n or fewer --segments")
     hierarchy = None

@@ -20,7 +20,7 @@ import time
 from plait.bench.collectives import busbw_factor
 from plait.cli.bench import parse_collective, parse_nbytes
 from plait.cli.output_paths import output_file, prepare_output_paths
-from plait.cli.work_limits import check_preset_devices, check_transfers, estimated_transfers, MAX_SIMULATED_TRANSFERS
+from plait.cli.work_limits import check_preset_devices, check_transfers, estimated_transfers, MAX_SIMULATED_TRANSFERS, uses_segments
 from plait.comm.algorithms import algorithms_for, build_schedule, COLLECTIVES, ROOTED
 from plait.cost.alpha_beta import pipeline_segments
 from plait.cost.presets import preset, PRESETS
@@ -264,7 +264,9 @@ def run(args) -> int:
     if args.collective in ROOTED and not 0 <= args.root < topology.world_size:
         raise ValueError(f"--root {args.root} must be in [0, {topology.world_size})")
     p = topology.world_size
-    estimate = sum(estimated_transfers(p, args.segments or pipeline_segments(nbytes)) for nbytes in sizes) * len(algorithms)
+    estimate = sum(estimated_transfers(p, (args.segments or pipeline_segments(nbytes))
+                                       if uses_segments(args.collective, algorithm) else 1)
+                   for nbytes in sizes for algorithm in algorithms)
     check_transfers(estimate, args.max_transfers, MAX_SIMULATED_TRANSFERS,
                     f"{len(algorithms)} algorithm(s) x {len(sizes)} size(s) on {p} ranks ({topology.summary()})",
                     "use fewer nodes, algorithms or sizes")

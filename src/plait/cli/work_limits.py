@@ -28,6 +28,8 @@ each).
 
 from __future__ import annotations
 
+from plait.comm.algorithms import build_schedule, ROOTED
+
 MAX_SIMULATED_TRANSFERS = 1 << 20
 MAX_SCHEDULE_TRANSFERS = 1 << 18
 MAX_PRESET_DEVICES = 16_384
@@ -40,6 +42,19 @@ LIST_SCHEDULED = ("zero_bubble", "chimera")
 def estimated_transfers(world_size: int, segments: int = 1) -> int:
     """Upper bound on one collective schedule's transfers: 4 p (p + s) (module docstring)."""
     return 4 * world_size * (world_size + max(1, segments))
+
+
+def uses_segments(collective: str, algorithm: str) -> bool:
+    """Whether ``algorithm`` pipelines in segments (chains, binary trees): its schedule on
+    4 ranks changes from 1 segment to 2. The others ignore --segments, whatever its value."""
+    numel = 64
+    root = 0 if collective in ROOTED else None
+    try:
+        one, two = (build_schedule(collective, algorithm, 4, numel, root, segments) for segments in (1, 2))
+    except (ValueError, KeyError):
+        return True  # cannot tell: count the segments
+    return one.num_steps != two.num_steps or one.total_numel_on_wire() != two.total_numel_on_wire() or \
+        sum(len(step.transfers) for step in one.steps) != sum(len(step.transfers) for step in two.steps)
 
 
 def check_transfers(estimate: int, limit: int, default: int, what: str, fix: str) -> None:
