@@ -17,7 +17,8 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 # (GPT at any tp) is built from parallel.tensor, so it sits above parallel.
 RANK = {"__main__": 9, "cli": 8, "train": 7, "bench": 7, "plan": 6, "testbed": 6, "graph": 6, "models": 5,
         "parallel": 4, "compress": 3, "comm": 2, "cost": 1, "testing": 0,
-        "errors": -1}  # plait.errors: the user-error base class, torch-free, below every layer
+        "errors": -1,  # plait.errors: the user-error base class, torch-free, below every layer
+        "files": -1}  # plait.files: reading a user's small file (regular, bounded), torch-free, below every layer
 # the root package (plait.__version__) is a leaf anyone may import
 ROOT = "plait"
 

@@ -678,3 +678,23 @@ def test_checkpoints_vanished_after_the_launcher_looked_are_refused_by_rank_0(ru
     (message,) = run_distributed(_start_trainer, 1, config, "auto", "a-new-run", timeout_s=120)
     assert message is not None and "found an earlier run" in message and "metrics.jsonl with 2 steps" in message
     assert _tree(run_dir) == before
+
+
+# --------------------------------------------------------------------------- --comm-profile before launch
+@pytest.mark.parametrize("make, expected", [
+    # a FIFO hung every rank; a directory failed after the ranks started (IsADirectoryError): now the launcher
+    (lambda tmp: os.mkfifo(tmp / "fifo") or tmp / "fifo", "is a FIFO (named pipe), not a regular file"),
+    (lambda tmp: Path("/dev/zero"), "'/dev/zero' is a character device, not a regular file"),
+    (lambda tmp: tmp, "is a directory, not a regular file"),
+    (lambda tmp: tmp / "missing.json", "no such file; run plait calibrate --output"),
+    (lambda tmp: (tmp / "bad.json").write_text("{") and tmp / "bad.json", "not valid JSON"),
+])
+@pytest.mark.parametrize("dry_run", [True, False])
+def test_a_comm_profile_that_cannot_be_read_is_refused_before_any_process(make, expected, dry_run, tmp_path, capsys,
+                                                                          launcher):
+    profile = make(tmp_path)
+    code, _, err = train([*TINY, *SINGLE, "--out", str(tmp_path / "run"), "--comm-profile", str(profile),
+                          *(["--dry-run"] if dry_run else [])], capsys)
+    assert code == 2, err
+    assert expected in err and err.count("error:") == 1 and "Traceback" not in err
+    assert launcher.calls == []

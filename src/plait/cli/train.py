@@ -89,11 +89,12 @@ def run(args) -> int:
     config = config_from_args(args, args.config)
     if in_torchrun_world():
         return _run_rank(args, config)
-    from plait.train.launch import check_output_dir, check_output_path, check_resume_choice, describe_layout, \
-        prepare_data
+    from plait.train.launch import check_comm_profile, check_output_dir, check_output_path, check_resume_choice, \
+        describe_layout, prepare_data
 
     nprocs = _check_launcher_options(args, config)
     _check_comm_environment(config)
+    check_comm_profile(config)
     out = Path(config.out)
     check_output_path(out)
     endpoint, local_addr, run_id = _rendezvous(args)

@@ -34,6 +34,7 @@ from pathlib import Path
 
 from plait import __version__
 from plait.cost.link import LinkModel
+from plait.files import read_small_file
 
 __all__ = ["Sample", "MachineIdentity", "Profile", "ProfileMismatchWarning", "machine_identity", "profile_backend",
            "DEFAULT_PROFILE_BACKEND", "calibrate_command", "default_profile_path", "save_profile", "load_profile",
@@ -42,6 +43,9 @@ __all__ = ["Sample", "MachineIdentity", "Profile", "ProfileMismatchWarning", "ma
 FORMAT_NAME = "plait-profile"
 FORMAT_VERSION = 1
 SAMPLE_KINDS = ("shift", "ping_pong")
+# a profile is a few KB (tens of samples of ~200 bytes); one sweeping 1 byte .. 1 TiB at factor 2 holds
+# 41 sizes x 7 configurations = 287 samples, ~100 KB with their reps. 16 MiB is over a hundred times that.
+PROFILE_LIMIT_NBYTES = 16 << 20
 
 
 class ProfileMismatchWarning(UserWarning):
@@ -347,12 +351,17 @@ def load_profile(path: str | os.PathLike | None = None, *, backend: str = DEFAUL
     """
     target = Path(path) if path is not None else default_profile_path(backend)
     try:
-        text = target.read_text()
+        text = read_small_file(target, limit_nbytes=PROFILE_LIMIT_NBYTES, what="calibration profile",
+                               fix=f"give the path of a JSON profile that `plait calibrate` saved "
+                                   f"(default {default_profile_path(backend)})")
     except FileNotFoundError:
         return None
+    except OSError as error:
+        raise ValueError(f"calibration profile {str(target)!r} cannot be read ({error.strerror}): give a profile "
+                         "you can read, or re-run `plait calibrate`") from None
     try:
         data = json.loads(text)
-    except json.JSONDecodeError as error:
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise ValueError(f"profile {target}: not valid JSON ({error}); re-run `plait calibrate`") from None
     profile = _parse(target, data)
     differences = profile.machine.differences(machine_identity())

@@ -35,6 +35,7 @@ from pathlib import Path
 
 import tomli_w
 
+from plait.files import read_small_file
 from plait.train.config_rules import listed, value_problems
 
 MODELS = ("gpt", "mlp")
@@ -50,6 +51,9 @@ BACKENDS = ("auto", "nccl", "gloo")
 TRANSPORTS = ("auto", "shm", "gloo")  # plait.comm.config's
 TABLES = ("model", "data", "batch", "parallel", "optim", "run")
 CLI_GROUP_TITLE = "training config (also settable in --config FILE)"
+# a config sets each of TrainConfig's ~60 fields at most once: a few KB. 1 MiB is hundreds of times that and
+# still read and parsed in milliseconds; more is not a config (a wrong path, /dev/zero, a data file).
+CONFIG_LIMIT_NBYTES = 1 << 20
 
 
 def _field(default, table: str, help: str, choices: tuple[str, ...] = ()):
@@ -326,10 +330,14 @@ def load_toml(path) -> dict:
     the wrong table or set twice, and a value of the wrong type."""
     path = Path(path)
     try:
-        with path.open("rb") as file:
-            document = tomllib.load(file)
+        raw = read_small_file(path, limit_nbytes=CONFIG_LIMIT_NBYTES, what="config file",
+                              fix="give --config the path of a TOML file of TrainConfig fields, such as a run's launch-config.toml")
+        document = tomllib.loads(raw.decode("utf-8"))
     except FileNotFoundError:
         raise ValueError(f"config file {str(path)!r} not found (cwd: {Path.cwd()})") from None
+    except UnicodeDecodeError as error:
+        raise ValueError(f"cannot read config file {str(path)!r}: not UTF-8 text (byte {error.start}): a TOML "
+                         "file is UTF-8") from None
     except (OSError, tomllib.TOMLDecodeError) as error:
         raise ValueError(f"cannot read config file {str(path)!r}: {error}") from None
     values: dict = {}

@@ -14,7 +14,10 @@ import shutil
 import socket
 import struct
 import tempfile
+import warnings
 from pathlib import Path
+
+from plait.cost.profile import ProfileMismatchWarning, load_profile
 
 from plait.parallel.mesh import ParallelDims
 from plait.parallel.pipeline import build
@@ -148,6 +151,24 @@ def check_resume_choice(config: TrainConfig, resume: str, data, *, run_id: str |
         what += f"; {state.describe()} is newer but not complete: it will be kept as {state.path.name}.{state.reason}"
     log(f"plait train: {what}")
     return plan
+
+
+# ----------------------------------------------------------------------------- calibration profile
+
+def check_comm_profile(config: TrainConfig) -> None:
+    """Before any process starts: --comm-profile names a readable calibration profile
+    (a regular JSON file of bounded size that parses), as each rank will load it. A
+    FIFO or /dev/zero hung every rank, a directory failed after they started. Its
+    machine-mismatch warning is left to the ranks (who use the profile)."""
+
+    if not config.comm_profile:
+        return
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ProfileMismatchWarning)
+        profile = load_profile(config.comm_profile)
+    if profile is None:
+        raise ValueError(f"--comm-profile {config.comm_profile!r}: no such file; run plait calibrate --output "
+                         f"{config.comm_profile} first, or leave --comm-profile out for the default table")
 
 
 # ----------------------------------------------------------------------------- addresses
