@@ -214,6 +214,47 @@ def test_mismatched_roots_are_named_on_every_rank_before_any_data_moves(transpor
             assert y0 == sum(range(1, p + 1)), where
 
 
+def root_refuses_its_list(rank, p):
+    """The root gives a gather_list / scatter_list of the wrong length: it refuses its own
+    arguments, the other ranks are already in the call. Per (collective, numel,
+    algorithm): each rank's error, seconds to raise, and the next all-reduce."""
+    comm.init_communicator(None, comm.CommConfig(timeout_s=30.0, transport="shm"))
+    results = {}
+    for collective, numel, algorithm in itertools.product(("gather", "scatter"), (16, 100_000), (None, "torch")):
+        kwargs = {} if algorithm is None else {"algorithm": algorithm}
+        x, start, outcome = torch.ones(numel), time.monotonic(), None
+        try:
+            short = [torch.empty(numel)] if rank == 0 else None  # p - 1 entries short
+            if collective == "gather":
+                comm.gather(x, short, dst=0, **kwargs)
+            else:
+                comm.scatter(x, short, src=0, **kwargs)
+        except (ValueError, comm.CommError) as error:
+            outcome = f"{type(error).__name__}: {error}"
+        seconds = time.monotonic() - start
+        y = torch.ones(4)
+        comm.all_reduce(y)
+        results[collective, numel, algorithm] = (outcome, seconds, y[0].item())
+    return results
+
+
+def test_a_root_that_refuses_its_own_list_is_named_on_every_rank():
+    """The root's ValueError used to leave the other ranks in the call: they named the
+    root's next call as a mismatch (or waited out the deadline), and the group was
+    broken after it. Now the root still joins the argument exchange, saying it refused,
+    so every rank raises at once and the group goes on."""
+    p = 3
+    for rank, results in enumerate(run_fresh_world(root_refuses_its_list, p, timeout_s=120)):
+        for (collective, numel, algorithm), (outcome, seconds, after) in results.items():
+            where = (rank, collective, numel, algorithm, outcome)
+            if rank == 0:
+                assert outcome.startswith(f"ValueError: {collective}: the root's {collective}_list must hold "
+                                          f"world_size = {p} tensors, got 1"), where
+            else:
+                assert outcome.startswith(f"MismatchError: {collective}: rank 0 refused its own arguments"), where
+            assert seconds < 15.0 and after == p, where  # not the 30 s deadline; the group still works
+
+
 def agreed_rooted_calls(rank, p):
     """Rooted calls whose ranks agree still move their data, with no header on the payload:
     the agreement (a Bruck all-gather of the arguments) is the only extra traffic."""

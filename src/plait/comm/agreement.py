@@ -50,6 +50,10 @@ SIGNATURE_BYTES = 8 * len(FIELDS)
 # message per round (INLINE_BYTES), and a block stays small beside the signature's 72 bytes
 CARRIED_BYTES = 8 << 10
 CARRIERS = ("broadcast", "scatter", "gather")
+# the root a rank sends when it refused its own arguments before the call (a root's
+# gather_list or scatter_list of the wrong length): its peers, already in the call, learn
+# it from the exchange and raise too, instead of waiting for a call that never comes
+REFUSED_ROOT = -2
 
 
 def code(text: str) -> int:
@@ -64,13 +68,13 @@ def _codes(signature: CallSignature) -> list[int]:
             signature.pipeline_segment_bytes]
 
 
-def carried_payload_bytes(collective: str, buffer: torch.Tensor, p: int) -> int | None:
-    """The payload bytes a block of ``collective``'s exchange would carry for this
-    buffer, or None when the call does not carry its payload in the exchange."""
+def carried_payload_bytes(collective: str, tensor_nbytes: int, p: int) -> int | None:
+    """The payload bytes a block of ``collective``'s exchange carries when the call's
+    tensor has ``tensor_nbytes`` (the same on every rank that agrees), or None when the
+    call does not carry its payload in the exchange."""
     if collective not in CARRIERS:
         return None
-    nbytes = buffer.numel() * buffer.element_size()
-    block = nbytes // p if collective == "gather" else nbytes
+    block = p * tensor_nbytes if collective == "scatter" else tensor_nbytes  # a scatter's root holds p chunks
     if block > CARRIED_BYTES or p * (SIGNATURE_BYTES + _padded(block)) > INLINE_BYTES:
         return None
     return block
@@ -81,21 +85,23 @@ def _padded(nbytes: int) -> int:
 
 
 def exchange(communicator, signature: CallSignature, device, *, seq: int | None = None,
-             buffer: torch.Tensor | None = None, root: int | None = None) -> tuple[int, int]:
-    """Exchange ``signature`` (and, with ``buffer``, the call's payload: see the module
-    docstring) with every rank of ``communicator``'s group; raises MismatchError on
-    every rank if the signatures differ. ``seq``: the call's number on the group, to
-    carry the in-band header (rooted calls); None: plain messages (the deep check).
-    With ``buffer`` the call is complete when this returns: ``buffer`` holds what the
-    collective's schedule would have left in it. Returns (bytes sent, messages), as the
-    executor counts them."""
+             carried: int | None = None, buffer: torch.Tensor | None = None, root: int | None = None
+             ) -> tuple[int, int]:
+    """Exchange ``signature`` with every rank of ``communicator``'s group; raises
+    MismatchError on every rank if the signatures differ. ``seq``: the call's number on
+    the group, to carry the in-band header (rooted calls); None: plain messages (the
+    deep check). ``carried``: the payload bytes of each block (carried_payload_bytes),
+    taken from ``buffer`` (the call's flat buffer; None on a rank that refused its own
+    arguments: its block carries zeros); the call is then complete when this returns,
+    ``buffer`` holding what the collective's schedule would have left in it. Returns
+    (bytes sent, messages), as the executor counts them."""
     p, rank, config = communicator.size, communicator.rank, communicator.config
-    carried = 0 if buffer is None else carried_payload_bytes(signature.collective, buffer, p)
+    carried = carried or 0
     block = SIGNATURE_BYTES + _padded(carried)
     table = torch.zeros(p * block, dtype=torch.uint8, device=device)
     mine = table[rank * block : (rank + 1) * block]
     mine[:SIGNATURE_BYTES].copy_(torch.tensor(_codes(signature), dtype=torch.int64).view(torch.uint8))
-    if carried:
+    if carried and buffer is not None:
         raw = buffer.reshape(-1).view(torch.uint8)
         if signature.collective == "gather":
             mine[SIGNATURE_BYTES : SIGNATURE_BYTES + carried].copy_(raw[rank * carried : (rank + 1) * carried])
@@ -115,7 +121,7 @@ def exchange(communicator, signature: CallSignature, device, *, seq: int | None 
     error = _disagreement(signature, rows, rank)
     if error is not None:
         raise error
-    if carried:  # every rank agreed: the payload lands
+    if carried and buffer is not None:  # every rank agreed: the payload lands
         raw = buffer.reshape(-1).view(torch.uint8)
         payload = blocks[:, SIGNATURE_BYTES : SIGNATURE_BYTES + carried]
         if signature.collective == "gather":
@@ -129,6 +135,14 @@ def _disagreement(signature: CallSignature, rows: list[list[int]], rank: int) ->
     bad = [i for i in range(len(FIELDS)) if len({row[i] for row in rows}) > 1]
     if not bad:
         return None
+    root = FIELDS.index("root")
+    refused = [r for r, row in enumerate(rows) if row[root] == REFUSED_ROOT]
+    if refused:
+        return MismatchError(
+            f"{signature.collective}: rank{'s' if len(refused) > 1 else ''} {', '.join(map(str, refused))} refused "
+            f"{'their' if len(refused) > 1 else 'its'} own arguments to this call (that rank's error names them, "
+            f"e.g. the root's gather_list or scatter_list); nothing was sent (this rank {rank}: "
+            f"{signature.describe()})", before_any_message=True)
     parts = []
     for i in bad:
         if FIELDS[i] in ("elements", "root", "segment_bytes", "pipeline_segment_bytes"):
@@ -144,5 +158,5 @@ def _disagreement(signature: CallSignature, rows: list[list[int]], rank: int) ->
         f"(this rank {rank}: {signature.describe()})", before_any_message=True)
 
 
-__all__ = ["CARRIED_BYTES", "CARRIERS", "DTYPE_CODES", "FIELDS", "OP_CODES", "carried_payload_bytes", "code",
+__all__ = ["CARRIED_BYTES", "CARRIERS", "DTYPE_CODES", "FIELDS", "OP_CODES", "REFUSED_ROOT", "carried_payload_bytes", "code",
            "exchange"]

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from plait.comm import layout
-from plait.comm.agreement import carried_payload_bytes, code as agreement_code, exchange
+from plait.comm.agreement import REFUSED_ROOT, carried_payload_bytes, code as agreement_code, exchange
 from plait.comm.algorithms import (DEFAULT_NAMES, REDUCING, ROOTED, TOPOLOGY_ALGORITHMS, TORCH, build_schedule,
                                    checked_topology_fingerprint)
 from plait.comm.algorithms.hierarchical import parse_hierarchy
@@ -74,6 +74,13 @@ def _group_root(communicator: Communicator, global_root, group_root, name: str) 
         raise ValueError(f"{name}={root} (a global rank) is not a member of this {communicator.describe()}; "
                          f"pass one of its global ranks, or its group rank as group_{name}=")
     return communicator.ranks.index(root)
+
+
+def _carried_signature(signature: CallSignature, carried: int | None) -> CallSignature:
+    """A carried call says so in its agreement ("bruck": what runs), so a rank that named
+    the algorithm (not carried) against one that did not is a named mismatch, not a rank
+    waiting for a schedule its peer never runs."""
+    return signature if carried is None else dataclasses.replace(signature, algorithm="bruck")
 
 
 def _grouped(tensor) -> bool:
@@ -125,27 +132,6 @@ def _launch(collective, communicator, async_op, algorithm, prepare, *, tensor, n
     pending = table_pending(algorithm, collective, communicator)
     chosen_by_plait = algorithm in DEFAULT_NAMES  # the user named none: a small rooted call may carry its payload
     algorithm = resolve_algorithm(algorithm, collective, nbytes, communicator)
-    prepared = prepare(rank, p) if algorithm != TORCH else None  # validates this rank's arguments now
-    tree = shape = None
-    if algorithm == "hierarchical":
-        spec = hierarchy if hierarchy is not None else config.hierarchy
-        if spec is None and config.topology is not None and config.topology.world_size == p:
-            spec = config.topology.hierarchy()  # the group's hosts, as its topology has them
-        world = communicator.group is dist.group.WORLD
-        tree = parse_hierarchy(spec, p, None if world else 1)
-        shape = repr(tree)
-    elif algorithm in TOPOLOGY_ALGORITHMS:
-        # refused now (no topology, or one for another group size), not inside the job. The
-        # schedule is built here (the job finds it cached) and its digest checked with the
-        # arguments: ranks whose solves differ (a synthesis stopped by its clock on one rank
-        # only) are named instead of exchanging mismatched messages
-        fingerprint = checked_topology_fingerprint(config.topology, algorithm, p)
-        schedule = build_schedule(collective, algorithm, p, prepared.numel, root,
-                                  pipeline_segments(nbytes, config.pipeline_segment_bytes), None, config.topology)
-        shape = f"{fingerprint}:{schedule.digest()}"
-    signature = CallSignature(collective, algorithm, tensor.numel() if check_numel is None else check_numel, dtype,
-                              op, root, 0 if shape is None else agreement_code(shape), config.segment_bytes,
-                              config.pipeline_segment_bytes)
     # a tensor on a GPU over gloo travels through a host copy (gloo moves CPU memory)
     staged = p > 1 and stages_through_host(communicator.group, tensor.device)
     grouped = _grouped(tensor) and not staged
@@ -155,6 +141,37 @@ def _launch(collective, communicator, async_op, algorithm, prepare, *, tensor, n
     # and return with different data, or only receive (a reduce, a gather) until the
     # deadline, and no in-band header would ever be compared
     agree_first = check == "inband" and collective in ROOTED
+    refused = None  # this rank's own arguments, refused: a rooted call still tells its peers
+    try:
+        prepared = prepare(rank, p) if algorithm != TORCH or agree_first else None  # validates them now
+    except (ValueError, TypeError) as error:
+        if not agree_first:
+            raise
+        prepared, refused = None, error
+    carried = None
+    if agree_first and chosen_by_plait and algorithm != TORCH:  # the same answer on every rank that agrees
+        carried = carried_payload_bytes(collective, tensor.numel() * tensor.element_size(), p)
+    tree = shape = None
+    if algorithm == "hierarchical":
+        spec = hierarchy if hierarchy is not None else config.hierarchy
+        if spec is None and config.topology is not None and config.topology.world_size == p:
+            spec = config.topology.hierarchy()  # the group's hosts, as its topology has them
+        world = communicator.group is dist.group.WORLD
+        tree = parse_hierarchy(spec, p, None if world else 1)
+        shape = repr(tree)
+    elif algorithm in TOPOLOGY_ALGORITHMS and prepared is not None:
+        # refused now (no topology, or one for another group size), not inside the job. The
+        # schedule is built here (the job finds it cached) and its digest checked with the
+        # arguments: ranks whose solves differ (a synthesis stopped by its clock on one rank
+        # only) are named instead of exchanging mismatched messages
+        fingerprint = checked_topology_fingerprint(config.topology, algorithm, p)
+        schedule = build_schedule(collective, algorithm, p, prepared.numel, root,
+                                  pipeline_segments(nbytes, config.pipeline_segment_bytes), None, config.topology)
+        shape = f"{fingerprint}:{schedule.digest()}"
+    signature = CallSignature(collective, algorithm, tensor.numel() if check_numel is None else check_numel, dtype,
+                              op, REFUSED_ROOT if refused is not None else root,
+                              0 if shape is None else agreement_code(shape), config.segment_bytes,
+                              config.pipeline_segment_bytes)
 
     def job(seq):
         nonlocal algorithm, signature
@@ -163,6 +180,13 @@ def _launch(collective, communicator, async_op, algorithm, prepare, *, tensor, n
             if settled != algorithm:
                 algorithm, signature = settled, dataclasses.replace(signature, algorithm=settled)
         host_or_device = torch.device("cpu") if staged else tensor.device
+        if refused is not None:  # the peers learn it from the exchange (and raise), then this rank raises
+            try:
+                exchange(communicator, _carried_signature(signature, carried), host_or_device, seq=seq,
+                         carried=carried)
+            except MismatchError:
+                pass
+            raise refused
         if check == "deep":
             exchange(communicator, signature, host_or_device)
         start = time.perf_counter()
@@ -175,17 +199,12 @@ def _launch(collective, communicator, async_op, algorithm, prepare, *, tensor, n
         buffer = prepared.build()  # reads the inputs now, after earlier queued collectives
         device_buffer, buffer = (buffer, buffer.cpu()) if staged else (None, buffer)
         sent = messages = 0
-        carried = agree_first and chosen_by_plait and carried_payload_bytes(collective, buffer, p) is not None
         if agree_first:
             # the agreement first; a small broadcast, scatter or gather ends with it (its payload
-            # rides in the exchange's blocks: plait.comm.agreement), the others run their schedule.
-            # A carried call says so in its signature ("bruck", what runs): a rank that named the
-            # algorithm (not carried) against one that did not is a named mismatch, not a rank
-            # waiting for a schedule its peer never runs
-            agreed = dataclasses.replace(signature, algorithm="bruck") if carried else signature
-            sent, messages = exchange(communicator, agreed, buffer.device, seq=seq,
-                                      buffer=buffer if carried else None, root=root)
-        if p > 1 and not carried:
+            # rides in the exchange's blocks: plait.comm.agreement), the others run their schedule
+            sent, messages = exchange(communicator, _carried_signature(signature, carried), buffer.device, seq=seq,
+                                      carried=carried, buffer=buffer, root=root)
+        if p > 1 and carried is None:
             segments = pipeline_segments(nbytes, config.pipeline_segment_bytes)
             schedule = build_schedule(collective, algorithm, p, prepared.numel, root, segments, tree,
                                       config.topology)
@@ -202,7 +221,7 @@ def _launch(collective, communicator, async_op, algorithm, prepare, *, tensor, n
         if device_buffer is not None:
             device_buffer.copy_(buffer)
         # what ran: a carried call is the agreement's Bruck all-gather alone
-        communicator.record(collective, "bruck" if carried else algorithm, sent, messages,
+        communicator.record(collective, "bruck" if carried is not None else algorithm, sent, messages,
                             time.perf_counter() - start)
         return sent
 
