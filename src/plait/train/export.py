@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 from typing import Callable
 
-from plait.train.atomic_files import atomic_write, torch_save
+from plait.train.atomic_files import atomic_write, check_replaceable, torch_save
 from plait.train.checkpoint import resolve
 from plait.train.checkpoint_checks import check_user_path, cut, name_max
 from plait.train.checkpoint_load import load_full
@@ -39,8 +39,15 @@ def export_format(out_path: str | os.PathLike, fmt: str | None = None) -> str:
 def check_out_path(out_path: str | os.PathLike, what: str = "--out") -> Path:
     """``out_path`` as a Path, or ValueError in one line if the system would refuse it
     or its temporary name: a name longer than NAME_MAX - 14 bytes (atomic_write's
-    temporary file is ".NAME.XXXXXXXX.tmp"), a path longer than PATH_MAX - 1."""
+    temporary file is ".NAME.XXXXXXXX.tmp"), a path longer than PATH_MAX - 1, or
+    something already there that is not a regular file: a device node, a FIFO, a
+    socket, a directory (the file is renamed into place: it would replace them), or a
+    symbolic link (neither written through nor replaced: name the file itself)."""
     out_path = check_user_path(out_path, what)
+    if out_path.is_symlink():
+        raise ValueError(f"{what} {cut(str(out_path))} is a symbolic link; export neither writes through one nor "
+                         f"replaces it: give the file it points to ({cut(os.path.realpath(out_path))}) or another path")
+    check_replaceable(out_path, what)
     longest = name_max(out_path.parent) - TEMPORARY_NAME_EXTRA_NBYTES  # 255 where the parent is not made yet
     nbytes = len(os.fsencode(out_path.name))
     if nbytes > longest:

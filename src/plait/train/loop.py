@@ -34,6 +34,7 @@ from plait.parallel.mesh import DeviceMesh, ParallelDims
 from plait.parallel.precision import check_device
 from plait.parallel.sharded_optimizer import ShardedOptimizer
 from plait.train import checkpoint as ckpt, checkpoint_load, rundir, runlock
+from plait.train.atomic_files import atomic_write
 from plait.train.build import batch, build_model, load_data, make_optimizer, model_description
 from plait.train.config import TrainConfig
 from plait.train.memory import MemoryMonitor
@@ -240,7 +241,10 @@ class Trainer:
                      f"dp={manifest['mesh']['dp']} tp={manifest['mesh']['tp']} pp={manifest['mesh']['pp']})")
 
     def _my_extra(self, path: Path) -> dict:
-        payload = torch.load(path / ckpt.shard_name(self.coords["tp"], self.coords["pp"]), weights_only=True)
+        shard = path / ckpt.shard_name(self.coords["tp"], self.coords["pp"])
+        # O_NOFOLLOW as checkpoint_load reads it: a shard replaced by a link since it was verified is not read through
+        with os.fdopen(os.open(shard, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK), "rb") as file:
+            payload = torch.load(file, map_location="cpu", weights_only=True)
         return payload.get("extra", {})
 
     def _mesh_info(self) -> dict:
@@ -334,7 +338,8 @@ class Trainer:
             return None
         if self.rank == 0:
             self.out.mkdir(parents=True, exist_ok=True)
-            (self.out / "config.toml").write_text(config.to_toml())
+            text = config.to_toml()  # renamed over config.toml: a link there is replaced, never written through
+            atomic_write(self.out / "config.toml", lambda temporary: Path(temporary).write_text(text))
         metrics = MetricsLog(self.out / "metrics.jsonl", group=self.mesh.group["dp"], dp_size=config.dp,
                              write=self.rank == 0, interval=config.log_interval, start_step=self.start_step)
         progress = None

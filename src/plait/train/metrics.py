@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from plait import comm
+from plait.train.atomic_files import atomic_write, open_no_link
 
 
 class MetricsLog:
@@ -52,7 +53,8 @@ class MetricsLog:
         if write:
             self.records = read_metrics(self.path, before=start_step)
             write_metrics(self.path, self.records)
-            self._file = open(self.path, "a")
+            # O_NOFOLLOW: a link put at metrics.jsonl since it was replaced is refused, never appended through
+            self._file = os.fdopen(open_no_link(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT), "a")
 
     def flush_due(self, step: int, *, last: bool = False, checkpoint: bool = False) -> bool:
         """Whether the log is flushed after ``step`` (the same answer on every rank)."""
@@ -95,10 +97,13 @@ class MetricsLog:
 
 def read_metrics(path: Path, before: int) -> list[dict]:
     """Records of steps before ``before`` (a resumed run redoes the later ones)."""
-    if not path.exists():
+    try:  # O_NOFOLLOW: a link's target is neither read into this run nor written back
+        with os.fdopen(open_no_link(path, os.O_RDONLY), encoding="utf-8") as file:
+            text = file.read()
+    except FileNotFoundError:
         return []
     records = []
-    for line in path.read_text().splitlines():
+    for line in text.splitlines():
         try:
             record = json.loads(line)
         except json.JSONDecodeError:
@@ -109,7 +114,7 @@ def read_metrics(path: Path, before: int) -> list[dict]:
 
 
 def write_metrics(path: Path, records: list[dict]) -> None:
-    """Replace ``path`` by ``records``, atomically."""
-    temporary = path.with_suffix(".tmp")
-    temporary.write_text("".join(json.dumps(record) + "\n" for record in records))
-    os.replace(temporary, path)
+    """Replace ``path`` by ``records``, atomically (a temporary file of its own renamed
+    over ``path``: a link there is replaced itself, never written through)."""
+    text = "".join(json.dumps(record) + "\n" for record in records)
+    atomic_write(path, lambda temporary: Path(temporary).write_text(text), nbytes=len(text.encode()))

@@ -33,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+from plait.train.atomic_files import atomic_write
 from plait.train.memory import memory_rows, render_memory
 from plait.train.progress import format_duration, format_rate, rate_key, throughput_unit
 
@@ -328,7 +329,9 @@ def _json_safe(value):
 
 def write_report(out_dir, *, metrics: list[dict], ranks: list[dict], run: dict,
                  log_y: bool | None = None) -> dict:
-    """Write out_dir/report.json, report.md and loss.png; return the report dict.
+    """Write out_dir/report.json, report.md and loss.png (each by a temporary file
+    renamed over it: a symbolic link there is replaced, never written through); return
+    the report dict.
 
     ``metrics``: rank 0's per-step records; ``ranks``: one time split per global rank;
     ``run``: the run's description (keys RUN_KEYS, optional "samples"). ``run["steps"]``
@@ -368,9 +371,15 @@ def write_report(out_dir, *, metrics: list[dict], ranks: list[dict], run: dict,
     }
     report = _json_safe(report)
     _plot_loss(metrics, Path(paths["loss_png"]), report["mesh_shape"], log_y)
-    Path(paths["json"]).write_text(json.dumps(report, indent=2, allow_nan=False) + "\n")
-    Path(paths["markdown"]).write_text(render_markdown(report))
+    _write_text(Path(paths["json"]), json.dumps(report, indent=2, allow_nan=False) + "\n")
+    _write_text(Path(paths["markdown"]), render_markdown(report))
     return report
+
+
+def _write_text(path: Path, text: str) -> None:
+    """``text`` into ``path`` by a temporary file renamed over it: a symbolic link there
+    is replaced itself, never written through."""
+    atomic_write(path, lambda temporary: Path(temporary).write_text(text), nbytes=len(text.encode()))
 
 
 def _mesh_title(shape: dict) -> str:
@@ -402,7 +411,7 @@ def _plot_loss(metrics: list[dict], path: Path, shape: dict, log_y: bool | None)
     if train or val:
         ax.legend()
     fig.tight_layout()
-    fig.savefig(path, format="png")
+    atomic_write(path, lambda temporary: fig.savefig(temporary, format="png"))  # a link at loss.png: replaced itself
 
 
 # ---- markdown -------------------------------------------------------------------------

@@ -15,7 +15,8 @@ of a multi-node run whose ``--out`` is on a shared filesystem). Without a launch
 takes the lock, the rest of the run shares it.
 
 The file is never deleted: removing it while it is held would let a second run lock
-a new file of the same name.
+a new file of the same name. It is opened with O_NOFOLLOW: a symbolic link (or a
+device, a FIFO) named ``.lock`` is refused by name, never truncated or written through.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ import socket
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+from plait.train.atomic_files import open_no_link
 
 LOCK_NAME = ".lock"
 HOLDER_RECORD_WAIT_S = 2.0  # how long a refused run waits for a new holder to write its record
@@ -95,8 +98,10 @@ def _read_holder(path: Path) -> LockHolder | None:
 
 
 def _open(path: Path) -> int:
+    """The lock file, opened without following a link (O_NOFOLLOW): a link or anything
+    but a regular file at ``path`` is refused by name before anything is written to it."""
     try:
-        return os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        return open_no_link(path, os.O_RDWR | os.O_CREAT)
     except OSError as error:
         raise ValueError(f"cannot open the run lock {path}: {error.strerror}; choose an --out you can write "
                          "to") from None
@@ -142,7 +147,7 @@ def _wait_for_record(path: Path) -> LockHolder | None:
 def holder(out: str | os.PathLike) -> LockHolder | None:
     """The run holding ``out`` now, or None if nobody holds it."""
     path = Path(out) / LOCK_NAME
-    if not path.exists():
+    if not os.path.lexists(path):  # a dangling link is refused by _open, not taken for no lock
         return None
     fd = _open(path)
     try:
