@@ -34,6 +34,8 @@ from pathlib import Path
 
 from plait.train import budget, checkpoint as ckpt, lifeline, runlock
 from plait.train.agent import is_local_address, record_rank_error
+from plait.train.atomic_files import atomic_write
+from plait.train.run_links import check_run_links
 from plait.train.config import add_config_arguments, config_from_args
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -97,6 +99,7 @@ def run(args) -> int:
     check_comm_profile(config)
     out = Path(config.out)
     check_output_path(out)
+    check_run_links(out)  # a link where the run writes, named before anything is written or started
     endpoint, local_addr, run_id = _rendezvous(args)
     if not args.dry_run:
         runlock.check_free(out, run_id)  # refuse at once, before minutes of data preparation
@@ -111,7 +114,7 @@ def run(args) -> int:
         # several nodes may share --out: each launcher writes its own copy of the config it launches with
         launch_config = out / ("launch-config.toml" if args.nnodes == 1
                                else f"launch-config.{socket.gethostname()}.{os.getpid()}.toml")
-        launch_config.write_text(config.to_toml())
+        atomic_write(launch_config, lambda temporary: Path(temporary).write_text(config.to_toml()))  # a link: replaced
         command = [sys.executable, "-m", "plait.train.agent", "--parent-pid", str(os.getpid()),
                    "--nnodes", str(args.nnodes), "--nproc-per-node", str(nprocs),
                    "--rdzv-backend", "plait-c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", run_id,
