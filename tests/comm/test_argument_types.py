@@ -47,7 +47,25 @@ CASES = {
     "ShardedOptimizer(list)": (lambda: ShardedOptimizer([1], None),
                                "ShardedOptimizer: optimizer must be a torch.optim.Optimizer"),
     "ddp_comm_hook(algorithm)": (lambda: comm.ddp_comm_hook("ringg"), "ddp_comm_hook: algorithm='ringg'"),
+    "isend(tag=str)": (lambda: comm.isend(torch.ones(1), dst=0, tag="a"), "send: tag must be an int, got str"),
+    "isend(tag=-1)": (lambda: comm.isend(torch.ones(1), dst=0, tag=-1), "send: tag=-1 must be in 0 .. 2**31 - 1"),
+    # uneven all-to-all: torch passed a negative size to gloo unchecked (the heap was corrupted)
+    "all_to_all_single(negative split)": (
+        lambda: comm.all_to_all_single(torch.empty(4), torch.ones(4), [5, -1], [5, -1]),
+        "output_split_sizes=[5, -1] holds -1: every size is a whole number of rows >= 0"),
+    "all_to_all_single(split count)": (lambda: comm.all_to_all_single(torch.empty(4), torch.ones(4), [4], [4, 0]),
+                                       "input_split_sizes has 2 sizes for a group of 1 ranks"),
+    "all_to_all_single(split sum)": (lambda: comm.all_to_all_single(torch.empty(4), torch.ones(4), [3], [4]),
+                                     "output_split_sizes=[3] adds up to 3 rows, but dim 0 of the tensor has 4"),
+    "all_to_all_single(split str)": (lambda: comm.all_to_all_single(torch.empty(4), torch.ones(4), "22", "22"),
+                                     "output_split_sizes must be a list of 1 whole numbers"),
+    "all_to_all_single(split float)": (lambda: comm.all_to_all_single(torch.empty(4), torch.ones(4), [4.0], [4]),
+                                       "holds 4.0: every size is a whole number of rows >= 0"),
 }
+
+
+VALUE_ERRORS = {"ddp_comm_hook(algorithm)", "isend(tag=-1)", "all_to_all_single(negative split)",
+                "all_to_all_single(split count)", "all_to_all_single(split sum)", "all_to_all_single(split float)"}
 
 
 def raise_each(rank, p):
@@ -67,6 +85,6 @@ def test_wrong_argument_types_are_named():
     found = run_distributed(raise_each, 1)[0]
     for name, (_, fragment) in CASES.items():
         kind, message = found[name]
-        expected = "ValueError" if name == "ddp_comm_hook(algorithm)" else "TypeError"
+        expected = "ValueError" if name in VALUE_ERRORS else "TypeError"
         assert kind == expected, (name, kind, message)
         assert fragment in message, (name, message)

@@ -386,6 +386,12 @@ def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=
     layout.check_tensor(output, "output", "all_to_all")
     layout.check_tensor(input, "input", "all_to_all")
     uneven = bool(output_split_sizes or input_split_sizes)
+    communicator = communicator_for(group)
+    if uneven and communicator is not None:
+        # torch hands these to gloo unchecked: a negative size corrupted the heap (SIGABRT)
+        for name, sizes, tensor in (("output_split_sizes", output_split_sizes, output),
+                                    ("input_split_sizes", input_split_sizes, input)):
+            _check_split_sizes(name, sizes, tensor, communicator.size)
     if uneven:
         if algorithm not in DEFAULT_NAMES and algorithm != TORCH:
             raise ValueError(
@@ -399,10 +405,33 @@ def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=
                                       group=comm.group, async_op=True)
         _torch_wait(work, "all_to_all", comm)
 
-    return _launch("all_to_all", communicator_for(group), async_op, algorithm,
+    return _launch("all_to_all", communicator, async_op, algorithm,
                    lambda rank, p: layout.prepare_all_to_all(output, input, rank, p),
                    tensor=input, nbytes=_nbytes(input), torch_call=torch_call,
                    check_numel=-1 if uneven else None, output=[output])
+
+
+def _check_split_sizes(name: str, sizes, tensor, p: int) -> None:
+    """torch's rules for one side of an uneven all-to-all, checked before any message: None
+    (equal chunks of dim 0), or p whole numbers >= 0 adding up to the tensor's dim 0."""
+    if sizes is None or (isinstance(sizes, (list, tuple)) and len(sizes) == 0):
+        if tensor.dim() == 0 or tensor.shape[0] % p:
+            raise ValueError(f"all_to_all: {name} not given, so dim 0 of the tensor ({tuple(tensor.shape)}) must "
+                             f"split into {p} equal chunks; give {name} (p = {p} sizes)")
+        return
+    if not isinstance(sizes, (list, tuple)):
+        raise TypeError(f"all_to_all: {name} must be a list of {p} whole numbers (rows of dim 0 per rank), got "
+                        f"{type(sizes).__name__}")
+    bad = [value for value in sizes if isinstance(value, bool) or not isinstance(value, int) or value < 0]
+    if bad:
+        raise ValueError(f"all_to_all: {name}={list(sizes)!r} holds {bad[0]!r}: every size is a whole number of "
+                         "rows >= 0")
+    if len(sizes) != p:
+        raise ValueError(f"all_to_all: {name} has {len(sizes)} sizes for a group of {p} ranks: give one per rank")
+    rows = tensor.shape[0] if tensor.dim() else 1
+    if sum(sizes) != rows:
+        raise ValueError(f"all_to_all: {name}={list(sizes)!r} adds up to {sum(sizes)} rows, but dim 0 of the "
+                         f"tensor has {rows}: they must be equal")
 
 
 def barrier(group=None, async_op=False, *, algorithm=None, device=None):

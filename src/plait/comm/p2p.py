@@ -67,6 +67,15 @@ def _group_rank(group) -> tuple[object, int]:
     return group, dist.get_rank(group)
 
 
+def _check_tag(tag, label: str) -> None:
+    """A tag is a non-negative int32, as gloo takes it (it refused others only once the
+    message was posted, as a CommError)."""
+    if isinstance(tag, bool) or not isinstance(tag, int):
+        raise TypeError(f"{label}: tag must be an int, got {type(tag).__name__} ({tag!r:.40})")
+    if not 0 <= tag < 2**31:
+        raise ValueError(f"{label}: tag={tag} must be in 0 .. 2**31 - 1 (a non-negative int32)")
+
+
 def _timeout_s(group, timeout_s) -> float:
     if timeout_s is not None:
         return timeout_s
@@ -164,6 +173,7 @@ def isend(tensor: torch.Tensor, dst: int | None = None, group=None, tag: int = 0
     """Post ``tensor`` to global rank ``dst`` (or group rank ``group_dst``); ``wait()``
     the returned message before changing the tensor."""
     check_tensor(tensor, "tensor", label)
+    _check_tag(tag, label)
     transport = _transport_of(group)
     group, rank = _group_rank(group)
     peer = _peer(group, rank, dst, group_dst, "dst")
@@ -186,6 +196,7 @@ def irecv(tensor: torch.Tensor, src: int | None = None, group=None, tag: int = 0
     A GPU tensor on a gloo group is received into a host buffer and copied into
     ``tensor`` by ``wait()``."""
     check_tensor(tensor, "tensor", label)
+    _check_tag(tag, label)
     transport = _transport_of(group)
     group, rank = _group_rank(group)
     peer = _peer(group, rank, src, group_src, "src", allow_none=True)
