@@ -262,12 +262,47 @@ def test_dry_run_prints_ranks_stages_parameters_and_schedule(layout, extra, stag
     assert f"output    {tmp_path / 'run'}" in out
 
 
-def test_dry_run_does_not_check_the_resume_choice(tmp_path, capsys, launcher):
-    """--dry-run only describes: an --out with a foreign checkpoint is not an error yet."""
+def test_dry_run_checks_the_resume_choice(tmp_path, capsys, launcher):
+    """--dry-run refuses what the launch refuses: --resume never over an earlier run (it
+    printed the layout and exited 0, then the real run refused)."""
     (tmp_path / "checkpoints" / "step_00000001").mkdir(parents=True)
-    code, out, _ = train([*TINY, "--resume", "never", "--dry-run", "--out", str(tmp_path)], capsys)
-    assert code == 0
-    assert "mesh dp=2 x tp=1 x pp=2" in out
+    code, out, err = train([*TINY, "--resume", "never", "--dry-run", "--out", str(tmp_path)], capsys)
+    assert code == 2 and "--resume never would start over in" in err and "mesh" not in out
+    code, out, err = train([*TINY, "--dry-run", "--out", str(tmp_path / "fresh")], capsys)
+    assert code == 0, err
+    assert "plait train: starting at step 0" in out and "mesh dp=2 x tp=1 x pp=2" in out
+    assert not (tmp_path / "fresh").exists()  # the check changes nothing
+
+
+def _not_a_checkpoint(tmp_path: Path, kind: str) -> Path:
+    run = tmp_path / "other-run"
+    (run / "checkpoints" / "step_00000001").mkdir(parents=True)
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "file").write_text("x")
+    return {"root": Path("/"), "empty": tmp_path / "empty", "file": tmp_path / "file",
+            "checkpoints": run / "checkpoints"}[kind]
+
+
+@pytest.mark.parametrize("kind, expected", [
+    ("root", "--resume /: / is not a checkpoint directory (no manifest.json, no shard files, not named step_*): "
+             "pass a run directory RUN (its newest complete checkpoint) or a checkpoint directory "
+             "RUN/checkpoints/step_*"),
+    ("empty", "is not a checkpoint directory (empty): pass a run directory RUN"),
+    ("file", "is a file, not a directory; give a checkpoint directory (RUN/checkpoints/step_*)"),
+    ("checkpoints", "is a run's checkpoints directory, not a checkpoint: pass the run directory "),
+])
+@pytest.mark.parametrize("dry_run", [True, False])
+def test_a_resume_path_that_is_no_checkpoint_says_what_it_is(kind, expected, dry_run, tmp_path, capsys, launcher):
+    """Was: --dry-run exit 0 with the layout; the launch "not a complete checkpoint: no
+    manifest.json (partial: the save did not finish)" for a directory no save ever touched."""
+    resume = _not_a_checkpoint(tmp_path, kind)
+    code, out, err = train([*TINY, *SINGLE, "--resume", str(resume), "--out", str(tmp_path / "run"),
+                            *(["--dry-run"] if dry_run else [])], capsys)
+    assert code == 2, out
+    assert expected in err and err.count("error:") == 1 and "partial" not in err
+    if kind == "checkpoints":
+        assert f"pass the run directory {tmp_path / 'other-run'}, or one of its step_* directories" in err
+    assert launcher.calls == []
 
 
 def test_dry_run_parameter_count_with_a_tied_head(tmp_path, capsys):

@@ -105,7 +105,8 @@ def run(args) -> int:
         runlock.check_free(out, run_id)  # refuse at once, before minutes of data preparation
     data = prepare_data(config)
     budget.check_fits(config, data, local_processes=nprocs, gpu_memory_bytes=_gpu_memory_bytes(nprocs, config.backend))
-    if args.dry_run:
+    if args.dry_run:  # the resume choice is checked as the launch checks it (it changes nothing)
+        check_resume_choice(config, args.resume, data, run_id=run_id, force_fresh=args.force_fresh)
         print(describe_layout(config, data))
         return 0
     check_output_dir(out, budget.checkpoint_bytes(config, data))

@@ -29,7 +29,9 @@ each parameter and its optimizer state once per (tp, pp) shard, about
 
 from __future__ import annotations
 
+import itertools
 import os
+import re
 import shutil
 import stat
 from pathlib import Path
@@ -84,6 +86,36 @@ def _linked_checkpoints(root: Path) -> str:
             "nor deletes checkpoints through a link; replace the link by a directory (copy the checkpoints in)")
 
 
+_SHARD_PREFIX = re.compile(r"tp[0-9]+-pp[0-9]+\.pt")  # shard_name's files, and a save's temporary files of them
+SCANNED_ENTRIES = 10_000  # a checkpoint directory holds one file per shard: enough to tell one, bounded on a huge one
+
+
+def not_a_checkpoint(directory: Path) -> str | None:
+    """What ``directory`` is when it is not a checkpoint directory at all (no manifest,
+    not named step_*, no shard file a save would have started), with what to pass
+    instead; None when it is one or may be a partial save. Was "no manifest.json
+    (partial: the save did not finish)" for /, an empty directory or RUN/checkpoints."""
+    if step_of_name(directory.name) is not None or os.path.lexists(directory / MANIFEST_NAME):
+        return None
+    try:
+        with os.scandir(directory) as entries:
+            names = [entry.name for entry in itertools.islice(entries, SCANNED_ENTRIES)]
+    except OSError:
+        return None  # verify names the unreadable directory
+    if any(_SHARD_PREFIX.match(name) for name in names):
+        return None
+    shown_dir = cut(str(directory), 2 * SHOWN_CHARS)
+    if any(step_of_name(name) is not None for name in names) or directory.name == "checkpoints":
+        return (f"{shown_dir} is a run's checkpoints directory, not a checkpoint: pass the run directory "
+                f"{cut(str(directory.parent), 2 * SHOWN_CHARS)}, or one of its step_* directories")
+    if "checkpoints" in names:
+        return (f"{shown_dir} is a run directory, not a checkpoint: pass it where a run directory is taken, or one "
+                "of its checkpoints/step_* directories")
+    found = "empty" if not names else f"no {MANIFEST_NAME}, no shard files, not named step_*"
+    return (f"{shown_dir} is not a checkpoint directory ({found}): pass a run directory RUN (its newest complete "
+            "checkpoint) or a checkpoint directory RUN/checkpoints/step_*")
+
+
 def verify(directory: str | os.PathLike, *, check_sha256: bool = True) -> list[str]:
     """Why ``directory`` is not a complete checkpoint; [] if it is. Complete: a real
     directory (not a link, nor under a linked checkpoints/), a manifest that agrees with
@@ -98,7 +130,7 @@ def verify(directory: str | os.PathLike, *, check_sha256: bool = True) -> list[s
     try:
         mode = os.lstat(directory / MANIFEST_NAME).st_mode
     except FileNotFoundError:
-        return [PARTIAL]
+        return [not_a_checkpoint(directory) or PARTIAL]
     except OSError as error:
         return [f"{MANIFEST_NAME} unreadable ({error.strerror})"]
     if stat.S_ISLNK(mode):

@@ -233,6 +233,10 @@ def _checked_dir(resume: str) -> tuple[Path, tuple[str, ...]]:
         raise ValueError(f"--resume {resume}: {path} does not exist; give a checkpoint directory "
                          "(RUN/checkpoints/step_*), a run directory (its newest complete checkpoint), or "
                          "--resume auto|never")
+    if not path.is_symlink() and not path.is_dir():
+        raise ValueError(f"--resume {resume}: {path} is a file, not a directory; give a checkpoint directory "
+                         "(RUN/checkpoints/step_*), a run directory (its newest complete checkpoint), or "
+                         "--resume auto|never")
     if _is_run_dir(path):
         skipped = []
         newest = ckpt.latest_complete(path, log=skipped.append)
@@ -242,6 +246,8 @@ def _checked_dir(resume: str) -> tuple[Path, tuple[str, ...]]:
                              + "); give a checkpoint directory (RUN/checkpoints/step_*) instead")
         return newest, (*skipped, f"--resume {resume}: its newest complete checkpoint is {newest.name}")
     problems = ckpt.verify(path)
+    if problems and problems[0] == ckpt.not_a_checkpoint(path):  # not a checkpoint at all: say what it is
+        raise ValueError(f"--resume {resume}: {problems[0]}")
     if problems:
         raise ValueError(f"--resume {resume}: not a complete checkpoint: " + "; ".join(problems[:3]))
     return path, ()
