@@ -112,3 +112,43 @@ def test_export_to_a_directory_or_under_a_file_is_refused_before_reading(run_dir
         assert f"--out {out}" in err and reason in err and "Traceback" not in err
     assert main(["checkpoint", "export", str(run_dir), "--out", str(tmp_path / "new" / "dir" / "model.pt")]) == 0
     assert (tmp_path / "new" / "dir" / "model.pt").is_file()
+
+
+# --------------------------------------------------------------------------- forged descriptive fields
+# Each was a probe of issue 31's review: `info` crashed (OverflowError from time.localtime, "Invalid value NaN
+# (not a number)" naming neither field nor file) or called the checkpoint complete and printed the forged
+# lines; export accepted it. Now each is named (the field, manifest.json and its directory), exit 2, one line.
+@pytest.mark.parametrize("changes, expected", [
+    ({"created_unix_s": 1e300}, "manifest.json created_unix_s 1e+300 is not a time"),
+    ({"created_unix_s": -1e20}, "manifest.json created_unix_s -1e+20 is not a time"),
+    ({"created_unix_s": float("nan")}, "manifest.json created_unix_s nan is not a time"),
+    ({"created_unix_s": "yesterday"}, "manifest.json created_unix_s 'yesterday' is not a time"),
+    ({"mesh": {"order": "tp,dp\nfake: line"}}, "manifest.json mesh order 'tp,dp\\nfake: line' is not the axes"),
+    ({"model": {"dtype": "float64\nfake: line"}}, "manifest.json model dtype='float64\\nfake: line': need a number"),
+    ({"model": {"x" * 500: 1}}, "manifest.json model field name 'xxxxx"),
+    ({"model": {"note": "y" * 500}}, "manifest.json model note='yyyy"),
+    ({"model": [1, 2]}, "manifest.json model [1, 2] is not a mapping"),
+    ({"config_digest": ["a", "b"]}, "manifest.json config_digest ['a', 'b'] is list, not a string"),
+    ({"corpus_digest": "abc\rdef"}, "manifest.json corpus_digest 'abc\\rdef' holds a control character"),
+    ({"config": "lr=1"}, "manifest.json config 'lr=1' is not a mapping of TrainConfig fields"),
+])
+def test_a_forged_descriptive_field_is_named_by_info_and_export(changes, expected, run_dir, tmp_path, capsys):
+    import json
+
+    step = run_dir / "checkpoints" / "step_00000200"
+    manifest = json.loads((step / "manifest.json").read_text())
+    for key, value in changes.items():
+        manifest[key] = {**manifest[key], **value} if key == "mesh" else value
+    (step / "manifest.json").write_text(json.dumps(manifest))
+    for argv in (["info", str(step)], ["export", str(step), "--out", str(tmp_path / "model.pt")]):
+        assert main(["checkpoint", *argv]) == 2
+        err = capsys.readouterr().err
+        lines = err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("plait checkpoint: error: "), err
+        assert f"{step} is not a complete checkpoint" in err or str(step) in err
+        assert expected in err, err
+    assert not (tmp_path / "model.pt").exists()
+    # the run directory falls back to the older complete step, saying why
+    assert main(["checkpoint", "info", str(run_dir)]) == 0
+    captured = capsys.readouterr()
+    assert expected in captured.err and "using step_00000100" in captured.err and "step 100," in captured.out

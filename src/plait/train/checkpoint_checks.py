@@ -158,6 +158,12 @@ class ManifestUnreadable(ValueError):
         super().__init__(f"{path} is unreadable ({reason}); {fix}")
 
 
+# a manifest is ~4 KB of config and model plus one files entry (name, nbytes, sha256) of ~120 bytes per shard;
+# 64 MiB holds over 500,000 shards (tp x pp), far past any mesh plait trains, and is read in well under a second
+MANIFEST_ENTRY_NBYTES = 128
+MANIFEST_LIMIT_NBYTES = 64 << 20
+
+
 def read_manifest(directory: str | os.PathLike) -> dict:
     """The parsed manifest.json of a checkpoint directory (ValueError if absent, not a
     regular file, a link, or not a format-1 manifest of plain file names)."""
@@ -174,7 +180,10 @@ def read_manifest(directory: str | os.PathLike) -> dict:
             os.close(fd)
             raise ManifestUnreadable(path, "not a regular file")
         with os.fdopen(fd, "rb") as file:
-            text = file.read()
+            text = file.read(MANIFEST_LIMIT_NBYTES + 1)
+        if len(text) > MANIFEST_LIMIT_NBYTES:
+            raise ManifestUnreadable(path, f"larger than {MANIFEST_LIMIT_NBYTES:,} bytes, the most a manifest of "
+                                           f"{MANIFEST_LIMIT_NBYTES // MANIFEST_ENTRY_NBYTES:,} shards takes")
         manifest = json.loads(text)
     except ManifestUnreadable:
         raise
@@ -235,6 +244,81 @@ def manifest_problems(directory: str | os.PathLike, manifest: dict) -> list[str]
     if bad:
         problems.append(f"manifest entry of {shown(bad[0])} is {shown(files[bad[0]])}: need "
                         "{\"nbytes\": int >= 0, \"sha256\": 64 hex digits}")
+    return problems + described_problems(manifest)
+
+
+# What `plait checkpoint info` prints of a manifest besides its files: each field checked for type and range, so
+# that a forged one is named (field and file) instead of crashing the printout (created_unix_s 1e300 was an
+# OverflowError in time.localtime, NaN "Invalid value NaN") or printing lines of its own (a newline in a string).
+MAX_UNIX_S = 253_402_300_799  # 9999-12-31 23:59:59 UTC: the last second time.strftime prints as a 4-digit year
+TEXT_CHARS = 64               # a dtype, a model kind, a key: a few characters; 64 is ample and one line
+DIGEST_CHARS = 128            # a sha256 hex digest is 64
+MODEL_ITEMS = 64              # a model description has ~10 fields (GPTConfig's), an MLP's sizes a few layers
+
+
+def _text_problem(value, chars: int) -> str | None:
+    if not isinstance(value, str):
+        return f"is {type(value).__name__}, not a string"
+    if len(value) > chars:
+        return f"is {len(value):,} characters, more than {chars}"
+    if not value.isprintable():
+        return "holds a control character (a newline, a tab, ...)"
+    return None
+
+
+def _model_value_ok(value) -> bool:
+    if value is None or isinstance(value, bool):
+        return True
+    if isinstance(value, int):
+        return abs(value) < 2 ** 63
+    if isinstance(value, float):
+        return math.isfinite(value)
+    if isinstance(value, str):
+        return _text_problem(value, TEXT_CHARS) is None
+    return isinstance(value, list) and len(value) <= MODEL_ITEMS and all(
+        type(item) is int and abs(item) < 2 ** 63 for item in value)
+
+
+def described_problems(manifest: dict) -> list[str]:
+    """Why the descriptive fields of ``manifest`` are not what plait writes: created_unix_s
+    a finite time in 0..MAX_UNIX_S, mesh order a permutation of dp,tp,pp, model a flat
+    mapping of at most MODEL_ITEMS short keys to numbers, short strings or lists of ints,
+    the digests short strings (or null), config a mapping. Each message names the field."""
+    where = MANIFEST_NAME
+    problems = []
+    if "created_unix_s" in manifest:
+        created = manifest["created_unix_s"]
+        if isinstance(created, bool) or not isinstance(created, (int, float)) or not (
+                math.isfinite(created) and 0 <= created <= MAX_UNIX_S):
+            problems.append(f"{where} created_unix_s {shown(created)} is not a time: need a finite number of "
+                            f"seconds since 1970 in 0..{MAX_UNIX_S:,} (year 9999) (not valid)")
+    mesh = manifest.get("mesh")
+    if isinstance(mesh, dict) and "order" in mesh:
+        order = mesh["order"]
+        if not isinstance(order, str) or sorted(re.split("[,-]", order)) != sorted(AXES):
+            problems.append(f"{where} mesh order {shown(order)} is not the axes {','.join(AXES)} in some order, "
+                            "e.g. 'tp,dp,pp' (not valid)")
+    if "model" in manifest:
+        model = manifest["model"]
+        if not isinstance(model, dict) or len(model) > MODEL_ITEMS:
+            problems.append(f"{where} model {shown(model)} is not a mapping of at most {MODEL_ITEMS} fields "
+                            "(not valid)")
+        else:
+            bad_keys = [key for key in model if _text_problem(key, TEXT_CHARS) is not None]
+            bad = [key for key, value in model.items() if key not in bad_keys and not _model_value_ok(value)]
+            if bad_keys:
+                problems.append(f"{where} model field name {shown(bad_keys[0])} "
+                                f"{_text_problem(bad_keys[0], TEXT_CHARS)} (not valid)")
+            if bad:
+                problems.append(f"{where} model {bad[0]}={shown(model[bad[0]])}: need a number, a string of at most "
+                                f"{TEXT_CHARS} printable characters, or a list of ints (not valid)")
+    for key in ("config_digest", "corpus_digest"):
+        if manifest.get(key) is not None and (problem := _text_problem(manifest[key], DIGEST_CHARS)) is not None:
+            problems.append(f"{where} {key} {shown(manifest[key])} {problem}: need a digest string or null "
+                            "(not valid)")
+    if "config" in manifest and not isinstance(manifest["config"], dict):
+        problems.append(f"{where} config {shown(manifest['config'])} is not a mapping of TrainConfig fields "
+                        "(not valid)")
     return problems
 
 
