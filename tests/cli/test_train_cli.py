@@ -548,6 +548,9 @@ def test_out_of_range_port_exits_2(port, tmp_path, capsys, launcher):
     (["--algorithm", "bruck"], ["algorithm='bruck' has no all_reduce"]),
     (["--compression", "topk:0.01", "--algorithm", "binary_tree"], ["has no all_gather (needed by compression"]),
     (["--timeout-s", "inf"], ["timeout_s=inf"]),
+    # the rank died with a C++ "timed out after 0ms" / "Overflow when unpacking long long" (issue 31's review)
+    (["--timeout-s", "1e-300"], ["timeout_s=1e-300 must be >= 1 second"]),
+    (["--seed", "100000000000000000000000"], ["seed=100000000000000000000000 must be <= 9,223,344,366,821"]),
     (["--dp", "512", "--global-batch", "1024", "--micro-batch", "1", "--pp", "1"], ["512 processes need at least"]),
 ])
 @pytest.mark.parametrize("dry_run", [True, False])

@@ -8,12 +8,15 @@ from plait.comm.config import CommConfig, config_from_environment
 
 # (variable, configure() keyword, bad text, words the error must contain: the valid range)
 BAD = [
-    ("PLAIT_COMM_TIMEOUT_S", "timeout_s", "0", "finite number of seconds > 0"),
-    ("PLAIT_COMM_TIMEOUT_S", "timeout_s", "-3", "finite number of seconds > 0"),
-    ("PLAIT_COMM_TIMEOUT_S", "timeout_s", "inf", "finite number of seconds > 0"),
-    ("PLAIT_COMM_TIMEOUT_S", "timeout_s", "nan", "finite number of seconds > 0"),
-    ("PLAIT_COMM_TIMEOUT_S", "timeout_s", "1e300", "finite number of seconds > 0"),
-    ("PLAIT_COMM_TIMEOUT_S", "timeout_s", "5 minutes", "finite number of seconds > 0"),
+    ("PLAIT_COMM_TIMEOUT_S", "timeout_s", "0", "finite number of seconds >= 0.001"),
+    ("PLAIT_COMM_TIMEOUT_S", "timeout_s", "-3", "finite number of seconds >= 0.001"),
+    ("PLAIT_COMM_TIMEOUT_S", "timeout_s", "inf", "finite number of seconds >= 0.001"),
+    ("PLAIT_COMM_TIMEOUT_S", "timeout_s", "nan", "finite number of seconds >= 0.001"),
+    ("PLAIT_COMM_TIMEOUT_S", "timeout_s", "1e300", "finite number of seconds >= 0.001"),
+    ("PLAIT_COMM_TIMEOUT_S", "timeout_s", "5 minutes", "finite number of seconds >= 0.001"),
+    # accepted before: torch's millisecond deadline of 0 ms, "timed out after 0ms" from the C++ store (issue 31)
+    ("PLAIT_COMM_TIMEOUT_S", "timeout_s", "1e-300", "(torch counts whole milliseconds: less is 0 ms)"),
+    ("PLAIT_COMM_TIMEOUT_S", "timeout_s", "0.0009", "finite number of seconds >= 0.001"),
     ("PLAIT_COMM_SEGMENT_BYTES", "segment_bytes", "abc", "whole number of bytes from 0"),
     ("PLAIT_COMM_SEGMENT_BYTES", "segment_bytes", "-5", "whole number of bytes from 0"),
     ("PLAIT_COMM_SEGMENT_BYTES", "segment_bytes", "1.5", "whole number of bytes from 0"),

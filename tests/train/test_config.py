@@ -107,11 +107,27 @@ def test_canonical_forms():
     ({"checkpoint_interval": -5}, "checkpoint_interval=-5 must be >= 0"),
     ({"keep_checkpoints": -1}, "keep_checkpoints=-1 must be >= 0"),
     ({"log_interval": 0}, "log_interval=0 must be >= 1"),
-    ({"timeout_s": 0}, "timeout_s=0.0 must be > 0"),
+    ({"timeout_s": 0}, "timeout_s=0.0 must be >= 1 second"),
+    # accepted before (issue 31): the rank died with a C++ "timed out after 0ms", or "Overflow when unpacking long long"
+    ({"timeout_s": 1e-300}, "timeout_s=1e-300 must be >= 1 second"),
+    ({"timeout_s": 0.5}, "timeout_s=0.5 must be >= 1 second"),
+    ({"seed": 10**23}, "seed=100000000000000000000000 must be <= 9,223,344,366,821 (torch's generators take seeds "
+                       "below 2**64"),
     ({"out": ""}, "out='' is empty"),
 ])
 def test_each_rule_names_the_value(overrides, expected):
     assert expected in problems_of(**overrides)
+
+
+def test_the_largest_seed_seeds_every_epoch():
+    """MAX_SEED is what torch takes: the data order's seed of a late epoch stays below 2**64."""
+    import torch
+
+    from plait.train.config_rules import DATA_SEED_STRIDE, MAX_SEED
+
+    torch.Generator().manual_seed(MAX_SEED * DATA_SEED_STRIDE + 2**63)
+    assert TrainConfig(seed=MAX_SEED).seed == MAX_SEED
+    assert f"seed={MAX_SEED + 1} must be <=" in problems_of(seed=MAX_SEED + 1)
 
 
 def test_batch_divisibility_suggests_fixes():

@@ -2,7 +2,7 @@
 environment variables the CLI reads (``plait.comm.config.config_from_environment``), so
 the two cannot drift: the same value is accepted or refused, in the same words, either way.
 
-    timeout_s      PLAIT_COMM_TIMEOUT_S      finite seconds, 0 < t <= threading.TIMEOUT_MAX
+    timeout_s      PLAIT_COMM_TIMEOUT_S      finite seconds, 0.001 (1 ms) <= t <= threading.TIMEOUT_MAX
     check_args     PLAIT_COMM_CHECK          1/0, true/false, yes/no, on/off (any case)
     segment_bytes  PLAIT_COMM_SEGMENT_BYTES  whole bytes, 0 (never split) .. 2**53
     algorithms     PLAIT_ALGORITHMS          "all_reduce=ring,broadcast=tree"
@@ -22,6 +22,9 @@ import os
 import threading
 
 MAX_TIMEOUT_S = threading.TIMEOUT_MAX  # the longest wait threading (and so the comm thread) can do
+# torch's store and process-group deadlines count whole milliseconds: a shorter one is 0 ms, a wait that times out
+# before it starts ("timed out after 0ms" from the C++ store)
+MIN_TIMEOUT_S = 0.001
 MAX_SEGMENT_BYTES = 2**53  # byte counts stay exact as floats
 SWITCH_SPELLINGS = {"1": True, "true": True, "yes": True, "on": True,
                     "0": False, "false": False, "no": False, "off": False}
@@ -59,9 +62,10 @@ def _number(value) -> float | None:
 
 def _timeout_s(value, source: str) -> float:
     seconds = _number(value)
-    if seconds is None or not 0 < seconds <= MAX_TIMEOUT_S:  # nan fails both comparisons
-        raise ValueError(f"{source}={value!r}: the comm timeout must be a finite number of seconds > 0 and "
-                         f"<= {MAX_TIMEOUT_S:.0f}, e.g. 300 (every blocking wait needs a deadline)")
+    if seconds is None or not MIN_TIMEOUT_S <= seconds <= MAX_TIMEOUT_S:  # nan fails both comparisons
+        raise ValueError(f"{source}={value!r}: the comm timeout must be a finite number of seconds >= "
+                         f"{MIN_TIMEOUT_S} (torch counts whole milliseconds: less is 0 ms) and <= "
+                         f"{MAX_TIMEOUT_S:.0f}, e.g. 300 (every blocking wait needs a deadline)")
     return seconds
 
 

@@ -19,6 +19,14 @@ AXES = ("tp", "dp", "pp")
 # actions); past this many micro-batches per step a run is a typo, not a plan.
 MAX_MICROBATCHES = 4096
 ALGORITHM_DEFAULTS = ("auto", "default", "torch")  # names every collective accepts
+# The shortest deadline a run can meet: every rank's process-group set-up waits timeout_s for the others, which
+# start about a second apart (each imports torch); below 1 ms torch's millisecond deadline is 0.
+MIN_TIMEOUT_S = 1.0
+# torch's generators take seeds below 2**64 ("Overflow when unpacking long long" past it), and the data order
+# seeds one per epoch with seed * DATA_SEED_STRIDE + epoch (plait.train.data, plait.train.corpus): seeds up to
+# MAX_SEED leave room for 2**63 epochs.
+DATA_SEED_STRIDE = 1_000_003
+MAX_SEED = (2**63 - 1) // DATA_SEED_STRIDE
 
 
 def _default(config: TrainConfig, name: str):
@@ -69,6 +77,9 @@ def value_problems(config: TrainConfig, typed: set[str]) -> list[str]:
     at_least("checkpoint_interval", 0, " (0 = checkpoint only at the end)")
     at_least("keep_checkpoints", 0, " (0 = keep all)")
     at_least("seed", 0)
+    if ok("seed") and c.seed > MAX_SEED:
+        problems.append(f"seed={c.seed} must be <= {MAX_SEED:,} (torch's generators take seeds below 2**64 and "
+                        f"the data order uses seed * {DATA_SEED_STRIDE:,} + epoch), e.g. seed={_default(c, 'seed')}")
     fraction("dropout", "a probability")
     fraction("val_fraction", "the held-out share of the data")
     fraction("beta1", "adamw's first-moment decay")
@@ -93,8 +104,10 @@ def value_problems(config: TrainConfig, typed: set[str]) -> list[str]:
     for name in ("weight_decay", "grad_clip"):
         if ok(name) and getattr(c, name) < 0:
             problems.append(f"{name}={getattr(c, name)} must be >= 0" + (" (0 = off)" if name == "grad_clip" else ""))
-    if ok("timeout_s") and c.timeout_s <= 0:
-        problems.append(f"timeout_s={c.timeout_s} must be > 0 seconds, e.g. timeout_s={_default(c, 'timeout_s')}")
+    if ok("timeout_s") and c.timeout_s < MIN_TIMEOUT_S:
+        problems.append(f"timeout_s={c.timeout_s} must be >= {MIN_TIMEOUT_S:g} second (every rank's process-group "
+                        f"set-up waits this long for the others, which start about a second apart: each imports "
+                        f"torch; below 1 ms torch's deadline is 0 ms), e.g. timeout_s={_default(c, 'timeout_s')}")
     if ok("eval_interval", "val_fraction") and c.eval_interval > 0 and c.val_fraction == 0:
         problems.append(f"eval_interval={c.eval_interval} needs held-out data but val_fraction=0: set "
                         f"val_fraction > 0 (e.g. 0.05) or eval_interval=0")
