@@ -194,16 +194,28 @@ def _train(out: Path, *extra: str) -> subprocess.CompletedProcess:
                           timeout=300)
 
 
-def test_dry_run_names_a_link_where_the_run_writes(tmp_path):
+@pytest.mark.parametrize("name", ["loss.png", ".run.json.tmp", "previous"])
+def test_dry_run_names_a_link_where_the_run_writes(name, tmp_path):
     out = _run_dir(tmp_path)
-    victim = _victim(tmp_path, "victim.png")
-    (out / "loss.png").symlink_to(victim)
+    victim = _victim(tmp_path, "victim")
+    (out / name).symlink_to(victim if name != "previous" else victim.parent)
     result = _train(out, "--dry-run")
     assert result.returncode == 2, result.stdout + result.stderr
-    assert result.stderr.strip() == (f"plait train: error: {out}/loss.png is a symbolic link; plait never writes, "
+    assert result.stderr.strip() == (f"plait train: error: {out}/{name} is a symbolic link; plait never writes, "
                                      "truncates or deletes through one (it could lead out of the directory plait "
                                      "writes): remove the link, or choose another path")
     assert victim.read_bytes() == VICTIM_BYTES
+
+
+def test_a_fifo_where_the_run_writes_a_file_is_named_before_launch(tmp_path):
+    out = _run_dir(tmp_path)
+    os.mkfifo(out / "loss.png")  # the pre-issue run trained, then failed writing the plot ("not seekable")
+    result = _train(out, "--dry-run")
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert result.stderr.strip() == (f"plait train: error: {out}/loss.png exists and is a FIFO, not a regular file; "
+                                     "plait writes only regular files and never replaces anything else: choose "
+                                     "another path")
+    assert stat.S_ISFIFO(os.lstat(out / "loss.png").st_mode)
 
 
 @pytest.mark.slow

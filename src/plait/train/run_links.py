@@ -3,8 +3,9 @@ symbolic link out of the run.
 
 Before any process starts, ``check_run_links(out)`` refuses by name a link standing
 where the run writes: the lock, the launch config, the run's own files (metrics,
-report, plot, config, run record), ``offload/`` and its ``rank<r>`` directories, and
-``previous/`` (where --force-fresh moves an earlier run). ``--out`` itself may be a
+report, plot, config, run record and its temporary name), ``offload/`` and its
+``rank<r>`` directories, and ``previous/`` (where --force-fresh moves an earlier run);
+and a device node, FIFO or socket where it writes a file. ``--out`` itself may be a
 link: it is the directory the user named. Checkpoints check their own links
 (plait.train.checkpoint).
 
@@ -20,23 +21,29 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from plait.train.atomic_files import LinkRefused
+from plait.train.atomic_files import LinkRefused, check_replaceable
 from plait.train.offload_dirs import OFFLOAD_DIR_NAME
-from plait.train.rundir import PREVIOUS_DIR, RUN_FILES
+from plait.train.rundir import PREVIOUS_DIR, RUN_FILES, RUN_RECORD
 from plait.train.runlock import LOCK_NAME
 
 LAUNCH_CONFIG_NAME = "launch-config.toml"
-# where plait train writes under --out (checkpoints/ is checked by plait.train.checkpoint)
-WRITTEN_NAMES = (LOCK_NAME, LAUNCH_CONFIG_NAME, *RUN_FILES, OFFLOAD_DIR_NAME, PREVIOUS_DIR)
+RUN_RECORD_TEMPORARY = f".{RUN_RECORD}.tmp"  # rundir.write_run_record writes it, then renames it over run.json
+# the files plait train writes under --out, and its directories (checkpoints/ is checked by plait.train.checkpoint)
+WRITTEN_FILES = (LOCK_NAME, LAUNCH_CONFIG_NAME, *RUN_FILES, RUN_RECORD_TEMPORARY)
+WRITTEN_DIRECTORIES = (OFFLOAD_DIR_NAME, PREVIOUS_DIR)
 
 
 def check_run_links(out: str | os.PathLike) -> None:
     """Raise LinkRefused naming the first symbolic link where plait train writes under
-    ``out`` (see WRITTEN_NAMES; also each entry of ``out/offload``). Reads only."""
+    ``out`` (WRITTEN_FILES, WRITTEN_DIRECTORIES and each entry of ``out/offload``), or
+    NotRegularFile naming a device node, FIFO, socket or directory where it writes a
+    file (it would hang on a FIFO, or fail after training). Reads only."""
     out = Path(out)
-    for name in WRITTEN_NAMES:
+    for name in (*WRITTEN_FILES, *WRITTEN_DIRECTORIES):
         if (out / name).is_symlink():
             raise LinkRefused(out / name)
+    for name in WRITTEN_FILES:
+        check_replaceable(out / name)
     offload = out / OFFLOAD_DIR_NAME
     if offload.is_dir():
         for entry in sorted(offload.iterdir()):
