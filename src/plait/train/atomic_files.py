@@ -65,7 +65,7 @@ def check_replaceable(path: Path, what: str = "") -> None:
     that named it, for the message."""
     try:
         mode = os.lstat(path).st_mode
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # nothing there (a file as a parent is named where it is made)
         return
     if not (stat.S_ISREG(mode) or stat.S_ISLNK(mode)):
         raise NotRegularFile(path, mode, what)
