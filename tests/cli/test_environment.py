@@ -34,6 +34,13 @@ def test_a_misspelt_variable_is_named_with_the_closest_known_one(argv, prog, mon
                            "PLAIT_COMM_TIMEOUT_S?)"), line
 
 
+def test_the_closest_known_name_ignores_case(monkeypatch, capsys):
+    """Before: PLAIT_comm_timeout_s was refused with no suggestion (difflib compares case)."""
+    monkeypatch.setenv("PLAIT_comm_timeout_s", "5")
+    line = _one_line_error(capsys, main(["cost", "--help"]))
+    assert "unknown environment variable PLAIT_comm_timeout_s (did you mean PLAIT_COMM_TIMEOUT_S?)" in line, line
+
+
 def test_every_unknown_variable_is_named_at_once(monkeypatch, capsys):
     monkeypatch.setenv("PLAIT_HIERACHY", "2x2")
     monkeypatch.setenv("PLAIT_XYZZY", "1")
@@ -84,6 +91,15 @@ def test_every_plait_variable_in_the_sources_is_known():
     (dict(PLAIT_COMM_TIMEOUT_S="5"), [],
      "plait train: error: PLAIT_COMM_TIMEOUT_S=5 would be ignored: plait train's collectives wait timeout_s "
      "(--timeout-s, now 300); pass --timeout-s 5"),
+    # before (issue 31's review): the 4 ranks started, then "ValueError: invalid literal for int()" naming no
+    # variable; a rank the run does not have never fired
+    (dict(PLAIT_FAULT_KILL="garbage"), [],
+     "plait train: error: PLAIT_FAULT_KILL='garbage' must be RANK:STEP, two ints"),
+    (dict(PLAIT_FAULT_KILL="9:3"), [],
+     "plait train: error: PLAIT_FAULT_KILL='9:3' names rank 9, but this run has ranks 0..3"),
+    # before: accepted, the later algorithm silently won
+    (dict(PLAIT_ALGORITHMS="all_reduce=ring,all_reduce=tree"), [],
+     "plait train: error: PLAIT_ALGORITHMS='all_reduce=ring,all_reduce=tree': all_reduce named more than once"),
 ])
 def test_comm_variables_are_checked_against_the_run_in_dry_run(variables, flags, expected, monkeypatch, capsys,
                                                                 tmp_path):

@@ -140,6 +140,15 @@ def test_nprocs_other_than_dp_tp_pp_exits_2_naming_both(nprocs, tmp_path, capsys
     assert launcher.calls == []
 
 
+@pytest.mark.parametrize("nprocs", ["0", "-3"])
+def test_nprocs_below_one_says_it_must_be_at_least_one(nprocs, tmp_path, capsys, launcher):
+    """Was: "pass --nprocs 4, or change --dp/--tp/--pp so their product is 0"."""
+    code, _, err = train(["--nprocs", nprocs, "--out", str(tmp_path / "run")], capsys)
+    assert code == 2
+    assert f"--nprocs {nprocs} must be >= 1 (processes on this node): pass --nprocs 4 (dp * tp * pp)" in err
+    assert "product is" not in err and launcher.calls == []
+
+
 @pytest.mark.parametrize("flag, value", [("--max-restarts", "-1"), ("--sample-chars", "-5")])
 def test_negative_launcher_options_exit_2(flag, value, tmp_path, capsys, launcher):
     code, _, err = train([*TINY, flag, value, "--out", str(tmp_path)], capsys)

@@ -22,6 +22,8 @@ BAD = [
     ("PLAIT_COMM_SEGMENT_BYTES", "segment_bytes", "1.5", "whole number of bytes from 0"),
     ("PLAIT_COMM_SEGMENT_BYTES", "segment_bytes", "1e30", "whole number of bytes from 0"),
     ("PLAIT_COMM_SEGMENT_BYTES", "segment_bytes", "inf", "whole number of bytes from 0"),
+    # accepted before: the later algorithm silently won
+    ("PLAIT_ALGORITHMS", "algorithms", "all_reduce=ring,all_reduce=tree", "all_reduce named more than once"),
     ("PLAIT_COMM_CHECK", "check_args", "maybe", "1/0, true/false, yes/no, on/off"),
     ("PLAIT_COMM_CHECK", "check_args", "2", "1/0, true/false, yes/no, on/off"),
 ]

@@ -40,8 +40,8 @@ def unknown_variables_error(environ: Mapping[str, str] | None = None) -> str | N
     if not unknown:
         return None
     named = []
-    for name in unknown:
-        close = difflib.get_close_matches(name, KNOWN_VARIABLES, n=1, cutoff=0.6)
+    for name in unknown:  # case-insensitive: PLAIT_comm_timeout_s means PLAIT_COMM_TIMEOUT_S
+        close = difflib.get_close_matches(name.upper(), KNOWN_VARIABLES, n=1, cutoff=0.6)
         named.append(f"{name}" + (f" (did you mean {close[0]}?)" if close else ""))
     return (f"unknown environment variable{'s' if len(unknown) > 1 else ''} {', '.join(named)}: plait would ignore "
             f"{'them' if len(unknown) > 1 else 'it'}; fix {'each name or unset them' if len(unknown) > 1 else 'the name or unset it'} (plait reads "

@@ -184,7 +184,10 @@ def _check_launcher_options(args, config) -> int:
                         f"not split over --nnodes {args.nnodes}: use a node count that divides {config.world_size}")
     per_node = config.world_size // max(args.nnodes, 1)
     nprocs = per_node if args.nprocs is None else args.nprocs
-    if nprocs != per_node and not problems:
+    if nprocs < 1:
+        problems.append(f"--nprocs {nprocs} must be >= 1 (processes on this node): pass --nprocs {per_node} "
+                        f"(dp * tp * pp" + (" / nnodes" if args.nnodes > 1 else "") + "), or leave it out")
+    elif nprocs != per_node and not problems:
         problems.append(f"--nprocs {nprocs} != dp({config.dp}) * tp({config.tp}) * pp({config.pp})"
                         + (f" / nnodes({args.nnodes})" if args.nnodes > 1 else "") + f" = {per_node}: pass "
                         f"--nprocs {per_node}, or change --dp/--tp/--pp so their product is "
@@ -218,9 +221,11 @@ def _check_comm_environment(config) -> None:
     """The PLAIT_* communicator settings against this run's layout (a hierarchy of the
     wrong size, ...), before any process starts and in --dry-run: plait.train.comm_environment."""
     from plait.comm.config import config_from_environment
-    from plait.train.comm_environment import comm_environment_problems
+    from plait.train.comm_environment import comm_environment_problems, fault_kill_problems
+    from plait.train.loop import FAULT_ENV
 
     problems, notes = comm_environment_problems(config, config_from_environment())
+    problems += fault_kill_problems(os.environ.get(FAULT_ENV), config)
     if problems:
         raise ValueError("; ".join(problems))
     for note in notes:

@@ -102,6 +102,12 @@ def _segment_bytes(value, source: str) -> int:
 def _algorithms(value, source: str) -> dict:
     from plait.comm.tuner import parse_overrides  # noqa: PLC0415 - tuner imports the algorithms, which import settings users
 
+    if isinstance(value, str):  # a collective named twice: the later one silently won
+        named = [item.split("=", 1)[0].strip() for item in value.split(",") if "=" in item]
+        twice = sorted({name for name in named if named.count(name) > 1})
+        if twice:
+            raise ValueError(f"{source}={value!r}: {', '.join(twice)} named more than once; give each collective "
+                             f"one algorithm, e.g. {twice[0]}=ring")
     try:
         return parse_overrides(value)
     except (ValueError, TypeError) as error:

@@ -14,6 +14,8 @@ what only a run can say is checked here, each problem named with its variable:
   synth): plait train gives its groups none.
 - PLAIT_COMM_TIMEOUT_S: a run's collectives wait ``timeout_s`` (--timeout-s); a
   different value in the variable would be ignored, so it is refused.
+- PLAIT_FAULT_KILL (a test hook, ``fault_kill_problems``): "RANK:STEP" naming one of
+  the run's ranks.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from plait.comm.algorithms import TOPOLOGY_ALGORITHMS
 from plait.comm.config import ENVIRONMENT, CommConfig
 from plait.comm.settings import hierarchy_ranks
 from plait.train.config import TrainConfig
+from plait.train.loop import FAULT_ENV
 
 HIERARCHICAL = "hierarchical"
 
@@ -78,10 +81,31 @@ def comm_environment_problems(config: TrainConfig, comm_config: CommConfig) -> t
     return problems, warnings
 
 
+def fault_kill_problems(spec: str | None, config: TrainConfig) -> list[str]:
+    """Problems of the test hook PLAIT_FAULT_KILL (``spec``, the variable's text or None)
+    for this run: "RANK:STEP", two ints, RANK one of the run's ranks, STEP >= 0. A
+    malformed one failed in every rank after the world started (ValueError: invalid
+    literal for int(), naming no variable); one naming no rank would never fire."""
+    if spec is None or not spec.strip():
+        return []
+    parts = spec.split(":")
+    try:
+        rank, step = (int(part) for part in parts) if len(parts) == 2 else (None, None)
+    except ValueError:
+        rank, step = None, None
+    if rank is None or step < 0:
+        return [f"{FAULT_ENV}={spec!r} must be RANK:STEP, two ints (the rank that kills itself before step STEP >= 0 "
+                f"on its first attempt, a test hook), e.g. {FAULT_ENV}=1:3; or unset it"]
+    if not 0 <= rank < config.world_size:
+        return [f"{FAULT_ENV}={spec!r} names rank {rank}, but this run has ranks 0..{config.world_size - 1}: name "
+                f"one of them, or unset {FAULT_ENV}"]
+    return []
+
+
 def _example(nranks: int) -> str:
     """A two-level hierarchy of ``nranks`` (groups of the smallest factor > 1), or flat."""
     inner = next((size for size in range(2, nranks) if nranks % size == 0), None)
     return f"'{nranks // inner}x{inner}'" if inner else f"'{nranks}'"
 
 
-__all__ = ["comm_environment_problems", "hierarchical_groups"]
+__all__ = ["comm_environment_problems", "fault_kill_problems", "hierarchical_groups"]
