@@ -10,6 +10,10 @@ from torch import nn
 
 import plait.comm as comm
 from plait.parallel import DataParallel, ParameterServer, ShardedOptimizer, ZeRO
+from plait.parallel.pipeline.engine import PipelineEngine
+from plait.parallel.pipeline.schedules import one_f_one_b
+from plait.parallel.tensor import (ColumnParallelLinear, ParallelAttention, ParallelMLP, RowParallelLinear,
+                                   TensorParallel)
 from plait.testing import run_distributed
 
 
@@ -61,10 +65,25 @@ CASES = {
                                      "output_split_sizes must be a list of 1 whole numbers"),
     "all_to_all_single(split float)": (lambda: comm.all_to_all_single(torch.empty(4), torch.ones(4), [4.0], [4]),
                                        "holds 4.0: every size is a whole number of rows >= 0"),
+    "TensorParallel(group=str)": (lambda: TensorParallel(group="x"), "TensorParallel: group='x' (str) is not a process group"),
+    "TensorParallel(sequence_parallel='no')": (lambda: TensorParallel(sequence_parallel="no"),
+                                               "sequence_parallel must be True or False, got 'no'"),
+    "TensorParallel(algorithm)": (lambda: TensorParallel(algorithm="nope"), "algorithm='nope' is not one of plait's"),
+    "ColumnParallelLinear(tp=str)": (lambda: ColumnParallelLinear(4, 8, tp="x"),
+                                     "ColumnParallelLinear: tp must be a plait.parallel.tensor.TensorParallel"),
+    "ColumnParallelLinear(str size)": (lambda: ColumnParallelLinear("4", 8), "in_features must be a whole number"),
+    "ColumnParallelLinear(negative)": (lambda: ColumnParallelLinear(4, -8), "out_features=-8 must be >= 1"),
+    "RowParallelLinear(float)": (lambda: RowParallelLinear(4.5, 8), "in_features must be a whole number, got float"),
+    "ParallelAttention(str heads)": (lambda: ParallelAttention(8, "2"), "heads must be a whole number, got str"),
+    "ParallelMLP(str ffn)": (lambda: ParallelMLP(8, "16"), "ffn_hidden must be a whole number, got str"),
+    "PipelineEngine(schedule=str)": (lambda: PipelineEngine("1f1b", {0: nn.Linear(2, 2)}, _sgd),
+                                     "PipelineEngine: schedule must be a PipelineSchedule"),
+    "PipelineEngine(stage_modules=str)": (lambda: PipelineEngine(one_f_one_b(1, 2), "x", _sgd),
+                                          "stage_modules must be a dict of stage index -> nn.Module"),
 }
 
 
-VALUE_ERRORS = {"ddp_comm_hook(algorithm)", "isend(tag=-1)", "all_to_all_single(negative split)",
+VALUE_ERRORS = {"TensorParallel(algorithm)", "ColumnParallelLinear(negative)", "ddp_comm_hook(algorithm)", "isend(tag=-1)", "all_to_all_single(negative split)",
                 "all_to_all_single(split count)", "all_to_all_single(split sum)", "all_to_all_single(split float)"}
 
 

@@ -18,6 +18,8 @@ import torch
 import torch.distributed as dist
 
 from plait import comm
+from plait.comm.algorithms import ALGORITHMS, TORCH
+from plait.comm.communicator import check_group
 
 
 class _Local:
@@ -53,8 +55,20 @@ class TensorParallel:
     def __post_init__(self):
         if not isinstance(self.algorithm, str):
             raise TypeError(f"algorithm must be a string such as 'auto' or 'ring', got {self.algorithm!r}")
+        if self.algorithm not in ALGORITHMS and self.algorithm not in ("auto", "default", TORCH):
+            # refused now, not in the middle of the first forward
+            raise ValueError(f"TensorParallel: algorithm={self.algorithm!r} is not one of plait's; valid: "
+                             f"{', '.join(sorted(ALGORITHMS))}, '{TORCH}' or 'auto'")
+        for name in ("sequence_parallel", "check_args"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):  # 'no' is truthy: sequence parallelism would be on
+                raise TypeError(f"TensorParallel: {name} must be True or False, got {value!r}")
         if self.group is LOCAL:
             return
+        try:
+            check_group(self.group)
+        except TypeError as error:
+            raise TypeError(f"TensorParallel: {error} (or plait.parallel.tensor.LOCAL for one process)") from None
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError("TensorParallel(group=...) needs torch.distributed initialised first (group=None "
                                "means the world); use UNSHARDED for a model in one process")

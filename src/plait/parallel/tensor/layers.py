@@ -76,6 +76,20 @@ def parallel_output(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
     return reduce_scatter_to_sequence(x, tp) if tp.sequence_parallel else reduce_from_region(x, tp)
 
 
+def _check_arguments(owner: str, tp, **sizes) -> None:
+    """A layer's tp is a TensorParallel and its sizes whole numbers >= 1, or a TypeError /
+    ValueError naming the argument (a string used to surface as an AttributeError or an
+    unrelated torch error from deep inside the layer)."""
+    if not isinstance(tp, TensorParallel):
+        raise TypeError(f"{owner}: tp must be a plait.parallel.tensor.TensorParallel (e.g. new_tensor_parallel(group) "
+                        f"or UNSHARDED), got {type(tp).__name__} ({tp!r:.40})")
+    for name, value in sizes.items():
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{owner}: {name} must be a whole number, got {type(value).__name__} ({value!r:.40})")
+        if value < 1:
+            raise ValueError(f"{owner}: {name}={value} must be >= 1")
+
+
 class ColumnParallelLinear(nn.Module):
     """Y = X A + b with A (in, out) split by columns: rank r holds out/p output
     features (weight (out/p, in) as torch stores it, bias (out/p)). No communication
@@ -87,6 +101,7 @@ class ColumnParallelLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, tp: TensorParallel = UNSHARDED, *, bias: bool = True,
                  gather_output: bool = False, dtype: torch.dtype = torch.float32, seed: int | None = 0):
         super().__init__()
+        _check_arguments("ColumnParallelLinear", tp, in_features=in_features, out_features=out_features)
         check_tp_divides(tp.size, out_features=out_features)
         self.tp, self.in_features, self.out_features = tp, in_features, out_features
         self.gather_output = gather_output
@@ -118,6 +133,7 @@ class RowParallelLinear(nn.Module):
                  input_is_parallel: bool = True, skip_bias_add: bool = False, dtype: torch.dtype = torch.float32,
                  seed: int | None = 0):
         super().__init__()
+        _check_arguments("RowParallelLinear", tp, in_features=in_features, out_features=out_features)
         check_tp_divides(tp.size, in_features=in_features)
         self.tp, self.in_features, self.out_features = tp, in_features, out_features
         self.input_is_parallel, self.skip_bias_add = input_is_parallel, skip_bias_add
@@ -152,6 +168,7 @@ class VocabParallelEmbedding(nn.Module):
     def __init__(self, vocab_size: int, hidden: int, tp: TensorParallel = UNSHARDED, *,
                  dtype: torch.dtype = torch.float32, seed: int | None = 0):
         super().__init__()
+        _check_arguments("VocabParallelEmbedding", tp, vocab_size=vocab_size, hidden=hidden)
         if vocab_size < 1 or hidden < 1:
             raise ValueError(f"vocab_size and hidden must be positive, got {vocab_size} and {hidden}")
         self.tp, self.vocab_size, self.hidden = tp, vocab_size, hidden
@@ -209,6 +226,7 @@ class ParallelAttention(_BiasedOutput):
     def __init__(self, hidden: int, heads: int, tp: TensorParallel = UNSHARDED, *, dropout: float = 0.0,
                  dtype: torch.dtype = torch.float32, seed: int | None = 0):
         super().__init__()
+        _check_arguments("ParallelAttention", tp, hidden=hidden, heads=heads)
         if hidden % heads:
             raise ValueError(f"heads={heads} does not divide hidden={hidden}")
         check_tp_divides(tp.size, heads=heads)
@@ -251,6 +269,7 @@ class ParallelMLP(_BiasedOutput):
     def __init__(self, hidden: int, ffn_hidden: int, tp: TensorParallel = UNSHARDED, *,
                  dtype: torch.dtype = torch.float32, seed: int | None = 0):
         super().__init__()
+        _check_arguments("ParallelMLP", tp, hidden=hidden, ffn_hidden=ffn_hidden)
         check_tp_divides(tp.size, ffn_hidden=ffn_hidden)
         self.fc1 = ColumnParallelLinear(hidden, ffn_hidden, tp, dtype=dtype, seed=None)
         self.fc2 = RowParallelLinear(ffn_hidden, hidden, tp, skip_bias_add=True, dtype=dtype, seed=None)
