@@ -48,8 +48,9 @@ class NotRegularFile(ValueError):
 
     def __init__(self, path: Path, mode: int, what: str = ""):
         self.path = path
-        super().__init__(f"{what + ' ' if what else ''}{path} exists and is {describe_mode(mode)}, not a regular file; plait writes only regular "
-                         "files and never replaces anything else: choose another path")
+        named = f"{what} {path}" if what else str(path)
+        super().__init__(f"{named} exists and is {describe_mode(mode)}, not a regular file; plait writes only "
+                         "regular files and never replaces anything else: choose another path")
 
 
 def describe_mode(mode: int) -> str:
