@@ -152,3 +152,14 @@ def test_a_forged_descriptive_field_is_named_by_info_and_export(changes, expecte
     assert main(["checkpoint", "info", str(run_dir)]) == 0
     captured = capsys.readouterr()
     assert expected in captured.err and "using step_00000100" in captured.err and "step 100," in captured.out
+
+
+def test_a_manifest_past_the_bound_is_refused_without_reading_it_all(run_dir, capsys):
+    """A manifest was read in full, whatever its size; now at most 64 MiB (over 500,000 shards' entries)."""
+    step = run_dir / "checkpoints" / "step_00000200"
+    with (step / "manifest.json").open("r+b") as file:
+        file.truncate((64 << 20) + 1)  # sparse past the real manifest
+    assert main(["checkpoint", "info", str(step)]) == 2
+    err = capsys.readouterr().err
+    assert "manifest.json unreadable (larger than 67,108,864 bytes, the most a manifest of 524,288 shards takes)" \
+        in err and len(err.strip().splitlines()) == 1

@@ -288,7 +288,8 @@ def _not_a_checkpoint(tmp_path: Path, kind: str) -> Path:
     (run / "checkpoints" / "step_00000001").mkdir(parents=True)
     (tmp_path / "empty").mkdir()
     (tmp_path / "file").write_text("x")
-    return {"root": Path("/"), "empty": tmp_path / "empty", "file": tmp_path / "file",
+    os.mkfifo(tmp_path / "fifo")
+    return {"root": Path("/"), "empty": tmp_path / "empty", "file": tmp_path / "file", "fifo": tmp_path / "fifo",
             "checkpoints": run / "checkpoints"}[kind]
 
 
@@ -297,7 +298,8 @@ def _not_a_checkpoint(tmp_path: Path, kind: str) -> Path:
              "pass a run directory RUN (its newest complete checkpoint) or a checkpoint directory "
              "RUN/checkpoints/step_*"),
     ("empty", "is not a checkpoint directory (empty): pass a run directory RUN"),
-    ("file", "is a file, not a directory; give a checkpoint directory (RUN/checkpoints/step_*)"),
+    ("file", "is a regular file, not a directory; give a checkpoint directory (RUN/checkpoints/step_*)"),
+    ("fifo", "is a FIFO (named pipe), not a directory; give a checkpoint directory"),
     ("checkpoints", "is a run's checkpoints directory, not a checkpoint: pass the run directory "),
 ])
 @pytest.mark.parametrize("dry_run", [True, False])
@@ -559,6 +561,7 @@ def test_out_of_range_port_exits_2(port, tmp_path, capsys, launcher):
     (["--timeout-s", "inf"], ["timeout_s=inf"]),
     # the rank died with a C++ "timed out after 0ms" / "Overflow when unpacking long long" (issue 31's review)
     (["--timeout-s", "1e-300"], ["timeout_s=1e-300 must be >= 1 second"]),
+    (["--timeout-s", "1e300"], ["timeout_s=1e+300 must be <= 9223372036 seconds"]),  # every rank failed at start
     (["--seed", "100000000000000000000000"], ["seed=100000000000000000000000 must be <= 9,223,344,366,821"]),
     (["--dp", "512", "--global-batch", "1024", "--micro-batch", "1", "--pp", "1"], ["512 processes need at least"]),
 ])

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import threading
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -22,6 +23,9 @@ ALGORITHM_DEFAULTS = ("auto", "default", "torch")  # names every collective acce
 # The shortest deadline a run can meet: every rank's process-group set-up waits timeout_s for the others, which
 # start about a second apart (each imports torch); below 1 ms torch's millisecond deadline is 0.
 MIN_TIMEOUT_S = 1.0
+# the comm thread waits with threading's timeouts: plait.comm.settings.MAX_TIMEOUT_S (comm is not imported here:
+# it loads torch, and TrainConfig parses flags without it)
+MAX_TIMEOUT_S = threading.TIMEOUT_MAX
 # torch's generators take seeds below 2**64 ("Overflow when unpacking long long" past it), and the data order
 # seeds one per epoch with seed * DATA_SEED_STRIDE + epoch (plait.train.data, plait.train.corpus): seeds up to
 # MAX_SEED leave room for 2**63 epochs.
@@ -104,6 +108,9 @@ def value_problems(config: TrainConfig, typed: set[str]) -> list[str]:
     for name in ("weight_decay", "grad_clip"):
         if ok(name) and getattr(c, name) < 0:
             problems.append(f"{name}={getattr(c, name)} must be >= 0" + (" (0 = off)" if name == "grad_clip" else ""))
+    if ok("timeout_s") and c.timeout_s > MAX_TIMEOUT_S:
+        problems.append(f"timeout_s={c.timeout_s:g} must be <= {MAX_TIMEOUT_S:.0f} seconds (the longest wait of the "
+                        f"communicator's thread, threading.TIMEOUT_MAX), e.g. timeout_s={_default(c, 'timeout_s')}")
     if ok("timeout_s") and c.timeout_s < MIN_TIMEOUT_S:
         problems.append(f"timeout_s={c.timeout_s} must be >= {MIN_TIMEOUT_S:g} second (every rank's process-group "
                         f"set-up waits this long for the others, which start about a second apart: each imports "

@@ -36,6 +36,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from plait.files import file_kind
 from plait.train import checkpoint as ckpt
 
 RUN_RECORD = "run.json"
@@ -234,7 +235,8 @@ def _checked_dir(resume: str) -> tuple[Path, tuple[str, ...]]:
                          "(RUN/checkpoints/step_*), a run directory (its newest complete checkpoint), or "
                          "--resume auto|never")
     if not path.is_symlink() and not path.is_dir():
-        raise ValueError(f"--resume {resume}: {path} is a file, not a directory; give a checkpoint directory "
+        raise ValueError(f"--resume {resume}: {path} is {file_kind(os.stat(path).st_mode)}, not a directory; give a "
+                         "checkpoint directory "
                          "(RUN/checkpoints/step_*), a run directory (its newest complete checkpoint), or "
                          "--resume auto|never")
     if _is_run_dir(path):
