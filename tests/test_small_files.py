@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import resource
+import stat
 import subprocess
 import sys
 import threading
@@ -105,3 +106,20 @@ def test_a_config_that_is_not_utf8_is_named(tmp_path):
     bad.write_bytes(b'data = "caf\xe9"\n')
     with pytest.raises(ValueError, match=f"^cannot read config file '{bad}': not UTF-8 text"):
         load_toml(bad)
+
+
+def test_a_topology_file_that_is_a_fifo_or_a_device_is_refused(tmp_path):
+    """plait bench --topology FIFO.json hung; a device like /dev/zero filled memory."""
+    from plait.cost.topology_io import load_topology
+
+    fifo = tmp_path / "fifo.json"
+    os.mkfifo(fifo)
+    error = call_releasing_fifo(fifo, lambda: load_topology(fifo)).get("error")
+    assert isinstance(error, ValueError) and "is a FIFO (named pipe), not a regular file" in str(error), error
+    zero = tmp_path / "zero.json"
+    try:
+        os.mknod(zero, 0o600 | stat.S_IFCHR, os.makedev(1, 5))  # the kernel's zero device, under its own name
+    except PermissionError:
+        pytest.skip("making a device node needs root")
+    with pytest.raises(ValueError, match="is a character device, not a regular file"):
+        load_topology(zero)

@@ -27,6 +27,7 @@ import tomllib
 from pathlib import Path
 
 from plait.cost.topology import Link, Node, Topology, link_problems, node_problems
+from plait.files import read_small_file
 
 __all__ = ["topology_to_dict", "topology_from_dict", "topology_fingerprint", "save_topology", "load_topology",
            "FORMAT_VERSION"]
@@ -147,14 +148,21 @@ def save_topology(topology: Topology, path) -> Path:
     return path
 
 
+TOPOLOGY_LIMIT_NBYTES = 64 << 20  # a preset's 16,384 devices and their links take about 10 MB of JSON
+
+
 def load_topology(path, *, allocation=None) -> Topology:
     """Read a JSON or TOML topology; ``allocation`` (if given) replaces the file's."""
     path = Path(path)
     kind = _format(path)
-    try:
-        text = path.read_text()
+    try:  # a regular file of bounded size: a FIFO hung the reader, /dev/zero filled memory
+        raw = read_small_file(path, limit_nbytes=TOPOLOGY_LIMIT_NBYTES, what="topology file",
+                              fix="give the path of a JSON or TOML topology (plait testbed probe writes one)")
+        text = raw.decode("utf-8")
     except OSError as error:
         raise ValueError(f"cannot read topology file {str(path)!r}: {error.strerror or error}") from None
+    except UnicodeDecodeError as error:
+        raise ValueError(f"topology file {str(path)!r} is not UTF-8 text (byte {error.start})") from None
     try:
         data = json.loads(text) if kind == "json" else tomllib.loads(text)
     except json.JSONDecodeError as error:

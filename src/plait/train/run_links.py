@@ -27,7 +27,7 @@ from plait.train.rundir import PREVIOUS_DIR, RUN_FILES, RUN_RECORD
 from plait.train.runlock import LOCK_NAME
 
 LAUNCH_CONFIG_NAME = "launch-config.toml"
-RUN_RECORD_TEMPORARY = f".{RUN_RECORD}.tmp"  # rundir.write_run_record writes it, then renames it over run.json
+RUN_RECORD_TEMPORARY = f".{RUN_RECORD}.tmp"  # the fixed temporary name older plait wrote run.json through
 # the files plait train writes under --out, and its directories (checkpoints/ is checked by plait.train.checkpoint)
 WRITTEN_FILES = (LOCK_NAME, LAUNCH_CONFIG_NAME, *RUN_FILES, RUN_RECORD_TEMPORARY)
 WRITTEN_DIRECTORIES = (OFFLOAD_DIR_NAME, PREVIOUS_DIR)

@@ -38,6 +38,7 @@ from pathlib import Path
 
 from plait.files import file_kind
 from plait.train import checkpoint as ckpt
+from plait.train.atomic_files import atomic_write
 
 RUN_RECORD = "run.json"
 PREVIOUS_DIR = "previous"
@@ -285,7 +286,7 @@ def write_run_record(out: str | os.PathLike, run_id: str, resumed_from: Path | N
     """``OUT/run.json``: which run writes here (a restart of it recognises its own files)."""
     record = {"run_id": run_id, "started_unix_s": time.time(), "host": os.uname().nodename, "pid": os.getpid(),
               "resumed_from": None if resumed_from is None else str(resumed_from)}
-    path = Path(out) / RUN_RECORD
-    temporary = path.with_name(f".{RUN_RECORD}.tmp")
-    temporary.write_text(json.dumps(record, indent=2) + "\n")
-    os.replace(temporary, path)
+    text = json.dumps(record, indent=2) + "\n"
+    # a temporary file of its own, renamed over run.json: a link planted at run.json (or at a
+    # fixed temporary name) during the run is replaced itself, never written through
+    atomic_write(Path(out) / RUN_RECORD, lambda name: Path(name).write_text(text), len(text))
