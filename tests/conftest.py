@@ -3,6 +3,7 @@ harness's worker pools shut down when the session ends, and then a check that no
 shared-memory segment or doorbell of plait's survives the suite in /dev/shm."""
 
 import os
+import subprocess
 import tempfile
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -35,6 +36,28 @@ def no_shared_memory_left_behind():
     yield
     left = _plait_shm_files() - before
     assert not left, f"plait left shared-memory files behind in {SHM_DIRECTORY}: {sorted(left)}"
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """small_tmpfs(size) -> a fresh tmpfs of ``size`` (e.g. "512k"): a real filesystem
+    that fills up, unmounted at the end; skips where mounting needs privileges
+    (root / CAP_SYS_ADMIN) this process lacks."""
+    mounted = []
+
+    def mount(size: str):
+        point = tmp_path / f"tmpfs{len(mounted)}"
+        point.mkdir()
+        result = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(point)],
+                                capture_output=True, text=True)
+        if result.returncode != 0:
+            pytest.skip(f"mounting a small tmpfs needs root (CAP_SYS_ADMIN): {result.stderr.strip()}")
+        mounted.append(point)
+        return point
+
+    yield mount
+    for point in mounted:
+        subprocess.run(["umount", "-l", str(point)], check=False)
 
 
 def pytest_sessionfinish(session, exitstatus):

@@ -2,7 +2,6 @@
 line, exit 2, like a ValueError; checked on a real path: `plait checkpoint export`
 onto a filesystem that is really full (a 512 KiB tmpfs filled to the last block)."""
 
-import subprocess
 
 import pytest
 
@@ -22,24 +21,16 @@ def test_the_user_facing_error_classes_are_plait_errors():
 
 
 @pytest.fixture
-def full_disk(tmp_path):
-    """A 512 KiB tmpfs with every block taken (mounting needs root / CAP_SYS_ADMIN)."""
-    mount_point = tmp_path / "full"
-    mount_point.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=512k", "tmpfs", str(mount_point)],
-                             capture_output=True, text=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"mounting a small tmpfs needs root (CAP_SYS_ADMIN): {mounted.stderr.strip()}")
-    try:
-        with open(mount_point / "filler", "wb", buffering=0) as filler:
-            try:
-                while True:
-                    filler.write(b"\0" * 4096)
-            except OSError:
-                pass
-        yield mount_point
-    finally:
-        subprocess.run(["umount", "-l", str(mount_point)], check=False)
+def full_disk(small_tmpfs):
+    """A 512 KiB tmpfs with every block taken."""
+    mount_point = small_tmpfs("512k")
+    with open(mount_point / "filler", "wb", buffering=0) as filler:
+        try:
+            while True:
+                filler.write(b"\0" * 4096)
+        except OSError:
+            pass
+    return mount_point
 
 
 def test_export_onto_a_full_disk_is_one_line(full_disk, tmp_path, capsys):

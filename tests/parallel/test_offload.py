@@ -84,18 +84,9 @@ def test_a_recompute_in_the_backward_stays_in_memory(tmp_path):
 
 # ----------------------------------------------------------------------------- a full disk
 @pytest.fixture
-def tiny_disk(tmp_path):
-    """A 1 MiB tmpfs: a real filesystem that fills up (mounting needs root / CAP_SYS_ADMIN)."""
-    mount_point = tmp_path / "tiny"
-    mount_point.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount_point)],
-                             capture_output=True, text=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"mounting a small tmpfs needs root (CAP_SYS_ADMIN): {mounted.stderr.strip()}")
-    try:
-        yield mount_point
-    finally:
-        subprocess.run(["umount", "-l", str(mount_point)], check=False)
+def tiny_disk(small_tmpfs):
+    """A 1 MiB tmpfs: a real filesystem that fills up."""
+    return small_tmpfs("1m")
 
 
 def test_a_full_disk_names_the_offload_file_and_its_bytes(tiny_disk):

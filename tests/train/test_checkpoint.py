@@ -6,7 +6,6 @@ pruning, compatibility checks and export."""
 import errno
 import hashlib
 import json
-import subprocess
 from dataclasses import asdict
 
 import pytest
@@ -430,18 +429,9 @@ def test_a_shard_that_is_a_symlink_leading_out_is_not_valid(tmp_path, reference)
 
 # ----------------------------------------------------------------------------- a full disk
 @pytest.fixture
-def tiny_disk(tmp_path):
-    """A 512 KiB tmpfs: a real filesystem that fills up (mounting needs root / CAP_SYS_ADMIN)."""
-    mount_point = tmp_path / "tiny"
-    mount_point.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=512k", "tmpfs", str(mount_point)],
-                             capture_output=True, text=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"mounting a small tmpfs needs root (CAP_SYS_ADMIN): {mounted.stderr.strip()}")
-    try:
-        yield mount_point
-    finally:
-        subprocess.run(["umount", "-l", str(mount_point)], check=False)
+def tiny_disk(small_tmpfs):
+    """A 512 KiB tmpfs: a real filesystem that fills up."""
+    return small_tmpfs("512k")
 
 
 def test_a_full_disk_is_named_with_the_path_and_the_bytes_needed(tiny_disk):
