@@ -12,9 +12,10 @@ import pytest
 import torch
 
 from plait.models import GPT, GPTConfig
-from plait.parallel.tensor.sharding import shard_spec, shard_tensor
+from plait.parallel.tensor.sharding import ShardSpec, shard_spec, shard_tensor
 from plait.train import atomic_files
 from plait.train import checkpoint as ckpt, checkpoint_load
+from plait.train.checkpoint_write import write_manifest, write_shard
 from plait.train import export as export_file
 
 CONFIG = GPTConfig(layers=2, hidden=16, heads=4, seq_len=8, vocab=13, tied_head=False)
@@ -47,7 +48,7 @@ def _stage(name: str, pp_size: int) -> int:
 
 
 def _spec(entry):
-    return None if entry is None else ckpt.ShardSpec(*entry)
+    return None if entry is None else ShardSpec(*entry)
 
 
 def _payload(full, specs, optimizer, tp_rank, tp_size, pp_rank, pp_size):
@@ -71,8 +72,8 @@ def _manifest(step, tp_size, pp_size, model=None):
 
 def _write(run_dir, step, payloads, tp_size, pp_size):
     directory = ckpt.checkpoint_dir(run_dir, step)
-    files = [ckpt.write_shard(directory, ckpt.shard_name(p["tp_rank"], p["pp_rank"]), p) for p in payloads]
-    ckpt.write_manifest(directory, _manifest(step, tp_size, pp_size), files)
+    files = [write_shard(directory, ckpt.shard_name(p["tp_rank"], p["pp_rank"]), p) for p in payloads]
+    write_manifest(directory, _manifest(step, tp_size, pp_size), files)
     return directory
 
 
@@ -110,7 +111,7 @@ def test_names_and_paths(tmp_path):
 def test_write_shard_is_atomic_and_loads_with_weights_only(tmp_path, reference):
     full, specs, optimizer = reference
     payload = _payload(full, specs, optimizer, 1, 2, 0, 2)
-    entry = ckpt.write_shard(tmp_path / "d", "tp1-pp0.pt", payload)
+    entry = write_shard(tmp_path / "d", "tp1-pp0.pt", payload)
     path = tmp_path / "d" / "tp1-pp0.pt"
     assert entry["name"] == "tp1-pp0.pt" and entry["nbytes"] == path.stat().st_size
     assert entry["sha256"] == ckpt.file_sha256(path)
@@ -126,7 +127,7 @@ def test_write_shard_stores_views_compactly(tmp_path):
     big = torch.arange(1000.0)
     payload = {"format": 1, "tp_rank": 0, "tp_size": 1, "pp_rank": 0, "pp_size": 1,
                "model": {"w": big[:4]}, "specs": {"w": None}}
-    entry = ckpt.write_shard(tmp_path, "tp0-pp0.pt", payload)
+    entry = write_shard(tmp_path, "tp0-pp0.pt", payload)
     assert entry["nbytes"] < 2000  # not the 4000-byte storage of the view
 
 
@@ -136,7 +137,7 @@ def test_write_shard_rejects_what_weights_only_cannot_read(tmp_path, extra, mess
     payload = {"format": 1, "tp_rank": 0, "tp_size": 1, "pp_rank": 0, "pp_size": 1,
                "model": {}, "specs": {}, "extra": extra}
     with pytest.raises(TypeError, match=message):
-        ckpt.write_shard(tmp_path, "tp0-pp0.pt", payload)
+        write_shard(tmp_path, "tp0-pp0.pt", payload)
     assert list(tmp_path.iterdir()) == []
 
 
@@ -144,21 +145,21 @@ def test_write_shard_checks_shapes_against_specs(tmp_path):
     payload = {"format": 1, "tp_rank": 0, "tp_size": 2, "pp_rank": 0, "pp_size": 1,
                "model": {"w": torch.zeros(6, 4)}, "specs": {"w": [0, 13]}}
     with pytest.raises(ValueError, match=r"w has shape \(6, 4\) but spec \[0, 13\] at tp_size 2 means 7"):
-        ckpt.write_shard(tmp_path, "tp0-pp0.pt", payload)
+        write_shard(tmp_path, "tp0-pp0.pt", payload)
 
 
 def test_write_shard_name_must_match_the_coordinates(tmp_path, reference):
     full, specs, optimizer = reference
     with pytest.raises(ValueError, match="'tp0-pp1.pt' does not match tp_rank 1, pp_rank 0"):
-        ckpt.write_shard(tmp_path, "tp0-pp1.pt", _payload(full, specs, optimizer, 1, 2, 0, 2))
+        write_shard(tmp_path, "tp0-pp1.pt", _payload(full, specs, optimizer, 1, 2, 0, 2))
 
 
 def test_write_manifest_requires_the_mesh_grid(tmp_path, reference):
     full, specs, optimizer = reference
     directory = tmp_path / "c"
-    files = [ckpt.write_shard(directory, "tp0-pp0.pt", _payload(full, specs, optimizer, 0, 2, 0, 2))]
+    files = [write_shard(directory, "tp0-pp0.pt", _payload(full, specs, optimizer, 0, 2, 0, 2))]
     with pytest.raises(ValueError, match=r"missing \['tp0-pp1.pt', 'tp1-pp0.pt', 'tp1-pp1.pt'\]"):
-        ckpt.write_manifest(directory, _manifest(1, 2, 2), files)
+        write_manifest(directory, _manifest(1, 2, 2), files)
     assert not (directory / "manifest.json").exists()
 
 
@@ -274,7 +275,7 @@ def _write_raw(directory, payloads, tp_size, pp_size):
         torch.save(payload, directory / name)
         data = (directory / name).read_bytes()
         files.append({"name": name, "nbytes": len(data), "sha256": hashlib.sha256(data).hexdigest()})
-    ckpt.write_manifest(directory, _manifest(1, tp_size, pp_size), files)
+    write_manifest(directory, _manifest(1, tp_size, pp_size), files)
     return directory
 
 
@@ -441,7 +442,7 @@ def test_a_full_disk_is_named_with_the_path_and_the_bytes_needed(tiny_disk):
                "model": {"w": torch.zeros(1 << 18)}, "specs": {"w": None}}  # 1 MiB of weights
     directory = tiny_disk / "step_00000001"
     with pytest.raises(OSError) as full:
-        ckpt.write_shard(directory, "tp0-pp0.pt", payload)
+        write_shard(directory, "tp0-pp0.pt", payload)
     assert full.value.errno == errno.ENOSPC
     message = str(full.value)
     assert "no space left on device writing" in message and str(directory / "tp0-pp0.pt") in message

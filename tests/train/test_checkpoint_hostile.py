@@ -24,6 +24,7 @@ import pytest
 from plait.train import checkpoint as ckpt
 from plait.train import checkpoint_load, rundir
 from plait.train import export as export_file
+from plait.train.checkpoint_write import write_manifest, write_shard
 from tests.train.test_checkpoint import CONFIG, _payload, _write, build_reference, save
 
 
@@ -314,10 +315,10 @@ def test_a_manifest_that_is_a_directory_or_a_fifo_is_refused_without_hanging(tmp
 def test_write_manifest_refuses_what_verify_would(tmp_path, reference):
     full, specs, optimizer = reference
     directory = ckpt.checkpoint_dir(tmp_path, 100)
-    files = [ckpt.write_shard(directory, "tp0-pp0.pt", _payload(full, specs, optimizer, 0, 1, 0, 1))]
+    files = [write_shard(directory, "tp0-pp0.pt", _payload(full, specs, optimizer, 0, 1, 0, 1))]
     manifest = {"step": 200, "data_position": 200, "mesh": {"dp": 1, "tp": 1, "pp": 1}, "model": asdict(CONFIG)}
     with pytest.raises(ValueError, match="manifest not written to .*step_00000100: manifest step 200 != 100"):
-        ckpt.write_manifest(directory, manifest, files)
+        write_manifest(directory, manifest, files)
     assert not (directory / "manifest.json").exists()
 
 

@@ -187,18 +187,18 @@ def test_lossy_compression_keeps_tensor_parallel_replicas_identical(tmp_path):
 
 def _train_with_a_full_disk_on_rank(rank, world_size, config, failing_rank):
     """Rank ``failing_rank``'s shard write fails as a full disk would (OSError)."""
-    from plait.train import checkpoint as ckpt
+    from plait.train import loop
 
     def full_disk(*args, **kwargs):
         raise OSError(28, "No space left on device")
 
-    original = ckpt.write_shard
+    original = loop.write_shard  # the name the trainer's save calls
     if rank == failing_rank:
-        ckpt.write_shard = full_disk
+        loop.write_shard = full_disk
     try:
         _train_rank(rank, world_size, config)
     finally:
-        ckpt.write_shard = original  # the pooled worker serves later tests
+        loop.write_shard = original  # the pooled worker serves later tests
 
 
 @pytest.mark.slow

@@ -2,7 +2,7 @@
 commit point, and resharding to another tensor-parallel degree on load. This module
 finds, verifies and prunes them; plait.train.checkpoint_write writes them,
 plait.train.checkpoint_checks says what a valid one is, plait.train.checkpoint_load
-loads one (the writers and checks are importable from here too).
+loads one.
 
 Layout: ``RUN/checkpoints/step_00000100/{tp0-pp0.pt, ..., manifest.json}``. The
 dp-rank-0 process of every (tp, pp) coordinate writes its shard (``write_shard``),
@@ -37,13 +37,10 @@ import stat
 from pathlib import Path
 from typing import Callable
 
-from plait.parallel.tensor.sharding import ShardSpec  # noqa: F401  (plait.train.checkpoint.ShardSpec)
-from plait.train.checkpoint_checks import (FORMAT, MANIFEST_NAME, SHOWN_CHARS, ManifestUnreadable,  # noqa: F401
-                                          UnsafeManifest, check_header, check_user_path, cut, is_plain_name,
-                                          manifest_problems, problems_summary, read_manifest, shard_name,
-                                          shard_problems, shown, step_of_name)
-from plait.train.checkpoint_write import (CheckpointNotWritten, file_sha256, payload_nbytes,  # noqa: F401
-                                          write_manifest, write_shard)
+from plait.train.checkpoint_checks import (MANIFEST_NAME, SHOWN_CHARS, ManifestUnreadable, UnsafeManifest,
+                                          check_user_path, cut, manifest_problems, problems_summary, read_manifest,
+                                          shard_name, shard_problems, shown, step_of_name)
+from plait.train.checkpoint_write import file_sha256
 
 PARTIAL = f"no {MANIFEST_NAME} (partial: the save did not finish)"
 

@@ -36,6 +36,7 @@ from plait.parallel.sharded_optimizer import ShardedOptimizer
 from plait.train import checkpoint as ckpt, checkpoint_load, rundir, runlock
 from plait.train.atomic_files import atomic_write
 from plait.train.build import batch, build_model, load_data, make_optimizer, model_description
+from plait.train.checkpoint_write import CheckpointNotWritten, write_manifest, write_shard
 from plait.train.config import TrainConfig
 from plait.train.memory import MemoryMonitor
 from plait.train.metrics import MetricsLog
@@ -287,20 +288,20 @@ class Trainer:
                           **({"loss_scale": self.hybrid.scaler.state_dict()} if self.hybrid.scaler else {})},
             }
             try:
-                entry = ckpt.write_shard(directory, ckpt.shard_name(self.coords["tp"], self.coords["pp"]), payload)
+                entry = write_shard(directory, ckpt.shard_name(self.coords["tp"], self.coords["pp"]), payload)
             except (OSError, ValueError, TypeError) as error:  # e.g. a full disk: every rank hears why
                 entry = {"error": f"rank {self.rank} could not write its shard to {directory}: {error}"}
         entries = [None] * self.world_size
         dist.all_gather_object(entries, entry)
         failures = [e["error"] for e in entries if e is not None and "error" in e]
         if failures:
-            raise ckpt.CheckpointNotWritten(step, failures)
+            raise CheckpointNotWritten(step, failures)
         if self.rank == 0:
             manifest = {"step": step, "mesh": self._mesh_info(), "config": self.config.to_dict(),
                         "config_digest": self.config.digest(), "model": self.model_info,
                         "corpus_digest": getattr(self.data, "digest", None), "data_position": step,
                         "created_unix_s": time.time()}
-            ckpt.write_manifest(directory, manifest, [e for e in entries if e is not None])
+            write_manifest(directory, manifest, [e for e in entries if e is not None])
             if self.config.keep_checkpoints:  # 0 keeps them all
                 ckpt.prune(self.out, self.config.keep_checkpoints, log=self.log)
         dist.barrier()
