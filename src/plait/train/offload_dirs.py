@@ -45,6 +45,7 @@ def prepare_offload_dir(out: Path, rank: int, world_size: int, wanting: list[str
     directory = offload_dir(out, rank)
     problem, linked = None, None
     try:
+        Path(out).mkdir(parents=True, exist_ok=True)  # --out itself (the user's choice, a link allowed) may be new
         for path in (directory.parent, directory):
             _check_no_link(path)
             path.mkdir(exist_ok=True)
