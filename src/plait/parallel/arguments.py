@@ -1,5 +1,5 @@
 """The arguments every parallel wrapper takes, checked the same way: the module it
-wraps and the process group it runs on. A string, a class or None where a module
+wraps and the process group it runs on (and the pipeline engine's schedule and stages). A string, a class or None where a module
 belongs is named as a TypeError before anything else runs (it used to surface as an
 AttributeError from deep inside the wrapper)."""
 
@@ -8,6 +8,7 @@ from __future__ import annotations
 from torch import nn
 
 from plait.comm.communicator import check_group
+from plait.parallel.pipeline.schedules import PipelineSchedule
 
 
 def check_module(module, owner: str, name: str = "module") -> nn.Module:
@@ -27,3 +28,24 @@ def check_wrapper_arguments(module, group, owner: str) -> None:
         check_group(group)
     except TypeError as error:
         raise TypeError(f"{owner}: {error}") from None
+
+
+def check_pipeline_arguments(schedule, stage_modules, loss_fn, group, model) -> None:
+    """PipelineEngine's arguments are of the kinds it takes, or a TypeError naming the one
+    that is not (a string used to surface as an AttributeError from inside)."""
+    if not isinstance(schedule, PipelineSchedule):
+        raise TypeError(f"PipelineEngine: schedule must be a PipelineSchedule (e.g. "
+                        f"plait.parallel.pipeline.schedules.one_f_one_b(ranks, microbatches)), got "
+                        f"{type(schedule).__name__} ({schedule!r:.40})")
+    if not isinstance(stage_modules, dict) or not all(
+            isinstance(stage, int) and isinstance(module, nn.Module) for stage, module in stage_modules.items()):
+        raise TypeError("PipelineEngine: stage_modules must be a dict of stage index -> nn.Module (this rank's "
+                        f"stages), got {stage_modules!r:.80}")
+    if not callable(loss_fn):
+        raise TypeError(f"PipelineEngine: loss_fn must be callable (output, target) -> loss, got {loss_fn!r:.40}")
+    if model is not None:
+        check_module(model, "PipelineEngine", "model")
+    try:
+        check_group(group)
+    except TypeError as error:
+        raise TypeError(f"PipelineEngine: {error}") from None

@@ -35,10 +35,11 @@ from pathlib import Path
 import torch
 
 from plait.models.gpt import GPTConfig
+from plait.parallel.mesh import AXES
 
 FORMAT = 1
 MANIFEST_NAME = "manifest.json"
-AXES = ("dp", "tp", "pp")
+SHARD_AXES = AXES[1:]  # a shard file is one (tp, pp) coordinate: every axis but data parallelism, AXES[0]
 _STEP_DIR = re.compile(r"step_([0-9]{8,})", re.ASCII)
 _SHA256 = re.compile(r"[0-9a-f]{64}", re.ASCII)
 DEFAULT_NAME_MAX = 255    # Linux's NAME_MAX, where pathconf cannot say
@@ -335,7 +336,7 @@ def check_header(payload: dict, where: str) -> None:
     if payload["format"] != FORMAT:
         raise ValueError(f"{where}: shard format {shown(payload['format'])} != {FORMAT}; this plait reads format "
                          f"{FORMAT} only")
-    for axis in ("tp", "pp"):
+    for axis in SHARD_AXES:
         rank, size = payload[f"{axis}_rank"], payload[f"{axis}_size"]
         if not (type(rank) is int and type(size) is int and 0 <= rank < size):
             raise ValueError(f"{where}: {axis}_rank={shown(rank)}, {axis}_size={shown(size)}: need 0 <= rank < size")

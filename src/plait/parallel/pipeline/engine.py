@@ -47,9 +47,8 @@ from torch import nn
 
 from plait import comm
 from plait.comm import tags
-from plait.comm.communicator import check_group
 from plait.comm.errors import CommError
-from plait.parallel.arguments import check_module
+from plait.parallel.arguments import check_pipeline_arguments
 from plait.parallel.pipeline.messages import PipelineError, StageMessages
 from plait.parallel.pipeline.replay import Interval, Timeline
 from plait.parallel.pipeline.split_backward import input_backward, weight_backward
@@ -85,27 +84,6 @@ class StepRecord:
     step_time_s: float = 0.0
 
 
-def _check_arguments(schedule, stage_modules, loss_fn, group, model) -> None:
-    """The engine's arguments are of the kinds it takes, or a TypeError naming the one
-    that is not (a string used to surface as an AttributeError from inside)."""
-    if not isinstance(schedule, PipelineSchedule):
-        raise TypeError(f"PipelineEngine: schedule must be a PipelineSchedule (e.g. "
-                        f"plait.parallel.pipeline.schedules.one_f_one_b(ranks, microbatches)), got "
-                        f"{type(schedule).__name__} ({schedule!r:.40})")
-    if not isinstance(stage_modules, dict) or not all(
-            isinstance(stage, int) and isinstance(module, nn.Module) for stage, module in stage_modules.items()):
-        raise TypeError("PipelineEngine: stage_modules must be a dict of stage index -> nn.Module (this rank's "
-                        f"stages), got {stage_modules!r:.80}")
-    if not callable(loss_fn):
-        raise TypeError(f"PipelineEngine: loss_fn must be callable (output, target) -> loss, got {loss_fn!r:.40}")
-    if model is not None:
-        check_module(model, "PipelineEngine", "model")
-    try:
-        check_group(group)
-    except TypeError as error:
-        raise TypeError(f"PipelineEngine: {error}") from None
-
-
 class PipelineEngine:
     """Executes ``schedule``'s actions for this rank (see the module docstring)."""
 
@@ -127,7 +105,7 @@ class PipelineEngine:
         summed. Given, construction is collective: over the pipeline group, and over
         the default group too when the pipeline group is a subgroup (every rank then
         builds its engine at the same point, as ``new_group`` needs)."""
-        _check_arguments(schedule, stage_modules, loss_fn, group, model)
+        check_pipeline_arguments(schedule, stage_modules, loss_fn, group, model)
         self.schedule, self.loss_fn, self.group = schedule, loss_fn, group
         self.rank = dist.get_rank(group) if group is not None else dist.get_rank()
         size = dist.get_world_size(group) if group is not None else dist.get_world_size()
