@@ -11,7 +11,8 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from plait.train.progress import format_duration, format_rate, Progress
-from plait.train.report import gpt_train_flops, measure_peak_flops, summary_lines, write_report
+from plait.train.flops import gpt_train_flops, measure_peak_flops, mlp_train_flops
+from plait.train.report import summary_lines, write_report
 
 
 # ---- FLOPs ----------------------------------------------------------------------------
@@ -92,7 +93,6 @@ def test_mlp_flops_are_six_per_weight_and_sample_as_torch_counts_them(sizes):
     wants a gradient (every layer's dW and dX), and 2·B·d_0·d_1 less on a data batch
     (autograd skips the first layer's input gradient; the 6N rule counts it)."""
     from plait.models.mlp import MLP
-    from plait.train.report import mlp_train_flops
 
     batch = 16
     model = MLP(sizes).double()

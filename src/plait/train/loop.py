@@ -42,7 +42,8 @@ from plait.train.memory import MemoryMonitor
 from plait.train.metrics import MetricsLog
 from plait.train.offload_dirs import prepare_offload_dir, remove_offload_dir
 from plait.train.progress import rate_key, throughput_unit
-from plait.train.report import measure_peak_flops, mlp_train_flops, summary_lines, write_report
+from plait.train.flops import gpt_train_flops, measure_peak_flops, mlp_train_flops
+from plait.train.report import summary_lines, write_report
 
 FAULT_ENV = "PLAIT_FAULT_KILL"  # "RANK:STEP": that rank kills itself before STEP, first attempt only (tests)
 
@@ -444,8 +445,6 @@ class Trainer:
     def flops_per_step(self) -> float:
         config = self.config
         if config.model == "gpt":
-            from plait.train.report import gpt_train_flops
-
             return gpt_train_flops(config.global_batch, config.seq_len, config.layers, config.hidden,
                                    self.data.vocab_size)
         return mlp_train_flops(config.global_batch, (64, *config.mlp_hidden, 10))
