@@ -463,7 +463,7 @@ def probe_testbed_missing_script(work: Path, shared: Shared):
 
 OFFLOAD_SCRIPT = """
     import torch
-    from plait.parallel.offload import ActivationOffloader
+    from plait.memory.offload import ActivationOffloader
 
     def main():
         directory = DIRECTORY

@@ -13,10 +13,10 @@ from pathlib import Path
 SRC = Path(__file__).resolve().parents[1] / "src"
 
 # DESIGN.md section 2 / CONTRIBUTING.md: cli -> train | bench -> plan -> models -> parallel ->
-# compress -> comm -> cost. train and bench are peers (neither imports the other); models
+# memory -> compress -> comm -> cost. train and bench are peers (neither imports the other); models
 # (GPT at any tp) is built from parallel.tensor, so it sits above parallel.
 RANK = {"__main__": 9, "cli": 8, "train": 7, "bench": 7, "plan": 6, "testbed": 6, "graph": 6, "models": 5,
-        "parallel": 4, "compress": 3, "comm": 2, "cost": 1, "testing": 0,
+        "parallel": 4, "memory": 3.5, "compress": 3, "comm": 2, "cost": 1, "testing": 0,
         "errors": -1,  # plait.errors: the user-error base class, torch-free, below every layer
         "files": -1}  # plait.files: reading a user's small file (regular, bounded), torch-free, below every layer
 # the root package (plait.__version__) is a leaf anyone may import
@@ -56,8 +56,8 @@ LOCAL_ALLOWED = {
     ("plait.parallel.mesh", "torch.distributed"): "plait.parallel stays importable without torch.distributed",
     ("plait.parallel.pipeline.partition", "plait.models"): "cycle: models.gpt imports parallel.tensor",
     ("plait.parallel.pipeline.schedules", "plait.parallel.pipeline.replay"): "cycle: replay imports schedules",
-    ("plait.parallel.ps_config", "plait.compress"): "compress loads torch; ps_config stays torch-free",
-    ("plait.parallel.data", "plait.compress"): "inside a conditional branch (compressor given as a spec)",
+    ("plait.parallel.ps.config", "plait.compress"): "compress loads torch; ps_config stays torch-free",
+    ("plait.parallel.data.data_parallel", "plait.compress"): "inside a conditional branch (compressor given as a spec)",
     ("plait.parallel.hybrid", "plait.compress"): "inside a conditional branch (compression on)",
     ("plait.compress.feedback", "plait.compress.powersgd"): "inside a conditional branch (PowerSGD's own feedback)",
     ("plait.cli", ""): "`plait --help` imports every cli module: torch, matplotlib and "

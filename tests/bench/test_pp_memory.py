@@ -1,5 +1,5 @@
 """`plait bench pp`'s measured activation memory comes from live storages
-(plait.parallel.saved_memory), not from the engine's bookkeeping: a unit check of the
+(plait.memory.saved_memory), not from the engine's bookkeeping: a unit check of the
 meter on one process, then real pipelines whose model saves more or less for
 backward under the same schedule.
 
@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from plait.bench.pp import PpBenchConfig, _one_schedule
-from plait.parallel.saved_memory import SavedTensorMeter
+from plait.memory.saved_memory import SavedTensorMeter
 from plait.testing import run_distributed
 
 WIDTH, BATCH, M = 16, 8, 4

@@ -6,7 +6,7 @@ onto a filesystem that is really full (a 512 KiB tmpfs filled to the last block)
 import pytest
 
 from plait.cli.main import main
-from plait.parallel.loss_scale import LossScaleError
+from plait.memory.loss_scale import LossScaleError
 from plait.testbed import netns
 from tests.train.test_checkpoint import build_reference, save
 

@@ -2,7 +2,7 @@
 
 from plait.comm import tags
 from plait.comm.inband import HEADER_TAG, PACKED_TAG_OFFSET
-from plait.parallel import ps_config
+from plait.parallel.ps import config as ps_config
 
 
 def test_no_two_protocols_share_a_tag():

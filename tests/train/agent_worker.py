@@ -13,7 +13,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from plait.parallel.loss_scale import LossScaler
+from plait.memory.loss_scale import LossScaler
 from plait.train.agent import record_rank_error
 
 

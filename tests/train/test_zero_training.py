@@ -1,5 +1,5 @@
 """plait train --zero-stage 1|2 [--offload optimizer]: AdamW's state and step (stage 2:
-the gradients too) sharded over the dp group (plait.parallel.sharded_optimizer), with
+the gradients too) sharded over the dp group (plait.parallel.zero.optimizer), with
 tensor and pipeline parallelism.
 
 - float64 on dp2 x tp2 x pp2... on 4 processes dp2 x pp2 and dp2 x tp2: the loss

@@ -16,7 +16,7 @@ on one stage, where activation memory peaks), then an AdamW step:
                      each tensor read back when the backward needs it
   torch-save-on-cpu  torch.autograd.graph.save_on_cpu (on a CPU it copies each saved
                      tensor to another CPU tensor: no memory drops, only time is added)
-  plait-bf16         plait.parallel.precision.autocast(bfloat16), the loss in fp32
+  plait-bf16         plait.memory.precision.autocast(bfloat16), the loss in fp32
   plait-fp16         the same in float16 with plait's LossScaler (GradScaler's rule)
   torch-fp16         torch.autocast(float16) + torch.amp.GradScaler
 
@@ -46,9 +46,9 @@ import torch.nn.functional as F
 import torch.utils.checkpoint as torch_checkpoint
 
 from plait.models import GPT, GPTConfig
-from plait.parallel.loss_scale import LossScaler
-from plait.parallel.offload import ActivationOffloader
-from plait.parallel.precision import autocast
+from plait.memory.loss_scale import LossScaler
+from plait.memory.offload import ActivationOffloader
+from plait.memory.precision import autocast
 from plait.train.memory import read_peak_resident_bytes, reset_peak_resident
 
 VARIANTS = ("none", "plait-full", "torch-full", "plait-selective", "plait-offload", "torch-save-on-cpu",

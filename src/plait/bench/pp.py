@@ -15,7 +15,7 @@ SGD steps on batches of ``batch`` rows in m micro-batches. Reported per schedule
   zero bubble (its unit replay splits the backward into B and W of 1 each);
 - activation memory, measured: in one extra step, the peak over the step of the
   bytes of distinct storages autograd holds for backward, alive at once
-  (``plait.parallel.saved_memory``: saved-tensor hooks around every stage and the
+  (``plait.memory.saved_memory``: saved-tensor hooks around every stage and the
   loss, a weakref.finalize per saved tensor; parameters and the batch excluded).
   Nothing in it knows the schedule or reads the engine's bookkeeping;
 - predicted: walk the rank's compute order adding each forward's per-micro-batch
@@ -34,7 +34,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from plait.parallel.saved_memory import SavedTensorMeter
+from plait.memory.saved_memory import SavedTensorMeter
 from plait.parallel.pipeline import build, peak_in_flight, replay
 from plait.parallel.pipeline.engine import PipelineEngine, gather_timeline
 from plait.parallel.pipeline.partition import build_stage, split_layers

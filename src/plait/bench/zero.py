@@ -39,8 +39,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from plait.models import GPT, GPTConfig
-from plait.parallel.data import DataParallel
-from plait.parallel.zero import ZeRO
+from plait.parallel.data.data_parallel import DataParallel
+from plait.parallel.zero.module import ZeRO
 from plait.train.memory import read_peak_resident_bytes, read_resident_bytes, reset_peak_resident
 
 VARIANTS = ("dataparallel", "ddp", "zero1", "zero2", "zero3", "fsdp2", "fsdp2-keep", "zero1-disk", "zero2-disk",

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from plait.parallel.recompute import check_mode, random_streams, recompute, set_block_recompute
+from plait.memory.recompute import check_mode, random_streams, recompute, set_block_recompute
 from plait.parallel.tensor import (
     UNSHARDED,
     ConsistentDropout,

@@ -1,6 +1,6 @@
-"""plait.parallel: data parallelism (DataParallel, ParameterServer), Megatron tensor
-parallelism (``plait.parallel.tensor``), pipeline (``plait.parallel.pipeline``) and
-hybrid parallelism, ZeRO (``ZeRO``, ``ShardedOptimizer``).
+"""plait.parallel, one package a concept: ``data`` (DataParallel), ``zero`` (ZeRO,
+ShardedOptimizer), ``ps`` (ParameterServer), ``tensor`` (Megatron tensor parallelism),
+``pipeline`` (schedules, replay, engine, split), ``mesh`` and ``hybrid`` (3D).
 
 The names below load on first use (module ``__getattr__``), so importing a
 torch-free submodule, e.g. ``plait.parallel.pipeline.schedules`` from ``plait.plan``,
@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import importlib
 
-_LAZY = {"DataParallel": "plait.parallel.data", "StepStats": "plait.parallel.data",
-         "ParameterServer": "plait.parallel.param_server",
-         "ParameterServerConfig": "plait.parallel.ps_config", "ParameterServerStats": "plait.parallel.ps_config",
-         "shard_by_size": "plait.parallel.ps_config", "ZeRO": "plait.parallel.zero",
-         "ShardedOptimizer": "plait.parallel.sharded_optimizer"}
+_LAZY = {"DataParallel": "plait.parallel.data.data_parallel", "StepStats": "plait.parallel.data.data_parallel",
+         "ParameterServer": "plait.parallel.ps.worker",
+         "ParameterServerConfig": "plait.parallel.ps.config", "ParameterServerStats": "plait.parallel.ps.config",
+         "shard_by_size": "plait.parallel.ps.config", "ZeRO": "plait.parallel.zero.module",
+         "ShardedOptimizer": "plait.parallel.zero.optimizer"}
 
 __all__ = ["DataParallel", "ParameterServer", "ParameterServerConfig", "ParameterServerStats", "ShardedOptimizer",
            "StepStats", "ZeRO", "shard_by_size"]

@@ -31,15 +31,15 @@ from torch import nn
 
 from plait import comm
 from plait.comm import tags
-from plait.parallel.loss_scale import LossScaler
+from plait.memory.loss_scale import LossScaler
 from plait.parallel.mesh import DeviceMesh
-from plait.parallel.offload import ActivationOffloader
+from plait.memory.offload import ActivationOffloader
 from plait.parallel.pipeline import build as build_schedule, PipelineEngine
 from plait.parallel.pipeline.partition import build_stage, split_layers
-from plait.parallel.precision import AUTOCAST_DTYPE, GRAD_REDUCE_DTYPES, PRECISIONS, REDUCE_DTYPE, autocast
-from plait.parallel.recompute import set_block_recompute
+from plait.memory.precision import AUTOCAST_DTYPE, GRAD_REDUCE_DTYPES, PRECISIONS, REDUCE_DTYPE, autocast
+from plait.memory.recompute import set_block_recompute
 from plait.parallel.tensor.dropout import ConsistentDropout
-from plait.parallel.sharded_optimizer import ShardedOptimizer
+from plait.parallel.zero.optimizer import ShardedOptimizer
 
 BUCKET_BYTES = 25 << 20  # DDP's default bucket cap
 _EVAL_TAG = tags.EVALUATION.start  # evaluation's own tag range (plait.comm.tags)
@@ -59,7 +59,7 @@ class HybridModel:
     algorithm: str = "auto"
     compressor: object = None
     dropouts: dict[str, nn.Module] = field(default_factory=dict)  # name -> ConsistentDropout in held chunks
-    precision: str = "fp32"  # fp32 | bf16-mixed | fp16-mixed (plait.parallel.precision)
+    precision: str = "fp32"  # fp32 | bf16-mixed | fp16-mixed (plait.memory.precision)
     grad_reduce_dtype: str = "fp32"  # what the dp gradient all-reduce sends
     scaler: LossScaler | None = None  # fp16's dynamic loss scaling, over every rank of the run
 

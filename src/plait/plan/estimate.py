@@ -67,7 +67,7 @@ _COST_FIELDS = tuple(f.name for f in fields(LayerCost) if f.name != "name")
 
 # With --offload-activations, the micro-batches whose saved tensors are in memory at once
 # at most: the one whose backward runs and the next backward's, prefetched meanwhile
-# (plait.parallel.offload); every other one is in files, except the activation a chunk
+# (plait.memory.offload); every other one is in files, except the activation a chunk
 # received from the previous pipeline stage, which the engine holds for the backward.
 OFFLOAD_RESIDENT_MICROBATCHES = 2
 

@@ -36,7 +36,7 @@ __all__ = ["RECOMPUTE_MODES", "MATMUL_KINDS", "LayerCost", "check_recompute", "t
 MATMUL_KINDS = ("gemm", "bmm")
 
 
-# activation recomputation, as plait train runs it (plait.parallel.recompute)
+# activation recomputation, as plait train runs it (plait.memory.recompute)
 RECOMPUTE_MODES = ("none", "selective", "full")
 
 

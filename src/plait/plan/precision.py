@@ -37,7 +37,7 @@ PRECISIONS = {
                       optimizer_bytes=8, optimizer_traffic_bytes=28),
 }
 
-# What plait train's --precision runs (torch.autocast over fp32 weights, plait.parallel.precision):
+# What plait train's --precision runs (torch.autocast over fp32 weights, plait.memory.precision):
 # parameters, gradients and AdamW's two states stay float32 (4 + 4 + 8 bytes per parameter),
 # the residual stream stays float32, matmuls save their 16-bit inputs and a 16-bit copy of
 # their weights (plait.plan.transformer's module docstring)

@@ -41,8 +41,8 @@ from plait.train.config_rules import listed, value_problems
 MODELS = ("gpt", "mlp")
 DTYPES = ("float32", "float64", "bfloat16")
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "chimera", "zero_bubble")
-RECOMPUTE_MODES = ("none", "selective", "full")  # plait.parallel.recompute's (this module stays torch-free)
-PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed")  # plait.parallel.precision's
+RECOMPUTE_MODES = ("none", "selective", "full")  # plait.memory.recompute's (this module stays torch-free)
+PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed")  # plait.memory.precision's
 GRAD_REDUCE_DTYPES = ("fp32", "bf16", "fp16")
 OPTIMIZERS = ("adamw", "sgd")
 OFFLOADS = ("none", "optimizer")

@@ -31,8 +31,8 @@ import torch.distributed as dist
 from plait import comm
 from plait.parallel.hybrid import build_hybrid, evaluate, HybridModel, train_step
 from plait.parallel.mesh import DeviceMesh, ParallelDims
-from plait.parallel.precision import check_device
-from plait.parallel.sharded_optimizer import ShardedOptimizer
+from plait.memory.precision import check_device
+from plait.parallel.zero.optimizer import ShardedOptimizer
 from plait.train import checkpoint as ckpt, checkpoint_load, rundir, runlock
 from plait.train.atomic_files import atomic_write
 from plait.train.build import batch, build_model, load_data, make_optimizer, model_description

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from plait.parallel.saved_memory import SavedTensorMeter
+from plait.memory.saved_memory import SavedTensorMeter
 
 _STATUS = Path("/proc/self/status")
 _CLEAR_REFS = Path("/proc/self/clear_refs")

@@ -32,7 +32,7 @@ timeline of its computations (``plait.parallel.pipeline.replay.Timeline``) and t
 activation memory it holds: bytes of the tensors autograd saves for backward
 (each once, parameters and the caller's batch excluded) plus the stage input, per
 micro-batch from its forward to its backward. That is bookkeeping, not a
-measurement: ``plait.parallel.saved_memory`` measures live storages independently.
+measurement: ``plait.memory.saved_memory`` measures live storages independently.
 """
 
 from __future__ import annotations
@@ -66,9 +66,9 @@ from plait.parallel.pipeline.schedules import (
     backward_next,
     next_backward,
 )
-from plait.parallel.offload import ActivationOffloader
-from plait.parallel.precision import autocast
-from plait.parallel.saved_memory import SavedTensorMeter
+from plait.memory.offload import ActivationOffloader
+from plait.memory.precision import autocast
+from plait.memory.saved_memory import SavedTensorMeter
 
 _REPLICA_TAG = tags.CHIMERA_REPLICA.start  # Chimera's gradient exchange (plait.comm.tags)
 

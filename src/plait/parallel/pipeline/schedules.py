@@ -339,7 +339,7 @@ def _with_communication(schedule: PipelineSchedule, all_reduce: bool) -> Pipelin
 
 def backward_next(actions) -> set[int]:
     """Positions of forwards whose own backward is this rank's next computation (the
-    last stage's, in 1F1B): nothing to gain from offloading those (plait.parallel.offload)."""
+    last stage's, in 1F1B): nothing to gain from offloading those (plait.memory.offload)."""
     computing = [position for position, action in enumerate(actions) if action.kind in (FORWARD, BACKWARD, WEIGHT)]
     return {here for here, following in zip(computing, computing[1:])
             if actions[here].kind == FORWARD and actions[following].kind == BACKWARD

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from plait.parallel.recompute import recompute
+from plait.memory.recompute import recompute
 from plait.parallel.tensor.dropout import ConsistentDropout
 from plait.parallel.tensor.group import UNSHARDED, TensorParallel
 from plait.parallel.tensor.mappings import (

@@ -3,7 +3,7 @@
 ``DataParallel(module)`` keeps one replica per rank. At wrap time the ranks compare
 a checksum of every parameter and buffer (names, shapes, dtypes and bits) and rank
 0's values are broadcast. Gradients are grouped into buckets in reverse
-registration order (``plait.parallel.buckets``); a hook on each parameter copies its
+registration order (``plait.parallel.data.buckets``); a hook on each parameter copies its
 gradient into its bucket and, once a bucket is complete (and every bucket before it
 has been launched, so all ranks launch in the same order), queues the bucket's
 all-reduce on plait's comm thread (``async_op=True``) while backward goes on. At the
@@ -32,8 +32,8 @@ from plait import comm
 from plait.comm.algorithms import algorithms_for, builder
 from plait.compress.base import Compressor
 from plait.parallel.arguments import check_wrapper_arguments
-from plait.parallel.buckets import Bucket, build_buckets, unflatten_into
-from plait.parallel.weak_hooks import weak_method
+from plait.parallel.data.buckets import Bucket, build_buckets, unflatten_into
+from plait.parallel.data.weak_hooks import weak_method
 
 _INIT_MODES = ("check", "broadcast")
 

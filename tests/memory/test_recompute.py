@@ -1,4 +1,4 @@
-"""Activation recomputation (plait.parallel.recompute) in plait's GPT: full and selective
+"""Activation recomputation (plait.memory.recompute) in plait's GPT: full and selective
 give the gradients of no recomputation bitwise in float64 (dropout masks replayed), a
 split backward (zero bubble's B then W) recomputes once, a tensor-parallel block re-runs
 its forward collectives in the backward (counted), and bad use is named."""
@@ -7,9 +7,9 @@ import pytest
 import torch
 
 import plait.comm as comm
-from plait.parallel.saved_memory import SavedTensorMeter
+from plait.memory.saved_memory import SavedTensorMeter
 from plait.models import GPT, GPTConfig
-from plait.parallel.recompute import random_streams, recompute, set_block_recompute
+from plait.memory.recompute import random_streams, recompute, set_block_recompute
 from plait.parallel.tensor import new_tensor_parallel
 from plait.testing import run_distributed
 

@@ -59,12 +59,12 @@ from torch import nn
 
 from plait import comm
 
-from plait.parallel.ps_config import (_ABORT, _CLOSE, _DATA_TAG, _GLOO_FALLBACK_FACTOR, _KINDS, _PUSH, _PUSH_TAG,
+from plait.parallel.ps.config import (_ABORT, _CLOSE, _DATA_TAG, _GLOO_FALLBACK_FACTOR, _KINDS, _PUSH, _PUSH_TAG,
                                       _RAISED, _REASONS, _REPLY, _REPLY_TAG, ParameterServerConfig,
                                       ParameterServerStats, PushRecord, Shard, _check_compression, shard_by_size)
 from plait.parallel.arguments import check_wrapper_arguments
-from plait.parallel.buckets import unflatten_into
-from plait.parallel.ps_server import ServerLoop
+from plait.parallel.data.buckets import unflatten_into
+from plait.parallel.ps.server import ServerLoop
 
 
 class ParameterServer(ServerLoop):

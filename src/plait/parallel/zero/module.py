@@ -45,7 +45,7 @@ before every forward, as DataParallel does.
 Offload: ``offload="disk"`` keeps the optimizer state in memory-mapped files under
 ``offload_dir`` (default: the system's temporary directory) between steps, read back
 during the backward and stepped one unit at a time on the CPU (see
-``plait.parallel.state_offload``); with the parameters on the CPU their float32
+``plait.parallel.zero.state_offload``); with the parameters on the CPU their float32
 values are the master weights, so nothing else moves. ``offload="cpu"`` (host memory
 for the state of a model on a GPU) and any offload of a model on a GPU are not built
 yet, and are refused.
@@ -64,11 +64,11 @@ from torch import nn
 
 from plait import comm
 from plait.parallel.arguments import check_wrapper_arguments
-from plait.parallel.data import verify_replicas
-from plait.parallel.flat_units import FlatUnit, add_reduced, check_elementwise, clear_grads, step_and_gather
-from plait.parallel.state_offload import StateFiles
-from plait.parallel.unit_gathering import UnitGatherer, default_wrap
-from plait.parallel.weak_hooks import weak_method
+from plait.parallel.data.data_parallel import verify_replicas
+from plait.parallel.zero.flat_units import FlatUnit, add_reduced, check_elementwise, clear_grads, step_and_gather
+from plait.parallel.zero.state_offload import StateFiles
+from plait.parallel.zero.unit_gathering import UnitGatherer, default_wrap
+from plait.parallel.data.weak_hooks import weak_method
 
 STAGES = (1, 2, 3)
 OFFLOADS = (None, "cpu", "disk")

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from plait.models import GPT, GPTConfig
-from plait.parallel.offload import ActivationOffloader
-from plait.parallel.saved_memory import SavedTensorMeter
+from plait.memory.offload import ActivationOffloader
+from plait.memory.saved_memory import SavedTensorMeter
 
 CONFIG = GPTConfig(layers=2, hidden=64, heads=4, seq_len=64, vocab=67, dropout=0.1, dtype="float64")
 

@@ -6,7 +6,7 @@ scale stops with a named error; the state round-trips."""
 import pytest
 import torch
 
-from plait.parallel.loss_scale import LossScaleError, LossScaler
+from plait.memory.loss_scale import LossScaleError, LossScaler
 from plait.testing import run_distributed
 
 GROWTH_INTERVAL = 3  # small, so growth happens within the run

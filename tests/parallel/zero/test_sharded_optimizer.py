@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from plait import comm
-from plait.parallel.sharded_optimizer import ShardedOptimizer
+from plait.parallel.zero.optimizer import ShardedOptimizer
 from plait.testing import run_distributed
 
 MICRO, ROWS = 3, 12  # micro-batches per step, rows per step over every rank

@@ -3,7 +3,7 @@
 16 bits; the residual stream, LayerNorm inputs and the vocab-parallel cross-entropy
 stay in fp32), gradients accumulated in fp32 and reduced over data parallelism in
 fp32 or, with ``grad_reduce_dtype``, in 16 bits. fp16 adds dynamic loss scaling
-(``plait.parallel.loss_scale``); bf16 has fp32's exponent range and needs none.
+(``plait.memory.loss_scale``); bf16 has fp32's exponent range and needs none.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from plait import comm
 from plait.models import build_model
-from plait.parallel.param_server import (
+from plait.parallel.ps.worker import (
     ParameterServer,
     ParameterServerConfig,
     shard_by_size,

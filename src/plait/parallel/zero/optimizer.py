@@ -11,11 +11,11 @@ from torch import nn
 
 from plait import comm
 from plait.comm.communicator import check_group
-from plait.parallel.flat_units import (FlatUnit, add_reduced, check_elementwise, clear_grads, reduce_units,
+from plait.parallel.zero.flat_units import (FlatUnit, add_reduced, check_elementwise, clear_grads, reduce_units,
                                        step_and_gather)
-from plait.parallel.state_offload import StateFiles
-from plait.parallel.unit_gathering import UnitGatherer, default_wrap
-from plait.parallel.weak_hooks import weak_method
+from plait.parallel.zero.state_offload import StateFiles
+from plait.parallel.zero.unit_gathering import UnitGatherer, default_wrap
+from plait.parallel.data.weak_hooks import weak_method
 
 
 class ShardedOptimizer:
@@ -43,13 +43,13 @@ class ShardedOptimizer:
     Stage 3 shards the parameters too: ``modules`` (the modules the forward runs) are
     cut into units as ``plait.parallel.ZeRO`` does (every child holding parameters,
     containers looked inside), each unit's parameters gathered around its forward
-    and its backward and freed after (``plait.parallel.unit_gathering``), its
+    and its backward and freed after (``plait.parallel.zero.unit_gathering``), its
     gradients reduce-scattered inside each backward as in stage 2; parameters of no
     single unit stay gathered. ``whole_parameters()`` gathers everything for reading
     or loading them (checkpoints).
 
     ``offload_dir``: the optimizer state in memory-mapped files there between steps
-    (``plait.parallel.state_offload``; parameters on the CPU only).
+    (``plait.parallel.zero.state_offload``; parameters on the CPU only).
 
     Call ``begin_step()`` before each step's first forward."""
 

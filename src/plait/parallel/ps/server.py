@@ -1,6 +1,6 @@
 """The parameter server's server side: the sync and async serving loops, the
 deadline guard that names a lost worker, and the averaging and optimiser step
-(mixed into ``plait.parallel.param_server.ParameterServer``; see its docstring for
+(mixed into ``plait.parallel.ps.worker.ParameterServer``; see its docstring for
 the modes and the protocol)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import random
 import torch
 
 from plait import comm
-from plait.parallel.ps_config import (_ABORT, _CLOSE, _DATA_TAG, _DISCONNECTED, _KINDS,
+from plait.parallel.ps.config import (_ABORT, _CLOSE, _DATA_TAG, _DISCONNECTED, _KINDS,
                                       _PROTOCOL, _PUSH, _PUSH_TAG, _RAISED, _REASONS, _REPLY, _REPLY_TAG,
                                       _TIMED_OUT, ParameterServerStats, PushRecord)
 

@@ -1,5 +1,5 @@
 """The parameter server's configuration, its sharding rule and its records
-(``plait.parallel.param_server`` runs the protocol)."""
+(``plait.parallel.ps.worker`` runs the protocol)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""ZeRO stages 1-3 (plait.parallel.zero) on real gloo ranks: float64 training equals one
+"""ZeRO stages 1-3 (plait.parallel.zero.module) on real gloo ranks: float64 training equals one
 process training the whole batch, with gradient accumulation, clipping, a tied
 weight, an unused parameter, a root-level parameter and uneven shards (N = 2..5);
 memory after a step is measured from live storages against ZeRO's formulas; bytes
@@ -20,8 +20,8 @@ import torch.distributed as dist
 from torch import nn
 
 from plait import comm
-from plait.parallel.data import DataParallel
-from plait.parallel.zero import ZeRO, default_wrap
+from plait.parallel.data.data_parallel import DataParallel
+from plait.parallel.zero.module import ZeRO, default_wrap
 from plait.testing import run_distributed, run_fresh_world
 
 BATCH, SEQ, VOCAB = 12, 5, 11

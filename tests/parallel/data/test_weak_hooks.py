@@ -1,6 +1,6 @@
 """Wrappers that hook their parameters (DataParallel, ZeRO 1-3, ShardedOptimizer) are
 freed once the user drops them: the hooks the parameters hold keep them only weakly
-(before plait.parallel.weak_hooks, every wrapper built stayed in memory for good, with
+(before plait.parallel.data.weak_hooks, every wrapper built stayed in memory for good, with
 its buckets and optimizer state: a process building one per run grew by the model's
 state each time)."""
 
@@ -11,9 +11,9 @@ import pytest
 import torch
 from torch import nn
 
-from plait.parallel.data import DataParallel
-from plait.parallel.sharded_optimizer import ShardedOptimizer
-from plait.parallel.zero import ZeRO
+from plait.parallel.data.data_parallel import DataParallel
+from plait.parallel.zero.optimizer import ShardedOptimizer
+from plait.parallel.zero.module import ZeRO
 from plait.testing import run_distributed
 
 

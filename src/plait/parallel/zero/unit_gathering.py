@@ -6,7 +6,7 @@ module computes, the next one (in the order the last step's forwards ran them; i
 backward the one before) is already being gathered on plait's comm thread.
 
 Used by ``plait.parallel.zero.ZeRO`` (one unit a module) and by
-``plait.parallel.sharded_optimizer.ShardedOptimizer`` (plait train: a module's units
+``plait.parallel.zero.optimizer.ShardedOptimizer`` (plait train: a module's units
 split by optimizer param group and tensor-parallel kind)."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from plait.parallel.flat_units import FlatUnit, gather_units
+from plait.parallel.zero.flat_units import FlatUnit, gather_units
 
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
 

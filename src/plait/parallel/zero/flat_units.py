@@ -1,4 +1,4 @@
-"""The flat buffers ZeRO shards (plait.parallel.zero, plait.parallel.sharded_optimizer):
+"""The flat buffers ZeRO shards (plait.parallel.zero.module, plait.parallel.zero.optimizer):
 a unit's parameters packed into one buffer, padded with zeros to a multiple of N and
 cut into N equal shards (rank r owns shard r), the module's parameters made views into
 it; gathered with an all-gather, released with ``resize_(0)``. Also what both need

@@ -11,10 +11,10 @@ import tempfile
 import pytest
 import torch
 
-from plait.parallel.zero import ZeRO
+from plait.parallel.zero.module import ZeRO
 from plait.testing import run_distributed
 
-from tests.parallel.test_zero import TiedNet, _data, _loss, _model, _optimizer
+from tests.parallel.zero.test_zero import TiedNet, _data, _loss, _model, _optimizer
 
 STEPS = 3
 
