@@ -18,7 +18,8 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 RANK = {"__main__": 9, "cli": 8, "train": 7, "bench": 7, "plan": 6, "testbed": 6, "graph": 6, "models": 5,
         "parallel": 4, "memory": 3.5, "compress": 3, "comm": 2, "cost": 1, "testing": 0,
         "errors": -1,  # plait.errors: the user-error base class, torch-free, below every layer
-        "files": -1}  # plait.files: reading a user's small file (regular, bounded), torch-free, below every layer
+        "files": -1,  # plait.files: reading a user's small file (regular, bounded), torch-free, below every layer
+        "names": -2}  # plait.names: the shared vocabulary (DESIGN.md 2), torch-free, imports nothing of plait
 # the root package (plait.__version__) is a leaf anyone may import
 ROOT = "plait"
 
@@ -160,6 +161,13 @@ def test_imports_are_found():
 def test_cost_and_plan_never_import_torch_distributed():
     bad = [_where(i) for i in all_imports()
            if _layer(i.importer) in ("cost", "plan") and _within(i.target, "torch.distributed")]
+    assert not bad, bad
+
+
+def test_names_is_torch_free_and_imports_no_layer():
+    """DESIGN.md 2: the vocabulary every layer shares is torch-free and depends on nothing."""
+    bad = [_where(i) for i in all_imports() if _layer(i.importer) == "names"
+           and (_within(i.target, "torch") or (_layer(i.target) not in (None, "names") and i.target != ROOT))]
     assert not bad, bad
 
 
