@@ -156,6 +156,53 @@ def test_bad_recompute_settings_are_named():
         set_block_recompute(list(model.blocks), "full", -1)
 
 
+# ----- torch's own randomness (nn.Dropout, torch.rand) is replayed too -----------------------
+def _region_drawing_from_torch(linear: torch.nn.Linear, dropout: torch.nn.Dropout):
+    def region(x):
+        hidden = dropout(linear(x).tanh())  # the dropout mask is saved for the backward
+        return hidden * torch.rand(hidden.shape, dtype=hidden.dtype, device=hidden.device)  # so is the rand
+
+    return region
+
+
+def _torch_random_grads(use_recompute: bool, device: str):
+    """Gradients of a region drawing from torch's generators, and the generator's next
+    draw after the backward; the generator moves on between the forward and the backward
+    (as it does when later layers drop out), so a recompute that did not set it back
+    would draw other masks."""
+    torch.manual_seed(5)
+    linear = torch.nn.Linear(16, 16, dtype=torch.float64, device=device)
+    region = _region_drawing_from_torch(linear, torch.nn.Dropout(0.5))
+    x = torch.randn(4, 16, dtype=torch.float64, device=device, requires_grad=True)
+    recomputed = []
+    out = recompute(region, x, on_recompute=recomputed.append) if use_recompute else region(x)
+    torch.rand(64, device=device)  # later draws, between the forward and the backward
+    out.square().sum().backward()
+    after = torch.rand(8, device=device)  # the backward gave the generator back where it was
+    return [x.grad, linear.weight.grad, linear.bias.grad], after, recomputed
+
+
+def _check_torch_randomness_replayed(device: str):
+    grads, after, _ = _torch_random_grads(False, device)
+    got_grads, got_after, recomputed = _torch_random_grads(True, device)
+    assert recomputed == ["region"]  # the region did run again in the backward
+    assert all(torch.equal(got, want) for got, want in zip(got_grads, grads, strict=True))
+    assert torch.equal(got_after, after)
+
+
+def test_torch_dropout_and_rand_are_replayed_bitwise():
+    """nn.Dropout and torch.rand in a region: the recompute draws the masks of the
+    forward (torch's CPU generator set back, as torch.utils.checkpoint does), so the
+    gradients equal those without recomputation exactly, in float64."""
+    _check_torch_randomness_replayed("cpu")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run on the GPU machine)")
+def test_torch_dropout_and_rand_are_replayed_bitwise_on_cuda():
+    """The same on a CUDA device: that device's generator is set back."""
+    _check_torch_randomness_replayed("cuda")
+
+
 # ----- tensor parallelism: the recomputed forward re-runs its collectives --------------------
 def recomputed_tp_block(rank, world_size, mode):
     tp = new_tensor_parallel(world_size, algorithm="ring")

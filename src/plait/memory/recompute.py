@@ -16,11 +16,14 @@ run saves, and every slot is answered from that record. So:
   autograd lets go of the region's last slot, i.e. until the graph is freed;
 - autocast replays: the recompute runs under the ``torch.autocast`` state (enabled,
   dtype, weight-cast cache) of the region's forward, on the CPU and, when an input is
-  on one, the CUDA device, since the backward runs outside the forward's autocast;
+  on one, the accelerator (CUDA) device type, since the backward runs outside the
+  forward's autocast;
 - randomness replays: the random streams named in ``streams`` (modules with a ``calls``
-  counter, plait's ``ConsistentDropout``) and torch's global CPU generator (and the
-  current CUDA device's) are set back to their state at the region's forward for the
-  recompute and restored afterwards;
+  counter, plait's ``ConsistentDropout``), torch's global CPU generator and the generator
+  of each accelerator device (CUDA, or another torch device type) an input lives on are
+  set back to their state at the region's forward for the recompute (as
+  ``torch.utils.checkpoint`` does with ``preserve_rng_state``) and restored afterwards,
+  so ``nn.Dropout`` and ``torch.rand`` draw the forward's masks again;
 - collectives inside ``fn`` (tensor-parallel all-reduces, sequence-parallel gathers) run
   again in the recompute, on every rank of their group in the same backward order;
 - memory stays measurable: the kept inputs and the tensors the recompute regenerates
@@ -71,11 +74,13 @@ class _Region:
         self.outer = _enclosing_hooks()
         self.kept = tuple(self._keep_input(arg) for arg in args)
         self.streams = [(stream, stream.calls) for stream in streams]
+        self.device_type, self.devices = _input_devices(args)
         self.cpu_rng = torch.get_rng_state()
-        self.cuda_device = next((arg.device for arg in args if isinstance(arg, torch.Tensor) and arg.is_cuda), None)
-        self.cuda_rng = torch.cuda.get_rng_state(self.cuda_device) if self.cuda_device is not None else None
+        device_module = torch.get_device_module(self.device_type)
+        self.device_rngs = [device_module.get_rng_state(device) for device in self.devices]
+        device_types = ("cpu",) if not self.devices else ("cpu", self.device_type)
         self.autocast = [(device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
-                         for device_type in ("cpu", "cuda") if device_type == "cpu" or self.cuda_device is not None]
+                         for device_type in device_types]
         self.autocast_cache = torch.is_autocast_cache_enabled()
         self.packed = 0  # tensors the first forward saved
         self.saved: list[torch.Tensor] | None = None
@@ -111,27 +116,24 @@ class _Region:
     def _recompute(self) -> list[torch.Tensor]:
         saved: list[torch.Tensor] = []
         current = [(stream, stream.calls) for stream, _ in self.streams]
-        cpu_rng = torch.get_rng_state()
-        cuda_rng = torch.cuda.get_rng_state(self.cuda_device) if self.cuda_device is not None else None
-        try:
-            for stream, calls in self.streams:
-                stream.calls = calls
-            torch.set_rng_state(self.cpu_rng)
-            if self.cuda_device is not None:
-                torch.cuda.set_rng_state(self.cuda_rng, self.cuda_device)
-            with contextlib.ExitStack() as stack:
+        # fork_rng gives every generator set here back its state of now when the recompute ends
+        with torch.random.fork_rng(self.devices, device_type=self.device_type), contextlib.ExitStack() as stack:
+            try:
+                for stream, calls in self.streams:
+                    stream.calls = calls
+                torch.set_rng_state(self.cpu_rng)
+                device_module = torch.get_device_module(self.device_type)
+                for device, state in zip(self.devices, self.device_rngs, strict=True):
+                    device_module.set_rng_state(state, device)
                 for device_type, enabled, dtype in self.autocast:
                     stack.enter_context(torch.autocast(device_type, dtype=dtype, enabled=enabled,
                                                        cache_enabled=self.autocast_cache))
                 stack.enter_context(torch.enable_grad())
                 stack.enter_context(torch.autograd.graph.saved_tensors_hooks(_keep(saved, self.outer), _nothing))
                 self.fn(*self._inputs())  # its output and graph are dropped: only what it saved is used
-        finally:
-            for stream, calls in current:
-                stream.calls = calls
-            torch.set_rng_state(cpu_rng)
-            if self.cuda_device is not None:
-                torch.cuda.set_rng_state(cuda_rng, self.cuda_device)
+            finally:
+                for stream, calls in current:
+                    stream.calls = calls
         if len(saved) != self.packed:
             raise RuntimeError(f"recomputing {self.name}: its forward saved {self.packed} tensors for the backward "
                                f"but the recompute saved {len(saved)}; a recomputed region must take the same path "
@@ -139,6 +141,23 @@ class _Region:
         if self.on_recompute is not None:
             self.on_recompute(self.name)
         return saved
+
+
+def _input_devices(args: tuple) -> tuple[str, list[int]]:
+    """The accelerator device type of the region's tensor inputs and the indices of
+    their devices (sorted, once each), whose generators the recompute sets back: none
+    when every input is on the CPU (then the type is only fork_rng's default). One
+    device type, CUDA first, as torch.utils.checkpoint picks it."""
+    devices = [arg.device for arg in args if isinstance(arg, torch.Tensor) and arg.device.type not in ("cpu", "meta")]
+    types = {device.type for device in devices}
+    if not types:
+        return "cuda", []
+    device_type = "cuda" if "cuda" in types else devices[0].type
+    if device_type == "cuda" and not torch.cuda.is_initialized():
+        return device_type, []  # no CUDA generator has been used: nothing to set back
+    indices = {device.index if device.index is not None else torch.get_device_module(device_type).current_device()
+               for device in devices if device.type == device_type}
+    return device_type, sorted(indices)
 
 
 def _enclosing_hooks():
