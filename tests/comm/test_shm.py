@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from plait.comm.shm_ring import Segment, frame_bytes
+from plait.comm.shm_ring import FRAME_HEADER_BYTES, Segment, frame_bytes
 from plait.comm.shm_setup import (ALONE, NO_DIRECTORY, OK, TOO_SMALL, _decide_hosts, _directory_state, attach_peers,
                                   connect, create_own, reclaim_stale)
 
@@ -55,24 +55,57 @@ def test_the_directory_is_empty_once_connected(tmp_path):
         transport.close()
 
 
+def offset_the_ring(pair):
+    """Send rank 1 a 100-byte message (a 192-byte frame) and read it, so that the next
+    frame starts mid-buffer: without it every lap of the stream starts at the buffer's
+    start (a lock-step sender fills the ring to exactly its end) and no copy ever passes
+    the end. Returns the rings of 0 -> 1: rank 0's (the writer's) and rank 1's (the reader's)."""
+    opening = torch.arange(100, dtype=torch.uint8)
+    drive(pair, [pair[0].send(opening, 1, 6), pair[1].recv(torch.zeros_like(opening), 0, 6)])
+    writer, reader = pair[0].outbound[1], pair[1].inbound[0]
+    assert writer.tail() % writer.capacity == 192 and writer.wraps == reader.wraps == 0
+    return writer, reader
+
+
+def assert_wrapped_within(ring, start, end):
+    """The ring's own account: a copy began inside stream bytes [start, end), mid-buffer,
+    and went on at the buffer's start."""
+    assert ring.wraps >= 1, f"no copy passed the end of the {ring.capacity}-byte ring"
+    assert start <= ring.last_wrap_at < end and ring.last_wrap_at % ring.capacity != 0
+
+
 @pytest.mark.parametrize("numel", [0, 1, 63, 64, 65, 1000, 4096, 10_000, 50_001])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.int64, torch.bfloat16, torch.bool])
 def test_messages_arrive_bit_for_bit_through_a_small_ring(pair, numel, dtype):
-    # a 4 KiB ring: larger messages stream through it and wrap around its end
+    # a 4 KiB ring: a message longer than the rest of the buffer passes its end mid-copy
+    # (writing and reading), and one longer than the ring streams through it
+    writer, reader = offset_the_ring(pair)
     generator = torch.Generator().manual_seed(numel)
     source = (torch.randn(numel, generator=generator) * 100).to(dtype)
     target = torch.zeros(numel, dtype=dtype)
+    start = writer.tail()
     works = [pair[0].send(source, 1, 7), pair[1].recv(target, 0, 7)]
     drive(pair, works)
     assert torch.equal(source, target)
+    payload_bytes = numel * source.element_size()
+    if start % writer.capacity + FRAME_HEADER_BYTES + payload_bytes > writer.capacity:
+        assert_wrapped_within(writer, start, writer.tail())
+        assert_wrapped_within(reader, start, reader.head())
+    else:
+        assert writer.wraps == reader.wraps == 0
 
 
 def test_messages_of_one_tag_arrive_in_order_and_the_ring_wraps(pair):
-    sent = [torch.full((100 + k,), float(k)) for k in range(40)]  # ~16 KiB through a 4 KiB ring
+    writer, reader = offset_the_ring(pair)
+    start = writer.tail()
+    sent = [torch.full((100 + k,), float(k)) for k in range(40)]  # ~24 KiB of frames through a 4 KiB ring
     received = [torch.zeros(100 + k) for k in range(40)]
     works = [pair[0].send(tensor, 1, 3) for tensor in sent] + [pair[1].recv(tensor, 0, 3) for tensor in received]
     drive(pair, works)
     assert all(torch.equal(a, b) for a, b in zip(sent, received))
+    assert writer.tail() - start > 5 * writer.capacity  # the stream went round the ring 5 times and more
+    assert_wrapped_within(writer, start, writer.tail())
+    assert_wrapped_within(reader, start, reader.head())
 
 
 def test_a_later_tag_overtakes_a_message_whose_receive_is_not_posted(pair):

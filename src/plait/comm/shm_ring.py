@@ -154,7 +154,7 @@ class Segment:
 class Ring:
     """One single-producer single-consumer byte ring inside a segment."""
 
-    __slots__ = ("words", "data", "capacity", "_tail", "_head", "_wanted", "_base")
+    __slots__ = ("words", "data", "capacity", "_tail", "_head", "_wanted", "_base", "wraps", "last_wrap_at")
 
     def __init__(self, segment: Segment, offset: int, capacity: int):
         self.words = segment.words
@@ -164,6 +164,10 @@ class Ring:
         self._head = offset // 8 + _HEAD
         self._wanted = offset // 8 + _WANTED
         self._base = offset + HEADER_BYTES
+        # copies through this Ring object that passed the end of the buffer and went on at
+        # its start, and the stream position the last one began at (how a test sees a wrap)
+        self.wraps = 0
+        self.last_wrap_at: int | None = None
 
     def tail(self) -> int:
         return self.words[self._tail]
@@ -208,6 +212,8 @@ class Ring:
         pieces = [(self._base + start, 0, first)]
         if first < nbytes:  # wraps around the end of the ring
             pieces.append((self._base, first, nbytes - first))
+            self.wraps += 1
+            self.last_wrap_at = position
         for at, offset, count in pieces:
             ring_part = self.data[at : at + count]
             if into_ring:
