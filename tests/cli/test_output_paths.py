@@ -18,7 +18,10 @@ def no_rows(*args, **kwargs):
     return []
 
 
-# (command line before the output flag, where its work starts)
+# (command line before the output flag, where its work starts): the name the CLI module
+# calls, patched there. Patching the definition (plait.parallel.pipeline.schedules.build)
+# leaked: plait.cli.schedule is imported on its first run, and when that run was under the
+# patch, its `from ... import build` bound the patched function for every later test.
 COMMANDS = {
     "bench": (["bench", "all_reduce", "--nprocs", "2"], "plait.cli.bench.spawn_and_run"),
     "bench dp": (["bench", "dp", "--nprocs", "2", "--compression", "none"], "plait.cli.bench_dp.spawn_and_run"),
@@ -28,7 +31,7 @@ COMMANDS = {
     "simulate": (["simulate", "--topology", "ring", "--nodes", "1", "--devices-per-node", "4", "--nbytes", "1MB",
                   "--algorithm", "ring"], "plait.cli.simulate.simulate_one"),
     "schedule": (["schedule", "--schedule", "1f1b", "--stages", "2", "--microbatches", "2"],
-                 "plait.parallel.pipeline.schedules.build"),
+                 "plait.cli.schedule.build"),
 }
 FILE_FLAGS = [("bench", "--json"), ("bench", "--csv"), ("bench", "--plot"), ("bench dp", "--json"),
               ("bench dp", "--plot"), ("bench tp", "--json"), ("bench pp", "--json"), ("calibrate", "--output"),
