@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.plait-installed
 
-.PHONY: run test test-fast install clean
+.PHONY: run test test-fast install clean docs docs-check
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -31,6 +31,16 @@ test: $(STAMP)
 
 test-fast: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m "not slow"
+
+# The documentation (docs/, mkdocs.yml) as a site in site/; --strict fails on a broken
+# link or anchor. docs-check also runs every command and code block of the README and
+# docs/ (tests/docs: the quick ones are part of make test; -m naming docs_slow adds the
+# slow ones), within 20 minutes on the 2-core machine.
+docs: $(STAMP)
+	$(VENV)/bin/mkdocs build --strict
+
+docs-check: docs
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q tests/docs -m "docs_slow or not docs_slow"
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache
