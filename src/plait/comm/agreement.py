@@ -34,15 +34,7 @@ from plait.comm.errors import MismatchError
 from plait.comm.executor import Call
 from plait.comm.inband import INLINE_BYTES, CallSignature, InbandCall
 from plait.comm.ops import COMBINE
-
-DTYPE_CODES = {
-    dtype: code
-    for code, dtype in enumerate(
-        [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8, torch.uint8,
-         torch.int16, torch.int32, torch.int64, torch.bool, torch.complex64, torch.complex128]
-    )
-}
-OP_CODES = {"none": 0, "sum": 1, "avg": 2, "min": 3, "max": 4, "prod": 5, "band": 6, "bor": 7, "bxor": 8}
+from plait.names.wire import OP_CODES, dtype_code
 FIELDS = ("collective", "algorithm", "elements", "dtype", "op", "root", "hierarchy or schedule",
           "segment_bytes", "pipeline_segment_bytes")
 SIGNATURE_BYTES = 8 * len(FIELDS)
@@ -63,7 +55,7 @@ def code(text: str) -> int:
 
 def _codes(signature: CallSignature) -> list[int]:
     return [code(signature.collective), code(signature.algorithm), signature.elements,
-            DTYPE_CODES.get(signature.dtype, 99), OP_CODES[signature.op],
+            dtype_code(signature.dtype, signature.collective), OP_CODES[signature.op],
             -1 if signature.root is None else signature.root, signature.hierarchy, signature.segment_bytes,
             signature.pipeline_segment_bytes]
 
@@ -158,5 +150,5 @@ def _disagreement(signature: CallSignature, rows: list[list[int]], rank: int) ->
         f"(this rank {rank}: {signature.describe()})", before_any_message=True)
 
 
-__all__ = ["CARRIED_BYTES", "CARRIERS", "DTYPE_CODES", "FIELDS", "OP_CODES", "REFUSED_ROOT", "carried_payload_bytes", "code",
+__all__ = ["CARRIED_BYTES", "CARRIERS", "FIELDS", "REFUSED_ROOT", "carried_payload_bytes", "code",
            "exchange"]

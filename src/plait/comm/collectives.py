@@ -44,7 +44,7 @@ from plait.comm.engine import merge_stats
 from plait.comm.errors import CommError, CommTimeoutError, MismatchError
 from plait.comm.executor import Call
 from plait.comm.inband import INLINE_BYTES, CallSignature, InbandCall
-from plait.comm.ops import COMBINE, check_reducible, op_name
+from plait.comm.ops import COMBINE, check_carried, check_reducible, op_name
 from plait.comm.transport import stages_through_host
 from plait.cost.alpha_beta import pipeline_segments
 
@@ -127,6 +127,7 @@ def _launch(collective, communicator, async_op, algorithm, prepare, *, tensor, n
         return None  # this rank is not in the group, as torch does
     rank, p, config = communicator.rank, communicator.size, communicator.config
     dtype = tensor.dtype
+    check_carried(dtype, collective)  # refused by name before any message (plait.names.wire)
     if collective in REDUCING:
         check_reducible(dtype, op, collective)
     pending = table_pending(algorithm, collective, communicator)

@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 import torch
 
 from plait.comm.algorithms import DEFAULT_NAMES, TORCH, builder
-from plait.comm.agreement import DTYPE_CODES
 from plait.comm.collectives import ReduceOp, all_gather_single, all_reduce, enqueue
 from plait.comm.communicator import check_group, communicator_for
+from plait.names.wire import describe_dtype_code, dtype_code
 
 
 @dataclass
@@ -90,14 +90,13 @@ def _check_bucket(state: DDPHookState, index: int, buffer: torch.Tensor) -> None
         return
     communicator = communicator_for(state.group)
     p = communicator.size
-    mine = torch.tensor([index, buffer.numel(), DTYPE_CODES.get(buffer.dtype, 99)], dtype=torch.int64)
+    mine = torch.tensor([index, buffer.numel(), dtype_code(buffer.dtype, "ddp_comm_hook")], dtype=torch.int64)
     table = torch.empty(3 * p, dtype=torch.int64)
     all_gather_single(table, mine, state.group, algorithm="bruck")
     rows = table.view(p, 3).tolist()
     if any(row != rows[0] for row in rows):
-        names = {code: str(dtype).replace("torch.", "") for dtype, code in DTYPE_CODES.items()}
         ranks = communicator.ranks
-        described = "; ".join(f"rank {ranks[r]}: bucket {row[0]} of {row[1]} elements of {names.get(row[2], '?')}"
+        described = "; ".join(f"rank {ranks[r]}: bucket {row[0]} of {row[1]} elements of {describe_dtype_code(row[2])}"
                               for r, row in enumerate(rows))
         raise ValueError(
             f"plait ddp_comm_hook: the ranks' gradient buckets differ ({described}); every rank must wrap "

@@ -33,6 +33,7 @@ leaf) exchange no header and time out naming the peer and the call.
 from __future__ import annotations
 
 import time
+import zlib
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -41,6 +42,7 @@ import torch
 from plait.comm.algorithms import ALGORITHMS, COLLECTIVES, TORCH
 from plait.comm import tags
 from plait.comm.errors import MismatchError
+from plait.names.wire import OP_CODES, describe_dtype_code, describe_op_code, dtype_code, dtype_name
 
 HEADER_TAG = tags.COLLECTIVE_HEADER
 PACKED_TAG_OFFSET = tags.COLLECTIVE_PACKED.start - tags.COLLECTIVE.start
@@ -50,9 +52,6 @@ HEADER_FIELDS = ("magic", "seq", "collective", "algorithm", "elements", "dtype",
 HEADER_BYTES = 8 * len(HEADER_FIELDS)
 INLINE_BYTES = 64 << 10
 
-_DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8, torch.uint8, torch.int16,
-           torch.int32, torch.int64, torch.bool, torch.complex64, torch.complex128]
-_OPS = ["none", "sum", "avg", "min", "max", "prod", "band", "bor", "bxor"]
 _ALGORITHMS = sorted({name for name in ALGORITHMS} | {TORCH})
 _COLLECTIVES = list(COLLECTIVES)
 
@@ -61,7 +60,7 @@ def _index(items, value) -> int:
     try:
         return items.index(value)
     except ValueError:
-        return len(items) + (hash(str(value)) & 0xFFFF)
+        return len(items) + (zlib.crc32(str(value).encode()) & 0xFFFF)  # the same in every process
 
 
 def _name(items, code: int) -> str:
@@ -84,12 +83,12 @@ class CallSignature:
 
     def codes(self, seq: int) -> list[int]:
         return [MAGIC, seq, _index(_COLLECTIVES, self.collective), _index(_ALGORITHMS, self.algorithm),
-                self.elements, _index(_DTYPES, self.dtype), _index(_OPS, self.op),
+                self.elements, dtype_code(self.dtype, self.collective), OP_CODES[self.op],
                 -1 if self.root is None else self.root, self.hierarchy, self.segment_bytes,
                 self.pipeline_segment_bytes]
 
     def describe(self) -> str:
-        parts = [f"algorithm={self.algorithm}", f"{self.elements} elements of {str(self.dtype).replace('torch.', '')}"]
+        parts = [f"algorithm={self.algorithm}", f"{self.elements} elements of {dtype_name(self.dtype)}"]
         if self.op != "none":
             parts.append(f"op={self.op}")
         if self.root is not None:
@@ -101,9 +100,9 @@ def describe_codes(codes: list[int]) -> str:
     """A received header as the call it describes."""
     fields = dict(zip(HEADER_FIELDS, codes))
     parts = [f"algorithm={_name(_ALGORITHMS, fields['algorithm'])}",
-             f"{fields['elements']} elements of {_name(_DTYPES, fields['dtype']).replace('torch.', '')}"]
+             f"{fields['elements']} elements of {describe_dtype_code(fields['dtype'])}"]
     if fields["op"] != 0:
-        parts.append(f"op={_name(_OPS, fields['op'])}")
+        parts.append(f"op={describe_op_code(fields['op'])}")
     if fields["root"] >= 0:
         parts.append(f"root={fields['root']}")
     return f"{_name(_COLLECTIVES, fields['collective'])}({', '.join(parts)})"

@@ -8,26 +8,20 @@ from typing import Callable
 import torch
 
 from plait.comm.schedule import Transfer
+from plait.names.collectives import BITWISE_OPS, REDUCE_OPS
+from plait.names.wire import COMPLEX, DTYPES, FLOATING, INTEGER, OP_FAMILIES, dtype_name, wire_dtype
 
-OP_NAMES = ("sum", "avg", "min", "max", "prod", "band", "bor", "bxor")
-BITWISE_OPS = ("band", "bor", "bxor")
-FLOATING_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-INTEGER_DTYPES = (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)
-COMPLEX_DTYPES = (torch.complex64, torch.complex128)
-REDUCING_DTYPES = FLOATING_DTYPES + INTEGER_DTYPES + (torch.bool,) + COMPLEX_DTYPES
+OP_NAMES = REDUCE_OPS
+# the wire table's reducible dtypes, in its order (torch dtypes: plait.names is torch-free)
+FLOATING_DTYPES = tuple(getattr(torch, entry.name) for entry in DTYPES if entry.family == FLOATING)
+INTEGER_DTYPES = tuple(getattr(torch, entry.name) for entry in DTYPES if entry.family == INTEGER)
+COMPLEX_DTYPES = tuple(getattr(torch, entry.name) for entry in DTYPES if entry.family == COMPLEX)
+REDUCING_DTYPES = tuple(getattr(torch, entry.name) for entry in DTYPES if entry.family is not None)
 
-# what each op may reduce, as torch.distributed over gloo allows it: bool SUM is OR and
-# PRODUCT is AND (torch's own add/mul on bool); bitwise ops take integers and bool;
-# complex tensors take SUM and AVG only; AVG needs a floating (or complex) dtype
+# what each op may reduce (plait.names.wire.OP_FAMILIES), as torch dtypes in the table's order
 ALLOWED_DTYPES: dict[str, tuple[torch.dtype, ...]] = {
-    "sum": REDUCING_DTYPES,
-    "avg": FLOATING_DTYPES + COMPLEX_DTYPES,
-    "min": FLOATING_DTYPES + INTEGER_DTYPES + (torch.bool,),
-    "max": FLOATING_DTYPES + INTEGER_DTYPES + (torch.bool,),
-    "prod": FLOATING_DTYPES + INTEGER_DTYPES + (torch.bool,),
-    "band": INTEGER_DTYPES + (torch.bool,),
-    "bor": INTEGER_DTYPES + (torch.bool,),
-    "bxor": INTEGER_DTYPES + (torch.bool,),
+    op: tuple(getattr(torch, entry.name) for entry in DTYPES if entry.family in families)
+    for op, families in OP_FAMILIES.items()
 }
 
 Combine = Callable[[torch.Tensor, torch.Tensor], None]
@@ -84,7 +78,13 @@ def op_name(op) -> str:
 
 
 def _names(dtypes) -> str:
-    return ", ".join(str(d).replace("torch.", "") for d in dtypes)
+    return ", ".join(dtype_name(d) for d in dtypes)
+
+
+def check_carried(dtype: torch.dtype, collective: str) -> None:
+    """Refuse, before any message, a dtype plait's collectives cannot carry (a quantized
+    or sub-byte dtype, or one the wire table lacks), naming it and the fix."""
+    wire_dtype(dtype, collective)
 
 
 def check_reducible(dtype: torch.dtype, op: str, collective: str) -> None:
