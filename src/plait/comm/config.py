@@ -47,9 +47,9 @@ from types import MappingProxyType
 from plait.comm.settings import checked_setting, from_environment
 from plait.cost.topology import Topology
 from plait.cost.topology_io import topology_fingerprint
+from plait.names.transports import TRANSPORTS
 
 CHECK_MODES = ("inband", "deep", "off")
-TRANSPORTS = ("auto", "shm", "gloo")
 
 
 @dataclass(frozen=True, kw_only=True)

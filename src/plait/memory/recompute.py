@@ -43,6 +43,8 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
+from plait.names.recompute import NONE, RECOMPUTE_MODES
+
 
 class _Slot:
     """What autograd holds instead of a saved tensor: its region and its index."""
@@ -208,8 +210,6 @@ def random_streams(module: nn.Module) -> list[nn.Module]:
     return [child for child in module.modules() if hasattr(child, "calls") and hasattr(child, "reseed")]
 
 
-RECOMPUTE_MODES = ("none", "selective", "full")
-
 
 def check_mode(mode: str) -> str:
     if mode not in RECOMPUTE_MODES:
@@ -227,7 +227,7 @@ def set_block_recompute(blocks: list[nn.Module], mode: str, layers: int | None =
         raise ValueError(f"recompute layers={layers!r}: give a block count >= 0 (or None for every block)")
     count = len(blocks) if layers is None else min(layers, len(blocks))
     for index, block in enumerate(blocks):
-        block.set_recompute(mode if index < count else "none", on_recompute)
+        block.set_recompute(mode if index < count else NONE, on_recompute)
 
 
 __all__ = ["RECOMPUTE_MODES", "check_mode", "random_streams", "recompute", "set_block_recompute"]

@@ -19,8 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-AXES = ("dp", "tp", "pp")
-DEFAULT_ORDER = "tp,dp,pp"
+from plait.names.axes import AXES, DEFAULT_ORDER
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -28,16 +28,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, fields, replace
 
+from plait.names.recompute import RECOMPUTE_MODES
+
 __all__ = ["RECOMPUTE_MODES", "MATMUL_KINDS", "LayerCost", "check_recompute", "total", "matmul_flops",
            "backward_matmuls", "weight_gradient_matmuls"]
 
 # a matmul entry: (kind, count, m, n, k); "gemm" a plain product (m the token dimension),
 # "bmm" a batched one of ``count`` independent products (attention's QKᵀ and PV)
 MATMUL_KINDS = ("gemm", "bmm")
-
-
-# activation recomputation, as plait train runs it (plait.memory.recompute)
-RECOMPUTE_MODES = ("none", "selective", "full")
 
 
 def check_recompute(mode) -> str:

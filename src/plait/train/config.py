@@ -36,19 +36,18 @@ from pathlib import Path
 import tomli_w
 
 from plait.files import read_small_file
+from plait.names.axes import DEFAULT_ORDER
+from plait.names.precision import FP32, GRAD_REDUCE_DTYPES, PRECISIONS
+from plait.names.recompute import RECOMPUTE_MODES
+from plait.names.transports import BACKENDS, TRANSPORTS
 from plait.train.config_rules import listed, value_problems
 
 MODELS = ("gpt", "mlp")
 DTYPES = ("float32", "float64", "bfloat16")
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "chimera", "zero_bubble")
-RECOMPUTE_MODES = ("none", "selective", "full")  # plait.memory.recompute's (this module stays torch-free)
-PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed")  # plait.memory.precision's
-GRAD_REDUCE_DTYPES = ("fp32", "bf16", "fp16")
 OPTIMIZERS = ("adamw", "sgd")
 OFFLOADS = ("none", "optimizer")
 LR_SCHEDULES = ("cosine", "linear", "constant")
-BACKENDS = ("auto", "nccl", "gloo")
-TRANSPORTS = ("auto", "shm", "gloo")  # plait.comm.config's
 TABLES = ("model", "data", "batch", "parallel", "optim", "run")
 CLI_GROUP_TITLE = "training config (also settable in --config FILE)"
 # a config sets each of TrainConfig's ~60 fields at most once: a few KB. 1 MiB is hundreds of times that and
@@ -75,7 +74,7 @@ class TrainConfig:
     dropout: float = _field(0.0, "model", "gpt: dropout probability in [0, 1)")
     tied_head: bool = _field(False, "model", "gpt: share the token embedding with the output head (pp=1 only)")
     dtype: str = _field("float32", "model", "parameter and activation dtype", DTYPES)
-    precision: str = _field("fp32", "model", "fp32, or bf16-mixed / fp16-mixed: 16-bit compute under autocast, "
+    precision: str = _field(FP32, "model", "fp32, or bf16-mixed / fp16-mixed: 16-bit compute under autocast, "
                                              "fp32 master weights and optimizer state (fp16: dynamic loss scaling)",
                             PRECISIONS)
     recompute: str = _field("none", "model", "gpt: activation recomputation: none, selective (the attention core "
@@ -98,7 +97,7 @@ class TrainConfig:
     dp: int = _field(2, "parallel", "data-parallel degree")
     tp: int = _field(1, "parallel", "tensor-parallel degree (gpt only)")
     pp: int = _field(2, "parallel", "pipeline-parallel degree (stages)")
-    mesh_order: str = _field("tp,dp,pp", "parallel", "mesh axes innermost (consecutive ranks) first, "
+    mesh_order: str = _field(DEFAULT_ORDER, "parallel", "mesh axes innermost (consecutive ranks) first, "
                                                       "a permutation of tp,dp,pp")
     schedule: str = _field("1f1b", "parallel", "pipeline schedule", SCHEDULES)
     virtual: int = _field(1, "parallel", "model chunks per pipeline rank (interleaved_1f1b only)")

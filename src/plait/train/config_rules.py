@@ -11,11 +11,12 @@ import difflib
 import math
 import threading
 from typing import TYPE_CHECKING
+from plait.names.axes import AXES
+from plait.names.precision import PRECISION_FOR_REDUCE_DTYPE
 
 if TYPE_CHECKING:
     from plait.train.config import TrainConfig
 
-AXES = ("tp", "dp", "pp")
 # A step's schedule is built, replayed and held as data every step (O(microbatches · pp)
 # actions); past this many micro-batches per step a run is a typo, not a plan.
 MAX_MICROBATCHES = 4096
@@ -236,8 +237,8 @@ def _model_problems(c: TrainConfig, ok) -> list[str]:
         problems.append(f"precision={c.precision!r} with dtype={c.dtype!r}: mixed precision keeps fp32 master "
                         "weights; set dtype=float32 (the parameters' type) or precision=fp32")
     if ok("precision", "grad_reduce_dtype") and c.grad_reduce_dtype != "fp32" and \
-            c.precision != {"bf16": "bf16-mixed", "fp16": "fp16-mixed"}[c.grad_reduce_dtype]:
-        wanted = {"bf16": "bf16-mixed", "fp16": "fp16-mixed"}[c.grad_reduce_dtype]
+            c.precision != PRECISION_FOR_REDUCE_DTYPE[c.grad_reduce_dtype]:
+        wanted = PRECISION_FOR_REDUCE_DTYPE[c.grad_reduce_dtype]
         problems.append(f"grad_reduce_dtype={c.grad_reduce_dtype!r} with precision={c.precision!r}: gradients are "
                         f"reduced in the compute dtype only; use precision={wanted} or grad_reduce_dtype=fp32")
     if ok("grad_reduce_dtype", "compression") and c.grad_reduce_dtype != "fp32" and c.compression != "none":

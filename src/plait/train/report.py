@@ -30,11 +30,11 @@ import json
 import math
 from pathlib import Path
 
+from plait.names.axes import AXES
 from plait.train.atomic_files import atomic_write
 from plait.train.memory import memory_rows, render_memory
 from plait.train.progress import format_duration, format_rate, rate_key, throughput_unit
 
-AXES = ("dp", "tp", "pp")
 TIME_PARTS = ("compute", "comm", "bubble", "other")
 MIB = float(1 << 20)
 RUN_KEYS = ("config", "mesh", "world_size", "backend", "device", "flops_per_step", "peak_flops_per_s",

@@ -13,20 +13,7 @@ from plait.comm.algorithms import blink, bruck, butterfly, direct, hierarchical,
 from plait.comm.schedule import Schedule, make_schedule
 from plait.cost.topology import Topology
 from plait.cost.topology_io import topology_fingerprint
-
-COLLECTIVES = (
-    "all_reduce",
-    "reduce_scatter",
-    "all_gather",
-    "broadcast",
-    "reduce",
-    "gather",
-    "scatter",
-    "all_to_all",
-    "barrier",
-)
-ROOTED = ("broadcast", "reduce", "gather", "scatter")
-REDUCING = ("all_reduce", "reduce_scatter", "reduce")
+from plait.names.collectives import COLLECTIVES, REDUCING, ROOTED
 
 ALGORITHMS: dict[str, dict] = {
     "direct": direct.DIRECT_BUILDERS,
