@@ -1,6 +1,7 @@
 """Reading a user's small file (a --config TOML, a calibration profile): it must be a
-regular file and of bounded size. Torch-free and importing nothing of plait's, so
-every layer may use it (cost/ as train/).
+regular file and of bounded size; and where plait caches files when no directory is
+given. Torch-free and importing nothing of plait's, so every layer may use it (cost/
+as train/).
 
 A path that names a FIFO would block the reader forever (nothing writes to it), a
 character device such as /dev/zero never ends, a directory fails late with
@@ -14,10 +15,19 @@ from __future__ import annotations
 
 import os
 import stat
+from pathlib import Path
 
-__all__ = ["read_small_file", "file_kind"]
+__all__ = ["default_cache_dir", "read_small_file", "file_kind"]
 
 CHUNK_NBYTES = 1 << 16
+
+
+def default_cache_dir() -> Path:
+    """``~/.cache/plait``: the cache (tokenised corpora, calibration profiles) of a library
+    call given no directory. The library reads no environment variable: the ``plait``
+    CLI passes ``$PLAIT_CACHE_DIR``, else ``$XDG_CACHE_HOME/plait``, else this
+    (plait.cli.environment.cache_dir)."""
+    return Path.home() / ".cache" / "plait"
 
 
 def file_kind(mode: int) -> str:

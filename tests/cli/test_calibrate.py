@@ -6,6 +6,7 @@ import warnings
 
 import pytest
 
+from plait.cli.environment import cache_dir
 from plait.cli.main import main
 from plait.cost.profile import load_profile
 
@@ -78,7 +79,7 @@ def _calibrate_defaults_profile(world_size: int):
                       time_s=call_s + steps * (alpha_s + beta_s_per_byte * nbytes + reduce * gamma_s_per_byte * nbytes))
                for steps in (1, 4) for nbytes in (16 << 10, 256 << 10, 4 << 20) for reduce in (False, True)]
     profile, _ = make_profile(samples, backend=name, device="cpu", world_size=world_size)
-    return save_profile(profile, args.output)
+    return save_profile(profile, args.output, cache_dir=cache_dir())  # where calibrate saves: the CLI's directory
 
 
 def test_tune_show_reads_the_profile_calibrate_saved(tmp_path, capsys, monkeypatch):

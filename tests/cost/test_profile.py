@@ -26,8 +26,7 @@ def make_profile(**changes):
 
 
 @pytest.fixture
-def cache_dir(tmp_path, monkeypatch):
-    monkeypatch.setenv("PLAIT_CACHE_DIR", str(tmp_path / "cache"))
+def cache_dir(tmp_path):
     return tmp_path / "cache"
 
 
@@ -35,9 +34,9 @@ def test_round_trip_through_the_default_path(cache_dir):
     profile = make_profile()
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # same machine: no warning
-        path = save_profile(profile)
+        path = save_profile(profile, cache_dir=cache_dir)
         assert path == cache_dir / "profile-gloo+shm.json"  # plait calibrate's default transport's
-        loaded = load_profile()
+        loaded = load_profile(cache_dir=cache_dir)
     assert loaded == profile
     assert loaded.samples[0].rep_times_s == (2e-3, 2.1e-3)
     assert loaded.machine == machine_identity()
@@ -45,8 +44,8 @@ def test_round_trip_through_the_default_path(cache_dir):
 
 
 def test_explicit_path_and_missing_file(tmp_path, cache_dir):
-    assert load_profile() is None
-    assert load_profile(backend="nccl") is None
+    assert load_profile(cache_dir=cache_dir) is None
+    assert load_profile(backend="nccl", cache_dir=cache_dir) is None
     assert load_profile(tmp_path / "nowhere.json") is None
     target = save_profile(make_profile(backend="nccl", device="cuda (H100)"), tmp_path / "sub" / "p.json")
     assert target == tmp_path / "sub" / "p.json"
@@ -54,17 +53,17 @@ def test_explicit_path_and_missing_file(tmp_path, cache_dir):
     assert not cache_dir.exists()
 
 
-def test_default_path_precedence(monkeypatch, tmp_path):
-    monkeypatch.delenv("PLAIT_CACHE_DIR", raising=False)
-    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+def test_default_path_is_the_cache_dir_given_and_no_environment_variable(monkeypatch, tmp_path):
+    """The library reads no environment variable: the CLI resolves PLAIT_CACHE_DIR and
+    XDG_CACHE_HOME (tests/cli/test_cache_dir.py) and passes the directory down."""
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
-    assert default_profile_path("gloo") == tmp_path / "home" / ".cache" / "plait" / "profile-gloo.json"
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    assert default_profile_path("nccl") == tmp_path / "xdg" / "plait" / "profile-nccl.json"
     monkeypatch.setenv("PLAIT_CACHE_DIR", str(tmp_path / "plait"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert default_profile_path("gloo") == tmp_path / "home" / ".cache" / "plait" / "profile-gloo.json"
+    assert default_profile_path("nccl", tmp_path / "given") == tmp_path / "given" / "profile-nccl.json"
     # no backend: the one plait calibrate saves by default (gloo workers over plait's shared memory)
     assert DEFAULT_PROFILE_BACKEND == profile_backend("gloo", "shm") == "gloo+shm"
-    assert default_profile_path() == tmp_path / "plait" / "profile-gloo+shm.json"
+    assert default_profile_path(cache_dir=tmp_path / "given") == tmp_path / "given" / "profile-gloo+shm.json"
     with pytest.raises(ValueError, match="not a backend name"):
         default_profile_path("../etc")
 
@@ -72,9 +71,9 @@ def test_default_path_precedence(monkeypatch, tmp_path):
 def test_other_machine_warns_listing_every_differing_field(cache_dir):
     now = machine_identity()
     other = dataclasses.replace(now, hostname="elsewhere", cpu_model="Some Other CPU", torch_version="1.0.0")
-    save_profile(make_profile(machine=other))
+    save_profile(make_profile(machine=other), cache_dir=cache_dir)
     with pytest.warns(ProfileMismatchWarning) as caught:
-        loaded = load_profile()
+        loaded = load_profile(cache_dir=cache_dir)
     assert loaded is not None and loaded.machine == other  # still returned
     message = str(caught[0].message)
     for fragment in ("hostname: stored 'elsewhere', now " + repr(now.hostname),
@@ -142,7 +141,7 @@ def test_malformed_files_name_the_file_and_the_field(cache_dir, edit, fragment):
     edit(document)
     path = _write(cache_dir, document)
     with pytest.raises(ValueError) as error:
-        load_profile()
+        load_profile(cache_dir=cache_dir)
     assert path in str(error.value) and fragment in str(error.value)
     assert "plait calibrate" in str(error.value)
 
@@ -151,7 +150,7 @@ def test_malformed_files_name_the_file_and_the_field(cache_dir, edit, fragment):
 def test_not_a_profile_at_all(cache_dir, text):
     path = _write(cache_dir, text)
     with pytest.raises(ValueError, match=r"profile .*profile-gloo\+shm.json"):
-        load_profile()
+        load_profile(cache_dir=cache_dir)
     assert path
 
 

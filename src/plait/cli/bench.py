@@ -33,6 +33,7 @@ from plait.bench.memcpy import memcpy_gbps
 from plait.bench.launch import choose_backend, in_torchrun, run_in_current_world, spawn_and_run, WorkerError
 from plait.bench.predict import Predictor
 from plait.comm.config import TRANSPORTS
+from plait.cli.environment import cache_dir
 from plait.cli.local_ranks import add_oversubscribe_flag, check_spawn
 from plait.cli.output_paths import output_file, prepare_output_paths
 from plait.cost.profile import default_profile_path, load_profile, profile_backend
@@ -274,7 +275,7 @@ def _predictor(args: argparse.Namespace, config: BenchConfig, backend: str, npro
 
     # the profile of the transport the run uses (calibrate --transport shm saves gloo+shm)
     transport = "gloo" if args.transport == "gloo" else "shm"
-    path = args.profile or str(default_profile_path(profile_backend(backend, transport)))
+    path = args.profile or str(default_profile_path(profile_backend(backend, transport), cache_dir()))
     profile = load_profile(path)
     if args.topology is not None:
         if args.profile is not None and profile is None:

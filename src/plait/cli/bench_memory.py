@@ -17,6 +17,7 @@ from plait.bench.launch import in_torchrun
 from plait.bench.memory import (MemoryBenchConfig, plot_frontier, run_peer_bench, run_sweep, summary)
 from plait.bench.memory_peers import render as render_peers
 from plait.bench.report import mib, write_json_document
+from plait.cli.environment import cache_dir
 from plait.cli.output_paths import output_file, prepare_output_paths
 from plait.train.config import TrainConfig
 from plait.train.corpus import load_corpus
@@ -82,7 +83,8 @@ def run(args) -> int:
         raise ValueError("plait bench memory: " + "; ".join(problems))
     prepare_output_paths(output_file("--json", args.json, stdout_allowed=True))
     train = TrainConfig()
-    vocab = load_corpus(train.data, max_bytes=train.data_max_bytes, val_fraction=train.val_fraction).vocab_size
+    vocab = load_corpus(train.data, max_bytes=train.data_max_bytes, val_fraction=train.val_fraction,
+                        cache_dir=cache_dir()).vocab_size
     print(f"# plait bench memory: GPT {config.layers} layers, h {config.hidden}, {config.heads} heads, "
           f"s {config.seq_len}, vocab {vocab}; global batch {config.global_batch} in micro-batches of "
           f"{config.micro_batch}, {config.schedule}; {config.steps} steps per run (the first excluded from the time)")

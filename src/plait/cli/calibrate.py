@@ -30,6 +30,7 @@ import time
 from plait.bench.calibrate import CalibrateConfig, describe_device, run_calibration
 from plait.bench.launch import Job, WorkerError, choose_backend, in_torchrun, run_in_current_world, spawn_and_run
 from plait.cli.bench import parse_nbytes
+from plait.cli.environment import cache_dir
 from plait.cli.local_ranks import add_oversubscribe_flag, check_spawn
 from plait.cli.output_paths import output_file, prepare_output_paths
 from plait.cost.calibration import CalibrationReport, make_profile
@@ -153,7 +154,7 @@ def _plus_minus(value: float, scale: float = 1.0, spec: str = ".2g") -> str:
 
 def reading_hint(path, profile_name: str, nprocs: int) -> str:
     """How the readers find the profile just saved at ``path``: by default, by --backend, or by path."""
-    if str(path) != str(default_profile_path(profile_name)):
+    if str(path) != str(default_profile_path(profile_name, cache_dir())):
         return f"read it with plait tune --show --p {nprocs} --profile {path} (and --profile with the other commands)"
     if profile_name != DEFAULT_PROFILE_BACKEND:
         return f"read it with plait tune --show --p {nprocs} --backend {profile_name} (or --profile {path})"
@@ -184,7 +185,7 @@ def run(args: argparse.Namespace) -> int:
         if args.output is not None:
             prepare_output_paths(output_file("--output", args.output))
         else:
-            prepare_output_paths(output_file("--output (default)", str(default_profile_path(profile_name))))
+            prepare_output_paths(output_file("--output (default)", str(default_profile_path(profile_name, cache_dir()))))
 
     def on_event(kind: str, payload) -> None:
         if kind == "progress":
@@ -207,7 +208,7 @@ def run(args: argparse.Namespace) -> int:
     if not is_reporter:
         return 0
     profile, report = make_profile(samples, backend=profile_name, device=describe_device(backend), world_size=nprocs)
-    path = save_profile(profile, args.output)
+    path = save_profile(profile, args.output, cache_dir=cache_dir())
     for line in format_samples(profile) + format_fit(profile, report):
         print(line, file=out)
     print(f"# measured in {time.monotonic() - start_s:.1f} s; profile saved to {path}", file=out, flush=True)

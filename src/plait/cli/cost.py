@@ -16,6 +16,7 @@ import json
 import re
 
 from plait.cli.bench import parse_collective, parse_nbytes
+from plait.cli.environment import cache_dir
 from plait.comm.algorithms import algorithms_for, build_schedule, COLLECTIVES, ROOTED
 from plait.cost import LinkModel
 from plait.cost.alpha_beta import cost_terms, pipeline_segments
@@ -95,7 +96,7 @@ def _resolve_link(args) -> tuple[LinkModel, str]:
 def _load_profile(path):
     """The calibration profile at ``path`` (or the default one); None when there is none."""
 
-    profile = load_profile(path)
+    profile = load_profile(path, cache_dir=cache_dir())
     if profile is None and path is not None:
         raise ValueError(f"no calibration profile at {path}; run plait calibrate --output {path}")
     return profile

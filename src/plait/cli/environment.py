@@ -1,5 +1,7 @@
 """The PLAIT_* environment variables: every one plait reads or sets, and the check
-every ``plait`` command runs before anything else (``--help`` included).
+every ``plait`` command runs before anything else (``--help`` included); and the
+cache directory the CLI hands the library (``cache_dir``: the library reads no
+environment variable).
 
 A variable whose name starts with ``PLAIT_`` and is none of these is refused (exit 2),
 named with the closest known name (difflib), instead of being silently ignored: a
@@ -15,8 +17,10 @@ from __future__ import annotations
 import difflib
 import os
 from collections.abc import Mapping
+from pathlib import Path
 
 from plait.comm.config import ENVIRONMENT as COMM_ENVIRONMENT
+from plait.files import default_cache_dir
 
 PREFIX = "PLAIT_"
 
@@ -24,7 +28,8 @@ PREFIX = "PLAIT_"
 KNOWN_VARIABLES = {
     **{variable: f"CommConfig.{field} of every communicator the CLI builds (plait.comm.config)"
        for field, variable in COMM_ENVIRONMENT.items()},
-    "PLAIT_CACHE_DIR": "the data and calibration-profile cache (plait.train.corpus, plait.cost.profile)",
+    "PLAIT_CACHE_DIR": "the data and calibration-profile cache the CLI passes to plait.train.corpus and "
+                       "plait.cost.profile (plait.cli.environment.cache_dir)",
     "PLAIT_LAUNCH_TIME": "set by plait train for its ranks: when the launcher started (plait.train.loop)",
     "PLAIT_FAULT_KILL": "tests: RANK:STEP, that rank kills itself before STEP (plait.train.loop)",
     "PLAIT_TESTBED_HOST": "set by plait testbed run for its ranks: the host's index (plait.testbed.run)",
@@ -48,4 +53,16 @@ def unknown_variables_error(environ: Mapping[str, str] | None = None) -> str | N
             f"{', '.join(sorted(KNOWN_VARIABLES))})")
 
 
-__all__ = ["KNOWN_VARIABLES", "PREFIX", "unknown_variables_error"]
+def cache_dir(environ: Mapping[str, str] | None = None) -> Path:
+    """The cache directory of every ``plait`` command (tokenised corpora, calibration
+    profiles): ``$PLAIT_CACHE_DIR``, else ``$XDG_CACHE_HOME/plait``, else
+    ``~/.cache/plait``; read from ``environ`` (default os.environ) when called."""
+    environ = os.environ if environ is None else environ
+    if environ.get("PLAIT_CACHE_DIR"):
+        return Path(environ["PLAIT_CACHE_DIR"]).expanduser()
+    if environ.get("XDG_CACHE_HOME"):
+        return Path(environ["XDG_CACHE_HOME"]).expanduser() / "plait"
+    return default_cache_dir()
+
+
+__all__ = ["KNOWN_VARIABLES", "PREFIX", "cache_dir", "unknown_variables_error"]

@@ -24,6 +24,7 @@ import sys
 import time
 import warnings
 
+from plait.cli.environment import cache_dir
 from plait.cost.presets import PLACEHOLDER_LOCAL_LINK
 from plait.cost.profile import DEFAULT_PROFILE_BACKEND, load_profile, ProfileMismatchWarning
 from plait.plan import (
@@ -174,7 +175,8 @@ def _train_vocab() -> int:
     from plait.train.corpus import load_corpus
 
     config = TrainConfig()
-    return load_corpus(config.data, max_bytes=config.data_max_bytes, val_fraction=config.val_fraction).vocab_size
+    return load_corpus(config.data, max_bytes=config.data_max_bytes, val_fraction=config.val_fraction,
+                       cache_dir=cache_dir()).vocab_size
 
 
 def _module_model(spec: str):
@@ -231,7 +233,7 @@ def _local_cluster(args, precision_name: str, emit, model=None):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ProfileMismatchWarning)
         # plait train's default on one host: shared memory, so its calibration (calibrate's default)
-        profile = load_profile(args.profile, backend=DEFAULT_PROFILE_BACKEND)
+        profile = load_profile(args.profile, backend=DEFAULT_PROFILE_BACKEND, cache_dir=cache_dir())
     if profile is None:
         if args.profile:
             raise ValueError(f"no calibration profile at {args.profile}; run plait calibrate --output {args.profile}")

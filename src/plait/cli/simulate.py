@@ -19,6 +19,7 @@ import time
 
 from plait.bench.collectives import busbw_factor
 from plait.cli.bench import parse_collective, parse_nbytes
+from plait.cli.environment import cache_dir
 from plait.cli.output_paths import output_file, prepare_output_paths
 from plait.cli.work_limits import check_preset_devices, check_transfers, estimated_transfers, MAX_SIMULATED_TRANSFERS, uses_segments
 from plait.comm.algorithms import algorithms_for, build_schedule, COLLECTIVES, ROOTED
@@ -164,7 +165,7 @@ def _calibrated_link(path):
         from plait.cost.profile import load_profile
     except ImportError:
         return None
-    profile = load_profile(path)
+    profile = load_profile(path, cache_dir=cache_dir())
     if profile is None and path is not None:
         raise ValueError(f"no calibration profile at {path}; run plait calibrate --output {path}")
     return None if profile is None else profile.link

@@ -32,6 +32,7 @@ import time
 import warnings
 from pathlib import Path
 
+from plait.cli.environment import cache_dir
 from plait.train import budget, checkpoint as ckpt, lifeline, runlock
 from plait.train.agent import is_local_address, record_rank_error
 from plait.train.atomic_files import atomic_write
@@ -103,7 +104,7 @@ def run(args) -> int:
     endpoint, local_addr, run_id = _rendezvous(args)
     if not args.dry_run:
         runlock.check_free(out, run_id)  # refuse at once, before minutes of data preparation
-    data = prepare_data(config)
+    data = prepare_data(config, cache_dir())
     budget.check_fits(config, data, local_processes=nprocs, gpu_memory_bytes=_gpu_memory_bytes(nprocs, config.backend))
     if args.dry_run:  # the resume choice is checked as the launch checks it (it changes nothing)
         check_resume_choice(config, args.resume, data, run_id=run_id, force_fresh=args.force_fresh)
@@ -166,7 +167,7 @@ def _run_rank(args, config) -> int:
                              f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}")
     try:
         run_rank(config, run_id=run_id, resume=args.resume, force_fresh=args.force_fresh,
-                 comm_environment=config_from_environment())
+                 comm_environment=config_from_environment(), cache_dir=cache_dir())
     except Exception as error:
         if record_rank_error(error) and args.run_id is not None:
             return 1

@@ -20,6 +20,7 @@ import sys
 
 from plait.cli.bench import parse_collective, parse_nbytes
 from plait.cli.cost import parse_rate, parse_time_s
+from plait.cli.environment import cache_dir
 from plait.comm.algorithms import COLLECTIVES
 from plait.comm.choice import default_algorithm
 from plait.comm.config import config_from_environment
@@ -58,7 +59,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 def profile_path(args) -> str:
     """The profile file tune reads: --profile, else where plait calibrate saved --backend's."""
-    return args.profile if args.profile is not None else str(default_profile_path(args.backend))
+    return args.profile if args.profile is not None else str(default_profile_path(args.backend, cache_dir()))
 
 
 def _tuner(args) -> Tuner | None:

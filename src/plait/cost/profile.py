@@ -10,13 +10,13 @@ together with the raw samples, the R^2 of each fit and the identity of the machi
 it was measured on. A profile holds ONE world size: on an oversubscribed machine
 (more ranks than cores) alpha grows with the number of ranks, so a profile measured
 with p ranks prices p-rank collectives; :func:`link_for_world` warns when asked for
-another p. Profiles live in ``default_profile_path(backend)``:
-``$PLAIT_CACHE_DIR``, else ``$XDG_CACHE_HOME/plait``, else ``~/.cache/plait``, file
-``profile-{backend}.json``, ``backend`` as ``profile_backend`` names it ("gloo+shm",
-"gloo", "nccl"). Without a backend every reader looks where ``plait calibrate`` saves
-by default: ``DEFAULT_PROFILE_BACKEND``, gloo with plait's shared memory between the
-ranks of a host (``profile-gloo+shm.json``). Pure python (no torch import): it runs
-anywhere.
+another p. Profiles live in ``default_profile_path(backend, cache_dir)``: the
+cache directory (the CLI passes ``$PLAIT_CACHE_DIR``, else ``$XDG_CACHE_HOME/plait``;
+a library call given none uses ``~/.cache/plait``), file ``profile-{backend}.json``,
+``backend`` as ``profile_backend`` names it ("gloo+shm", "gloo", "nccl"). Without a
+backend every reader looks where ``plait calibrate`` saves by default:
+``DEFAULT_PROFILE_BACKEND``, gloo with plait's shared memory between the ranks of a
+host (``profile-gloo+shm.json``). Pure python (no torch import): it runs anywhere.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from pathlib import Path
 
 from plait import __version__
 from plait.cost.link import LinkModel
-from plait.files import read_small_file
+from plait.files import default_cache_dir, read_small_file
 
 __all__ = ["Sample", "MachineIdentity", "Profile", "ProfileMismatchWarning", "machine_identity", "profile_backend",
            "DEFAULT_PROFILE_BACKEND", "calibrate_command", "default_profile_path", "save_profile", "load_profile",
@@ -223,24 +223,21 @@ def calibrate_command(backend: str = DEFAULT_PROFILE_BACKEND, world_size: int | 
     return "plait calibrate" + flags + (f" --nprocs {world_size}" if world_size is not None else "")
 
 
-def default_profile_path(backend: str = DEFAULT_PROFILE_BACKEND) -> Path:
-    """``$PLAIT_CACHE_DIR``, else ``$XDG_CACHE_HOME/plait``, else ``~/.cache/plait``;
-    file ``profile-{backend}.json`` (default: plait calibrate's, profile-gloo+shm.json)."""
+def default_profile_path(backend: str = DEFAULT_PROFILE_BACKEND, cache_dir: str | os.PathLike | None = None) -> Path:
+    """``cache_dir`` (None: ``plait.files.default_cache_dir()``, ~/.cache/plait; the CLI
+    passes its cache directory), file ``profile-{backend}.json`` (default: plait
+    calibrate's, profile-gloo+shm.json)."""
     if not backend or any(c in backend for c in "/\\"):
         raise ValueError(f"backend={backend!r} is not a backend name (gloo, nccl, ...)")
-    if os.environ.get("PLAIT_CACHE_DIR"):
-        directory = Path(os.environ["PLAIT_CACHE_DIR"])
-    elif os.environ.get("XDG_CACHE_HOME"):
-        directory = Path(os.environ["XDG_CACHE_HOME"]) / "plait"
-    else:
-        directory = Path.home() / ".cache" / "plait"
+    directory = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     return directory.expanduser() / f"profile-{backend}.json"
 
 
-def save_profile(profile: Profile, path: str | os.PathLike | None = None) -> Path:
+def save_profile(profile: Profile, path: str | os.PathLike | None = None, *,
+                 cache_dir: str | os.PathLike | None = None) -> Path:
     """Write ``profile`` as JSON (atomically: a temporary file, then a rename) to
-    ``path`` or ``default_profile_path(profile.backend)``; returns the path."""
-    target = Path(path) if path is not None else default_profile_path(profile.backend)
+    ``path`` or ``default_profile_path(profile.backend, cache_dir)``; returns the path."""
+    target = Path(path) if path is not None else default_profile_path(profile.backend, cache_dir)
     target.parent.mkdir(parents=True, exist_ok=True)
     temporary = target.with_name(f".{target.name}.{os.getpid()}.tmp")
     with open(temporary, "w") as stream:
@@ -340,20 +337,21 @@ def _parse(path: Path, data) -> Profile:
         raise ValueError(f"profile {path}: {error}; re-run `plait calibrate`") from None
 
 
-def load_profile(path: str | os.PathLike | None = None, *, backend: str = DEFAULT_PROFILE_BACKEND) -> Profile | None:
-    """The profile at ``path`` (default: ``default_profile_path(backend)``, where plait
-    calibrate saves it), or None when there is no such file.
+def load_profile(path: str | os.PathLike | None = None, *, backend: str = DEFAULT_PROFILE_BACKEND,
+                 cache_dir: str | os.PathLike | None = None) -> Profile | None:
+    """The profile at ``path`` (default: ``default_profile_path(backend, cache_dir)``,
+    where plait calibrate saves it), or None when there is no such file.
 
     Raises ValueError naming the file and the field when it is malformed or of
     another format version. When it was measured on another machine (hostname, CPU,
     cores, torch, python or plait differ) it warns with ProfileMismatchWarning,
     listing each field stored vs now, and still returns it.
     """
-    target = Path(path) if path is not None else default_profile_path(backend)
+    target = Path(path) if path is not None else default_profile_path(backend, cache_dir)
     try:
         text = read_small_file(target, limit_nbytes=PROFILE_LIMIT_NBYTES, what="calibration profile",
                                fix=f"give the path of a JSON profile that `plait calibrate` saved "
-                                   f"(default {default_profile_path(backend)})")
+                                   f"(default {default_profile_path(backend, cache_dir)})")
     except FileNotFoundError:
         return None
     except OSError as error:

@@ -17,12 +17,14 @@ from plait.train.config import TrainConfig
 from plait.train.data import load_digits, rank_batch
 
 
-def load_data(config: TrainConfig):
-    """The corpus (GPT) or the digits (MLP)."""
+def load_data(config: TrainConfig, cache_dir=None):
+    """The corpus (GPT; cached under ``cache_dir``, None: not cached, see load_corpus)
+    or the digits (MLP)."""
     if config.model == "gpt":
         from plait.train.corpus import load_corpus
 
-        return load_corpus(config.data, max_bytes=config.data_max_bytes, val_fraction=config.val_fraction)
+        return load_corpus(config.data, max_bytes=config.data_max_bytes, val_fraction=config.val_fraction,
+                           cache_dir=cache_dir)
 
     return load_digits(seed=config.seed)
 

@@ -9,7 +9,8 @@ of the global step, so every data-parallel rank computes its own slice of the sa
 global batch and resuming needs nothing but the step number.
 
 Tokenising goes through numpy (UTF-32 code points -> lookup table), ~0.1 s for 4 MB;
-the result is cached as ``corpus-<key>.npz`` so later loads only stat the sources.
+the result is cached as ``corpus-<key>.npz`` in the cache directory given (the CLI's)
+so later loads only stat the sources.
 """
 
 from __future__ import annotations
@@ -221,15 +222,6 @@ def _digest(chars: str, train: np.ndarray, val: np.ndarray) -> str:
 
 # --------------------------------------------------------------------------- cache
 
-def default_cache_dir() -> Path:
-    """``$PLAIT_CACHE_DIR``, else ``$XDG_CACHE_HOME/plait``, else ``~/.cache/plait``."""
-    if os.environ.get("PLAIT_CACHE_DIR"):
-        return Path(os.environ["PLAIT_CACHE_DIR"]).expanduser()
-    if os.environ.get("XDG_CACHE_HOME"):
-        return Path(os.environ["XDG_CACHE_HOME"]).expanduser() / "plait"
-    return Path.home() / ".cache" / "plait"
-
-
 def _cache_key(kind: str, root: Path, files: list[Path], max_bytes: int, val_fraction: float) -> str:
     """sha256 over the format, the source and every candidate file's size and mtime
     (stat only: computing it never reads a text), max_bytes and val_fraction."""
@@ -325,7 +317,9 @@ def load_corpus(source: str = "stdlib", *, max_bytes: int = 4_000_000, val_fract
     Files are read whole, in order, until ``max_bytes`` characters (the last one cut):
     a directory's files by relative path, the standard library's by sha1 of the
     relative path so any budget samples the whole library. Cached under ``cache_dir``
-    (default ``default_cache_dir()``) keyed by the sources' sizes and mtimes."""
+    keyed by the sources' sizes and mtimes; None: not cached (the library writes files
+    only where it is told; the ``plait`` CLI passes its cache directory,
+    plait.cli.environment.cache_dir)."""
     if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1:
         raise ValueError(f"max_bytes must be a positive int (characters to read), got {max_bytes!r}")
     if not 0.0 < val_fraction < 0.5:
@@ -334,11 +328,13 @@ def load_corpus(source: str = "stdlib", *, max_bytes: int = 4_000_000, val_fract
     if not files:
         raise ValueError(f"corpus directory {str(root)!r} has no files (0 characters); "
                          f"pass a directory with UTF-8 text files, a text file, or 'stdlib'")
-    cache_path = Path(cache_dir if cache_dir is not None else default_cache_dir()).expanduser()
-    cache_path = cache_path / f"corpus-{_cache_key(kind, root, files, max_bytes, val_fraction)[:32]}.npz"
-    cached = _load_cached(cache_path)
-    if cached is not None:
-        return cached
+    cache_path = None
+    if cache_dir is not None:
+        cache_path = Path(cache_dir).expanduser()
+        cache_path = cache_path / f"corpus-{_cache_key(kind, root, files, max_bytes, val_fraction)[:32]}.npz"
+        cached = _load_cached(cache_path)
+        if cached is not None:
+            return cached
 
     text, used, description = _read_source(kind, root, files, max_bytes)
     n_val = int(round(len(text) * val_fraction))
@@ -348,7 +344,8 @@ def load_corpus(source: str = "stdlib", *, max_bytes: int = 4_000_000, val_fract
     train, val = ids[: len(ids) - n_val], ids[len(ids) - n_val :]
     corpus = CharCorpus(chars=chars, train=torch.from_numpy(train.copy()), val=torch.from_numpy(val.copy()),
                         source=description, files=used, nbytes=len(text), digest=_digest(chars, train, val))
-    _save_cached(cache_path, corpus)
+    if cache_path is not None:
+        _save_cached(cache_path, corpus)
     return corpus
 
 

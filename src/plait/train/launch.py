@@ -33,14 +33,14 @@ SIOCGIFADDR = 0x8915  # <linux/sockios.h>: an interface's IPv4 address
 
 # ----------------------------------------------------------------------------- data
 
-def prepare_data(config: TrainConfig):
-    """Load (tokenise and cache, the first time) the data once in the launcher, so the
-    ranks only read the cache, and check it holds what the run reads: for the GPT,
+def prepare_data(config: TrainConfig, cache_dir=None):
+    """Load (tokenise and cache under ``cache_dir``, the first time) the data once in the
+    launcher, so the ranks only read the cache, and check it holds what the run reads: for the GPT,
     ``global_batch`` training windows of seq_len + 1 ids and (with evaluation) one
     validation window."""
 
     if config.model != "gpt":
-        return load_data(config)
+        return load_data(config, cache_dir)
     val_windows = 1 if config.eval_interval else 0
     needed = min_characters(config.global_batch, config.seq_len, config.val_fraction, val_windows=val_windows)
     fix = (f"plait train needs at least {needed:,} characters here (global_batch({config.global_batch}) windows of "
@@ -49,7 +49,7 @@ def prepare_data(config: TrainConfig):
            + (f" (and --data-max-bytes >= {needed})" if config.data_max_bytes < needed else "")
            + ", or lower --global-batch / --seq-len")
     try:
-        data = load_data(config)
+        data = load_data(config, cache_dir)
     except CorpusTooSmall as error:
         raise ValueError(f"corpus {error.description} has {error.nchars:,} characters; {fix}") from None
     short = windows_per_epoch(data.train, config.seq_len) < config.global_batch or \

@@ -91,7 +91,7 @@ class Trainer:
     """One rank's training state (see the module docstring)."""
 
     def __init__(self, config: TrainConfig, *, resume: str = "auto", log=print, data=None, run_id: str | None = None,
-                 force_fresh: bool = False, comm_environment: comm.CommConfig | None = None):
+                 force_fresh: bool = False, comm_environment: comm.CommConfig | None = None, cache_dir=None):
         self.config, self.log = config, log
         self.run_id, self.force_fresh = run_id, force_fresh
         self.started_s = float(os.environ.get("PLAIT_LAUNCH_TIME", time.time()))
@@ -102,7 +102,7 @@ class Trainer:
         self.dims = ParallelDims(dp=config.dp, tp=config.tp, pp=config.pp, order=config.mesh_order)
         self.mesh = DeviceMesh.create(self.dims)
         self.coords = self.mesh.coords
-        self.data = load_data(config) if data is None else data
+        self.data = load_data(config, cache_dir) if data is None else data  # cache_dir: the CLI's
         self.model_info = model_description(config, self.data)
         self._check_agreement()
         self.comm_config = comm_config(config, comm_environment)
@@ -468,12 +468,12 @@ def comm_config(config: TrainConfig, base: comm.CommConfig | None = None) -> com
 
 
 def run(config: TrainConfig, *, run_id: str, resume: str = "auto", force_fresh: bool = False, log=print,
-        until: int | None = None, comm_environment: comm.CommConfig | None = None) -> dict | None:
+        until: int | None = None, comm_environment: comm.CommConfig | None = None, cache_dir=None) -> dict | None:
     """Train on this rank of the torchrun world; rank 0 returns the report. The run
     directory's lock is held (or shared with the run's launcher) throughout."""
     with runlock.acquire(config.out, run_id):
         trainer = Trainer(config, resume=resume, log=log, run_id=run_id, force_fresh=force_fresh,
-                          comm_environment=comm_environment)
+                          comm_environment=comm_environment, cache_dir=cache_dir)
         try:
             return trainer.train(until=until)
         finally:
