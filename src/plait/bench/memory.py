@@ -42,6 +42,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from plait.cost import LinkModel
+from plait.names.precision import PRECISIONS
+from plait.names.recompute import RECOMPUTE_MODES
 from plait.plan import Layout, cluster_preset, estimate_layout
 from plait.plan.device import DeviceSpec
 from plait.plan.estimate import in_flight
@@ -49,8 +51,6 @@ from plait.plan.precision import precision_for
 from plait.plan.transformer import TransformerSpec
 
 MESHES = ((2, 1, 2), (1, 2, 2))  # (dp, tp, pp)
-RECOMPUTE_MODES = ("none", "selective", "full")
-PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed")
 PLAN_SCHEDULES = {"gpipe": "gpipe", "1f1b": "1f1b", "interleaved_1f1b": "interleaved", "zero_bubble": "zero_bubble"}
 
 # estimate_layout prices time too; this bench reads only its memory, which no device

@@ -38,6 +38,7 @@ from plait.cli.local_ranks import add_oversubscribe_flag, check_spawn
 from plait.cli.output_paths import output_file, prepare_output_paths
 from plait.cost.profile import default_profile_path, load_profile, profile_backend
 from plait.cost.topology_io import load_topology
+from plait.names.transports import AUTO, BACKENDS
 from plait.train.budget import available_memory_bytes
 
 _SIZE_PATTERN = re.compile(r"^\s*(\d+(?:\.\d*)?)\s*([kmgt]?)(?:i?b)?\s*$", re.IGNORECASE)
@@ -135,7 +136,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--root", "-r", type=int, default=0, help="root rank (default 0)")
     parser.add_argument("--check", "-c", action="store_true",
                         help="check results against a local oracle; fills #wrong")
-    parser.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"),
+    parser.add_argument("--backend", default=AUTO, choices=BACKENDS,
                         help="auto: gloo for spawned workers, nccl under torchrun with CUDA")
     parser.add_argument("--arg-check", choices=("inband", "deep", "off"), default="inband",
                         help="plait's argument check: inband (default: a header in each call's first message "

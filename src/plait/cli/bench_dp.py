@@ -21,6 +21,7 @@ from plait.bench.report import write_json_document
 from plait.cli.local_ranks import add_oversubscribe_flag, check_spawn
 from plait.cli.output_paths import output_file, prepare_output_paths
 from plait.models.mlp import MODELS
+from plait.names.transports import AUTO, BACKENDS
 
 ALL_COMPRESSIONS = ("none", "fp16", "topk:0.01+ef", "randomk:0.01+ef", "sign+ef", "qsgd:4", "powersgd:2")
 
@@ -52,7 +53,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS",
                         help="per-collective timeout (default 300)")
-    parser.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"))
+    parser.add_argument("--backend", default=AUTO, choices=BACKENDS)
     parser.add_argument("--json", metavar="FILE", default=None, help="write all rows as JSON ('-': stdout)")
     parser.add_argument("--plot", metavar="FILE.png", default=None,
                         help="plot training loss against step, one line per compressor")

@@ -19,6 +19,7 @@ from plait.bench.memory_peers import render as render_peers
 from plait.bench.report import mib, write_json_document
 from plait.cli.environment import cache_dir
 from plait.cli.output_paths import output_file, prepare_output_paths
+from plait.names.transports import AUTO, BACKENDS
 from plait.train.config import TrainConfig
 from plait.train.corpus import load_corpus
 
@@ -65,7 +66,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--timeout-s", type=float, default=d.timeout_s, help="per run (default 900)")
     parser.add_argument("--out", default=d.out, help=f"runs, frontier.png and summary.json go here (default {d.out})")
     parser.add_argument("--json", default=None, metavar="PATH", help="also write the summary here ('-': stdout)")
-    parser.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto",
+    parser.add_argument("--backend", choices=BACKENDS, default=AUTO,
                         help="plait train's --backend (gloo: the 4 processes may share one GPU)")
     parser.set_defaults(run=run)
     return parser

@@ -34,6 +34,7 @@ from plait.cli.environment import cache_dir
 from plait.cli.local_ranks import add_oversubscribe_flag, check_spawn
 from plait.cli.output_paths import output_file, prepare_output_paths
 from plait.cost.calibration import CalibrationReport, make_profile
+from plait.names.transports import AUTO, BACKENDS, GLOO, SHM
 from plait.cost.profile import (DEFAULT_PROFILE_BACKEND, default_profile_path, Profile, profile_backend,
                                 save_profile)
 
@@ -62,11 +63,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--nprocs", "-n", type=_positive_int, default=None,
                         help="spawn this many local processes (default: the torchrun world if "
                              "RANK/WORLD_SIZE are set, else 4); measure with the p you will run")
-    parser.add_argument("--transport", default="shm", choices=("shm", "gloo"),
+    parser.add_argument("--transport", default=SHM, choices=(SHM, GLOO),
                         help="what the messages between the local ranks travel through: shm (plait's shared memory, "
                              "what runs on one host by default; the profile is saved as profile-gloo+shm.json) or "
                              "gloo (its TCP messages: profile-gloo.json). Calibrate each transport you run on")
-    parser.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"),
+    parser.add_argument("--backend", default=AUTO, choices=BACKENDS,
                         help="auto: gloo for spawned workers, nccl under torchrun with CUDA")
     parser.add_argument("--min-bytes", "-b", type=parse_nbytes, default=parse_nbytes("1K"),
                         help="smallest message, K/M/G binary suffixes (default 1K)")

@@ -13,10 +13,12 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
-PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed")
-GRAD_REDUCE_DTYPES = ("fp32", "bf16", "fp16")
-AUTOCAST_DTYPE = {"fp32": None, "bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}
-REDUCE_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+from plait.names.precision import AUTOCAST_DTYPE_NAMES, GRAD_REDUCE_DTYPES, PRECISIONS, REDUCE_DTYPE_NAMES
+
+# the names' torch dtypes (plait.names.precision spells them torch-free)
+AUTOCAST_DTYPE = {name: None if dtype is None else getattr(torch, dtype)
+                  for name, dtype in AUTOCAST_DTYPE_NAMES.items()}
+REDUCE_DTYPE = {name: getattr(torch, dtype) for name, dtype in REDUCE_DTYPE_NAMES.items()}
 
 
 def autocast(device: torch.device, dtype: torch.dtype | None):

@@ -38,6 +38,8 @@ from plait.parallel.pipeline import build as build_schedule, PipelineEngine
 from plait.parallel.pipeline.partition import build_stage, split_layers
 from plait.memory.precision import AUTOCAST_DTYPE, GRAD_REDUCE_DTYPES, PRECISIONS, REDUCE_DTYPE, autocast
 from plait.memory.recompute import set_block_recompute
+from plait.names.axes import AXES
+from plait.names.precision import FP16_MIXED, FP32
 from plait.parallel.tensor.dropout import ConsistentDropout
 from plait.parallel.zero.optimizer import ShardedOptimizer
 
@@ -59,8 +61,8 @@ class HybridModel:
     algorithm: str = "auto"
     compressor: object = None
     dropouts: dict[str, nn.Module] = field(default_factory=dict)  # name -> ConsistentDropout in held chunks
-    precision: str = "fp32"  # fp32 | bf16-mixed | fp16-mixed (plait.memory.precision)
-    grad_reduce_dtype: str = "fp32"  # what the dp gradient all-reduce sends
+    precision: str = FP32  # fp32 | bf16-mixed | fp16-mixed (plait.names.precision)
+    grad_reduce_dtype: str = FP32  # what the dp gradient all-reduce sends
     scaler: LossScaler | None = None  # fp16's dynamic loss scaling, over every rank of the run
 
     def parameters(self):
@@ -77,8 +79,8 @@ class HybridModel:
 def build_hybrid(model: nn.Module, layers: list[nn.Module], mesh: DeviceMesh, loss_fn, *, schedule: str,
                  microbatches: int, virtual: int = 1, algorithm: str = "auto", compression=None,
                  timeout_s: float | None = None, tp_rank: int = 0, tp_size: int = 1, recompute: str = "none",
-                 recompute_layers: int | None = None, meter=None, precision: str = "fp32",
-                 grad_reduce_dtype: str = "fp32", loss_scaler: LossScaler | None = None,
+                 recompute_layers: int | None = None, meter=None, precision: str = FP32,
+                 grad_reduce_dtype: str = FP32, loss_scaler: LossScaler | None = None,
                  offload_dir=None) -> HybridModel:
     """Cut ``model`` (already built at this rank's tp degree; ``layers`` its
     sequential layers sharing its parameters) into the schedule's chunks and keep
@@ -122,7 +124,7 @@ def build_hybrid(model: nn.Module, layers: list[nn.Module], mesh: DeviceMesh, lo
     if precision not in PRECISIONS or grad_reduce_dtype not in GRAD_REDUCE_DTYPES:
         raise ValueError(f"precision={precision!r}, grad_reduce_dtype={grad_reduce_dtype!r}: valid are "
                          f"{', '.join(PRECISIONS)} and {', '.join(GRAD_REDUCE_DTYPES)}")
-    if precision == "fp16-mixed" and loss_scaler is None:
+    if precision == FP16_MIXED and loss_scaler is None:
         loss_scaler = LossScaler()  # fp16's range needs it; bf16 has fp32's exponent and does not
     offloader = None
     if offload_dir is not None:  # saved activations to files (CPU) or host memory, read back just in time
@@ -249,7 +251,7 @@ def average_gradients(hybrid: HybridModel, step: int) -> None:
         else:
             # "fp32": at least float32 (a float64 model's gradients are not rounded); bf16 / fp16: a 16-bit copy
             reduce_dtype = REDUCE_DTYPE[hybrid.grad_reduce_dtype]
-            if hybrid.grad_reduce_dtype == "fp32":
+            if hybrid.grad_reduce_dtype == FP32:
                 reduce_dtype = torch.promote_types(flat.dtype, reduce_dtype)
             sent = flat.to(reduce_dtype)
             comm.all_reduce(sent, group=group, algorithm=hybrid.algorithm)
@@ -321,7 +323,7 @@ def _summed_over(hybrid: HybridModel, total: torch.Tensor, axes) -> torch.Tensor
 def clip_sharded_grad_norm(hybrid: HybridModel, optimizer: ShardedOptimizer, max_norm: float) -> float:
     """``clip_grad_norm`` under ZeRO 1: each dp rank holds 1/dp of every gradient, so the
     squares are also summed over the dp group (tp-replicated buckets on tp rank 0)."""
-    norm = float(_summed_over(hybrid, optimizer.grad_square_sum(hybrid.tp_rank), ("dp", "tp", "pp")).sqrt())
+    norm = float(_summed_over(hybrid, optimizer.grad_square_sum(hybrid.tp_rank), AXES).sqrt())
     if max_norm and norm > max_norm:
         optimizer.scale_gradients(max_norm / (norm + 1e-6))
     return norm

@@ -6,13 +6,15 @@ from __future__ import annotations
 
 from collections import Counter
 
+from plait.names.recompute import FULL, NONE, SELECTIVE
+
 from plait.plan.estimate import Estimate
 from plait.plan.search import DIMENSIONS, PlanResult, dimension_value
 
 __all__ = ["table", "explain", "breakdown_text"]
 
 GIB = 1 << 30
-_RECOMPUTE_SHORT = {"none": "-", "selective": "sel", "full": "ful"}
+_RECOMPUTE_SHORT = {NONE: "-", SELECTIVE: "sel", FULL: "ful"}
 _PARTS = (("compute", "compute"), ("tp_comm", "tp comm"), ("pp_bubble", "pp bubble"), ("pp_comm", "pp p2p"),
           ("dp_comm", "dp comm"), ("optimizer", "optimizer"))
 _LABELS = {"tp": "tp", "pp": "pp", "dp": "dp", "micro_batch": "micro-batch", "schedule": "schedule",

@@ -7,11 +7,12 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
+from plait.names.axes import DEFAULT_ORDER, DP, PP, TP
 from plait.plan.layers import RECOMPUTE_MODES
 from plait.plan.pipeline import LIST_SCHEDULED, schedule_problem
 
 SCHEDULES = ("none", "gpipe", "1f1b", "interleaved", "chimera", "zero_bubble")
-MESH_ORDERS = ("tp,dp,pp", "tp,pp,dp")
+MESH_ORDERS = (DEFAULT_ORDER, ",".join((TP, PP, DP)))  # tp first: tp groups are priced as consecutive
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -30,7 +31,7 @@ class Layout:
     sequence_parallel: bool = False
     offload: bool = False  # plait train's --offload-activations
     offload_optimizer: bool = False  # plait train's --offload optimizer: ZeRO's state in files, not in memory
-    mesh_order: str = "tp,dp,pp"  # plait train's --mesh-order, tp first (tp groups are priced as consecutive)
+    mesh_order: str = DEFAULT_ORDER  # plait train's --mesh-order, tp first (tp groups are priced as consecutive)
 
     def stride(self, axis: str) -> int:
         """Ranks between neighbours of ``axis``'s groups: the product of the axes

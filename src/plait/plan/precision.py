@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from plait.names.precision import AUTOCAST_DTYPE_NAMES, BF16_MIXED, FP16_MIXED, FP32
+
 __all__ = ["Precision", "PRECISIONS", "AUTOCAST_PRECISIONS", "precision_for"]
 
 
@@ -28,12 +30,12 @@ class Precision:
 
 PRECISIONS = {
     # ZeRO's accounting (Rajbhandari et al. 2020): 2 + 2 + 12 = 16 bytes per parameter
-    "bf16-mixed": Precision(name="bf16-mixed", dtype="bfloat16", element_bytes=2, param_bytes=2, grad_bytes=2,
+    BF16_MIXED: Precision(name=BF16_MIXED, dtype=AUTOCAST_DTYPE_NAMES[BF16_MIXED], element_bytes=2, param_bytes=2, grad_bytes=2,
                             optimizer_bytes=12, optimizer_traffic_bytes=32),
-    "fp16-mixed": Precision(name="fp16-mixed", dtype="float16", element_bytes=2, param_bytes=2, grad_bytes=2,
+    FP16_MIXED: Precision(name=FP16_MIXED, dtype=AUTOCAST_DTYPE_NAMES[FP16_MIXED], element_bytes=2, param_bytes=2, grad_bytes=2,
                             optimizer_bytes=12, optimizer_traffic_bytes=32),
     # plain float32 AdamW (plait train's default dtype): 4 + 4 + 8
-    "fp32": Precision(name="fp32", dtype="float32", element_bytes=4, param_bytes=4, grad_bytes=4,
+    FP32: Precision(name=FP32, dtype="float32", element_bytes=4, param_bytes=4, grad_bytes=4,
                       optimizer_bytes=8, optimizer_traffic_bytes=28),
 }
 
@@ -44,7 +46,7 @@ PRECISIONS = {
 AUTOCAST_PRECISIONS = {
     name: Precision(name=name, dtype=dtype, element_bytes=2, param_bytes=4, grad_bytes=4, optimizer_bytes=8,
                     optimizer_traffic_bytes=28, residual_bytes=4, weight_copy_bytes=2)
-    for name, dtype in (("bf16-mixed", "bfloat16"), ("fp16-mixed", "float16"))
+    for name, dtype in AUTOCAST_DTYPE_NAMES.items() if dtype is not None
 }
 
 # Autocast differs by device: CUDA's runs softmax in float32 (its fp32 op list), so the

@@ -38,6 +38,8 @@ from plait.plan.layout import MESH_ORDERS, SCHEDULES, Layout, layout_problems
 from plait.plan.precision import PRECISIONS, precision_for
 from plait.plan.grid import (DEFAULT_MAX_LAYOUTS, Family, Pruning, divisors, enumerate_families, fit_budget,
                              variant_choices)
+from plait.names.axes import DEFAULT_ORDER
+from plait.names.precision import BF16_MIXED
 from plait.plan.layers import RECOMPUTE_MODES
 from plait.plan.transformer import ACCOUNTINGS
 
@@ -78,11 +80,11 @@ class PlanRequest:
     recompute: str | None = None  # none | selective | full; None: searched
     zero_stage: int | None = None
     sequence_parallel: bool | None = None
-    precision: str = "bf16-mixed"
+    precision: str = BF16_MIXED
     accounting: str = "megatron"
     offload: bool = False  # plait train's --offload-activations (fixed, not searched)
     offload_optimizer: bool = False  # plait train's --offload optimizer (fixed, not searched)
-    mesh_order: str = "tp,dp,pp"  # plait train's --mesh-order (fixed, not searched)
+    mesh_order: str = DEFAULT_ORDER  # plait train's --mesh-order (fixed, not searched)
     memory_limit_bytes: float | None = None
     memory_reserve_fraction: float = 0.1
     max_micro_batch: int = 32
