@@ -133,6 +133,8 @@ def _launch(collective, communicator, async_op, algorithm, prepare, *, tensor, n
     pending = table_pending(algorithm, collective, communicator)
     chosen_by_plait = algorithm in DEFAULT_NAMES  # the user named none: a small rooted call may carry its payload
     algorithm = resolve_algorithm(algorithm, collective, nbytes, communicator)
+    if algorithm == TORCH and p > 1 and "gloo" in str(dist.get_backend(communicator.group)):
+        check_carried(dtype, collective, torch_gloo=True)  # gloo's own collectives take fewer dtypes
     # a tensor on a GPU over gloo travels through a host copy (gloo moves CPU memory)
     staged = p > 1 and stages_through_host(communicator.group, tensor.device)
     grouped = _grouped(tensor) and not staged

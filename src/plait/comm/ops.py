@@ -81,10 +81,17 @@ def _names(dtypes) -> str:
     return ", ".join(dtype_name(d) for d in dtypes)
 
 
-def check_carried(dtype: torch.dtype, collective: str) -> None:
+def check_carried(dtype: torch.dtype, collective: str, torch_gloo: bool = False) -> None:
     """Refuse, before any message, a dtype plait's collectives cannot carry (a quantized
-    or sub-byte dtype, or one the wire table lacks), naming it and the fix."""
-    wire_dtype(dtype, collective)
+    or sub-byte dtype, or one the wire table lacks), naming it and the fix.
+    ``torch_gloo``: the call runs gloo's own collective (``algorithm="torch"``), which
+    takes fewer dtypes than plait's algorithms (gloo's send/recv carry any)."""
+    entry = wire_dtype(dtype, collective)
+    if torch_gloo and not entry.torch_gloo:
+        carried = ", ".join(item.name for item in DTYPES if item.torch_gloo)
+        raise TypeError(f"{collective}(algorithm='torch') over gloo cannot carry dtype {entry.name}: gloo's own "
+                        f"collectives take {carried}; use a plait algorithm (algorithm='auto' or e.g. 'tree'), "
+                        f"which carries any whole-byte dtype")
 
 
 def check_reducible(dtype: torch.dtype, op: str, collective: str) -> None:
