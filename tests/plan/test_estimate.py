@@ -38,8 +38,8 @@ def _uniform_groups(count: int, forward_s: float) -> list[list[Unit]]:
 
 
 @pytest.mark.parametrize("schedule,p,m,v", [("gpipe", 4, 8, 1), ("1f1b", 4, 8, 1), ("1f1b", 3, 7, 1),
-                                           ("1f1b", 4, 4, 1), ("interleaved", 4, 8, 2), ("interleaved", 2, 6, 3),
-                                           ("interleaved", 4, 4, 2), ("none", 1, 5, 1)])
+                                           ("1f1b", 4, 4, 1), ("interleaved_1f1b", 4, 8, 2), ("interleaved_1f1b", 2, 6, 3),
+                                           ("interleaved_1f1b", 4, 4, 2), ("none", 1, 5, 1)])
 def test_pipeline_time_is_the_replayed_schedule(schedule, p, m, v):
     """Uniform stages, free links: the estimate's step equals the makespan of plait's
     own schedule replayed with each rank's forward and backward times."""
@@ -51,7 +51,7 @@ def test_pipeline_time_is_the_replayed_schedule(schedule, p, m, v):
     if schedule == "none":
         expected = m * 3 * per_rank_forward
     else:
-        name = "interleaved_1f1b" if schedule == "interleaved" else schedule
+        name = "interleaved_1f1b" if schedule == "interleaved_1f1b" else schedule
         expected = replay(build(name, p, m, v if v > 1 else None), forward=per_rank_forward,
                           backward=2 * per_rank_forward).makespan_s
     assert result.step_time_s == pytest.approx(expected, rel=1e-12)
@@ -60,10 +60,10 @@ def test_pipeline_time_is_the_replayed_schedule(schedule, p, m, v):
 
 
 @pytest.mark.parametrize("schedule,p,m,v", [("gpipe", 4, 6, 1), ("1f1b", 4, 6, 1), ("1f1b", 4, 2, 1),
-                                           ("interleaved", 4, 8, 2), ("interleaved", 3, 3, 2),
-                                           ("interleaved", 2, 4, 4)])
+                                           ("interleaved_1f1b", 4, 8, 2), ("interleaved_1f1b", 3, 3, 2),
+                                           ("interleaved_1f1b", 2, 4, 4)])
 def test_in_flight_matches_the_schedules(schedule, p, m, v):
-    name = "interleaved_1f1b" if schedule == "interleaved" else schedule
+    name = "interleaved_1f1b" if schedule == "interleaved_1f1b" else schedule
     peaks = peak_in_flight(build(name, p, m, v if v > 1 else None))
     layout = Layout(pp=p, num_microbatches=m, schedule=schedule, virtual=v)
     assert [in_flight(layout, r) * v for r in range(p)] == peaks
@@ -224,7 +224,7 @@ def test_interleaved_memory_bounds_the_real_schedule_with_unequal_chunks():
     sizes = [5, 1, 2, 7, 3, 3, 1, 9]  # activation bytes of the 8 layer groups = chunks
     groups = [[Unit(LayerCost(name=f"l{i}", forward_flops=1.0, backward_flops=2.0, activation_bytes=a),
                     TensorParallelComm(), True)] for i, a in enumerate(sizes)]
-    layout = Layout(pp=p, num_microbatches=m, schedule="interleaved", virtual=v)
+    layout = Layout(pp=p, num_microbatches=m, schedule="interleaved_1f1b", virtual=v)
     split = [[c] for c in range(p * v)]
     result = estimate(groups, layout, _cluster(p), PRECISIONS["fp32"], model_flops=1.0, hardware_flops=1.0,
                       split=split)

@@ -19,7 +19,7 @@ from tests.plan.test_estimate import _cluster, _uniform_groups
 
 CASES = [("gpipe", p, m, 1) for p in (2, 3, 4, 5) for m in (1, 2, 3, 5, 8, 13)]
 CASES += [("1f1b", p, m, 1) for p in (2, 3, 4, 5, 7) for m in (1, 2, 3, 4, 6, 9, 14)]
-CASES += [("interleaved", p, m, v) for p in (2, 3, 4) for v in (2, 3, 4) for m in (p, 2 * p, 3 * p, 5 * p)]
+CASES += [("interleaved_1f1b", p, m, v) for p in (2, 3, 4) for v in (2, 3, 4) for m in (p, 2 * p, 3 * p, 5 * p)]
 
 
 @pytest.mark.parametrize("name,p,m,v", CASES)
@@ -35,7 +35,7 @@ def test_replayed_bubble_is_the_closed_form(name, p, m, v, forward):
     assert closed.peak_units == tuple(x / v for x in peaks)
 
 
-@pytest.mark.parametrize("name,p,v", [("gpipe", 3, 1), ("1f1b", 4, 1), ("interleaved", 3, 2), ("interleaved", 2, 4),
+@pytest.mark.parametrize("name,p,v", [("gpipe", 3, 1), ("1f1b", 4, 1), ("interleaved_1f1b", 3, 2), ("interleaved_1f1b", 2, 4),
                                       ("zero_bubble", 3, 1), ("zero_bubble", 4, 1)])
 @pytest.mark.parametrize("units", [(8, 16, 0), (6, 9, 9), (9, 10, 5)])
 def test_extrapolation_in_m_is_the_full_replay(name, p, v, units):
@@ -44,7 +44,7 @@ def test_extrapolation_in_m_is_the_full_replay(name, p, v, units):
         units = (units[0], RATIO_STEPS - units[0], 0)
     m1, m2 = _base(name, p, v)
     for m in range(m2 + 1, m2 + 4 * p + 1):
-        if name == "interleaved" and m % p:
+        if name == "interleaved_1f1b" and m % p:
             continue
         price = price_schedule(name, p, m, v, units)
         assert price.source.startswith("extrapolated")
@@ -55,12 +55,12 @@ def test_extrapolation_in_m_is_the_full_replay(name, p, v, units):
             assert row == pytest.approx(expected)
 
 
-@pytest.mark.parametrize("name,p,m,v", [("1f1b", 4, 7, 1), ("interleaved", 4, 8, 2), ("chimera", 4, 8, 1),
+@pytest.mark.parametrize("name,p,m,v", [("1f1b", 4, 7, 1), ("interleaved_1f1b", 4, 8, 2), ("chimera", 4, 8, 1),
                                        ("chimera", 6, 10, 1), ("zero_bubble", 4, 9, 1), ("zero_bubble", 5, 5, 1)])
 def test_the_planners_replay_is_the_librarys(name, p, m, v):
     """With the weight gradient half the backward (the library replay's split), the
     planner's replay gives plait.parallel.pipeline.replay's makespan and peak_in_flight."""
-    schedule = build(pipeline.BUILDER_NAMES[name], p, m, v if v > 1 else None)
+    schedule = build(name, p, m, v if v > 1 else None)
     units = (6, 9, 9) if name == "zero_bubble" else (8, 16, 0)
     makespan, peaks, _ = _replay(name, p, m, v, units)
     expected = replay(schedule, forward=units[0] / RATIO_STEPS, backward=(units[1] + units[2]) / RATIO_STEPS)

@@ -30,13 +30,13 @@ def _brute_force(spec, cluster, batch, limit):
             continue
         for mb in _divisors(batch // dp):
             m = batch // (dp * mb)
-            schedules = [("none", 1)] if pp == 1 else [("1f1b", 1), ("gpipe", 1), ("interleaved", 2),
-                                                       ("interleaved", 4), ("interleaved", 8),
+            schedules = [("none", 1)] if pp == 1 else [("1f1b", 1), ("gpipe", 1), ("interleaved_1f1b", 2),
+                                                       ("interleaved_1f1b", 4), ("interleaved_1f1b", 8),
                                                        ("zero_bubble", 1), ("chimera", 1)]
             zeros = [0] if dp == 1 else ([0, 1] if pp > 1 else [0, 1, 2, 3])
             for (schedule, v), rc, zero, sp in itertools.product(schedules, ("none", "selective", "full"), zeros,
                                                                  (False, True) if tp > 1 else (False,)):
-                if schedule == "interleaved" and (m % pp or pp * v > spec.layers):
+                if schedule == "interleaved_1f1b" and (m % pp or pp * v > spec.layers):
                     continue
                 if schedule in ("zero_bubble", "chimera") and pp > 8:
                     continue
@@ -173,7 +173,7 @@ def test_an_uneven_traced_model_is_split_by_alpa():
     (dict(tp=4, pp=4), r"tp\(4\) \* pp\(4\) = 16 does not divide the 8 devices"),
     (dict(pp=2, dp=8), r"pp\(2\) \* dp\(8\) = 16 does not divide the 8 devices"),
     (dict(micro_batch=5), "micro_batch=5 divides no per-replica batch.*valid micro-batches: 1, 2, 4, 8, 16"),
-    (dict(virtual=1, schedule="interleaved"), "virtual=1: interleaving needs at least 2"),
+    (dict(virtual=1, schedule="interleaved_1f1b"), "virtual=1: interleaving needs at least 2"),
     (dict(virtual=2, pp=1), "pp=1 has none"),
     (dict(virtual=8, pp=4), r"pp\(4\) \* virtual\(8\) = 32 chunks exceed the model's 12 layers"),
 ])
@@ -184,7 +184,7 @@ def test_impossible_fixed_choices_are_named(kwargs, message):
 
 def test_virtual_alone_means_interleaved():
     result = plan("gpt-1.3b", "dgx-a100", gpus=16, global_batch=64, virtual=4, top=20)
-    assert all(p.layout.schedule == "interleaved" and p.layout.virtual == 4 and p.layout.pp > 1
+    assert all(p.layout.schedule == "interleaved_1f1b" and p.layout.virtual == 4 and p.layout.pp > 1
                for p in result.plans)
 
 

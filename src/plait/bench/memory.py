@@ -44,6 +44,7 @@ from pathlib import Path
 from plait.cost import LinkModel
 from plait.names.precision import PRECISIONS
 from plait.names.recompute import RECOMPUTE_MODES
+from plait.names.schedules import GPIPE, INTERLEAVED_1F1B, NO_PIPELINE, ONE_F_ONE_B, ZERO_BUBBLE
 from plait.plan import Layout, cluster_preset, estimate_layout
 from plait.plan.device import DeviceSpec
 from plait.plan.estimate import in_flight
@@ -51,7 +52,7 @@ from plait.plan.precision import precision_for
 from plait.plan.transformer import TransformerSpec
 
 MESHES = ((2, 1, 2), (1, 2, 2))  # (dp, tp, pp)
-PLAN_SCHEDULES = {"gpipe": "gpipe", "1f1b": "1f1b", "interleaved_1f1b": "interleaved", "zero_bubble": "zero_bubble"}
+BENCH_SCHEDULES = (GPIPE, ONE_F_ONE_B, INTERLEAVED_1F1B, ZERO_BUBBLE)  # plait.names.schedules; no chimera here
 
 # estimate_layout prices time too; this bench reads only its memory, which no device
 # speed enters: a nominal device and link
@@ -75,7 +76,7 @@ class MemoryBenchConfig:
     heads: int = 4
     global_batch: int = 16
     micro_batch: int = 2
-    schedule: str = "gpipe"
+    schedule: str = GPIPE
     steps: int = 4
     peer_rounds: int = 3
     peer_steps: int = 3
@@ -96,8 +97,8 @@ class MemoryBenchConfig:
             if unknown or not values:
                 found.append(f"--{name}: unknown {', '.join(map(repr, unknown)) or '(none given)'}; valid: "
                              f"{', '.join(valid)}")
-        if self.schedule not in PLAN_SCHEDULES:
-            found.append(f"--schedule {self.schedule!r}: use one of {', '.join(PLAN_SCHEDULES)}")
+        if self.schedule not in BENCH_SCHEDULES:
+            found.append(f"--schedule {self.schedule!r}: use one of {', '.join(BENCH_SCHEDULES)}")
         if self.steps < 2:
             found.append(f"--steps {self.steps}: at least 2 (the first step is excluded from the step time)")
         return found
@@ -147,7 +148,7 @@ def _layout(config: MemoryBenchConfig, mesh, recompute: str, offload: bool) -> L
     dp, tp, pp = mesh
     return Layout(dp=dp, tp=tp, pp=pp, micro_batch=config.micro_batch,
                   num_microbatches=config.global_batch // (dp * config.micro_batch),
-                  schedule=PLAN_SCHEDULES[config.schedule] if pp > 1 else "none", recompute=recompute,
+                  schedule=config.schedule if pp > 1 else NO_PIPELINE, recompute=recompute,
                   offload=offload)
 
 

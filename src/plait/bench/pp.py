@@ -35,12 +35,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from plait.memory.saved_memory import SavedTensorMeter
+from plait.names.schedules import CHIMERA, GPIPE, INTERLEAVED_1F1B, ONE_F_ONE_B, PIPELINE_SCHEDULES, ZERO_BUBBLE
 from plait.parallel.pipeline import build, peak_in_flight, replay
 from plait.parallel.pipeline.engine import PipelineEngine, gather_timeline
 from plait.parallel.pipeline.partition import build_stage, split_layers
 from plait.parallel.pipeline.schedules import BACKWARD, FORWARD, WEIGHT
 
-SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved_1f1b", "chimera", "zero_bubble")
+SCHEDULE_NAMES = PIPELINE_SCHEDULES  # plait.names.schedules
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -75,7 +76,7 @@ class PpBenchConfig:
             for p in self.stages:
                 for name in self.schedules:
                     try:
-                        build(name, p, self.microbatches, self.virtual if name == "interleaved_1f1b" else None)
+                        build(name, p, self.microbatches, self.virtual if name == INTERLEAVED_1F1B else None)
                     except ValueError as error:
                         problems.append(f"--stages {p}: {error}")
                 if self.layers < p * self.virtual:
@@ -89,17 +90,17 @@ class PpBenchConfig:
 
 
 def formula_bubble(name: str, p: int, m: int, v: int) -> float:
-    if name == "interleaved_1f1b":
+    if name == INTERLEAVED_1F1B:
         return ((p - 1) / v) / (m + (p - 1) / v)
-    if name == "chimera":
+    if name == CHIMERA:
         return (p - 2) / (2 * m + p - 2)
-    if name == "zero_bubble":
+    if name == ZERO_BUBBLE:
         return (p - 1) / (3 * m + p - 1)
     return (p - 1) / (m + p - 1)
 
 
 def formula_in_flight(name: str, p: int, m: int, rank: int) -> int | None:
-    return {"gpipe": m, "1f1b": min(p - rank, m), "zero_bubble": min(2 * p - rank - 1, m)}.get(name)
+    return {GPIPE: m, ONE_F_ONE_B: min(p - rank, m), ZERO_BUBBLE: min(2 * p - rank - 1, m)}.get(name)
 
 
 def predicted_peak_bytes(schedule, rank: int, stage_bytes: dict) -> int:
@@ -128,8 +129,8 @@ def _mse(out, target):
 
 def _one_schedule(config: PpBenchConfig, name: str, rank: int, p: int, layers: list[nn.Module] | None = None) -> dict:
     """``layers``: the model's layers (default the config's MLP), each mapping (b, width) to (b, width)."""
-    v = config.virtual if name == "interleaved_1f1b" else 1
-    schedule = build(name, p, config.microbatches, v if name == "interleaved_1f1b" else None)
+    v = config.virtual if name == INTERLEAVED_1F1B else 1
+    schedule = build(name, p, config.microbatches, v if name == INTERLEAVED_1F1B else None)
     layers = _mlp(config) if layers is None else layers
     chunks = split_layers(layers, p, virtual=v)
     meter = SavedTensorMeter()

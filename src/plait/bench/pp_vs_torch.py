@@ -53,13 +53,15 @@ import torch.distributed as dist
 from torch.distributed import pipelining
 
 from plait.bench.pp import PpBenchConfig, _mlp, _mse
+from plait.names.schedules import GPIPE, INTERLEAVED_1F1B, ONE_F_ONE_B, ZERO_BUBBLE
 from plait.parallel.pipeline import build
 from plait.parallel.pipeline.engine import PipelineEngine
 from plait.parallel.pipeline.partition import build_stage, split_layers
 
-VS_TORCH_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
-TORCH_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved_1f1b": "ScheduleInterleaved1F1B",
-                   "zero_bubble": "ScheduleInterleavedZeroBubble"}
+VS_TORCH_SCHEDULES = (GPIPE, ONE_F_ONE_B, INTERLEAVED_1F1B, ZERO_BUBBLE)
+# plait's schedule -> torch.distributed.pipelining's class (torch's names, not a second plait vocabulary)
+TORCH_SCHEDULES = {GPIPE: "ScheduleGPipe", ONE_F_ONE_B: "Schedule1F1B", INTERLEAVED_1F1B: "ScheduleInterleaved1F1B",
+                   ZERO_BUBBLE: "ScheduleInterleavedZeroBubble"}
 LOSS_RTOL = 1e-5
 _LEARNING_RATE = 1e-3
 
@@ -109,7 +111,7 @@ class _TorchSide:
         params = [param for stage in stages for param in stage.submod.parameters()]
         self.optimizer = torch.optim.SGD(params, lr=_LEARNING_RATE)
         schedule_class = getattr(pipelining, TORCH_SCHEDULES[name])
-        if name in ("gpipe", "1f1b"):
+        if name in (GPIPE, ONE_F_ONE_B):
             self.schedule = schedule_class(stages[0], config.microbatches, loss_fn=_mse)
         else:
             self.schedule = schedule_class(stages, config.microbatches, loss_fn=_mse)
@@ -137,8 +139,8 @@ def compare_schedule(config: PpVsTorchConfig, name: str, device=None) -> dict | 
     """One schedule on both sides in the current world; the row on rank 0, None elsewhere."""
     rank, p = dist.get_rank(), dist.get_world_size()
     device = torch.device("cpu") if device is None else device
-    v = config.virtual if name == "interleaved_1f1b" else 1
-    schedule = build(name, p, config.microbatches, v if name == "interleaved_1f1b" else None)
+    v = config.virtual if name == INTERLEAVED_1F1B else 1
+    schedule = build(name, p, config.microbatches, v if name == INTERLEAVED_1F1B else None)
     plait_layers, torch_layers = _mlp(config), _mlp(config)  # the same seed: equal weights
     chunks = split_layers(plait_layers, p, virtual=v)
     stage_ids = [s for _, s in schedule.stages_of(rank)]
@@ -177,7 +179,7 @@ def summarise(name: str, p: int, config: PpVsTorchConfig, rank_times: list[dict]
     differences = [abs(a - b) / max(abs(b), 1e-30) for a, b in zip(plait_losses, torch_losses)]
     return {
         "schedule": name, "torch_schedule": TORCH_SCHEDULES[name], "p": p, "m": config.microbatches,
-        "v": config.virtual if name == "interleaved_1f1b" else 1, "rounds": config.rounds, "steps": config.steps,
+        "v": config.virtual if name == INTERLEAVED_1F1B else 1, "rounds": config.rounds, "steps": config.steps,
         "plait_ms": 1e3 * statistics.median(per_round["plait"]),
         "torch_ms": 1e3 * statistics.median(per_round["torch"]),
         "plait_ms_per_round": [1e3 * value for value in per_round["plait"]],

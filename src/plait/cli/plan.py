@@ -45,6 +45,7 @@ from plait.plan import (
 from plait.cost.topology_io import load_topology
 from plait.plan.cluster import check_count, MAX_DEVICES, topology_cluster
 from plait.plan.layout import MESH_ORDERS
+from plait.names.schedules import INTERLEAVED_1F1B, NO_PIPELINE, PIPELINE_SCHEDULES
 from plait.plan.device import load_device_profile, measure_device
 from plait.plan.grid import DEFAULT_MAX_LAYOUTS
 from plait.plan.layers import RECOMPUTE_MODES
@@ -52,6 +53,14 @@ from plait.plan.trace import describe_module
 
 GIB = 1 << 30
 _TRAIN_DEFAULT = dict(layers=4, hidden=128, heads=4, seq=64)  # plait train's GPT
+# plait plan spelt interleaved 1F1B "interleaved" before plait.names.schedules gave every layer one
+# spelling (interleaved_1f1b); the flag still takes the old one
+OLD_INTERLEAVED = "interleaved"
+
+
+def _schedule_name(text: str) -> str:
+    """--schedule's value in plait.names.schedules' spelling (argparse then checks choices)."""
+    return INTERLEAVED_1F1B if text == OLD_INTERLEAVED else text
 
 
 def _bool_flag(parser, name: str, help: str) -> None:
@@ -101,8 +110,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     layout.add_argument("--mesh-order", default="tp,dp,pp", choices=MESH_ORDERS,
                         help="plait train's --mesh-order (axes innermost first): tp,pp,dp puts each pipeline on "
                              "consecutive ranks, so dp groups span the hosts (default tp,dp,pp)")
-    layout.add_argument("--schedule", default=None,
-                        choices=("none", "gpipe", "1f1b", "interleaved", "chimera", "zero_bubble"))
+    layout.add_argument("--schedule", default=None, type=_schedule_name, choices=(NO_PIPELINE, *PIPELINE_SCHEDULES),
+                        help="the pipeline schedule, as plait train --schedule spells it (none: pp=1); the old "
+                             f"spelling {OLD_INTERLEAVED} is still accepted for {INTERLEAVED_1F1B}")
     layout.add_argument("--recompute", default=None, choices=RECOMPUTE_MODES,
                         help="activation recomputation, as plait train --recompute runs it: none, selective (the "
                              "attention core) or full (each block keeps its input) (default: searched)")

@@ -30,6 +30,7 @@ from plait.parallel.pipeline.draw import (
     timeline_peak_in_flight,
     with_chunk_labels,
 )
+from plait.names.schedules import CHIMERA, INTERLEAVED_1F1B
 from plait.parallel.pipeline.replay import peak_in_flight, validate
 from plait.parallel.pipeline.schedules import build, SCHEDULES
 
@@ -153,7 +154,7 @@ def _check_pipeline_size(name: str, p: int, m: int, virtual: int | None) -> None
     for flag, value in (("--stages", p), ("--microbatches", m), ("--virtual", virtual)):
         if value is not None and value < 1:
             raise ValueError(f"{flag} {value} must be >= 1")
-    v = (2 if virtual is None else virtual) if name == "interleaved_1f1b" else 1
+    v = (2 if virtual is None else virtual) if name == INTERLEAVED_1F1B else 1
     try:
         check_pipeline(name, p, m, v)
     except ValueError as error:
@@ -233,7 +234,7 @@ def run_pipeline(args) -> int:
         title = (f"{name} p={p} m={m}" + (f" v={v}" if v != 1 else "") if name and m else args.timeline) \
             + f" ({timeline.source}): bubble {overall:.1%}" \
             + (f", formula {formula['bubble_fraction']:.1%}" if formula else "")
-        chunk_names = ["down", "up"] if name == "chimera" else None
+        chunk_names = ["down", "up"] if name == CHIMERA else None
         path = plot_gantt(timeline, args.out, title, chunk_names=chunk_names)
         print(f"wrote {path}")
     return 0

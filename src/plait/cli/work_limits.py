@@ -29,6 +29,7 @@ each).
 from __future__ import annotations
 
 from plait.comm.algorithms import build_schedule, ROOTED
+from plait.parallel.pipeline.schedules import LIST_SCHEDULED
 
 MAX_SIMULATED_TRANSFERS = 1 << 20
 MAX_SCHEDULE_TRANSFERS = 1 << 18
@@ -36,7 +37,6 @@ MAX_PRESET_DEVICES = 16_384
 MAX_PIPELINE_COMPUTATIONS = 4_096  # m x p x v forwards (as many backwards)
 MAX_PIPELINE_CHART_CELLS = 1 << 21  # p x 3 (m v + p - 1)
 MAX_LIST_SCHEDULED = 512  # m x p for the list-scheduled schedules
-LIST_SCHEDULED = ("zero_bubble", "chimera")
 
 
 def estimated_transfers(world_size: int, segments: int = 1) -> int:

@@ -32,13 +32,14 @@ from torch import nn
 from plait import comm
 from plait.comm import tags
 from plait.memory.loss_scale import LossScaler
+from plait.names.schedules import INTERLEAVED_1F1B
 from plait.parallel.mesh import DeviceMesh
 from plait.memory.offload import ActivationOffloader
 from plait.parallel.pipeline import build as build_schedule, PipelineEngine
 from plait.parallel.pipeline.partition import build_stage, split_layers
 from plait.memory.precision import AUTOCAST_DTYPE, GRAD_REDUCE_DTYPES, PRECISIONS, REDUCE_DTYPE, autocast
 from plait.memory.recompute import set_block_recompute
-from plait.names.axes import AXES
+from plait.names.axes import AXES, DP, PP, TP
 from plait.names.precision import FP16_MIXED, FP32
 from plait.parallel.tensor.dropout import ConsistentDropout
 from plait.parallel.zero.optimizer import ShardedOptimizer
@@ -88,10 +89,10 @@ def build_hybrid(model: nn.Module, layers: list[nn.Module], mesh: DeviceMesh, lo
     ``recompute`` (none | selective | full) applies to the first ``recompute_layers``
     transformer blocks of each chunk (None: all). ``meter``: a SavedTensorMeter the
     engine composes with its own saved-tensor hooks (measured activation memory)."""
-    pp = mesh.size("pp")
-    pipeline = build_schedule(schedule, pp, microbatches, virtual if schedule == "interleaved_1f1b" else None)
-    chunks = split_layers(layers, pp, virtual=virtual if schedule == "interleaved_1f1b" else 1)
-    pp_rank = mesh.coords["pp"]
+    pp = mesh.size(PP)
+    pipeline = build_schedule(schedule, pp, microbatches, virtual if schedule == INTERLEAVED_1F1B else None)
+    chunks = split_layers(layers, pp, virtual=virtual if schedule == INTERLEAVED_1F1B else 1)
+    pp_rank = mesh.coords[PP]
     held = pipeline.stages_of(pp_rank)
     modules = {stage: build_stage(layers, chunks[stage]) for _, stage in held}
     for stage, module in modules.items():
@@ -129,7 +130,7 @@ def build_hybrid(model: nn.Module, layers: list[nn.Module], mesh: DeviceMesh, lo
     offloader = None
     if offload_dir is not None:  # saved activations to files (CPU) or host memory, read back just in time
         offloader = ActivationOffloader(offload_dir, on_loaded=meter.pack if meter is not None else None)
-    engine = PipelineEngine(pipeline, modules, loss_fn, group=mesh.group["pp"], timeout_s=timeout_s, meter=meter,
+    engine = PipelineEngine(pipeline, modules, loss_fn, group=mesh.group[PP], timeout_s=timeout_s, meter=meter,
                             offloader=offloader,
                             autocast_dtype=AUTOCAST_DTYPE[precision],
                             loss_scale=loss_scaler.scale_loss if loss_scaler is not None else None)
@@ -194,7 +195,7 @@ def train_step(hybrid: HybridModel, inputs, targets, optimizer, *, step: int, gr
     else:
         norm = clip_sharded_grad_norm(hybrid, optimizer, grad_clip) if sharded else clip_grad_norm(hybrid, grad_clip)
     if reduce_loss:
-        loss = _mean_over(hybrid.mesh, "dp", loss)
+        loss = _mean_over(hybrid.mesh, DP, loss)
     sync_s = time.perf_counter() - sync_start_s
     if lr is not None:
         for group in optimizer.param_groups:
@@ -223,10 +224,10 @@ def average_gradients(hybrid: HybridModel, step: int) -> None:
     """Average every gradient over the dp group in flat buckets of <= 25 MiB (one
     all-reduce each: 2(dp-1)/dp · n bytes per rank with a ring), or through the
     compressor, which reports its own bytes."""
-    dp = hybrid.mesh.size("dp")
+    dp = hybrid.mesh.size(DP)
     if dp == 1:
         return
-    group = hybrid.mesh.group["dp"]
+    group = hybrid.mesh.group[DP]
     params = [(name, param) for name, param in hybrid.names.items() if param.requires_grad]
     if hybrid.compressor is not None:
         # tp-replicated parameters in buckets of their own, first: every tp rank then
@@ -293,7 +294,7 @@ def clip_grad_norm(hybrid: HybridModel, max_norm: float) -> float:
     # one fused kernel per device and dtype: each gradient's norm accumulated in float64
     for grads in _by_device_and_dtype(counted):
         total += torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float64)).pow(2).sum().cpu()
-    norm = float(_summed_over(hybrid, total, ("tp", "pp")).sqrt())
+    norm = float(_summed_over(hybrid, total, (TP, PP)).sqrt())
     if max_norm and norm > max_norm:
         scale = max_norm / (norm + 1e-6)
         for grads in _by_device_and_dtype([param.grad for param in hybrid.parameters() if param.grad is not None]):
@@ -336,7 +337,7 @@ def evaluate(hybrid: HybridModel, inputs, targets) -> float:
     engine, mesh = hybrid.engine, hybrid.mesh
     schedule = engine.schedule
     pipeline = schedule.pipelines[0]
-    pp_rank, group = mesh.coords["pp"], mesh.group["pp"]
+    pp_rank, group = mesh.coords[PP], mesh.group[PP]
     device = engine.device
     x, loss = inputs, torch.zeros(1, dtype=torch.float64, device=device)
     was_training = {stage: module.training for stage, module in engine.stages.items()}
@@ -357,9 +358,9 @@ def evaluate(hybrid: HybridModel, inputs, targets) -> float:
     finally:
         for stage, module in engine.stages.items():
             module.train(was_training[stage])
-    if mesh.size("pp") > 1:
+    if mesh.size(PP) > 1:
         comm.all_reduce(loss, group=group)
-    return _mean_over(mesh, "dp", float(loss))
+    return _mean_over(mesh, DP, float(loss))
 
 
 _DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]

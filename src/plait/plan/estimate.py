@@ -51,6 +51,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
+from plait.names.schedules import CHIMERA, NO_PIPELINE, ZERO_BUBBLE
+from plait.names.axes import DP, PP
+from plait.names.recompute import FULL, SELECTIVE
 from plait.plan.cluster import Cluster
 from plait.plan.layers import LayerCost
 from plait.plan.layout import Layout
@@ -161,7 +164,7 @@ def _unit_costs(unit: Unit, tp: int, recompute: str, cluster: Cluster, dtype: st
     # a linear layer's backward is two GEMMs of equal FLOPs: input gradient and weight gradient
     # (a calibrated device prices the weight-gradient products' own shapes)
     weight = device.weight_gradient_time_s(unit.cost, dtype)
-    if recompute == "selective" and unit.cost.core_activation_bytes:
+    if recompute == SELECTIVE and unit.cost.core_activation_bytes:
         # the attention core runs again in the backward; its s² tensors live only then, after
         # the block's backward has freed what it kept past the core
         compute += device.core_forward_time_s(unit.cost, dtype)
@@ -169,7 +172,7 @@ def _unit_costs(unit: Unit, tp: int, recompute: str, cluster: Cluster, dtype: st
                           unit.cost.activation_bytes - unit.cost.core_activation_bytes,
                           max(unit.cost.core_activation_bytes - unit.cost.post_core_bytes, 0.0),
                           unit.cost.output_bytes, forward + forward_comm, weight)
-    if recompute == "full" and unit.recomputable:
+    if recompute == FULL and unit.recomputable:
         compute += forward
         comm += _comm_time_s(cluster, unit.comm.recompute, tp, algorithms)
         return GroupCosts(compute, comm, unit.cost.params, unit.cost.input_bytes, unit.cost.activation_bytes,
@@ -246,7 +249,7 @@ def pipeline_crosses_node(layout: Layout, cluster: Cluster) -> bool:
     sits on different nodes; the slowest boundary paces the pipeline. With pp
     outermost (the default order) a pipeline spans every rank, so on more than one
     node some boundary always crosses."""
-    return cluster.nodes > 1 and layout.pp > 1 and cluster.group_shape(layout.pp, layout.stride("pp")).nodes > 1
+    return cluster.nodes > 1 and layout.pp > 1 and cluster.group_shape(layout.pp, layout.stride(PP)).nodes > 1
 
 
 def alpa_split(summaries: list[GroupCosts], layout: Layout, cluster: Cluster) -> list[list[int]]:
@@ -285,7 +288,7 @@ def _activation_peak(mine: list[GroupCosts], layout: Layout, rank: int, price) -
 def in_flight(layout: Layout, rank: int) -> float:
     """Micro-batches (in units of the rank's whole share) whose activations rank
     ``rank`` of the pipeline holds at its peak, from the schedule itself."""
-    if layout.schedule == "none":
+    if layout.schedule == NO_PIPELINE:
         return 1.0
     return price_schedule(layout.schedule, layout.pp, layout.num_microbatches, layout.virtual).peak_units[rank]
 
@@ -294,7 +297,7 @@ def _rank_chunks(layout: Layout, rank: int) -> list[int]:
     """The chunks pipeline rank ``rank`` holds: c ≡ rank (mod pp), or Chimera's stage
     ``rank`` (down pipeline) and stage pp-1-rank (up pipeline)."""
     p = layout.pp
-    if layout.schedule == "chimera":
+    if layout.schedule == CHIMERA:
         return [rank, p - 1 - rank]
     return list(range(rank, p * layout.virtual, p))
 
@@ -322,7 +325,7 @@ def estimate(groups: list[list[Unit]], layout: Layout, cluster: Cluster, precisi
     if chunks is None:
         chunks = [combine([summaries[g] for g in indices]) for indices in split]
     crosses_node = pipeline_crosses_node(layout, cluster)
-    chimera = layout.schedule == "chimera"
+    chimera = layout.schedule == CHIMERA
     ranks = []
     for r in range(p):
         indices = _rank_chunks(layout, r)
@@ -356,7 +359,7 @@ def estimate(groups: list[list[Unit]], layout: Layout, cluster: Cluster, precisi
     else:
         heavy_rank = ranks[slowest]
         units = cost_units(heavy_rank["forward"], t_max - heavy_rank["forward"] - heavy_rank["weight"],
-                           heavy_rank["weight"], split=layout.schedule == "zero_bubble")
+                           heavy_rank["weight"], split=layout.schedule == ZERO_BUBBLE)
         price = price_schedule(layout.schedule, p, m, v, units)
         fill_s = (sum(r["total"] for r in ranks) - t_max) / (p - 1)
         pipeline_s = m * t_max + price.idle_units * fill_s
@@ -380,7 +383,7 @@ def estimate(groups: list[list[Unit]], layout: Layout, cluster: Cluster, precisi
     heavy = max(range(p), key=lambda r: ranks[r]["params"])
     params = ranks[heavy]["params"]
     grad_bytes, param_bytes = params * precision.grad_bytes, params * precision.param_bytes
-    dp, stride = layout.dp, layout.stride("dp")
+    dp, stride = layout.dp, layout.stride(DP)
 
     def collective(name: str, nbytes: float) -> float:
         seconds, algorithm = cluster.collective_time_s(name, nbytes, dp, stride)
@@ -397,17 +400,17 @@ def estimate(groups: list[list[Unit]], layout: Layout, cluster: Cluster, precisi
         dp_s = m * collective("reduce_scatter", grad_bytes) + collective("all_gather", param_bytes)
     else:  # ZeRO 3, per micro-batch and unit (one call each): a gather for the forward and one for the
         # backward (and one for a recomputed forward), a reduce-scatter after the backward
-        gathers = 3 if layout.recompute == "full" else 2
+        gathers = 3 if layout.recompute == FULL else 2
         zero_units = max(ranks[heavy]["units"], 1)
         dp_s = m * zero_units * (collective("reduce_scatter", grad_bytes / zero_units)
                                  + gathers * collective("all_gather", param_bytes / zero_units))
     if chimera:  # the two replicas of each stage (ranks r and p-1-r) sum their gradients
         seconds, algorithms["chimera replicas"] = cluster.collective_time_s(
-            "all_reduce", grad_bytes / (dp if layout.zero_stage >= 1 else 1), 2, layout.stride("pp") * (p - 1))
+            "all_reduce", grad_bytes / (dp if layout.zero_stage >= 1 else 1), 2, layout.stride(PP) * (p - 1))
         dp_s += seconds
     if p > 1 and tied_embedding_params:
         seconds, algorithms["tied embedding"] = cluster.collective_time_s(
-            "all_reduce", tied_embedding_params * precision.grad_bytes, 2, layout.stride("pp") * (p - 1))
+            "all_reduce", tied_embedding_params * precision.grad_bytes, 2, layout.stride(PP) * (p - 1))
         dp_s += seconds
     times["dp_comm"] = dp_s
     sharded = params / dp if layout.zero_stage >= 1 else params

@@ -37,7 +37,9 @@ def _value_text(value) -> str:
 
 def table(result: PlanResult) -> list[str]:
     """The ranked plans, one row each."""
-    header = (f"{'#':>2} {'tp':>3} {'pp':>3} {'dp':>5} {'mb':>3} {'m':>5} {'schedule':<14} {'sp':<3} {'rc':<3} "
+    # the schedule column fits its longest entry ("interleaved_1f1b v=8"), at least 14 wide
+    width = max([14] + [len(dimension_value(plan.layout, "schedule")) for plan in result.plans])
+    header = (f"{'#':>2} {'tp':>3} {'pp':>3} {'dp':>5} {'mb':>3} {'m':>5} {'schedule':<{width}} {'sp':<3} {'rc':<3} "
               f"{'zero':>4} {'step':>10} {'TFLOP/s/GPU':>11} {'%peak':>6} {'mem GiB':>8}  split: compute/tp/bubble/p2p/dp")
     rows = [header]
     for i, plan in enumerate(result.plans, 1):
@@ -47,7 +49,7 @@ def table(result: PlanResult) -> list[str]:
         split = "/".join(f"{100 * plan.time_s[key] / total:.0f}" for key in
                          ("compute", "tp_comm", "pp_bubble", "pp_comm", "dp_comm"))
         rows.append(f"{i:>2} {lay.tp:>3} {lay.pp:>3} {lay.dp:>5} {lay.micro_batch:>3} {lay.num_microbatches:>5} "
-                    f"{schedule:<14} {'y' if lay.sequence_parallel else '-':<3} {_RECOMPUTE_SHORT[lay.recompute]:<3} "
+                    f"{schedule:<{width}} {'y' if lay.sequence_parallel else '-':<3} {_RECOMPUTE_SHORT[lay.recompute]:<3} "
                     f"{lay.zero_stage:>4} {_seconds(total):>10} {plan.tflops_per_gpu:>11.4g} "
                     f"{plan.percent_of_peak:>6.1f} {plan.memory_per_gpu_bytes / GIB:>8.3g}  {split} %")
     return rows

@@ -33,6 +33,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
+from plait.names.schedules import CHIMERA, GPIPE, INTERLEAVED_1F1B, NO_PIPELINE, ONE_F_ONE_B, ZERO_BUBBLE
 from plait.plan.layout import Layout, layout_problems
 from plait.plan.layers import RECOMPUTE_MODES
 from plait.plan.pipeline import MAX_LIST_SCHEDULED_PP
@@ -231,14 +232,14 @@ def enumerate_families(model, world: int, request) -> list[Family]:
 def _schedules(pp: int, request) -> list[tuple[str, int]]:
     """(schedule, virtual) choices at ``pp``, as the request fixes or leaves them."""
     if pp == 1:
-        options = [("none", 1)]
+        options = [(NO_PIPELINE, 1)]
     else:
-        options = ([("1f1b", 1), ("gpipe", 1)] + [("interleaved", v) for v in request.virtual_choices]
-                   + [("zero_bubble", 1), ("chimera", 1)])
-    schedule = request.schedule or ("interleaved" if request.virtual is not None else None)
+        options = ([(ONE_F_ONE_B, 1), (GPIPE, 1)] + [(INTERLEAVED_1F1B, v) for v in request.virtual_choices]
+                   + [(ZERO_BUBBLE, 1), (CHIMERA, 1)])
+    schedule = request.schedule or (INTERLEAVED_1F1B if request.virtual is not None else None)
     if schedule is not None:
         options = [o for o in options if o[0] == schedule] or [(schedule, request.virtual or 1)]
     if request.virtual is not None:
-        options = [(s, request.virtual if s == "interleaved" else v) for s, v in options]
+        options = [(s, request.virtual if s == INTERLEAVED_1F1B else v) for s, v in options]
         options = list(dict.fromkeys(options))
     return options

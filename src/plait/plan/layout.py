@@ -7,11 +7,12 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
+from plait.names.schedules import INTERLEAVED_1F1B, NO_PIPELINE, PIPELINE_SCHEDULES
 from plait.names.axes import DEFAULT_ORDER, DP, PP, TP
 from plait.plan.layers import RECOMPUTE_MODES
 from plait.plan.pipeline import LIST_SCHEDULED, schedule_problem
 
-SCHEDULES = ("none", "gpipe", "1f1b", "interleaved", "chimera", "zero_bubble")
+SCHEDULES = (NO_PIPELINE, *PIPELINE_SCHEDULES)  # plait.names.schedules, and none at pp = 1
 MESH_ORDERS = (DEFAULT_ORDER, ",".join((TP, PP, DP)))  # tp first: tp groups are priced as consecutive
 
 
@@ -24,7 +25,7 @@ class Layout:
     dp: int = 1
     micro_batch: int = 1
     num_microbatches: int = 1
-    schedule: str = "none"
+    schedule: str = NO_PIPELINE
     virtual: int = 1
     recompute: str = "none"  # none | selective | full (plait train's --recompute)
     zero_stage: int = 0
@@ -51,7 +52,7 @@ class Layout:
         return asdict(self)
 
     def text(self) -> str:
-        schedule = self.schedule + (f" v={self.virtual}" if self.schedule == "interleaved" else "")
+        schedule = self.schedule + (f" v={self.virtual}" if self.schedule == INTERLEAVED_1F1B else "")
         return (f"tp={self.tp} pp={self.pp} dp={self.dp} mb={self.micro_batch} m={self.num_microbatches} {schedule}"
                 f"{' sp' if self.sequence_parallel else ''}{f' recompute={self.recompute}' if self.recompute != 'none' else ''}"
                 f"{f' zero{self.zero_stage}' if self.zero_stage else ''}{' offload' if self.offload else ''}"
@@ -86,19 +87,18 @@ def layout_problems(layout: Layout, *, num_groups: int, world_size: int, global_
         problems.append(tp_problem)
     if layout.schedule not in SCHEDULES:
         problems.append(f"schedule={layout.schedule!r} must be one of {', '.join(SCHEDULES)}")
-    elif layout.pp == 1 and layout.schedule != "none":
+    elif layout.pp == 1 and layout.schedule != NO_PIPELINE:
         problems.append(f"schedule={layout.schedule!r} needs pp > 1 (pp=1 runs no pipeline: schedule none)")
-    elif layout.pp > 1 and layout.schedule == "none":
-        problems.append(f"pp={layout.pp} needs a pipeline schedule (gpipe, 1f1b, interleaved, chimera or "
-                        "zero_bubble)")
-    if layout.schedule == "interleaved":
+    elif layout.pp > 1 and layout.schedule == NO_PIPELINE:
+        problems.append(f"pp={layout.pp} needs a pipeline schedule ({', '.join(PIPELINE_SCHEDULES)})")
+    if layout.schedule == INTERLEAVED_1F1B:
         if layout.virtual < 2:
-            problems.append(f"interleaved needs virtual >= 2 model chunks per rank, got {layout.virtual}")
+            problems.append(f"{INTERLEAVED_1F1B} needs virtual >= 2 model chunks per rank, got {layout.virtual}")
         if layout.num_microbatches % layout.pp:
-            problems.append(f"interleaved needs num_microbatches({layout.num_microbatches}) to be a multiple of "
+            problems.append(f"{INTERLEAVED_1F1B} needs num_microbatches({layout.num_microbatches}) to be a multiple of "
                             f"pp({layout.pp})")
     elif layout.virtual != 1:
-        problems.append(f"virtual={layout.virtual} is only for the interleaved schedule")
+        problems.append(f"virtual={layout.virtual} is only for the {INTERLEAVED_1F1B} schedule")
     elif layout.schedule in LIST_SCHEDULED and layout.pp > 1:
         problem = schedule_problem(layout.schedule, layout.pp, layout.num_microbatches, 1)
         if problem:

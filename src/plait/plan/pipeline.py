@@ -7,9 +7,10 @@ Costs. One rank's work for one micro-batch is 1 unit, split as the planner's per
 estimate splits it: forward f, backward b (input gradient) and, for a split backward
 (zero_bubble), weight gradient w; f + b + w = 1, each rounded to 1/24 (so a search
 replays a schedule for few cost ratios). An interleaved rank's chunk costs 1/v of that;
-a Chimera rank runs a whole stage per micro-batch on one of its two replicas. Sends cost
-nothing and never block, a receive waits for its send (the replay's semantics,
-``plait.parallel.pipeline.replay``), collectives at the end cost nothing here.
+a Chimera rank runs a whole stage per micro-batch on one of its two replicas. The replay
+is the library's, ``plait.parallel.pipeline.replay`` (the one the engine's tests check
+real runs against): sends cost nothing and never block, a receive waits for its send,
+collectives at the end cost nothing here.
 
 Result (``SchedulePrice``): idle_units = makespan - m (each rank is busy m units), so
 with the planner's per-rank times t_r (slowest t_max) the pipeline takes
@@ -37,30 +38,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from plait.parallel.pipeline.schedules import (
-    BACKWARD,
-    FORWARD,
-    RECV_ACT,
-    RECV_GRAD,
-    SEND_ACT,
-    SEND_GRAD,
-    WEIGHT,
-    build,
-)
+from plait.names.schedules import CHIMERA, GPIPE, INTERLEAVED_1F1B, ONE_F_ONE_B
+from plait.parallel.pipeline.replay import peak_in_flight, peak_in_flight_per_chunk, replay, validate_structure
+from plait.parallel.pipeline.schedules import LIST_SCHEDULED, PipelineSchedule, build
 
-__all__ = ["BUILDER_NAMES", "LIST_SCHEDULED", "MAX_LIST_SCHEDULED_PP", "REPLAY_COMPUTE_LIMIT", "RATIO_STEPS",
-           "SchedulePrice", "schedule_problem", "price_schedule", "cost_units", "stats"]
+__all__ = ["LIST_SCHEDULED", "MAX_LIST_SCHEDULED_PP", "REPLAY_COMPUTE_LIMIT", "RATIO_STEPS", "SchedulePrice",
+           "schedule_problem", "price_schedule", "cost_units", "stats"]
 
-# the planner's schedule names -> plait.parallel.pipeline.schedules.build's
-BUILDER_NAMES = {"gpipe": "gpipe", "1f1b": "1f1b", "interleaved": "interleaved_1f1b", "chimera": "chimera",
-                 "zero_bubble": "zero_bubble"}
-LIST_SCHEDULED = ("chimera", "zero_bubble")
 MAX_LIST_SCHEDULED_PP = 8
 MAX_CHIMERA_COMPUTE = 256  # 2·m·p: Chimera is replayed at m itself (its order is not periodic in m)
 REPLAY_COMPUTE_LIMIT = 1024  # computations (F, B, W over all ranks) of the largest schedule replayed
 RATIO_STEPS = 24  # 1/2, 1/3, 1/4, 1/6, 1/8 exact
 
-_MATCH = {RECV_ACT: SEND_ACT, RECV_GRAD: SEND_GRAD}
 _COUNTS = {"builds": 0, "replays": 0}
 
 
@@ -91,17 +80,17 @@ def schedule_problem(name: str, p: int, m: int, v: int) -> str | None:
     if name in LIST_SCHEDULED and p > MAX_LIST_SCHEDULED_PP:
         return (f"{name} is built by list scheduling (O(p^3 m^2)); the planner prices it up to "
                 f"pp={MAX_LIST_SCHEDULED_PP}, got pp={p}")
-    if name == "chimera" and 2 * m * p > MAX_CHIMERA_COMPUTE and not (p % 2 or m % 2):
+    if name == CHIMERA and 2 * m * p > MAX_CHIMERA_COMPUTE and not (p % 2 or m % 2):
         return (f"chimera is replayed at m itself (its builder picks forward- or backward-first per m, so its "
                 f"peaks do not extrapolate); the planner builds it up to 2·m·pp = {MAX_CHIMERA_COMPUTE} "
                 f"computations, got m={m}, pp={p}")
-    if name == "chimera" and (p % 2 or m % 2):
+    if name == CHIMERA and (p % 2 or m % 2):
         try:  # the builder checks these before any scheduling: cheap
-            build("chimera", p, m)
+            build(CHIMERA, p, m)
         except ValueError as error:
             return str(error)
-    if name == "interleaved" and m % p:
-        return f"interleaved needs num_microbatches({m}) to be a multiple of pp({p})"
+    if name == INTERLEAVED_1F1B and m % p:
+        return f"{INTERLEAVED_1F1B} needs num_microbatches({m}) to be a multiple of pp({p})"
     return None
 
 
@@ -120,90 +109,40 @@ def cost_units(forward: float, backward: float, weight: float, split: bool) -> t
 
 def _base(name: str, p: int, v: int) -> tuple[int, int]:
     """m1 < m2: the two smallest valid micro-batch counts >= 2p."""
-    step = p if name == "interleaved" else 2 if name == "chimera" else 1
+    step = p if name == INTERLEAVED_1F1B else 2 if name == CHIMERA else 1
     first = -(-2 * p // step) * step
     return first, first + step
 
 
 @lru_cache(maxsize=256)
-def _compiled(name: str, p: int, m: int, v: int):
-    """The built schedule as per-rank tuples (op, kind, key, chunk): op 0 compute, 1 send,
-    2 receive; plus the chunks per rank and whether the backward is split."""
+def _built(name: str, p: int, m: int, v: int) -> tuple[PipelineSchedule, tuple, tuple]:
+    """plait's own schedule ``name`` at (p, m, v), checked by the library's validator once,
+    and its peaks (which depend on the order alone, not on the costs): per rank the peak
+    chunk-micro-batches in flight, and per rank per chunk."""
     _COUNTS["builds"] += 1
-    schedule = build(BUILDER_NAMES[name], p, m, v if name == "interleaved" else None)
-    ranks = []
-    chunks = []
-    for rank, actions in enumerate(schedule.actions):
-        chunk_index = {pair: c for c, pair in enumerate(schedule.stages_of(rank))}
-        chunks.append(len(chunk_index))
-        ops = []
-        for action in actions:
-            if action.kind in (FORWARD, BACKWARD, WEIGHT):
-                chunk = chunk_index[(schedule.microbatch_pipeline[action.microbatch], action.stage)]
-                ops.append((0, action.kind, action.microbatch, chunk))
-            elif action.kind in (SEND_ACT, SEND_GRAD):
-                ops.append((1, None, (action.kind, action.microbatch, action.stage, rank, action.peer), None))
-            elif action.kind in _MATCH:
-                ops.append((2, None, (_MATCH[action.kind], action.microbatch, action.stage, action.peer, rank), None))
-        ranks.append(tuple(ops))
-    one_pipeline = len(schedule.pipelines) == 1
-    return tuple(ranks), tuple(chunks), one_pipeline, schedule.split_backward
+    schedule = build(name, p, m, v if name == INTERLEAVED_1F1B else None)
+    validate_structure(schedule)
+    return schedule, tuple(peak_in_flight(schedule)), tuple(peak_in_flight_per_chunk(schedule))
 
 
 @lru_cache(maxsize=4096)
 def _replay(name: str, p: int, m: int, v: int, units: tuple[int, int, int]) -> tuple[float, tuple, tuple]:
-    """(makespan in units, per-rank peak chunk-micro-batches, per-rank per-chunk peaks)."""
-    ranks, chunks, one_pipeline, split = _compiled(name, p, m, v)
+    """(makespan in units, per-rank peak chunk-micro-batches, per-rank per-chunk peaks):
+    the library's replay (``plait.parallel.pipeline.replay``) with forward f, backward
+    b + w and, for a split backward, W w, in 1/RATIO_STEPS."""
+    schedule, peaks, per_chunk = _built(name, p, m, v)
     _COUNTS["replays"] += 1
     f, b, w = units
-    cost = {FORWARD: f, BACKWARD: b if split else b + w, WEIGHT: w}
-    freed_by = WEIGHT if split else BACKWARD
-    position, clock = [0] * p, [0.0] * p
-    posted: dict = {}
-    remaining = sum(len(ops) for ops in ranks)
-    while remaining:
-        progressed = False
-        for rank in range(p):
-            ops = ranks[rank]
-            scale = 1.0 / chunks[rank] if one_pipeline else 1.0
-            while position[rank] < len(ops):
-                op, kind, key, _ = ops[position[rank]]
-                if op == 2:
-                    if key not in posted:
-                        break
-                    clock[rank] = max(clock[rank], posted[key])
-                elif op == 1:
-                    posted[key] = clock[rank]
-                else:
-                    clock[rank] += cost[kind] * scale
-                position[rank] += 1
-                remaining -= 1
-                progressed = True
-        if remaining and not progressed:
-            raise RuntimeError(f"{name} p={p} m={m} v={v}: the replay deadlocked")  # the builders are validated
-    peaks, per_chunk = [], []
-    for rank in range(p):
-        alive, chunk_alive = 0, [0] * chunks[rank]
-        peak, chunk_peak = 0, [0] * chunks[rank]
-        for op, kind, _, chunk in ranks[rank]:
-            if op != 0 or kind not in (FORWARD, freed_by):
-                continue
-            delta = 1 if kind == FORWARD else -1
-            alive += delta
-            chunk_alive[chunk] += delta
-            peak = max(peak, alive)
-            chunk_peak[chunk] = max(chunk_peak[chunk], chunk_alive[chunk])
-        peaks.append(peak)
-        per_chunk.append(tuple(chunk_peak))
-    return max(clock) / RATIO_STEPS, tuple(peaks), tuple(per_chunk)
+    timeline = replay(schedule, forward=f, backward=b + w, weight=w, check=False)  # _built validated it
+    return timeline.makespan_s / RATIO_STEPS, peaks, per_chunk
 
 
 def _closed_form(name: str, p: int, m: int, v: int) -> SchedulePrice:
     """GPipe, 1F1B, interleaved (DESIGN §6) and their in-flight counts as plait builds them."""
-    if name == "gpipe":
+    if name == GPIPE:
         return SchedulePrice(name, p, m, v, float(p - 1), (float(m),) * p, tuple((float(m),) for _ in range(p)),
                              "closed form")
-    if name == "1f1b":
+    if name == ONE_F_ONE_B:
         peaks = tuple(float(min(m, p - r)) for r in range(p))
         return SchedulePrice(name, p, m, v, float(p - 1), peaks, tuple((x,) for x in peaks), "closed form")
     units = [m * v if m == p else min(m * v, (p - r - 1) * 2 + (v - 1) * p + 1) for r in range(p)]
@@ -213,8 +152,8 @@ def _closed_form(name: str, p: int, m: int, v: int) -> SchedulePrice:
 
 @lru_cache(maxsize=8192)
 def price_schedule(name: str, p: int, m: int, v: int = 1, units: tuple[int, int, int] = (8, 16, 0)) -> SchedulePrice:
-    """The schedule ``name`` (a planner name: gpipe, 1f1b, interleaved, chimera,
-    zero_bubble) at p ranks, m micro-batches, v chunks per rank, priced with cost
+    """The schedule ``name`` (``plait.names.schedules``: gpipe, 1f1b, interleaved_1f1b,
+    chimera, zero_bubble) at p ranks, m micro-batches, v chunks per rank, priced with cost
     ``units`` (``cost_units``); see the module docstring."""
     problem = schedule_problem(name, p, m, v)
     if problem:
@@ -222,7 +161,7 @@ def price_schedule(name: str, p: int, m: int, v: int = 1, units: tuple[int, int,
     m1, m2 = _base(name, p, v)
     if name not in LIST_SCHEDULED and 2 * min(m, m2) * v * p > REPLAY_COMPUTE_LIMIT:
         return _closed_form(name, p, m, v)
-    if m <= m2 or name == "chimera":
+    if m <= m2 or name == CHIMERA:
         makespan, peaks, per_chunk = _replay(name, p, m, v, units)
         return SchedulePrice(name, p, m, v, makespan - m, tuple(x / v for x in peaks),
                              tuple(tuple(float(c) for c in row) for row in per_chunk), f"replay m={m}")

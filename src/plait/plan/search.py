@@ -3,7 +3,7 @@ ranked by step time, and the reasons.
 
 Enumerated: tp and pp over the divisors of the device count (dp = devices / (tp·pp)),
 the micro-batch b over the divisors of B/dp up to ``max_micro_batch`` (m = B/(dp·b)),
-the schedule (none at pp = 1; gpipe, 1f1b, interleaved with v in ``virtual_choices``,
+the schedule (none at pp = 1; gpipe, 1f1b, interleaved_1f1b with v in ``virtual_choices``,
 zero_bubble and chimera otherwise, each priced from plait's own schedule replayed:
 ``plait.plan.pipeline``), sequence parallelism (tp > 1), full recomputation, ZeRO stage (0 at dp = 1;
 0-1 with pp > 1; 0-3 otherwise). Any of them may be fixed (``PlanRequest``); the rest
@@ -32,6 +32,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field, replace
 
+from plait.names.schedules import INTERLEAVED_1F1B, NO_PIPELINE, ONE_F_ONE_B, PIPELINE_SCHEDULES
 from plait.plan.cluster import MAX_DEVICES, Cluster
 from plait.plan.estimate import Estimate, alpa_split, combine, estimate, split_groups, summarize
 from plait.plan.layout import MESH_ORDERS, SCHEDULES, Layout, layout_problems
@@ -66,7 +67,7 @@ class PlanRequest:
     choices. ``None`` means search it. The memory limit is ``memory_limit_bytes``, by
     default the device's memory less ``memory_reserve_fraction`` (10%: the CUDA
     context, communication buffers, allocator fragmentation and transient tensors the
-    accounting leaves out). ``virtual`` alone implies the interleaved schedule.
+    accounting leaves out). ``virtual`` alone implies the interleaved_1f1b schedule.
     ``max_layouts`` is the search budget: the most layouts priced (``plait.plan.grid``
     says what is cut beyond it; the default prices every preset search in full)."""
 
@@ -180,7 +181,7 @@ class PlanResult:
 
 def dimension_value(layout: Layout, dimension: str):
     if dimension == "schedule":
-        return layout.schedule + (f" v={layout.virtual}" if layout.schedule == "interleaved" else "")
+        return layout.schedule + (f" v={layout.virtual}" if layout.schedule == INTERLEAVED_1F1B else "")
     return getattr(layout, dimension)
 
 
@@ -225,7 +226,7 @@ def search(model, cluster: Cluster, request: PlanRequest, *, suggest: bool = Tru
         """Price (or reject) every layout of ``family``; False once the budget's stop is reached."""
         nonlocal considered, priced
         tp, pp, dp = family.tp, family.pp, family.dp
-        shell = Layout(tp=tp, pp=pp, dp=dp, schedule="none" if pp == 1 else "1f1b")
+        shell = Layout(tp=tp, pp=pp, dp=dp, schedule=NO_PIPELINE if pp == 1 else ONE_F_ONE_B)
         if family.structural is not None:
             considered += 1
             reject(shell, _kind(family.structural), ("tp", "pp", "dp"))
@@ -337,7 +338,7 @@ def _kind(problem: str) -> str:
              ("exceeds the model", "pp exceeds the layers"),
              ("chunks exceed", "pp x virtual exceeds the layers"),
              ("not divisible by dp", "global batch not divisible by dp"),
-             ("multiple of pp", "interleaved needs micro-batches a multiple of pp"),
+             ("multiple of pp", f"{INTERLEAVED_1F1B} needs micro-batches a multiple of pp"),
              ("even number of pipeline ranks", "chimera needs an even pp"),
              ("even number of microbatches", "chimera needs an even number of micro-batches"),
              ("built by list scheduling", "chimera/zero_bubble priced up to pp=8"),
@@ -378,14 +379,13 @@ def _check_fixed(model, world: int, request: PlanRequest) -> None:
     if request.dp is not None and request.global_batch % request.dp:
         problems.append(f"global batch {request.global_batch} is not divisible by dp={request.dp}")
     if request.schedule is not None and request.pp is not None:
-        if request.pp == 1 and request.schedule != "none":
+        if request.pp == 1 and request.schedule != NO_PIPELINE:
             problems.append(f"schedule={request.schedule!r} needs pp > 1")
-        if request.pp > 1 and request.schedule == "none":
-            problems.append(f"pp={request.pp} needs a pipeline schedule (gpipe, 1f1b, interleaved, chimera or "
-                            "zero_bubble)")
+        if request.pp > 1 and request.schedule == NO_PIPELINE:
+            problems.append(f"pp={request.pp} needs a pipeline schedule ({', '.join(PIPELINE_SCHEDULES)})")
     if request.virtual is not None:
-        if request.schedule not in (None, "interleaved"):
-            problems.append(f"virtual={request.virtual} is only for --schedule interleaved")
+        if request.schedule not in (None, INTERLEAVED_1F1B):
+            problems.append(f"virtual={request.virtual} is only for --schedule {INTERLEAVED_1F1B}")
         if request.virtual < 2:
             problems.append(f"virtual={request.virtual}: interleaving needs at least 2 model chunks per pipeline "
                             "rank (with 1, use --schedule 1f1b)")
@@ -394,8 +394,8 @@ def _check_fixed(model, world: int, request: PlanRequest) -> None:
         if request.pp is not None and request.pp * request.virtual > model.num_groups:
             problems.append(f"pp({request.pp}) * virtual({request.virtual}) = {request.pp * request.virtual} chunks "
                             f"exceed the model's {model.num_groups} layers")
-    if request.schedule == "interleaved" and request.pp == 1:
-        problems.append("schedule='interleaved' needs pp > 1")
+    if request.schedule == INTERLEAVED_1F1B and request.pp == 1:
+        problems.append(f"schedule={INTERLEAVED_1F1B!r} needs pp > 1")
     if request.micro_batch is not None:
         dps = [request.dp] if request.dp is not None else [d for d in divisors(world)
                                                          if request.global_batch % d == 0]

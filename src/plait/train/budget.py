@@ -27,6 +27,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from plait.names.schedules import INTERLEAVED_1F1B
 from plait.parallel.pipeline import build
 from plait.plan.transformer import TransformerSpec
 from plait.train.config import TrainConfig
@@ -99,7 +100,7 @@ def chunks_of_ranks(config: TrainConfig, counts: list[int]) -> list[list[int]]:
     plait train makes: balanced by parameters into pp · virtual chunks)."""
     from plait.parallel.pipeline.partition import balanced_boundaries
 
-    virtual = config.virtual if config.schedule == "interleaved_1f1b" else 1
+    virtual = config.virtual if config.schedule == INTERLEAVED_1F1B else 1
     # which chunks a rank holds does not depend on the number of micro-batches: build a short schedule
     microbatches = min(config.microbatches, 2 * config.pp)
     schedule = build(config.schedule, config.pp, microbatches, virtual if virtual > 1 else None)

@@ -40,11 +40,12 @@ from plait.names.axes import DEFAULT_ORDER
 from plait.names.precision import FP32, GRAD_REDUCE_DTYPES, PRECISIONS
 from plait.names.recompute import RECOMPUTE_MODES
 from plait.names.transports import BACKENDS, TRANSPORTS
+from plait.names.schedules import ONE_F_ONE_B, PIPELINE_SCHEDULES
 from plait.train.config_rules import listed, value_problems
 
 MODELS = ("gpt", "mlp")
 DTYPES = ("float32", "float64", "bfloat16")
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "chimera", "zero_bubble")
+SCHEDULES = PIPELINE_SCHEDULES  # plait.names.schedules: one spelling per schedule
 OPTIMIZERS = ("adamw", "sgd")
 OFFLOADS = ("none", "optimizer")
 LR_SCHEDULES = ("cosine", "linear", "constant")
@@ -99,7 +100,7 @@ class TrainConfig:
     pp: int = _field(2, "parallel", "pipeline-parallel degree (stages)")
     mesh_order: str = _field(DEFAULT_ORDER, "parallel", "mesh axes innermost (consecutive ranks) first, "
                                                       "a permutation of tp,dp,pp")
-    schedule: str = _field("1f1b", "parallel", "pipeline schedule", SCHEDULES)
+    schedule: str = _field(ONE_F_ONE_B, "parallel", "pipeline schedule", SCHEDULES)
     virtual: int = _field(1, "parallel", "model chunks per pipeline rank (interleaved_1f1b only)")
     sequence_parallel: bool = _field(False, "parallel", "gpt: shard LayerNorm/dropout activations along the "
                                                         "sequence across tp ranks")

@@ -11,6 +11,8 @@ import difflib
 import math
 import threading
 from typing import TYPE_CHECKING
+
+from plait.names.schedules import CHIMERA, INTERLEAVED_1F1B
 from plait.names.axes import AXES
 from plait.names.precision import PRECISION_FOR_REDUCE_DTYPE
 
@@ -198,17 +200,17 @@ def _batch_problems(c: TrainConfig, ok) -> list[str]:
         return (f"use micro_batch in {{{listed(valid)}}}" if valid
                 else f"no micro_batch works with per_rank_batch={per_rank}; raise global_batch")
 
-    if c.virtual > 1 and c.schedule != "interleaved_1f1b":
-        problems.append(f"virtual={c.virtual} model chunks per rank apply to schedule='interleaved_1f1b' only, not "
-                        f"{c.schedule!r}: set virtual=1 or schedule=interleaved_1f1b")
-    if c.schedule == "interleaved_1f1b":
+    if c.virtual > 1 and c.schedule != INTERLEAVED_1F1B:
+        problems.append(f"virtual={c.virtual} model chunks per rank apply to schedule={INTERLEAVED_1F1B!r} only, not "
+                        f"{c.schedule!r}: set virtual=1 or schedule={INTERLEAVED_1F1B}")
+    if c.schedule == INTERLEAVED_1F1B:
         if c.virtual < 2:
-            problems.append(f"schedule='interleaved_1f1b' needs virtual >= 2 model chunks per pipeline rank, got "
+            problems.append(f"schedule={INTERLEAVED_1F1B!r} needs virtual >= 2 model chunks per pipeline rank, got "
                             f"virtual={c.virtual}: set virtual=2 (or schedule=1f1b)")
         if m % c.pp:
-            problems.append(f"schedule='interleaved_1f1b' needs microbatches to be a multiple of pp({c.pp}), but "
+            problems.append(f"schedule={INTERLEAVED_1F1B!r} needs microbatches to be a multiple of pp({c.pp}), but "
                             f"{derivation}: {micro_batches_where(lambda k: k % c.pp == 0)}")
-    if c.schedule == "chimera":
+    if c.schedule == CHIMERA:
         if c.pp % 2:
             problems.append(f"schedule='chimera' runs two pipelines in opposite directions and needs an even pp, "
                             f"got pp={c.pp}: use pp={c.pp + 1 if c.pp > 1 else 2} or another schedule")
@@ -257,7 +259,7 @@ def _model_problems(c: TrainConfig, ok) -> list[str]:
             problems.append("zero_stage=3 with offload_activations=true: the activation offloader would move the "
                             "gathered parameters autograd keeps for the backward to files; use one of the two")
         if z in (1, 2, 3):
-            if ok("schedule") and c.schedule == "chimera":
+            if ok("schedule") and c.schedule == CHIMERA:
                 problems.append(f"zero_stage={z} with schedule='chimera': Chimera keeps two replicas of every stage, "
                                 "summed outside the dp group; use another schedule or zero_stage=0")
             if ok("compression") and c.compression != "none":

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from plait.cost.profile import ProfileMismatchWarning, load_profile
 
+from plait.names.schedules import INTERLEAVED_1F1B
 from plait.parallel.mesh import ParallelDims
 from plait.parallel.pipeline import build
 from plait.parallel.pipeline.partition import balanced_boundaries
@@ -66,7 +67,7 @@ def describe_layout(config: TrainConfig, data) -> str:
     batch arithmetic: what --dry-run prints."""
 
     dims = ParallelDims(dp=config.dp, tp=config.tp, pp=config.pp, order=config.mesh_order)
-    virtual = config.virtual if config.schedule == "interleaved_1f1b" else 1
+    virtual = config.virtual if config.schedule == INTERLEAVED_1F1B else 1
     vocab = data.vocab_size if config.model == "gpt" else 10
     counts = budget.layer_parameters(config, vocab)
     if config.model == "gpt":

@@ -1,14 +1,17 @@
 """plait.parallel.pipeline: pipeline parallelism with schedules as data.
 
-- ``schedules``: GPipe, 1F1B, interleaved 1F1B, Chimera and zero bubble as per-rank action lists.
-- ``replay``: the unit-cost replay (timeline, bubble, in-flight activations), the
-  validator and the list scheduler.
+- ``actions``: one step of a schedule (``Action``, ``ActionKind``) and its unit cost.
+- ``schedules``: GPipe, 1F1B, interleaved 1F1B, Chimera and zero bubble as per-rank action
+  lists (named by ``plait.names.schedules``), and the list scheduler two of them use.
+- ``replay``: the unit-cost replay (timeline, bubble, in-flight activations) and the
+  validator; the engine's tests and the planner (``plait.plan.pipeline``) both use it.
 - ``partition``: splitting a sequential model into stages.
 - ``engine``: ``PipelineEngine``, which runs a schedule over real processes.
 - ``draw``: ASCII and PNG Gantt charts, timeline JSON, the closed forms.
 
-``schedules`` and ``replay`` import neither torch nor torch.distributed (``plait.plan``
-prices schedules with them); the names of the other modules load on first use.
+``actions``, ``schedules`` and ``replay`` import neither torch nor torch.distributed
+(``plait.plan`` prices schedules with them) and depend one way: replay -> schedules ->
+actions. The names of the other modules load on first use.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from plait.parallel.pipeline.replay import (
     ScheduleError,
     Timeline,
     peak_in_flight,
+    peak_in_flight_per_chunk,
     replay,
     validate,
 )
@@ -44,7 +48,8 @@ __all__ = [
     "PipelineEngine", "PipelineError", "ascii_gantt", "gather_timeline", "plot_gantt", "theory",
     "timeline_from_json", "timeline_to_json",
     "SCHEDULES", "Action", "ActionKind", "Interval", "PipelineSchedule", "ScheduleError", "Timeline", "build",
-    "chimera", "gpipe", "interleaved_1f1b", "one_f_one_b", "peak_in_flight", "replay", "validate", "zero_bubble",
+    "chimera", "gpipe", "interleaved_1f1b", "one_f_one_b", "peak_in_flight", "peak_in_flight_per_chunk", "replay",
+    "validate", "zero_bubble",
 ]
 
 

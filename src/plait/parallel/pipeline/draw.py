@@ -26,6 +26,7 @@ import math
 import re
 from pathlib import Path
 
+from plait.names.schedules import GPIPE, INTERLEAVED_1F1B, ONE_F_ONE_B, ZERO_BUBBLE
 from plait.parallel.pipeline.replay import Interval, Timeline
 from plait.parallel.pipeline.schedules import BACKWARD, FORWARD, SCHEDULES, WEIGHT, PipelineSchedule
 
@@ -295,13 +296,13 @@ def theory(name: str, p: int, m: int, v: int = 1) -> dict:
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"theory({name!r}): {what} must be an int >= 1, got {value!r}")
     unit = "micro-batches"
-    if name in ("gpipe", "1f1b"):
+    if name in (GPIPE, ONE_F_ONE_B):
         bubble, bubble_formula = (p - 1) / (m + p - 1), "(p-1)/(m+p-1)"
-        if name == "gpipe":
+        if name == GPIPE:
             peaks, peak_formula = [m] * p, "m"
         else:
             peaks, peak_formula = [min(p - r, m) for r in range(p)], "min(p-r, m)"
-    elif name == "interleaved_1f1b":
+    elif name == INTERLEAVED_1F1B:
         bubble, bubble_formula = ((p - 1) / v) / (m + (p - 1) / v), "((p-1)/v)/(m+(p-1)/v)"
         if m == p:
             peaks, peak_formula = [m * v] * p, "m*v (m = p: all forwards first)"
@@ -309,7 +310,7 @@ def theory(name: str, p: int, m: int, v: int = 1) -> dict:
             peaks, peak_formula = [min(2 * (p - r - 1) + (v - 1) * p + 1, m * v) for r in range(p)], \
                 "min(2(p-r-1)+(v-1)p+1, m*v)"
         unit = "chunks of 1/v stage"
-    elif name == "zero_bubble":
+    elif name == ZERO_BUBBLE:
         bubble, bubble_formula = (p - 1) / (3 * m + p - 1), "(p-1)/(3m+p-1) (F = B = W; m >= p)"
         peaks, peak_formula = [min(2 * p - r - 1, m) for r in range(p)], "min(2p-r-1, m) (forward to W)"
     else:  # chimera

@@ -1,9 +1,11 @@
 """Replay a pipeline schedule with unit costs: the timeline, bubble and memory facts
-its data implies, the validator, and the list scheduler Chimera is built with.
+its data implies, and the validator. The engine's tests check real runs against it and
+the planner (``plait.plan.pipeline``) prices every schedule with it.
 
-Costs: a forward of one stage costs ``forward`` (1), a backward ``backward`` (2),
-divided by the chunks per rank for interleaved schedules (a chunk is 1/v of a
-stage's layers); sends cost nothing and never block; a receive waits for its send.
+Costs: a forward of one stage costs ``forward`` (1), a backward ``backward`` (2; a
+split backward's W ``weight``, default half of it, and B the rest), divided by the
+chunks per rank for interleaved schedules (a chunk is 1/v of a stage's layers); sends
+cost nothing and never block; a receive waits for its send.
 """
 
 from __future__ import annotations
@@ -11,26 +13,24 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-from plait.parallel.pipeline.schedules import (
+from plait.parallel.pipeline.actions import (
     ALL_REDUCE,
     BACKWARD,
     COMPUTE,
     FORWARD,
-    WEIGHT,
     RECV_ACT,
     RECV_GRAD,
     SEND_ACT,
     SEND_GRAD,
     STEP,
+    WEIGHT,
     Action,
-    PipelineSchedule,
+    ScheduleError,
+    compute_cost,
 )
+from plait.parallel.pipeline.schedules import PipelineSchedule
 
 _MATCH = {RECV_ACT: SEND_ACT, RECV_GRAD: SEND_GRAD}
-
-
-class ScheduleError(ValueError):
-    """A schedule that is inconsistent or deadlocks."""
 
 
 @dataclass(frozen=True)
@@ -74,9 +74,14 @@ def _chunks(schedule: PipelineSchedule, rank: int) -> int:
     return len(schedule.stages_of(rank))
 
 
-def replay(schedule: PipelineSchedule, forward: float = 1.0, backward: float = 2.0) -> Timeline:
-    """Run the action lists with unit costs; raise ScheduleError on a deadlock."""
-    validate_structure(schedule)
+def replay(schedule: PipelineSchedule, forward: float = 1.0, backward: float = 2.0,
+           weight: float | None = None, *, check: bool = True) -> Timeline:
+    """Run the action lists with unit costs (``compute_cost``: a split backward's W costs
+    ``weight``, default backward/2, and its B the rest); raise ScheduleError on a deadlock.
+    ``check``: run ``validate_structure`` first; a caller replaying one schedule at many
+    costs (the planner) validates it once and passes False."""
+    if check:
+        validate_structure(schedule)
     p = schedule.ranks
     position = [0] * p
     clock = [0.0] * p
@@ -99,7 +104,8 @@ def replay(schedule: PipelineSchedule, forward: float = 1.0, backward: float = 2
                 elif action.kind in (SEND_ACT, SEND_GRAD):
                     posted[(action.kind, action.microbatch, action.stage, rank, action.peer)] = clock[rank]
                 elif action.kind in COMPUTE:
-                    cost = _cost(action.kind, forward, backward, schedule.split_backward) * scale[rank]
+                    cost = compute_cost(action.kind, forward, backward, split=schedule.split_backward,
+                                        weight=weight) * scale[rank]
                     intervals.append(Interval(rank, action.label(), action.kind, action.microbatch,
                                               clock[rank], clock[rank] + cost))
                     clock[rank] += cost
@@ -117,15 +123,35 @@ def replay(schedule: PipelineSchedule, forward: float = 1.0, backward: float = 2
 def peak_in_flight(schedule: PipelineSchedule) -> list[int]:
     """Per rank, the most micro-batch activations alive at once (forwards done whose
     backward has not run), counted per chunk: interleaved ranks hold up to v per micro-batch."""
-    peaks = []
+    return [peak for peak, _ in _peaks(schedule)]
+
+
+def peak_in_flight_per_chunk(schedule: PipelineSchedule) -> list[tuple[int, ...]]:
+    """Per rank, per chunk (``schedule.stages_of(rank)`` order), the most micro-batch
+    activations of that chunk alive at once."""
+    return [per_chunk for _, per_chunk in _peaks(schedule)]
+
+
+def _peaks(schedule: PipelineSchedule) -> list[tuple[int, tuple[int, ...]]]:
+    """Per rank: (peak over the rank, peaks per chunk). An activation lives from its
+    forward to its backward, or to its W when the backward is split."""
+    freed_by = WEIGHT if schedule.split_backward else BACKWARD
+    result = []
     for rank in range(schedule.ranks):
+        chunk_index = {pair: chunk for chunk, pair in enumerate(schedule.stages_of(rank))}
         alive = peak = 0
-        freed_by = WEIGHT if schedule.split_backward else BACKWARD  # a split backward frees at W
+        chunk_alive, chunk_peak = [0] * len(chunk_index), [0] * len(chunk_index)
         for action in schedule.compute_order(rank):
-            alive += 1 if action.kind == FORWARD else -1 if action.kind == freed_by else 0
+            if action.kind not in (FORWARD, freed_by):
+                continue
+            delta = 1 if action.kind == FORWARD else -1
+            chunk = chunk_index[(schedule.microbatch_pipeline[action.microbatch], action.stage)]
+            alive += delta
+            chunk_alive[chunk] += delta
             peak = max(peak, alive)
-        peaks.append(peak)
-    return peaks
+            chunk_peak[chunk] = max(chunk_peak[chunk], chunk_alive[chunk])
+        result.append((peak, tuple(chunk_peak)))
+    return result
 
 
 def validate_structure(schedule: PipelineSchedule) -> None:
@@ -205,71 +231,3 @@ def validate_structure(schedule: PipelineSchedule) -> None:
 def validate(schedule: PipelineSchedule) -> Timeline:
     """The structural checks, then a replay that must not deadlock; returns the timeline."""
     return replay(schedule)
-
-
-def _cost(kind: str, forward: float, backward: float, split: bool) -> float:
-    """Unit cost of a computation: a split backward's B and W each take half of it."""
-    if kind == FORWARD:
-        return forward
-    return backward / 2 if split else backward
-
-
-def list_schedule(ranks: int, microbatches: int, stages: int, pipelines, microbatch_pipeline, *,
-                  prefer_forward: bool = False, split_backward: bool = False, in_flight_limits=None,
-                  forward: float = 1.0, backward: float = 2.0) -> tuple[float, list[list[Action]]]:
-    """Greedy list scheduling with unit costs: repeatedly, the computation that can
-    start earliest runs (lowest rank on a tie); among a rank's computations ready at
-    that time, a backward goes first (or a forward, with ``prefer_forward``), then the
-    oldest micro-batch. With ``split_backward`` each backward is B then W (half the
-    cost each); W has the lowest priority (it fills idle time) and a forward waits
-    while the rank has ``in_flight_limits[rank]`` micro-batches whose W has not run.
-    Returns (makespan, each rank's compute order)."""
-    rank_of = [[pipelines[microbatch_pipeline[mb]][s] for s in range(stages)] for mb in range(microbatches)]
-    done: dict[tuple, float] = {}  # (kind, mb, stage) -> finish time
-    free = [0.0] * ranks
-    in_flight = [0] * ranks
-    orders: list[list[Action]] = [[] for _ in range(ranks)]
-    last = stages - 1
-    total = (3 if split_backward else 2) * microbatches * stages
-    while len(done) < total:
-        best = None  # (start time, priority, rank, action)
-        for rank in range(ranks):
-            candidates = []
-            for mb in range(microbatches):
-                for s in range(stages):
-                    if rank_of[mb][s] != rank:
-                        continue
-                    if (FORWARD, mb, s) not in done:
-                        if s > 0 and (FORWARD, mb, s - 1) not in done:
-                            continue
-                        if in_flight_limits is not None and in_flight[rank] >= in_flight_limits[rank]:
-                            continue
-                        ready = done.get((FORWARD, mb, s - 1), 0.0) if s > 0 else 0.0
-                        candidates.append((max(free[rank], ready), 0 if prefer_forward else 1, mb,
-                                           Action(FORWARD, mb, s)))
-                    elif (BACKWARD, mb, s) not in done:
-                        need = (BACKWARD, mb, s + 1) if s < last else (FORWARD, mb, s)
-                        if need not in done:
-                            continue
-                        candidates.append((max(free[rank], done[need]), 1 if prefer_forward else 0, mb,
-                                           Action(BACKWARD, mb, s)))
-                    elif split_backward and (WEIGHT, mb, s) not in done:
-                        candidates.append((max(free[rank], done[(BACKWARD, mb, s)]), 2, mb, Action(WEIGHT, mb, s)))
-            if candidates:
-                start = min(c[0] for c in candidates)
-                # among what can start at the earliest time: by priority, then oldest micro-batch
-                choice = min((c for c in candidates if c[0] == start), key=lambda c: (c[1], c[2]))
-                if best is None or (choice[0], rank) < (best[0], best[2]):
-                    best = (choice[0], choice[1], rank, choice[3])
-        if best is None:
-            raise ScheduleError("list scheduling is stuck: an in-flight limit below 1 leaves nothing runnable")
-        start, _, rank, action = best
-        end = start + _cost(action.kind, forward, backward, split_backward)
-        done[(action.kind, action.microbatch, action.stage)] = end
-        free[rank] = end
-        if action.kind == FORWARD:
-            in_flight[rank] += 1
-        elif action.kind == (WEIGHT if split_backward else BACKWARD):
-            in_flight[rank] -= 1
-        orders[rank].append(action)
-    return max(done.values()), orders

@@ -22,108 +22,26 @@ rank holds two stages (replicas of stage s and p-1-s).
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
-from enum import Enum
 
-
-class ActionKind(str, Enum):
-    """What an action does. A str enum: ``ActionKind.FORWARD == "F"``, and it prints and
-    serialises (JSON timelines) as its value."""
-
-    FORWARD = "F"
-    BACKWARD = "B"
-    WEIGHT = "W"  # the weight-gradient half of a split backward
-    SEND_ACT = "SEND_ACT"
-    RECV_ACT = "RECV_ACT"
-    SEND_GRAD = "SEND_GRAD"
-    RECV_GRAD = "RECV_GRAD"
-    ALL_REDUCE = "ALL_REDUCE"
-    STEP = "STEP"
-
-    def __str__(self) -> str:
-        return self.value
-
-    __format__ = str.__format__  # f"{kind}" gives the value, as str() does
-
-
-FORWARD, BACKWARD, WEIGHT = ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.WEIGHT
-SEND_ACT, RECV_ACT = ActionKind.SEND_ACT, ActionKind.RECV_ACT
-SEND_GRAD, RECV_GRAD = ActionKind.SEND_GRAD, ActionKind.RECV_GRAD
-ALL_REDUCE, STEP = ActionKind.ALL_REDUCE, ActionKind.STEP
-COMPUTE = (FORWARD, BACKWARD, WEIGHT)
-MESSAGES = (SEND_ACT, RECV_ACT, SEND_GRAD, RECV_GRAD)
-_SHORT = {SEND_ACT: "sa", RECV_ACT: "ra", SEND_GRAD: "sg", RECV_GRAD: "rg"}
-_LONG = {short: kind for kind, short in _SHORT.items()}
-_FIELDS = {kind: ("microbatch", "stage") for kind in COMPUTE}
-_FIELDS.update({kind: ("microbatch", "stage", "peer") for kind in MESSAGES})
-_FIELDS.update({ALL_REDUCE: (), STEP: ()})
-_PATTERN = re.compile(r"(?P<kind>[FBW]|sa|ra|sg|rg)(?P<mb>\d+)@(?P<stage>\d+)(?:(?P<arrow>[<>])(?P<peer>\d+))?$")
-
-
-@dataclass(frozen=True)
-class Action:
-    """One thing a rank does: ``kind`` on micro-batch ``microbatch`` at stage
-    ``stage``; ``peer`` is the other rank of a send or receive. A message is named by
-    the stage that produced it: SEND_ACT/RECV_ACT carry the stage whose forward made
-    the activation, SEND_GRAD/RECV_GRAD the stage whose backward made the gradient.
-    Fields a kind has no use for are None (ALL_REDUCE and STEP have none; a
-    computation has no peer)."""
-
-    kind: ActionKind
-    microbatch: int | None = None
-    stage: int | None = None
-    peer: int | None = None
-
-    def __post_init__(self):
-        try:
-            object.__setattr__(self, "kind", ActionKind(self.kind))
-        except ValueError:
-            raise ValueError(f"unknown action kind {self.kind!r}; one of {[k.value for k in ActionKind]}") from None
-        wanted = _FIELDS[self.kind]
-        for name in ("microbatch", "stage", "peer"):
-            value = getattr(self, name)
-            if name in wanted and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-                raise ValueError(f"a {self.kind.name} action needs {name} as an int >= 0, got {value!r}")
-            if name not in wanted and value is not None:
-                raise ValueError(f"a {self.kind.name} action has no {name}: leave it None, got {value!r}")
-
-    def text(self) -> str:
-        """Lossless form, read back by ``parse``: F3@2 (forward of micro-batch 3 at stage
-        2), B3@2, W3@2, sa3@2>1 / ra3@2<0 (send/receive the activation of micro-batch 3
-        made by stage 2 to/from rank 1/0), sg, rg likewise, AR, STEP."""
-        if self.kind in COMPUTE:
-            return f"{self.kind.value}{self.microbatch}@{self.stage}"
-        if self.kind in _SHORT:
-            arrow = ">" if self.kind in (SEND_ACT, SEND_GRAD) else "<"
-            return f"{_SHORT[self.kind]}{self.microbatch}@{self.stage}{arrow}{self.peer}"
-        return "AR" if self.kind == ALL_REDUCE else "STEP"
-
-    @classmethod
-    def parse(cls, text: str) -> Action:
-        """The action ``text()`` wrote."""
-        if text in ("AR", "STEP"):
-            return cls(ALL_REDUCE if text == "AR" else STEP)
-        match = _PATTERN.match(text)
-        if match is None or (match["kind"] in _LONG) != (match["peer"] is not None) or (
-                match["kind"] in _LONG and (match["arrow"] == ">") != match["kind"].startswith("s")):
-            raise ValueError(f"cannot read pipeline action {text!r}: expected e.g. F3@2, B3@2, W3@2, sa3@2>1, "
-                             "ra3@2<0, sg3@2>1, rg3@2<0, AR or STEP")
-        kind = _LONG.get(match["kind"]) or ActionKind(match["kind"])
-        peer = None if match["peer"] is None else int(match["peer"])
-        return cls(kind, int(match["mb"]), int(match["stage"]), peer)
-
-    def label(self, chunk: int | None = None) -> str:
-        """Compact display form (Gantt charts, timelines): F3, B3 (F3.1: chunk 1 of a
-        rank holding several), sa3>2 / ra3<0 (send/receive activation of micro-batch 3
-        to/from rank 2/0), AR, STEP. Drops the stage: ``text()`` keeps it."""
-        suffix = "" if chunk is None else f".{chunk}"
-        if self.kind in COMPUTE:
-            return f"{self.kind.value}{self.microbatch}{suffix}"
-        if self.kind in _SHORT:
-            arrow = ">" if self.kind in (SEND_ACT, SEND_GRAD) else "<"
-            return f"{_SHORT[self.kind]}{self.microbatch}{suffix}{arrow}{self.peer}"
-        return "AR" if self.kind == ALL_REDUCE else "STEP"
+from plait.names.schedules import CHIMERA, GPIPE, INTERLEAVED_1F1B, ONE_F_ONE_B, ZERO_BUBBLE
+from plait.parallel.pipeline.actions import (
+    ALL_REDUCE,
+    BACKWARD,
+    COMPUTE,
+    FORWARD,
+    MESSAGES,
+    RECV_ACT,
+    RECV_GRAD,
+    SEND_ACT,
+    SEND_GRAD,
+    STEP,
+    WEIGHT,
+    Action,
+    ActionKind,
+    ScheduleError,
+    compute_cost,
+)
 
 
 @dataclass(frozen=True)
@@ -184,17 +102,17 @@ def _single(name, ranks, microbatches, stages, orders, pipelines=None, microbatc
 def gpipe(ranks: int, microbatches: int) -> PipelineSchedule:
     """GPipe: every forward, then every backward (flush). Bubble (p-1)/(m+p-1) of the
     step; all m micro-batches' activations are alive at once on every stage."""
-    _check_sizes("gpipe", ranks, microbatches)
+    _check_sizes(GPIPE, ranks, microbatches)
     orders = [[Action(FORWARD, m, r) for m in range(microbatches)] + [Action(BACKWARD, m, r)
               for m in range(microbatches)] for r in range(ranks)]
-    return _single("gpipe", ranks, microbatches, ranks, orders)
+    return _single(GPIPE, ranks, microbatches, ranks, orders)
 
 
 def one_f_one_b(ranks: int, microbatches: int) -> PipelineSchedule:
     """1F1B (PipeDream-Flush): stage r runs min(p-r-1, m) warm-up forwards, then
     alternates one forward and one backward, then drains. Same bubble as GPipe,
     (p-1)/(m+p-1), but at most p - r micro-batches in flight on stage r."""
-    _check_sizes("1f1b", ranks, microbatches)
+    _check_sizes(ONE_F_ONE_B, ranks, microbatches)
     orders = []
     for r in range(ranks):
         warmup = min(ranks - r - 1, microbatches)
@@ -203,7 +121,7 @@ def one_f_one_b(ranks: int, microbatches: int) -> PipelineSchedule:
             order += [Action(FORWARD, warmup + i, r), Action(BACKWARD, i, r)]
         order += [Action(BACKWARD, m, r) for m in range(microbatches - warmup, microbatches)]
         orders.append(order)
-    return _single("1f1b", ranks, microbatches, ranks, orders)
+    return _single(ONE_F_ONE_B, ranks, microbatches, ranks, orders)
 
 
 def interleaved_1f1b(ranks: int, microbatches: int, virtual: int) -> PipelineSchedule:
@@ -211,7 +129,7 @@ def interleaved_1f1b(ranks: int, microbatches: int, virtual: int) -> PipelineSch
     stage c·p + r) and walks micro-batches in groups of p through its chunks. The
     bubble time shrinks v-fold, to (p-1)/v of a full (forward + backward) stage
     time, for ~(1 + (p-1)/(p·v)) times the in-flight activations. Needs m a multiple of p."""
-    _check_sizes("interleaved_1f1b", ranks, microbatches)
+    _check_sizes(INTERLEAVED_1F1B, ranks, microbatches)
     if isinstance(virtual, bool) or not isinstance(virtual, int) or virtual < 2:
         raise ValueError(f"interleaved_1f1b: virtual stages per rank (v) must be an int >= 2, got {virtual!r} "
                          "(with one chunk per rank, use 1f1b)")
@@ -242,7 +160,7 @@ def interleaved_1f1b(ranks: int, microbatches: int, virtual: int) -> PipelineSch
             mb, chunk = unit(k, False)
             order.append(Action(BACKWARD, mb, chunk * p + r))
         orders.append(order)
-    return _single("interleaved_1f1b", p, m, p * v, orders)
+    return _single(INTERLEAVED_1F1B, p, m, p * v, orders)
 
 
 def chimera(ranks: int, microbatches: int) -> PipelineSchedule:
@@ -255,7 +173,7 @@ def chimera(ranks: int, microbatches: int) -> PipelineSchedule:
     two gives the shorter step, backward-first on a tie for its smaller memory).
     Its bubble meets the paper's (p-2)/(2m+p-2) at m >= 2p in most cases and is a
     unit or a few longer at m = p (see the tests and README). Needs p even and m even."""
-    _check_sizes("chimera", ranks, microbatches)
+    _check_sizes(CHIMERA, ranks, microbatches)
     if ranks % 2:
         raise ValueError(f"chimera needs an even number of pipeline ranks (p={ranks}): its two opposite pipelines "
                          f"pair stage s with stage p-1-s; use p = {ranks + 1}" + (f" or {ranks - 1}" if ranks > 1 else ""))
@@ -265,11 +183,10 @@ def chimera(ranks: int, microbatches: int) -> PipelineSchedule:
     p, m = ranks, microbatches
     pipelines = (tuple(range(p)), tuple(reversed(range(p))))
     microbatch_pipeline = tuple(mb % 2 for mb in range(m))
-    from plait.parallel.pipeline.replay import list_schedule  # the greedy builder replays unit costs
     candidates = [list_schedule(p, m, p, pipelines, microbatch_pipeline, prefer_forward=prefer)
                   for prefer in (False, True)]
     _, orders = min(candidates, key=lambda candidate: candidate[0])  # min keeps the first on a tie
-    return _single("chimera", p, m, p, orders, pipelines, microbatch_pipeline, all_reduce=True)
+    return _single(CHIMERA, p, m, p, orders, pipelines, microbatch_pipeline, all_reduce=True)
 
 
 def zero_bubble(ranks: int, microbatches: int) -> PipelineSchedule:
@@ -282,23 +199,85 @@ def zero_bubble(ranks: int, microbatches: int) -> PipelineSchedule:
     most 2p-r-1 micro-batches between forward and W on rank r; that is the smallest
     such cap the greedy order needs to reach ZB-H1's bubble, more than the p of
     ZB-H1's hand-built order (see the tests)."""
-    _check_sizes("zero_bubble", ranks, microbatches)
-    from plait.parallel.pipeline.replay import list_schedule
+    _check_sizes(ZERO_BUBBLE, ranks, microbatches)
     pipelines = (tuple(range(ranks)),)
     _, orders = list_schedule(ranks, microbatches, ranks, pipelines, (0,) * microbatches, split_backward=True,
                               in_flight_limits=[2 * ranks - r - 1 for r in range(ranks)])
-    return _single("zero_bubble", ranks, microbatches, ranks, orders, pipelines, split_backward=True)
+    return _single(ZERO_BUBBLE, ranks, microbatches, ranks, orders, pipelines, split_backward=True)
 
 
-SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved_1f1b": interleaved_1f1b, "chimera": chimera,
-             "zero_bubble": zero_bubble}
+# ----- list scheduling (Chimera's and zero bubble's compute orders) -------------------------
+def list_schedule(ranks: int, microbatches: int, stages: int, pipelines, microbatch_pipeline, *,
+                  prefer_forward: bool = False, split_backward: bool = False, in_flight_limits=None,
+                  forward: float = 1.0, backward: float = 2.0) -> tuple[float, list[list[Action]]]:
+    """Greedy list scheduling with unit costs: repeatedly, the computation that can
+    start earliest runs (lowest rank on a tie); among a rank's computations ready at
+    that time, a backward goes first (or a forward, with ``prefer_forward``), then the
+    oldest micro-batch. With ``split_backward`` each backward is B then W (half the
+    cost each); W has the lowest priority (it fills idle time) and a forward waits
+    while the rank has ``in_flight_limits[rank]`` micro-batches whose W has not run.
+    Returns (makespan, each rank's compute order)."""
+    rank_of = [[pipelines[microbatch_pipeline[mb]][s] for s in range(stages)] for mb in range(microbatches)]
+    done: dict[tuple, float] = {}  # (kind, mb, stage) -> finish time
+    free = [0.0] * ranks
+    in_flight = [0] * ranks
+    orders: list[list[Action]] = [[] for _ in range(ranks)]
+    last = stages - 1
+    total = (3 if split_backward else 2) * microbatches * stages
+    while len(done) < total:
+        best = None  # (start time, priority, rank, action)
+        for rank in range(ranks):
+            candidates = []
+            for mb in range(microbatches):
+                for s in range(stages):
+                    if rank_of[mb][s] != rank:
+                        continue
+                    if (FORWARD, mb, s) not in done:
+                        if s > 0 and (FORWARD, mb, s - 1) not in done:
+                            continue
+                        if in_flight_limits is not None and in_flight[rank] >= in_flight_limits[rank]:
+                            continue
+                        ready = done.get((FORWARD, mb, s - 1), 0.0) if s > 0 else 0.0
+                        candidates.append((max(free[rank], ready), 0 if prefer_forward else 1, mb,
+                                           Action(FORWARD, mb, s)))
+                    elif (BACKWARD, mb, s) not in done:
+                        need = (BACKWARD, mb, s + 1) if s < last else (FORWARD, mb, s)
+                        if need not in done:
+                            continue
+                        candidates.append((max(free[rank], done[need]), 1 if prefer_forward else 0, mb,
+                                           Action(BACKWARD, mb, s)))
+                    elif split_backward and (WEIGHT, mb, s) not in done:
+                        candidates.append((max(free[rank], done[(BACKWARD, mb, s)]), 2, mb, Action(WEIGHT, mb, s)))
+            if candidates:
+                start = min(c[0] for c in candidates)
+                # among what can start at the earliest time: by priority, then oldest micro-batch
+                choice = min((c for c in candidates if c[0] == start), key=lambda c: (c[1], c[2]))
+                if best is None or (choice[0], rank) < (best[0], best[2]):
+                    best = (choice[0], choice[1], rank, choice[3])
+        if best is None:
+            raise ScheduleError("list scheduling is stuck: an in-flight limit below 1 leaves nothing runnable")
+        start, _, rank, action = best
+        end = start + compute_cost(action.kind, forward, backward, split=split_backward)
+        done[(action.kind, action.microbatch, action.stage)] = end
+        free[rank] = end
+        if action.kind == FORWARD:
+            in_flight[rank] += 1
+        elif action.kind == (WEIGHT if split_backward else BACKWARD):
+            in_flight[rank] -= 1
+        orders[rank].append(action)
+    return max(done.values()), orders
+
+
+SCHEDULES = {GPIPE: gpipe, ONE_F_ONE_B: one_f_one_b, INTERLEAVED_1F1B: interleaved_1f1b, CHIMERA: chimera,
+             ZERO_BUBBLE: zero_bubble}
+LIST_SCHEDULED = (CHIMERA, ZERO_BUBBLE)  # built by list_schedule: time grows as O(p^3 m^2)
 
 
 def build(name: str, ranks: int, microbatches: int, virtual: int | None = None) -> PipelineSchedule:
     """The named schedule (``virtual``, v >= 2, only for interleaved_1f1b; default 2)."""
     if name not in SCHEDULES:
         raise ValueError(f"unknown pipeline schedule {name!r}; choose one of {sorted(SCHEDULES)}")
-    if name == "interleaved_1f1b":
+    if name == INTERLEAVED_1F1B:
         return interleaved_1f1b(ranks, microbatches, 2 if virtual is None else virtual)
     if virtual not in (None, 1):
         raise ValueError(f"virtual={virtual} applies to interleaved_1f1b only, not {name}")

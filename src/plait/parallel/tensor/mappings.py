@@ -46,8 +46,10 @@ def all_reduced_copy(tensor: torch.Tensor, tp: TensorParallel, op: str = "sum") 
     return out
 
 
-def _all_gather_dim0(tensor: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
-    """(n, ...) on each rank -> (p*n, ...) in rank order."""
+def all_gather_dim0(tensor: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    """(n, ...) on each rank -> (p*n, ...) in rank order: an all-gather over the
+    tensor-parallel group along dim 0, not differentiable (the mappings and
+    ``sharding.gather_tensor`` build on it)."""
     local = tensor.contiguous()
     out = torch.empty((tp.size * local.shape[0], *local.shape[1:]), dtype=local.dtype, device=local.device)
     comm.all_gather_single(out, local, group=tp.group, algorithm=tp.algorithm)
@@ -76,7 +78,7 @@ def _split(tensor: torch.Tensor, tp: TensorParallel, dim: int) -> torch.Tensor:
 
 def _gather_last(tensor: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
     """(..., n) on each rank -> (..., p*n) in rank order."""
-    gathered = _all_gather_dim0(tensor.unsqueeze(0), tp)  # (p, ..., n)
+    gathered = all_gather_dim0(tensor.unsqueeze(0), tp)  # (p, ..., n)
     return torch.cat(gathered.unbind(0), dim=-1)
 
 
@@ -160,7 +162,7 @@ class ScatterToSequence(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         """dX = concat over r of dY_r along dim 0: one all-gather."""
-        return _all_gather_dim0(grad, ctx.tp), None
+        return all_gather_dim0(grad, ctx.tp), None
 
 
 class GatherFromSequence(torch.autograd.Function):
@@ -172,7 +174,7 @@ class GatherFromSequence(torch.autograd.Function):
         """Y = concat over r of X_r along dim 0: one all-gather, (p-1)/p s·b·h
         elements received per rank with a ring."""
         ctx.tp = tp
-        return _all_gather_dim0(x, tp)
+        return all_gather_dim0(x, tp)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -196,7 +198,7 @@ class ReduceScatterToSequence(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         """dX_q = concat over r of dY_r along dim 0 (the same on every rank q): one
         all-gather."""
-        return _all_gather_dim0(grad, ctx.tp), None
+        return all_gather_dim0(grad, ctx.tp), None
 
 
 class _SumGradsInBackward(torch.autograd.Function):

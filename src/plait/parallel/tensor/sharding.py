@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from plait.parallel.tensor.group import TensorParallel
-from plait.parallel.tensor.mappings import _all_gather_dim0
+from plait.parallel.tensor.mappings import all_gather_dim0
 
 
 @dataclass(frozen=True)
@@ -97,7 +97,7 @@ def gather_tensor(tensor: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
     if spec is None or tp.size == 1:
         return tensor.detach().clone()
     moved = tensor.detach().movedim(spec.dim, 0)
-    gathered = _all_gather_dim0(moved, tp)[: spec.full_size]
+    gathered = all_gather_dim0(moved, tp)[: spec.full_size]
     return gathered.movedim(0, spec.dim).contiguous()
 
 
