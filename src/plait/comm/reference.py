@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import torch
 
+from plait.names.collectives import BITWISE_OPS
+
 UNIT_ROUNDOFF = {
     torch.float16: 2.0**-11,
     torch.bfloat16: 2.0**-8,
@@ -159,7 +161,7 @@ def rank_inputs(collective: str, world_size: int, numel: int, dtype: torch.dtype
             signed = dtype != torch.uint8
             if op == "prod":
                 low, high = (-2, 3) if signed else (0, 3)
-            elif op in ("band", "bor", "bxor"):  # every bit pattern of the dtype, signs included
+            elif op in BITWISE_OPS:  # every bit pattern of the dtype, signs included
                 info = torch.iinfo(dtype)
                 low, high = max(info.min, -(1 << 62)), min(info.max, (1 << 62))
             else:

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from plait.memory.recompute import check_mode, random_streams, recompute, set_block_recompute
+from plait.names.recompute import FULL, SELECTIVE
 from plait.parallel.tensor import (
     UNSHARDED,
     ConsistentDropout,
@@ -135,7 +136,7 @@ class TransformerBlock(nn.Module):
         collectives included) re-runs in the backward."""
         self.recompute = check_mode(mode)
         self.on_recompute = on_recompute
-        self.attention.recompute_core = mode == "selective"
+        self.attention.recompute_core = mode == SELECTIVE
         self.attention.on_recompute = on_recompute
 
     def _dropout(self, module, x, sequence):
@@ -143,7 +144,7 @@ class TransformerBlock(nn.Module):
         return module(x, full, 0, self.tp.rank if self.tp.sequence_parallel else 0)
 
     def forward(self, x: torch.Tensor, sequence: int) -> torch.Tensor:  # x: (s or s/p, b, h)
-        if self.recompute == "full":
+        if self.recompute == FULL:
             return recompute(self._forward, x, sequence, name="a transformer block", streams=random_streams(self),
                              on_recompute=self.on_recompute)
         return self._forward(x, sequence)

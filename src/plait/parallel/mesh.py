@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from plait.names.axes import AXES, DEFAULT_ORDER
+from plait.names.axes import AXES, DEFAULT_ORDER, DP, PP, TP
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -77,7 +77,7 @@ class ParallelDims:
 
     def rank_of(self, *, dp: int = 0, tp: int = 0, pp: int = 0) -> int:
         strides = self.strides()
-        coords = {"dp": dp, "tp": tp, "pp": pp}
+        coords = {DP: dp, TP: tp, PP: pp}
         for axis, value in coords.items():
             if not 0 <= value < self.size(axis):
                 raise ValueError(f"{axis}={value} is not in [0, {self.size(axis)})")

@@ -57,6 +57,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, replace
 
+from plait.names.recompute import FULL, SELECTIVE
 from plait.plan.layers import LayerCost, check_recompute
 
 __all__ = ["TransformerSpec", "MODEL_PRESETS", "model_preset", "ACCOUNTINGS", "TensorParallelComm"]
@@ -176,9 +177,9 @@ class TransformerSpec:
         with selective (the head is not recomputed)."""
         check_recompute(recompute)
         flops = 3.0 * self.forward_flops(batch)
-        if recompute == "full":
+        if recompute == FULL:
             return flops + self.layers * self.block_forward_flops(batch)
-        if recompute == "selective":
+        if recompute == SELECTIVE:
             return flops + self.layers * self.attention_core_forward_flops(batch)
         return flops
 
