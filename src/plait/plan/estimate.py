@@ -54,8 +54,6 @@ from dataclasses import dataclass, field, fields
 from plait.names.schedules import CHIMERA, NO_PIPELINE, ZERO_BUBBLE
 from plait.names.axes import DP, PP
 from plait.names.recompute import FULL, SELECTIVE
-from plait.names.axes import DP, PP
-from plait.names.recompute import FULL, SELECTIVE
 from plait.plan.cluster import Cluster
 from plait.plan.layers import LayerCost
 from plait.plan.layout import Layout
