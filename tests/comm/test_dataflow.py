@@ -4,13 +4,13 @@ become landing units, and the scratch pool's bound."""
 import torch
 
 from plait.comm.algorithms import build_schedule
-from plait.comm.dataflow import DIRECT, SCRATCH, STREAM_REDUCE, ScratchPool, _units_for_step
+from plait.comm.dataflow import DIRECT, SCRATCH, STREAM_REDUCE, ScratchPool, units_for_step
 from plait.comm.executor import plan_rank
 
 
 def kinds(collective, algorithm, p, n, rank, segment_numel=0):
     plans = plan_rank(build_schedule(collective, algorithm, p, n), rank, segment_numel)
-    return [[(u.kind, u.lo, u.hi) for u in _units_for_step(plan)] for plan in plans]
+    return [[(u.kind, u.lo, u.hi) for u in units_for_step(plan)] for plan in plans]
 
 
 def test_ring_reductions_stream_and_gathers_land_in_place():
@@ -29,7 +29,7 @@ def test_exchange_that_sends_what_it_reduces_goes_through_scratch():
 
 
 def test_same_region_reductions_land_as_one_unit():
-    (step,) = [[u for u in _units_for_step(plan)] for plan in
+    (step,) = [[u for u in units_for_step(plan)] for plan in
                plan_rank(build_schedule("all_reduce", "direct", 4, 8), 0, 0)]
     assert len(step) == 1 and step[0].kind == SCRATCH and len(step[0].parts) == 3
 

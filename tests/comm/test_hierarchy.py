@@ -12,13 +12,24 @@ def test_specs():
     assert parse_hierarchy([[0, 2], [1, 3]], 4) == ((0, 2), (1, 3))
 
 
-def test_default_comes_from_the_launcher(monkeypatch):
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
-    assert parse_hierarchy(None, 8) == ((0, 1, 2, 3), (4, 5, 6, 7))
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")  # does not divide 8: one flat group
-    assert parse_hierarchy(None, 8) == tuple(range(8))
-    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+def test_default_groups_the_ranks_per_host_the_caller_passes(monkeypatch):
+    assert parse_hierarchy(None, 8, 4) == ((0, 1, 2, 3), (4, 5, 6, 7))
+    assert parse_hierarchy(None, 8, 3) == tuple(range(8))  # does not divide 8: one flat group
     assert parse_hierarchy(None, 5) == tuple(range(5))
+    # the library never reads the launcher's variable: the CLI passes it down (CommConfig.local_world_size)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert parse_hierarchy(None, 8) == tuple(range(8))
+
+
+def test_the_cli_passes_the_launchers_ranks_per_host_down(monkeypatch):
+    from plait.comm.config import CommConfig, config_from_environment
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert config_from_environment().local_world_size == 4
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    assert config_from_environment().local_world_size is None
+    with pytest.raises(ValueError, match="local_world_size=0"):
+        CommConfig(local_world_size=0)
 
 
 @pytest.mark.parametrize("spec,world,fragment", [
@@ -54,11 +65,11 @@ def test_commconfig_replace_changes_only_what_it_names():
     from plait.cost.presets import preset
 
     base = CommConfig(timeout_s=9.0, check="deep", segment_bytes=123, pipeline_segment_bytes=456, hierarchy="2x2",
-                      topology=preset("local"), algorithms={"all_reduce": "ring"},
+                      local_world_size=2, topology=preset("local"), algorithms={"all_reduce": "ring"},
                       tuner=Tuner(LinkModel(1e-3, 1e-9)), transport="shm", shm_ring_bytes=8192, shm_spin_us=7.0,
                       shm_dir="/tmp")
     names = [field.name for field in dataclasses.fields(CommConfig)]
-    assert len(names) == 12
+    assert len(names) == 13
     for name in names:
         changed = base.replace(**{name: getattr(CommConfig(), name)})
         for other in names:

@@ -36,7 +36,6 @@ import torch.distributed as dist
 from plait.bench.collectives import message_sizes
 from plait.comm.communicator import Communicator, init_communicator
 from plait.comm.config import CommConfig
-from plait.comm.executor import Call
 from plait.comm.ops import COMBINE
 from plait.comm.schedule import Schedule, Step, Transfer, make_schedule
 from plait.cost.profile import Sample
@@ -149,9 +148,9 @@ def _shift_call(schedule: Schedule, buffer: torch.Tensor, communicator: Communic
     segment_numel = config.segment_bytes // buffer.element_size() if config.segment_bytes else 0
 
     def job():
-        call = Call(schedule, communicator.rank, communicator.transport, config.timeout_s, label="calibrate shift",
-                    grouped=buffer.device.type != "cpu")
-        communicator.executor.run(call, buffer, COMBINE["sum"], segment_numel=segment_numel)
+        communicator.executor.run(schedule, communicator.rank, communicator.transport, buffer, COMBINE["sum"],
+                                  timeout_s=config.timeout_s, label="calibrate shift",
+                                  grouped=buffer.device.type != "cpu", segment_numel=segment_numel)
 
     return lambda: communicator.engine.submit(job, "calibrate shift", async_op=False)
 

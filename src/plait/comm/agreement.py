@@ -31,7 +31,6 @@ import torch
 
 from plait.comm.algorithms import build_schedule
 from plait.comm.errors import MismatchError
-from plait.comm.executor import Call
 from plait.comm.inband import INLINE_BYTES, CallSignature, InbandCall
 from plait.comm.ops import COMBINE
 from plait.names.wire import OP_CODES, dtype_code
@@ -105,9 +104,9 @@ def exchange(communicator, signature: CallSignature, device, *, seq: int | None 
         small = table.numel() <= INLINE_BYTES
         transport = InbandCall(transport, signature, seq, rank, label, communicator.known_calls(), small,
                                deferred=("root",))
-    call = Call(build_schedule("all_gather", "bruck", p, p * block), rank, transport, config.timeout_s,
-                label=label, grouped=device.type != "cpu")
-    sent, messages = communicator.executor.run(call, table, COMBINE["sum"])
+    sent, messages = communicator.executor.run(build_schedule("all_gather", "bruck", p, p * block), rank, transport,
+                                               table, COMBINE["sum"], timeout_s=config.timeout_s, label=label,
+                                               grouped=device.type != "cpu")
     blocks = table.view(p, block)
     rows = blocks[:, :SIGNATURE_BYTES].contiguous().view(torch.int64).tolist()
     error = _disagreement(signature, rows, rank)

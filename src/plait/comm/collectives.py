@@ -42,7 +42,6 @@ from plait.comm.choice import resolve_algorithm, settled_algorithm, table_pendin
 from plait.comm.communicator import Communicator, all_communicators, communicator_for
 from plait.comm.engine import merge_stats
 from plait.comm.errors import CommError, CommTimeoutError, MismatchError
-from plait.comm.executor import Call
 from plait.comm.inband import INLINE_BYTES, CallSignature, InbandCall
 from plait.comm.ops import COMBINE, check_carried, check_reducible, op_name
 from plait.comm.transport import stages_through_host
@@ -160,7 +159,7 @@ def _launch(collective, communicator, async_op, algorithm, prepare, *, tensor, n
         if spec is None and config.topology is not None and config.topology.world_size == p:
             spec = config.topology.hierarchy()  # the group's hosts, as its topology has them
         world = communicator.group is dist.group.WORLD
-        tree = parse_hierarchy(spec, p, None if world else 1)
+        tree = parse_hierarchy(spec, p, config.local_world_size if world else 1)
         shape = repr(tree)
     elif algorithm in TOPOLOGY_ALGORITHMS and prepared is not None:
         # refused now (no topology, or one for another group size), not inside the job. The
@@ -216,9 +215,9 @@ def _launch(collective, communicator, async_op, algorithm, prepare, *, tensor, n
                 small = buffer.numel() * buffer.element_size() <= INLINE_BYTES
                 transport = InbandCall(transport, signature, seq, rank, collective, communicator.known_calls(), small)
             segment_numel = config.segment_bytes // buffer.element_size() if config.segment_bytes else 0
-            call = Call(schedule, rank, transport, config.timeout_s, label=collective, grouped=grouped)
             payload_sent, payload_messages = communicator.executor.run(
-                call, buffer, COMBINE[op if op != "none" else "sum"], segment_numel=segment_numel)
+                schedule, rank, transport, buffer, COMBINE[op if op != "none" else "sum"], timeout_s=config.timeout_s,
+                label=collective, grouped=grouped, segment_numel=segment_numel)
             sent, messages = sent + payload_sent, messages + payload_messages
         prepared.finish(buffer)  # a staged call finishes (averages) on the host, as on a CPU
         if device_buffer is not None:
@@ -228,7 +227,7 @@ def _launch(collective, communicator, async_op, algorithm, prepare, *, tensor, n
                             time.perf_counter() - start)
         return sent
 
-    handle = communicator.submit(job, signature, async_op)
+    handle = communicator.submit(job, signature.describe(), async_op, signature)
     if handle is not None:
         handle.output = output
     return handle

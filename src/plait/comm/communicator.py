@@ -12,10 +12,17 @@ small exchange with the group's rank 0 that checks every rank asks for the same
 (rather than leaving the first collective to time out). It runs as the first job of
 the group's comm thread: creating communicators never blocks the caller, so groups
 first used in different orders on different ranks cannot deadlock; its failure fails
-the group's calls, naming it. ``init_communicator(group,
-config)`` creates one explicitly; the collectives' ``group=`` also takes a
-Communicator; a group used without one gets ``CommConfig()``'s defaults on its first
-collective (every rank makes that call, so every rank creates it).
+the group's calls, naming it.
+
+Which communicator a ``group=`` means (:func:`communicator_for`, the one resolver that
+collectives, p2p and the parallel wrappers use): a Communicator is itself; a process
+group (None: the world) means *its* communicator, the one ``init_communicator(group,
+config)`` made, or, when it has none yet, one created on its first use with the
+program's stated config: the config the world's communicator was created with
+(``init_communicator(None, config)`` once, at the top of the program, states it for
+every group; without it, ``CommConfig()``). A group inherits everything but the
+fields that describe the world's own ranks (``hierarchy``, ``topology``). Every rank
+of a group makes that first call, so every rank creates it with the same config.
 """
 
 from __future__ import annotations
@@ -24,7 +31,6 @@ import atexit
 import threading
 import time
 import zlib
-from collections import OrderedDict
 from datetime import timedelta
 
 import torch
@@ -40,7 +46,6 @@ from plait.comm.transport import Transport
 
 CREATE_TAG = tags.CREATE
 CREATE_REPLY_TAG = tags.CREATE_REPLY
-_HISTORY = 32  # recent calls kept to say "issued in different orders"
 
 
 def _require_initialized() -> None:
@@ -88,10 +93,8 @@ class Communicator:
         self.executor = Executor()
         self.engine = Engine(name=f"plait-comm{self.ranks if len(self.ranks) <= 8 else ''}")
         self._stats = Stats()
-        self._seq = 0  # calls run so far on this group (the in-band header's call number)
-        self._history: OrderedDict[int, object] = OrderedDict()
-        self._queued: list = []  # signatures of calls submitted but not yet running, in order
-        self._lock = threading.Lock()
+        self.submit = self.engine.submit
+        self.known_calls = self.engine.known_calls
         self.tuner_used = None  # the tuner's source, once algorithm="auto" consulted it
         # the creation exchange is the group's first job on its own comm thread, so a rank
         # creating communicators for several groups in any order never waits here
@@ -185,32 +188,11 @@ class Communicator:
                 f"{self.config.describe()}. Every rank of a group must pass the same configuration")
 
     # ----- running calls -------------------------------------------------------------------
-    def submit(self, job, signature, async_op: bool):
-        """Queue or run ``job(seq)`` (seq: its call number on this group, given when it
-        starts) in program order; returns None or a Handle."""
-        with self._lock:
-            self._queued.append(signature)
-
-        def numbered():
-            with self._lock:
-                self._queued.remove(signature)
-                self._seq += 1
-                seq = self._seq
-                self._history[seq] = signature
-                while len(self._history) > _HISTORY:
-                    self._history.popitem(last=False)
-            return job(seq)
-
-        return self.engine.submit(numbered, signature.describe(), async_op)
-
-    def known_calls(self) -> dict[int, object]:
-        """This rank's recent calls and the ones queued after the running one, by
-        call number (for naming calls issued in different orders)."""
-        with self._lock:
-            calls = dict(self._history)
-            for offset, signature in enumerate(self._queued, start=1):
-                calls[self._seq + offset] = signature
-        return calls
+    # ``submit(job, description, async_op, signature)``: queue or run ``job(seq)`` (seq: its
+    # number among the group's calls, given when it starts) in program order; returns None
+    # or a Handle. ``known_calls()``: this rank's recent calls and the ones queued after the
+    # running one, by call number (for naming calls issued in different orders). Both are
+    # the comm thread's own (bound in __init__: no frame of this class on the call path).
 
     def enqueue(self, job, description: str) -> Handle:
         """Run ``job()`` on this group's comm thread after every collective queued before
@@ -249,8 +231,9 @@ class Communicator:
 
 # ----- which communicator a group= means ------------------------------------------------------
 class _Registry:
-    """The communicator of each process group of this process (created on first use,
-    or by init_communicator). Holds the group objects, so an id is never reused."""
+    """The communicator of each process group of this process (created on first use
+    with the stated config, or by init_communicator). Holds the group objects, so an id
+    is never reused."""
 
     def __init__(self):
         self._lock = threading.Lock()
@@ -260,9 +243,28 @@ class _Registry:
         with self._lock:  # creating one is local: its exchange with the peers is queued on its thread
             entry = self._by_group.get(id(group))
             if entry is None or entry[0] is not group:
-                entry = (group, Communicator(group, None))
+                entry = (group, Communicator(group, self._stated_config(group)))
                 self._by_group[id(group)] = entry
             return entry[1]
+
+    def _stated_config(self, group) -> CommConfig:
+        """The config a group without a communicator gets (see the module docstring):
+        the world communicator's, less what names the world's own ranks; else the
+        defaults. Called with the lock held."""
+        world = self._by_group.get(id(dist.group.WORLD))
+        if world is None or world[0] is not dist.group.WORLD:
+            return CommConfig()
+        config = world[1].config
+        return config if group is dist.group.WORLD else config.replace(hierarchy=None, topology=None)
+
+    def stated_config(self, group) -> CommConfig:
+        """The config ``group``'s communicator has, or would be created with (without
+        creating one: p2p, which is pairwise, reads its deadline here)."""
+        with self._lock:
+            entry = self._by_group.get(id(group))
+            if entry is not None and entry[0] is group:
+                return entry[1].config
+            return self._stated_config(group)
 
     def create(self, group, config) -> Communicator:
         old = self.lookup(group)
@@ -320,9 +322,12 @@ def check_group(group) -> None:
 
 
 def communicator_for(group) -> Communicator | None:
-    """The communicator ``group=`` means: a Communicator itself; None (the world) or a
-    process group's registered one, created with the defaults if it has none; None
-    when this rank is not in the group (the call is then a no-op, as in torch)."""
+    """The communicator ``group=`` means (the one resolver; see the module docstring):
+    a Communicator itself; None (the world) or a process group: its communicator,
+    created on first use with the program's stated config (the world communicator's,
+    from ``init_communicator(None, config)``) when it has none; None when this rank is
+    not in the group (the call is then a no-op, as in torch). A TypeError names a
+    ``group=`` that is none of these."""
     if isinstance(group, Communicator):
         return group
     check_group(group)
@@ -334,9 +339,15 @@ def communicator_for(group) -> Communicator | None:
 
 
 def init_communicator(group=None, config: CommConfig | None = None) -> Communicator:
-    """Create the communicator of ``group`` (None: the world) with ``config``; every rank
-    of the group must call it. It replaces the group's earlier one (after its queued
-    collectives finish), so the collectives' ``group=`` then use this configuration."""
+    """Create the communicator of ``group`` (None: the world) with ``config`` (None:
+    ``CommConfig()``); every rank of the group must call it. It replaces the group's
+    earlier one (after its queued collectives finish), so the collectives' ``group=``
+    then use this configuration; a wrapper built before keeps the one it was given.
+
+    The world's config is the program's stated config: call ``init_communicator(None,
+    config)`` once at the top of the program, before any group is used, and every group
+    without a communicator of its own is created with it on first use (less
+    ``hierarchy`` and ``topology``, which name the world's ranks)."""
     _require_initialized()
     group = dist.group.WORLD if group is None else group
     return REGISTRY.create(group, config)

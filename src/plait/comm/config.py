@@ -17,6 +17,10 @@ the library never does.
                             0 never splits); every rank of the group must agree
     pipeline_segment_bytes  segment size of pipelined chains and binary trees (256 KiB)
     hierarchy               default hierarchy of algorithm="hierarchical"
+    local_world_size        ranks per host: algorithm="hierarchical" on the world with no
+                            hierarchy (and no topology) groups that many consecutive ranks
+                            (None: one flat group); the CLI passes the launcher's
+                            LOCAL_WORLD_SIZE
     topology                the group's cluster (a plait.cost.topology.Topology, rank i
                             on its i-th device), which algorithm="blink" and "synth"
                             are built from (None: those algorithms are refused); it
@@ -61,6 +65,7 @@ class CommConfig:
     segment_bytes: int = 4 << 20
     pipeline_segment_bytes: int = 256 << 10
     hierarchy: object = None
+    local_world_size: int | None = None
     topology: object = None
     algorithms: MappingProxyType = field(default_factory=lambda: MappingProxyType({}))
     tuner: object = None
@@ -95,6 +100,10 @@ class CommConfig:
         if (isinstance(self.shm_spin_us, bool) or not isinstance(self.shm_spin_us, (int, float))
                 or not 0 <= self.shm_spin_us <= 1e6):
             problems.append(f"shm_spin_us={self.shm_spin_us!r}: must be a number of microseconds in [0, 1e6]")
+        if self.local_world_size is not None and (isinstance(self.local_world_size, bool) or not isinstance(
+                self.local_world_size, int) or self.local_world_size < 1):
+            problems.append(f"local_world_size={self.local_world_size!r}: must be a whole number of ranks per host "
+                            ">= 1, or None")
         if not isinstance(self.shm_dir, str) or not self.shm_dir:
             problems.append(f"shm_dir={self.shm_dir!r}: must be a directory path, e.g. '/dev/shm'")
         if self.topology is not None and not isinstance(self.topology, Topology):
@@ -153,6 +162,9 @@ def config_from_environment(base: CommConfig | None = None) -> CommConfig:
         if name == "check" and isinstance(value, bool):  # PLAIT_COMM_CHECK=1/0 (as before): in-band or off
             value = "inband" if value else "off"
         changes[name] = value
+    local = os.environ.get("LOCAL_WORLD_SIZE", "").strip()  # set by torchrun: the ranks on this host
+    if local.isdigit() and int(local) >= 1:
+        changes["local_world_size"] = int(local)
     return base.replace(**changes) if changes else base
 
 

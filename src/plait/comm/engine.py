@@ -17,8 +17,11 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections import OrderedDict
 
 from plait.comm.errors import CommError, MismatchError
+
+_HISTORY = 32  # recent calls kept to say "issued in different orders"
 
 
 class Stats:
@@ -145,7 +148,15 @@ class Handle:
 
 
 class Engine:
-    """Runs jobs in submission order on one daemon thread (started on first async use).
+    """Runs jobs in submission order on one daemon thread (started on first async use),
+    and numbers the group's collectives.
+
+    A job submitted with a ``signature`` (a collective's ``CallSignature``) is a
+    numbered call: it runs as ``job(seq)``, ``seq`` its number among the group's
+    calls, given when it starts (the in-band header carries it);
+    ``known_calls()`` names the recent and queued ones, so a mismatch can say "issued
+    in different orders". Other jobs (a communicator's creation, ``enqueue``) run as
+    ``job()``.
 
     After a collective fails with a CommError (a peer died or timed out) or an in-band
     MismatchError (ranks' calls differ), messages of it may still be in flight, so
@@ -159,36 +170,85 @@ class Engine:
         self.name = name
         self._queue: queue.Queue = queue.Queue()
         self._lock = threading.Lock()  # guards _pending and the inline fast path
+        self._calls_lock = threading.Lock()  # guards the call numbers (taken with the run lock held)
         self._run_lock = threading.Lock()  # one job at a time
         self._pending = 0
         self._thread: threading.Thread | None = None
         self._broken: tuple[str, BaseException] | None = None
         self._failed_handles: list[Handle] = []
         self._closed: str | None = None  # why no more jobs are taken (close())
+        self._seq = 0  # numbered calls started so far (the in-band header's call number)
+        self._history: OrderedDict[int, object] = OrderedDict()  # seq -> signature, the recent ones
+        self._queued: list = []  # signatures of numbered calls submitted but not yet started, in order
 
-    def _run(self, job, description: str) -> None:
+    def _start(self, description: str, signature) -> tuple:
+        """The arguments of a job about to run: refused if the group is broken; a
+        numbered call gets its number (it leaves the queued list, enters the history)."""
         if self._broken is not None:
+            if signature is not None:
+                with self._calls_lock:
+                    self._queued.remove(signature)
             failed, error = self._broken
             raise CommError(
                 rank=getattr(error, "rank", -1), collective=description, algorithm="-", step="-", peer="-",
                 reason=f"not run: an earlier collective, {failed}, failed ({error}); messages of it may "
                        "still be in flight, so this process group cannot be used any more",
             )
-        try:
-            return job()
-        except (CommError, MismatchError) as error:
-            if isinstance(error, MismatchError) and error.before_any_message:
-                raise  # every rank raised it before sending: the group is still in step
-            self._broken = (description, error)
-            raise
+        if signature is None:
+            return ()
+        with self._calls_lock:
+            self._queued.remove(signature)
+            self._seq += 1
+            self._history[self._seq] = signature
+            while len(self._history) > _HISTORY:
+                self._history.popitem(last=False)
+            return (self._seq,)
 
-    def submit(self, job, description: str, async_op: bool):
+    def _failed(self, description: str, error: BaseException) -> None:
+        """After ``error``: the group stays usable only when every rank raised it before
+        sending (argument errors, the "deep" check)."""
+        if isinstance(error, (CommError, MismatchError)) and not (
+                isinstance(error, MismatchError) and error.before_any_message):
+            self._broken = (description, error)
+
+    def known_calls(self) -> dict[int, object]:
+        """The recent numbered calls and the ones queued after the running one, by call
+        number (for naming calls issued in different orders)."""
+        with self._calls_lock:
+            calls = dict(self._history)
+            for offset, signature in enumerate(self._queued, start=1):
+                calls[self._seq + offset] = signature
+        return calls
+
+    def submit(self, job, description: str, async_op: bool, signature=None):
+        """Queue or run ``job`` in program order (``job(seq)`` when ``signature`` is
+        given, see the class docstring); returns None or a Handle. A synchronous job
+        runs inline, on the caller's thread, when nothing is queued."""
         if self._closed is not None:
             raise RuntimeError(f"{description}: not run: {self._closed}")
-        if threading.current_thread() is self._thread:
-            # a composite job (``enqueue``) calling collectives: it already holds the
-            # run lock and runs in queue order, so its collectives run inline
-            result = self._run(job, description)
+        if signature is not None:
+            with self._calls_lock:
+                self._queued.append(signature)
+        on_thread = threading.current_thread() is self._thread
+        inline = on_thread
+        if not on_thread and not async_op:
+            with self._lock:
+                inline = self._pending == 0
+                if inline:
+                    self._run_lock.acquire()
+        if inline:
+            # a composite job (``enqueue``) calling collectives already holds the run lock
+            # and runs in queue order, so its collectives run inline too
+            try:
+                args = self._start(description, signature)
+                try:
+                    result = job(*args)
+                except BaseException as error:
+                    self._failed(description, error)
+                    raise
+            finally:
+                if not on_thread:
+                    self._run_lock.release()
             if not async_op:
                 return None
             handle = Handle(description)
@@ -196,23 +256,15 @@ class Engine:
             handle.started_s = handle.finished_s = time.perf_counter()
             handle._finish(None)
             return handle
-        if not async_op:
-            with self._lock:
-                inline = self._pending == 0
-                if inline:
-                    self._run_lock.acquire()
-            if inline:
-                try:
-                    self._run(job, description)
-                finally:
-                    self._run_lock.release()
-                return None
         handle = Handle(description)
         with self._lock:
             if self._closed is not None:  # closed since the check above: never start a thread again
+                if signature is not None:
+                    with self._calls_lock:
+                        self._queued.remove(signature)
                 raise RuntimeError(f"{description}: not run: {self._closed}")
             self._pending += 1
-            self._queue.put((job, handle))
+            self._queue.put((job, handle, signature))
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._loop, name=self.name, daemon=True)
                 self._thread.start()
@@ -223,14 +275,19 @@ class Engine:
 
     def _loop(self) -> None:
         while True:
-            job, handle = self._queue.get()
+            job, handle, signature = self._queue.get()
             if job is None:  # close()'s marker: every job queued before it has run
                 return
             error = None
             with self._run_lock:
                 handle.started_s = time.perf_counter()
                 try:
-                    handle.result = self._run(job, handle.description)
+                    args = self._start(handle.description, signature)
+                    try:
+                        handle.result = job(*args)
+                    except BaseException as caught:
+                        self._failed(handle.description, caught)
+                        raise
                 except BaseException as caught:  # handed to the waiter
                     error = caught
                     self._failed_handles.append(handle)
@@ -247,7 +304,7 @@ class Engine:
                 return True
             self._closed = reason  # submit() refuses from here on; jobs already queued still run
             thread = self._thread
-            self._queue.put((None, None))
+            self._queue.put((None, None, None))
         if thread is None or thread is threading.current_thread():
             return True
         thread.join(timeout_s)

@@ -18,21 +18,24 @@ later step leave as soon as the regions it reads have landed; its ordering rules
 make every result bit-identical to the lock-step order (and to the virtual
 executor). No ``torch.cuda`` here.
 
-Every wait goes through the :class:`Call` (one collective as it runs on this
-rank), which owns the deadline and turns a transport failure into a CommError that
-names the rank, collective, algorithm, step and peer.
+Every post and wait of a call is bounded by the call's deadline, and a transport
+failure becomes a CommError (:func:`comm_error`) that names the rank, collective,
+algorithm, step and peer. A receive posted through an in-band transport
+(``plait.comm.inband.InbandCall``) is checked by it once it has landed.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from collections import deque
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 
 from plait.comm.errors import CommError, CommTimeoutError
-from plait.comm.dataflow import ScratchPool, run_streaming
+from plait.comm.dataflow import DIRECT, STREAM_REDUCE, ScratchPool, chunks, units_for_step
+from plait.comm.inband import InbandCall
 from plait.comm.ops import apply_receives
 from plait.comm.schedule import Schedule, Transfer
 
@@ -114,52 +117,16 @@ def plan_rank(schedule: Schedule, rank: int, segment_numel: int) -> list[_StepPl
     return plans
 
 
-@dataclass
-class Call:
-    """One collective as it runs on this rank: its schedule, the transport its
-    messages use (plain, or with in-band headers), its label and its deadline."""
-
-    schedule: Schedule
-    rank: int
-    transport: object  # plait.comm.transport.Transport or plait.comm.inband.InbandCall
-    timeout_s: float
-    label: str | None = None
-    grouped: bool = False  # one batch_isend_irecv per step (tensors on an accelerator: NCCL)
-    deadline: float = field(default=0.0)
-
-    def __post_init__(self):
-        self.deadline = time.monotonic() + self.timeout_s
-
-    @property
-    def collective(self) -> str:
-        return self.label or self.schedule.collective
-
-    def send(self, tensor, peer: int, tag: int, step):
-        try:
-            return self.transport.send(tensor, peer, tag)
-        except RuntimeError as error:
-            raise self.error(error, step, self.transport.describe(peer)) from error
-
-    def recv(self, tensor, peer: int, tag: int, step):
-        try:
-            return self.transport.recv(tensor, peer, tag)
-        except RuntimeError as error:
-            raise self.error(error, step, self.transport.describe(peer)) from error
-
-    def wait(self, work, step, peer: str) -> None:
-        remaining = max(self.deadline - time.monotonic(), 0.001)
-        try:
-            work.wait(timedelta(seconds=remaining))
-        except RuntimeError as error:
-            raise self.error(error, step, peer) from error
-
-    def error(self, error, step, peer) -> CommError:
-        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        kwargs = dict(rank=self.rank, collective=self.collective, algorithm=self.schedule.algorithm, step=step,
-                      peer=peer)
-        if "timed out" in reason.lower() or "timeout" in reason.lower():
-            return CommTimeoutError(timeout_s=self.timeout_s, reason=reason, **kwargs)
-        return CommError(reason=reason, **kwargs)
+def comm_error(error: BaseException, *, rank: int, collective: str, algorithm: str, step, peer,
+               timeout_s: float) -> CommError:
+    """The CommError (CommTimeoutError for a timeout) for a transport failure of one
+    call: names the rank, collective, algorithm, step and peer, and the transport's
+    own first line."""
+    reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    kwargs = dict(rank=rank, collective=collective, algorithm=algorithm, step=step, peer=peer)
+    if "timed out" in reason.lower() or "timeout" in reason.lower():
+        return CommTimeoutError(timeout_s=timeout_s, reason=reason, **kwargs)
+    return CommError(reason=reason, **kwargs)
 
 
 class Executor:
@@ -181,23 +148,131 @@ class Executor:
         self._scratch.clear()
         self.pool.clear()
 
-    def run(self, call: Call, buffer: torch.Tensor, combine, *, segment_numel: int = 0) -> tuple[int, int]:
-        """Run ``call.rank``'s part of ``call.schedule`` on ``buffer``; returns (bytes
-        sent, messages). Message-by-message transports (gloo) run as a dataflow
-        (``plait.comm.dataflow``); grouped ones (NCCL) step by step."""
-        schedule, rank = call.schedule, call.rank
+    def run(self, schedule: Schedule, rank: int, transport, buffer: torch.Tensor, combine, *, timeout_s: float,
+            label: str | None = None, grouped: bool = False, segment_numel: int = 0) -> tuple[int, int]:
+        """Run ``rank``'s part of ``schedule`` on ``buffer`` over ``transport`` (a
+        :class:`~plait.comm.transport.Transport`, or an ``InbandCall`` over one), every
+        wait within ``timeout_s`` of now; returns (bytes sent, messages). ``label``: the
+        collective's name in errors (default: the schedule's). Message-by-message
+        transports (gloo, shared memory) run as a dataflow (the rules in
+        ``plait.comm.dataflow``); ``grouped`` ones (tensors on an accelerator: NCCL, one
+        ``batch_isend_irecv`` per step) step by step."""
         plans = plan_rank(schedule, rank, segment_numel)
+        deadline = time.monotonic() + timeout_s
+        context = dict(rank=rank, collective=label or schedule.collective, algorithm=schedule.algorithm,
+                       timeout_s=timeout_s)
         try:
-            if not call.grouped:
-                return run_streaming(self, plans, buffer, call, combine, max_scratch_numel=2 * buffer.numel() + 1)
-            return self._run_grouped(plans, buffer, call, combine)
+            if grouped:
+                return self._run_grouped(plans, buffer, rank, transport, combine, deadline, context)
+            # the dataflow (plait.comm.dataflow's rules), inline rather than a function of its
+            # own: every frame between a collective and its first message is paid on every call
+            # (bench/frame_depth.py counts them)
+            pool: ScratchPool = self.pool
+            checked = transport if isinstance(transport, InbandCall) else None
+            max_scratch_numel = 2 * buffer.numel() + 1
+            posted: deque = deque()  # units of receives not yet landed, in posting order
+            sends: list = []  # (lo, hi, work, peer, step): sends not yet known complete
+            scratch_in_use = 0
+            sent_numel = 0
+            messages = 0
+
+            def wait(work, step, peer):
+                try:
+                    work.wait(timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
+                    if checked is not None:  # a receive that carried a header: checked, its payload landed
+                        checked.landed(work, deadline)
+                except RuntimeError as error:
+                    raise comm_error(error, step=step, peer=transport.describe(peer), **context) from error
+
+            def settle(lo, hi):
+                """Wait for earlier sends that read [lo, hi)."""
+                nonlocal sends
+                if sends and any(s[0] < hi and lo < s[1] for s in sends):
+                    keep = []
+                    for item in sends:
+                        if item[0] < hi and lo < item[1]:
+                            wait(item[2], item[4], item[3])
+                        else:
+                            keep.append(item)
+                    sends = keep
+
+            def land_first():
+                nonlocal scratch_in_use
+                unit = posted.popleft()
+                for (transfer, msgs), in_flight in zip(unit.parts, chunks(unit.works, unit.parts)):
+                    for (peer, _, _, _), work in zip(msgs, in_flight):
+                        wait(work, unit.step, peer)
+                if unit.kind == DIRECT:
+                    return
+                settle(unit.lo, unit.hi)
+                if unit.kind == STREAM_REDUCE:
+                    combine(buffer[unit.lo : unit.hi], unit.payloads[0])
+                else:
+                    apply_receives(buffer, rank, [(t, payload) for (t, _), payload in zip(unit.parts, unit.payloads)],
+                                   combine)
+                for payload in unit.payloads:
+                    scratch_in_use -= payload.numel()
+                    pool.give(payload)
+
+            def land_overlapping(lo, hi, step):
+                """Land every posted receive up to the last one of an earlier step that writes
+                [lo, hi). (The step's own receives land after its sends: a step's sends read
+                the buffer as it was when the step began.)"""
+                last = -1
+                for index, unit in enumerate(posted):
+                    if unit.step >= step:
+                        break
+                    if unit.lo < hi and lo < unit.hi:
+                        last = index
+                for _ in range(last + 1):
+                    land_first()
+
+            for plan in plans:
+                for unit in units_for_step(plan):
+                    if unit.kind == DIRECT:
+                        settle(unit.lo, unit.hi)
+                        land_overlapping(unit.lo, unit.hi, plan.index)
+                    else:
+                        need = unit.hi - unit.lo if unit.kind == STREAM_REDUCE else sum(t.numel for t, _ in unit.parts)
+                        while posted and scratch_in_use + need > max_scratch_numel:
+                            land_first()
+                        scratch_in_use += need
+                    for transfer, msgs in unit.parts:
+                        if unit.kind == DIRECT:
+                            target, offset = buffer, 0
+                        elif unit.kind == STREAM_REDUCE:  # one segment
+                            target, offset = pool.take(unit.hi - unit.lo, buffer), unit.lo
+                            unit.payloads.append(target)
+                        else:  # the whole transfer
+                            target, offset = pool.take(transfer.numel, buffer), transfer.dst_offset
+                            unit.payloads.append(target)
+                        for peer, lo, hi, tag in msgs:
+                            try:
+                                unit.works.append(transport.recv(target[lo - offset : hi - offset], peer, tag))
+                            except RuntimeError as error:
+                                raise comm_error(error, step=plan.index, peer=transport.describe(peer),
+                                                 **context) from error
+                    posted.append(unit)
+                for peer, lo, hi, tag in plan.sends:
+                    land_overlapping(lo, hi, plan.index)
+                    try:
+                        work = transport.send(buffer[lo:hi], peer, tag)
+                    except RuntimeError as error:
+                        raise comm_error(error, step=plan.index, peer=transport.describe(peer), **context) from error
+                    sends.append((lo, hi, work, peer, plan.index))
+                    sent_numel += hi - lo
+                    messages += 1
+            while posted:
+                land_first()
+            settle(0, buffer.numel())
+            return sent_numel * buffer.element_size(), messages
         except BaseException:
             # receives of the failed step may still land later, so the scratch buffers
             # are dropped rather than reused
             self.release()
             raise
 
-    def _run_grouped(self, plans, buffer, call: Call, combine) -> tuple[int, int]:
+    def _run_grouped(self, plans, buffer, rank, transport, combine, deadline, context) -> tuple[int, int]:
         sent_numel = 0
         messages = 0
         for plan in plans:
@@ -213,12 +288,12 @@ class Executor:
                     recv_posts.append((target, recv.transfer.src, tag))
             send_posts = [(buffer[lo:hi], peer, tag) for peer, lo, hi, tag in plan.sends]
             peers = f"one of {sorted({peer for _, peer, _ in recv_posts + send_posts})}"
-            try:
-                works = call.transport.post(recv_posts, send_posts)
-            except RuntimeError as error:  # the grouped path posts a step at once
-                raise call.error(error, plan.index, peers) from error
-            for work in works:  # they complete together: wait for all, then land
-                call.wait(work, plan.index, peers)
+            try:  # the grouped path posts a step at once
+                works = transport.post(recv_posts, send_posts)
+                for work in works:  # they complete together: wait for all, then land
+                    work.wait(timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
+            except RuntimeError as error:
+                raise comm_error(error, step=plan.index, peer=peers, **context) from error
             landed = []
             for recv in plan.recvs:
                 if recv.scratch_lo is None:
@@ -226,7 +301,7 @@ class Executor:
                 else:
                     landed.append((recv.transfer, scratch[recv.scratch_lo : recv.scratch_lo + recv.transfer.numel]))
             if landed:
-                apply_receives(buffer, call.rank, landed, combine)
+                apply_receives(buffer, rank, landed, combine)
             messages += len(send_posts)
             sent_numel += sum(hi - lo for _, lo, hi, _ in plan.sends)
         return sent_numel * buffer.element_size(), messages

@@ -128,6 +128,9 @@ class InbandCall:
         self._compared = [i for i, name in enumerate(HEADER_FIELDS[: len(self._codes)]) if name not in deferred]
         self._sent_to: set[int] = set()
         self._received_from: set[int] = set()
+        # receives whose message carries a header, by id of their work: (work, target, peer,
+        # staging buffer, the raw payload's own receive or None when packed in the message)
+        self._checked: dict[int, tuple] = {}
 
     def describe(self, peer) -> str:
         return self.transport.describe(peer)
@@ -153,10 +156,35 @@ class InbandCall:
         first = peer not in self._received_from
         self._received_from.add(peer)
         if self.small:
-            return _CheckedRecv(self, tensor, peer, HEADER_TAG if first else tag + PACKED_TAG_OFFSET, None)
+            return self._recv_checked(tensor, peer, HEADER_TAG if first else tag + PACKED_TAG_OFFSET, None)
         if not first:
             return self.transport.recv(tensor, peer, tag)
-        return _CheckedRecv(self, tensor, peer, HEADER_TAG, self.transport.recv(tensor, peer, tag))
+        return self._recv_checked(tensor, peer, HEADER_TAG, self.transport.recv(tensor, peer, tag))
+
+    def _recv_checked(self, target: torch.Tensor, peer: int, tag: int, payload):
+        """A receive whose message carries a header, into a staging buffer long enough
+        for any header message; :meth:`landed` checks it and lands the payload."""
+        staging = torch.empty(HEADER_BYTES + INLINE_BYTES, dtype=torch.uint8)
+        work = self.transport.recv(staging, peer, tag)
+        self._checked[id(work)] = (work, target, peer, staging, payload)
+        return work
+
+    def landed(self, work, deadline_s: float) -> None:
+        """Once ``work`` (a receive this call posted) has completed: if its message
+        carried a header, check it against this call (MismatchError naming both calls),
+        then land the payload: packed in the same message, or its own receive, waited
+        for until ``deadline_s`` (time.monotonic()). Other receives: nothing to do."""
+        entry = self._checked.pop(id(work), None)
+        if entry is None:
+            return
+        _, target, peer, staging, payload = entry
+        codes = staging[:HEADER_BYTES].view(torch.int64).tolist()
+        self._verify(peer, codes)
+        payload_bytes = codes[-1]
+        if payload_bytes >= 0:
+            target.reshape(-1).view(torch.uint8).copy_(staging[HEADER_BYTES : HEADER_BYTES + payload_bytes])
+        else:
+            payload.wait(timedelta(seconds=max(deadline_s - time.monotonic(), 0.001)))
 
     def _verify(self, peer: int, codes: list[int]) -> None:
         if all(codes[i] == self._codes[i] for i in self._compared):
@@ -204,40 +232,6 @@ class _Sent:
     def wait(self, timeout=None):
         for work in self.works:
             work.wait(timeout) if timeout is not None else work.wait()
-        return True
-
-
-def _remaining(timeout, start_s):
-    if timeout is None:
-        return None
-    return timedelta(seconds=max(timeout.total_seconds() - (time.monotonic() - start_s), 0.001))
-
-
-class _CheckedRecv:
-    """A receive whose message carries a header: into a staging buffer long enough for
-    any header message; waiting checks the header, then lands the payload (packed in
-    the same message, or ``payload``: the raw payload's own receive, posted already)."""
-
-    def __init__(self, call: InbandCall, target: torch.Tensor, peer: int, tag: int, payload):
-        self.call, self.target, self.peer, self.payload = call, target, peer, payload
-        self.staging = torch.empty(HEADER_BYTES + INLINE_BYTES, dtype=torch.uint8)
-        self.work = call.transport.recv(self.staging, peer, tag)
-        self.done = False
-
-    def wait(self, timeout=None):
-        if self.done:
-            return True
-        start_s = time.monotonic()
-        self.work.wait(timeout) if timeout is not None else self.work.wait()
-        codes = self.staging[:HEADER_BYTES].view(torch.int64).tolist()
-        self.call._verify(self.peer, codes)
-        payload_bytes = codes[-1]
-        if payload_bytes >= 0:
-            self.target.reshape(-1).view(torch.uint8).copy_(self.staging[HEADER_BYTES : HEADER_BYTES + payload_bytes])
-        else:
-            self.payload.wait(_remaining(timeout, start_s)) if timeout is not None else self.payload.wait()
-        self.done = True
-        self.staging = None
         return True
 
 

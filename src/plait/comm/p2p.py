@@ -4,8 +4,9 @@
 
 As in torch, ``dst``/``src`` are global ranks and ``group_dst``/``group_src`` ranks
 within ``group`` (give one of them); ``recv`` returns the sender's global rank.
-Each wait is bounded by the call's ``timeout_s`` (default: the group's communicator's
-``CommConfig.timeout_s``, or 300 s) and a failure raises :class:`CommError` /
+Each wait is bounded by the call's ``timeout_s`` (default: the ``CommConfig.timeout_s``
+of the Communicator given, or of the group's communicator, or of the program's stated
+config when it has none yet: ``plait.comm.communicator``) and a failure raises :class:`CommError` /
 :class:`CommTimeoutError` naming this rank, the message's label and the peer, so a
 dead peer never leaves a rank hanging. These run on the calling thread, not on the
 group's comm thread: p2p and collectives on one group must use different tags
@@ -26,14 +27,10 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from plait.comm.communicator import REGISTRY, check_group, communicator_for, group_ranks
-from plait.comm.config import CommConfig
+from plait.comm.communicator import REGISTRY, Communicator, check_group, communicator_for, group_ranks
 from plait.comm.errors import CommError, CommTimeoutError
 from plait.comm.layout import check_tensor
 from plait.comm.transport import stages_through_host
-
-_DEFAULT_TIMEOUT_S = CommConfig().timeout_s
-
 
 def link_for(group=None):
     """What to pass as ``group=`` to the p2p calls of a protocol on ``group``: its
@@ -51,7 +48,7 @@ def link_for(group=None):
 def _transport_of(group):
     """The transport of ``group`` when it is a plait Communicator (its creation
     finished), else None (gloo's own messages)."""
-    if hasattr(group, "transport") and hasattr(group, "created"):
+    if isinstance(group, Communicator):
         group.created.wait()
         return group.transport
     return None
@@ -60,7 +57,7 @@ def _transport_of(group):
 def _group_rank(group) -> tuple[object, int]:
     check_group(group)
     group = dist.group.WORLD if group is None else group
-    if hasattr(group, "group") and hasattr(group, "config"):  # a plait Communicator
+    if isinstance(group, Communicator):
         group = group.group
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError("plait.comm point-to-point needs torch.distributed.init_process_group(...) first")
@@ -76,11 +73,15 @@ def _check_tag(tag, label: str) -> None:
         raise ValueError(f"{label}: tag={tag} must be in 0 .. 2**31 - 1 (a non-negative int32)")
 
 
-def _timeout_s(group, timeout_s) -> float:
+def _timeout_s(given, group, timeout_s) -> float:
+    """The call's deadline: ``timeout_s``, else the config of the communicator the call
+    was given (``given``), else the process group's communicator's, or the stated
+    config it would be created with (a point-to-point call creates none)."""
     if timeout_s is not None:
         return timeout_s
-    communicator = REGISTRY.lookup(group)
-    return communicator.config.timeout_s if communicator is not None else _DEFAULT_TIMEOUT_S
+    if isinstance(given, Communicator):
+        return given.config.timeout_s
+    return REGISTRY.stated_config(group).timeout_s
 
 
 def _peer(group, rank: int, global_peer, group_peer, name: str, *, allow_none: bool = False) -> int | None:
@@ -174,10 +175,10 @@ def isend(tensor: torch.Tensor, dst: int | None = None, group=None, tag: int = 0
     the returned message before changing the tensor."""
     check_tensor(tensor, "tensor", label)
     _check_tag(tag, label)
-    transport = _transport_of(group)
+    given, transport = group, _transport_of(group)
     group, rank = _group_rank(group)
     peer = _peer(group, rank, dst, group_dst, "dst")
-    timeout_s = _timeout_s(group, timeout_s)
+    timeout_s = _timeout_s(given, group, timeout_s)
     host = tensor.detach().contiguous().cpu() if stages_through_host(group, tensor.device) else None
     try:
         if transport is not None:
@@ -197,10 +198,10 @@ def irecv(tensor: torch.Tensor, src: int | None = None, group=None, tag: int = 0
     ``tensor`` by ``wait()``."""
     check_tensor(tensor, "tensor", label)
     _check_tag(tag, label)
-    transport = _transport_of(group)
+    given, transport = group, _transport_of(group)
     group, rank = _group_rank(group)
     peer = _peer(group, rank, src, group_src, "src", allow_none=True)
-    timeout_s = _timeout_s(group, timeout_s)
+    timeout_s = _timeout_s(given, group, timeout_s)
     host = torch.empty(tensor.shape, dtype=tensor.dtype) if stages_through_host(group, tensor.device) else None
     target = tensor if host is None else host
     try:

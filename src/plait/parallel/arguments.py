@@ -1,13 +1,16 @@
 """The arguments every parallel wrapper takes, checked the same way: the module it
-wraps and the process group it runs on (and the pipeline engine's schedule and stages). A string, a class or None where a module
+wraps and the process group it runs on (and the pipeline engine's schedule and stages),
+and the one place a wrapper turns its ``group=`` into the Communicator it runs on
+(:func:`wrapper_communicator`). A string, a class or None where a module
 belongs is named as a TypeError before anything else runs (it used to surface as an
 AttributeError from deep inside the wrapper)."""
 
 from __future__ import annotations
 
+import torch.distributed as dist
 from torch import nn
 
-from plait.comm.communicator import check_group
+from plait.comm.communicator import Communicator, check_group, communicator_for
 from plait.parallel.pipeline.schedules import PipelineSchedule
 
 
@@ -28,6 +31,23 @@ def check_wrapper_arguments(module, group, owner: str) -> None:
         check_group(group)
     except TypeError as error:
         raise TypeError(f"{owner}: {error}") from None
+
+
+def wrapper_communicator(group, owner: str) -> Communicator:
+    """The Communicator a wrapper runs every collective on, resolved once when it is
+    built (plait.comm.communicator.communicator_for, the one rule): ``group=`` a
+    Communicator is used as given; None (the world) or a ProcessGroup means that
+    group's communicator, created with the program's stated config if it has none yet
+    (so every rank of the group must build the wrapper, as it must anyway). A
+    ValueError when this rank is not in the group."""
+    try:
+        communicator = communicator_for(group)
+    except TypeError as error:
+        raise TypeError(f"{owner}: {error}") from None
+    if communicator is None:
+        raise ValueError(f"{owner}: this rank (global rank {dist.get_rank()}) is not a member of the group it was "
+                         "given; build the wrapper on the group's ranks only")
+    return communicator
 
 
 def check_pipeline_arguments(schedule, stage_modules, loss_fn, group, model) -> None:

@@ -19,8 +19,6 @@ T = 2(g-1) a_in + 2(g-1)/g n b_in + 2(k-1) a_out + 2(k-1)/k (n/g) b_out.
 
 from __future__ import annotations
 
-import os
-
 from plait.comm.algorithms.ring import (
     ring_all_gather_phase,
     ring_all_reduce_phase,
@@ -120,13 +118,12 @@ def parse_hierarchy(spec, world_size: int, local_world_size: int | None = None) 
 
     ``spec`` may be nested lists of ranks; a string of sizes: ``"2x4"`` (2 groups of 4
     consecutive ranks; more ``x`` for more levels) or ``"3+5"`` (groups of 3 and 5
-    consecutive ranks); or None: groups of the launcher's LOCAL_WORLD_SIZE consecutive
-    ranks when it divides the world, else one flat group.
+    consecutive ranks); or None: groups of ``local_world_size`` consecutive ranks (the
+    ranks per host, which the caller passes: the CLI reads the launcher's
+    LOCAL_WORLD_SIZE into ``CommConfig.local_world_size``) when it divides the world,
+    else one flat group.
     """
     if spec is None:
-        if local_world_size is None:
-            env = os.environ.get("LOCAL_WORLD_SIZE")
-            local_world_size = int(env) if env and env.isdigit() else None
         if local_world_size and 1 < local_world_size < world_size and world_size % local_world_size == 0:
             return _uniform([world_size // local_world_size, local_world_size])
         return tuple(range(world_size))

@@ -31,7 +31,7 @@ from torch import nn
 from plait import comm
 from plait.comm.algorithms import algorithms_for, builder
 from plait.compress.base import Compressor
-from plait.parallel.arguments import check_wrapper_arguments
+from plait.parallel.arguments import check_wrapper_arguments, wrapper_communicator
 from plait.parallel.data.buckets import Bucket, build_buckets, unflatten_into
 from plait.parallel.data.weak_hooks import weak_method
 
@@ -102,7 +102,8 @@ def verify_replicas(module: nn.Module, group, init: str, who: str) -> None:
     """Every rank of ``group`` must hold the same model: the structure (names, shapes,
     dtypes) always, the values too under init="check" (else rank 0's are broadcast);
     the error names ``who`` and the ranks that differ."""
-    world_size = dist.get_world_size(group)
+    communicator = comm.communicator_for(group)  # a wrapper passes its own
+    world_size = communicator.size
     if init not in _INIT_MODES:
         raise ValueError(f"{who}: init={init!r} must be one of {_INIT_MODES}")
     if world_size == 1:
@@ -126,8 +127,7 @@ def verify_replicas(module: nn.Module, group, init: str, who: str) -> None:
                 "it), or pass init='broadcast' to overwrite them with rank 0's")
     tensors = [param.data for param in module.parameters()] + list(module.buffers())
     if tensors:
-        src = dist.get_global_rank(group, 0) if group is not None else 0
-        _flat_broadcast(tensors, src, group, "torch")
+        _flat_broadcast(tensors, communicator.ranks[0], group, "torch")
 
 
 class DataParallel(nn.Module):
@@ -183,7 +183,7 @@ class DataParallel(nn.Module):
             raise RuntimeError("DataParallel needs torch.distributed to be initialised "
                                "(torch.distributed.init_process_group, or run under torchrun)")
         self.module = module
-        self.group = group
+        self.group = group = wrapper_communicator(group, "DataParallel")  # a Communicator: every call goes through it
         self.algorithm = algorithm
         # buffers and compressed payloads use other collectives: the same algorithm where
         # it implements them, else the tuner's choice
@@ -193,9 +193,7 @@ class DataParallel(nn.Module):
         self.compression = copy.deepcopy(compression)
         self.find_unused_parameters = find_unused_parameters
         self.broadcast_buffers = broadcast_buffers
-        self.world_size = dist.get_world_size(group)
-        self.rank = dist.get_rank(group)
-        self._src = dist.get_global_rank(group, 0) if group is not None else 0
+        self.world_size, self.rank, self._src = group.size, group.rank, group.ranks[0]
         self._named = named
         self._verify_and_broadcast(init)
         self.buckets: list[Bucket] = build_buckets(self._named, int(bucket_mb * (1 << 20)))

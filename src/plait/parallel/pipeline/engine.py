@@ -47,8 +47,9 @@ from torch import nn
 
 from plait import comm
 from plait.comm import tags
+from plait.comm.communicator import Communicator
 from plait.comm.errors import CommError
-from plait.parallel.arguments import check_pipeline_arguments
+from plait.parallel.arguments import check_pipeline_arguments, wrapper_communicator
 from plait.parallel.pipeline.messages import PipelineError, StageMessages
 from plait.parallel.pipeline.replay import Interval, Timeline
 from plait.parallel.pipeline.split_backward import input_backward, weight_backward
@@ -106,9 +107,13 @@ class PipelineEngine:
         the default group too when the pipeline group is a subgroup (every rank then
         builds its engine at the same point, as ``new_group`` needs)."""
         check_pipeline_arguments(schedule, stage_modules, loss_fn, group, model)
+        # the Communicator every plait call of the engine goes through; torch's own calls
+        # (objects, new_group) take its process group (None: the world, as given)
+        self.communicator = wrapper_communicator(group, "PipelineEngine")
+        if isinstance(group, Communicator):
+            group = group.group
         self.schedule, self.loss_fn, self.group = schedule, loss_fn, group
-        self.rank = dist.get_rank(group) if group is not None else dist.get_rank()
-        size = dist.get_world_size(group) if group is not None else dist.get_world_size()
+        self.rank, size = self.communicator.rank, self.communicator.size
         if size != schedule.ranks:
             raise ValueError(f"schedule {schedule.name} is for {schedule.ranks} pipeline ranks, the group has {size}")
         mine = sorted(s for _, s in schedule.stages_of(self.rank))
@@ -116,7 +121,7 @@ class PipelineEngine:
             raise ValueError(f"rank {self.rank} holds stages {mine} in {schedule.name}, "
                              f"got modules for {sorted(stage_modules)}")
         # activations and gradients go through shared memory when the whole group is on this host
-        self.link = comm.link_for(group)
+        self.link = comm.link_for(self.communicator)
         self.messages = StageMessages(schedule, self.rank, self.link, timeout_s)
         self.stages = {s: stage_modules[s] for s in mine}
         self.timeout_s = timeout_s
@@ -127,7 +132,7 @@ class PipelineEngine:
         self.history: deque[StepRecord] = deque(maxlen=100)
         self.steps = 0
         first = next((param for module in self.stages.values() for param in module.parameters()), None)
-        self.device = first.device if first is not None else comm.default_device(group)
+        self.device = first.device if first is not None else comm.default_device(self.communicator)
         self._parameter_storages: set[int] = set()
         self._parameter_storage_objects: set[int] = set()
         self.parameters_moved()
@@ -267,7 +272,7 @@ class PipelineEngine:
             self.messages.finish()
             self.steps += 1
             loss = torch.tensor([state.loss_sum], dtype=torch.float64)
-            reduction = comm.all_reduce(loss, group=self.group, async_op=True)  # in flight during the step
+            reduction = comm.all_reduce(loss, group=self.communicator, async_op=True)  # in flight during the step
             self._sum_shared()
             if optimizer is not None:
                 optimizer.step()

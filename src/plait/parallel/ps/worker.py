@@ -62,7 +62,7 @@ from plait import comm
 from plait.parallel.ps.config import (_ABORT, _CLOSE, _DATA_TAG, _GLOO_FALLBACK_FACTOR, _KINDS, _PUSH, _PUSH_TAG,
                                       _RAISED, _REASONS, _REPLY, _REPLY_TAG, ParameterServerConfig,
                                       ParameterServerStats, PushRecord, Shard, _check_compression, shard_by_size)
-from plait.parallel.arguments import check_wrapper_arguments
+from plait.parallel.arguments import check_wrapper_arguments, wrapper_communicator
 from plait.parallel.data.buckets import unflatten_into
 from plait.parallel.ps.server import ServerLoop
 
@@ -91,10 +91,9 @@ class ParameterServer(ServerLoop):
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("ParameterServer needs torch.distributed initialised on every rank (launch with "
                                "torchrun and call dist.init_process_group, or use plait.testing.run_distributed)")
-        self.group = group
-        resolved = dist.group.WORLD if group is None else group
-        self.world_size = dist.get_world_size(resolved)
-        self.rank = dist.get_rank(resolved)
+        self.group = wrapper_communicator(group, "ParameterServer")  # a Communicator: every call goes through it
+        self.world_size = self.group.size
+        self.rank = self.group.rank
         self.config.check_world_size(self.world_size)
         named = [(name, param) for name, param in module.named_parameters() if param.requires_grad]
         if not named:
@@ -119,9 +118,9 @@ class ParameterServer(ServerLoop):
                   numel=sum(named[i][1].numel() for i in indices),
                   nbytes=sum(named[i][1].numel() * named[i][1].element_size() for i in indices))
             for server, indices in zip(self.server_ranks, owned))
-        self.timeout_s = comm.communicator_for(group).config.timeout_s  # the group's deadline (creates it: all ranks)
+        self.timeout_s = self.group.config.timeout_s  # the group's deadline
         # pushes and pulls go through shared memory when the whole group shares this host
-        self._link = comm.link_for(group)
+        self._link = comm.link_for(self.group)
         self._broadcast_state(self.server_ranks[0])
         self._bytes_sent = self._bytes_received = 0
         self._wait_time_s = 0.0
@@ -167,8 +166,7 @@ class ParameterServer(ServerLoop):
     def _broadcast_state(self, src: int) -> None:
         """Every rank takes the first server's parameters and buffers (one broadcast per dtype)."""
         tensors = list(self.module.parameters()) + list(self.module.buffers())
-        resolved = dist.group.WORLD if self.group is None else self.group
-        src_global = src if resolved is dist.group.WORLD else dist.get_global_rank(resolved, src)
+        src_global = self.group.ranks[src]
         for dtype in sorted({t.dtype for t in tensors}, key=str):
             same = [t for t in tensors if t.dtype == dtype]
             flat = torch.cat([t.detach().reshape(-1) for t in same])

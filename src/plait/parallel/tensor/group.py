@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from plait import comm
 from plait.comm.algorithms import ALGORITHMS, TORCH
-from plait.comm.communicator import check_group
+from plait.comm.communicator import Communicator, check_group
 
 
 class _Local:
@@ -43,9 +43,11 @@ class TensorParallel:
     "ring", "torch", ...). ``sequence_parallel`` shards the LayerNorm/dropout regions
     along the sequence (Korthikanti et al. 2022): the all-reduces become
     reduce-scatter + all-gather pairs. ``group``: the process group (None: the world;
-    ``LOCAL``: none, one process). ``check_args=False``: ``new_tensor_parallel``
-    creates the group's communicator with ``CommConfig(check="off")`` (the default
-    in-band check costs no extra message, so there is little to gain)."""
+    ``LOCAL``: none, one process) or a plait Communicator, which every mapping's
+    collective then runs on (a process group means its communicator: plait.comm's
+    rule). ``check_args=False``: ``new_tensor_parallel`` creates the group's
+    communicator with ``CommConfig(check="off")`` (the default in-band check costs no
+    extra message, so there is little to gain)."""
 
     group: object = None
     algorithm: str = "auto"
@@ -77,7 +79,7 @@ class TensorParallel:
 
     @property
     def _process_group(self):
-        return dist.group.WORLD if self.group is None else self.group
+        return _process_group(self.group)
 
     @property
     def size(self) -> int:
@@ -104,6 +106,13 @@ def name_code(text: str) -> int:
     return zlib.crc32(str(text).encode()) & 0x7FFFFFFF
 
 
+def _process_group(group):
+    """torch's process group of ``group=`` (None: the world; a Communicator: its group)."""
+    if isinstance(group, Communicator):
+        return group.group
+    return dist.group.WORLD if group is None else group
+
+
 def check_agreement(fields: dict[str, int], group, subject: str, detail: str = "") -> None:
     """All-gather ``fields`` (ints) over ``group`` (None: the world) with plait.comm,
     which has deadlines, and raise on every rank naming the ranks whose values
@@ -112,7 +121,7 @@ def check_agreement(fields: dict[str, int], group, subject: str, detail: str = "
     names = list(fields)
     mine = torch.tensor([int(fields[name]) for name in names], dtype=torch.int64,
                         device=comm.default_device(group))
-    size = dist.get_world_size(group) if group is not None else dist.get_world_size()
+    size = dist.get_world_size(_process_group(group))
     everyone = torch.empty(size * len(names), dtype=torch.int64, device=mine.device)
     comm.all_gather_single(everyone, mine, group=group)
     rows = everyone.view(size, len(names)).cpu()

@@ -63,7 +63,7 @@ import torch.distributed as dist
 from torch import nn
 
 from plait import comm
-from plait.parallel.arguments import check_wrapper_arguments
+from plait.parallel.arguments import check_wrapper_arguments, wrapper_communicator
 from plait.parallel.data.data_parallel import verify_replicas
 from plait.parallel.zero.flat_units import FlatUnit, add_reduced, check_elementwise, clear_grads, step_and_gather
 from plait.parallel.zero.state_offload import StateFiles
@@ -104,10 +104,11 @@ class ZeRO(nn.Module):
         if not dist.is_initialized():
             raise RuntimeError("ZeRO needs torch.distributed to be initialised "
                                "(torch.distributed.init_process_group, or run under torchrun)")
+        group = wrapper_communicator(group, "ZeRO")  # a Communicator: every call goes through it
         self.module, self.stage, self.group, self.algorithm = module, stage, group, algorithm
-        self.world_size, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.world_size, self.rank = group.size, group.rank
         self.broadcast_buffers = broadcast_buffers
-        self._src = dist.get_global_rank(group, 0) if group is not None else 0
+        self._src = group.ranks[0]
         verify_replicas(module, group, init, "ZeRO")
         self.units = self._build_units(wrap or default_wrap, int(bucket_mb * (1 << 20)))
         self._unit_of = {id(param): (unit, slot) for unit in self.units for slot, param in enumerate(unit.params)}
@@ -359,7 +360,7 @@ class ZeRO(nn.Module):
         template = self.module.state_dict()
         if from_rank0 and self.world_size > 1:
             verdict = [self._state_problem(state, template) if self.rank == 0 else None]
-            dist.broadcast_object_list(verdict, src=self._src, group=self.group)
+            dist.broadcast_object_list(verdict, src=self._src, group=self.group.group)
             if verdict[0]:
                 raise ValueError(verdict[0])
             received = {}

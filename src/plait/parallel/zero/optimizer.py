@@ -6,11 +6,11 @@ from __future__ import annotations
 import contextlib
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from plait import comm
 from plait.comm.communicator import check_group
+from plait.parallel.arguments import wrapper_communicator
 from plait.parallel.zero.flat_units import (FlatUnit, add_reduced, check_elementwise, clear_grads, reduce_units,
                                        step_and_gather)
 from plait.parallel.zero.state_offload import StateFiles
@@ -73,8 +73,9 @@ class ShardedOptimizer:
                              "the state of a model on the CPU can be offloaded, to disk): turn offload off")
         self.stage = stage
         self.offload = StateFiles(offload_dir) if offload_dir is not None else None
-        self.group, self.algorithm = group, algorithm
-        self.world_size, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.group = group = wrapper_communicator(group, "ShardedOptimizer")  # every call goes through it
+        self.algorithm = algorithm
+        self.world_size, self.rank = group.size, group.rank
         self.units: list[FlatUnit] = []
         self.unit_replicated: list[bool] = []
         self.unit_early: list[bool] = []  # stages 2 and 3: reduced inside each backward
