@@ -137,9 +137,8 @@ def gather_units(units: list[FlatUnit], group, algorithm, async_op: bool = False
     and each unit's slices are copied into its buffer. Returns the handle every unit
     then holds (async), or None."""
     if len(units) == 1 or len({unit.dtype for unit in units}) > 1 or units[0].world_size == 1:
-        handles = [unit.gather(group, algorithm, async_op=async_op) for unit in units]
-        for unit, handle in zip(units, handles):
-            unit.handle = handle
+        for unit in units:  # a loop, not a comprehension: one frame less before each gather's first message
+            unit.handle = unit.gather(group, algorithm, async_op=async_op)
         return None
     world_size = units[0].world_size
     sizes = [unit.shard_numel for unit in units]
