@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch.utils.flop_counter import FlopCounterMode
 
 from plait.models.gpt import GPT, GPTConfig
-from plait.parallel.pipeline.partition import GPTBlockLayer, GPTEmbeddingLayer, GPTHeadLayer
+from plait.models.gpt_layers import GPTBlockLayer, GPTEmbeddingLayer, GPTHeadLayer
 from plait.parallel.tensor import TensorParallel, vocab_parallel_cross_entropy
 from plait.plan.trace import saved_activation_bytes
 from plait.plan.transformer import MODEL_PRESETS, TransformerSpec, model_preset

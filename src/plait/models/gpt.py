@@ -23,6 +23,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from plait.memory.recompute import check_mode, random_streams, recompute, set_block_recompute
+from plait.models.gpt_layers import gpt_layers
+from plait.parallel.pipeline.partition import LayeredModel
 from plait.names.recompute import FULL, SELECTIVE
 from plait.parallel.tensor import (
     UNSHARDED,
@@ -143,6 +145,16 @@ class TransformerBlock(nn.Module):
         full = (sequence, *x.shape[1:])
         return module(x, full, 0, self.tp.rank if self.tp.sequence_parallel else 0)
 
+    def flops(self, x: torch.Tensor, output: torch.Tensor) -> int:
+        """Forward FLOPs on x (s or s/p, b, h), Megatron's count (the matmuls and the
+        attention core; norms and element-wise work left out): 2·b·s·(weights) + 4·b·s²·h/p,
+        = 24·b·s·h² + 4·b·s²·h at ffn = 4h and p = 1 (``partition.layer_costs``)."""
+        sequence = x.shape[0] * (self.tp.size if self.tp.sequence_parallel else 1)  # what GPT passes as s
+        weights = sum(linear.weight.numel() for linear in (self.attention.qkv, self.attention.proj,
+                                                           self.mlp.fc1, self.mlp.fc2))
+        width = self.attention.local_heads * self.attention.head_dim
+        return 2 * sequence * x.shape[1] * weights + 4 * x.shape[1] * sequence ** 2 * width
+
     def forward(self, x: torch.Tensor, sequence: int) -> torch.Tensor:  # x: (s or s/p, b, h)
         if self.recompute == FULL:
             return recompute(self._forward, x, sequence, name="a transformer block", streams=random_streams(self),
@@ -159,7 +171,7 @@ class TransformerBlock(nn.Module):
         return x + self._dropout(self.mlp_out_dropout, transformed + mlp_b, sequence)
 
 
-class GPT(nn.Module):
+class GPT(nn.Module, LayeredModel):
     """Decoder-only transformer (see the module docstring). ``forward(tokens)`` takes
     (b, s) int tokens, s <= seq_len, and returns this rank's vocabulary slice of the
     logits, (b, s, V'/p); ``loss(tokens, targets)`` the mean cross-entropy, computed
@@ -197,6 +209,15 @@ class GPT(nn.Module):
         """Recompute ``mode`` (none | selective | full, see TransformerBlock.set_recompute)
         for the first ``layers`` blocks (None: all); the others keep their activations."""
         set_block_recompute(list(self.blocks), mode, layers, on_recompute)
+
+    def pipeline_layers(self) -> list[nn.Module]:
+        """The embedding, the blocks and the head as one-argument layers for pipeline
+        stages (``plait.models.gpt_layers``); refused with a tied head."""
+        if self.config.tied_head:
+            raise ValueError("a GPT with tied_head=True shares one weight between its embedding and its head, "
+                             "which pipeline stages would hold twice: build GPTConfig(tied_head=False) for "
+                             "pipeline parallelism")
+        return gpt_layers(self)
 
     @property
     def output_weight(self) -> torch.Tensor:

@@ -249,14 +249,11 @@ def describe_module(model, sample_input, *, training: bool = True) -> list[Layer
 
 
 def _gpt_layers(model) -> list:
-    from plait.parallel.pipeline.partition import (GPTBlockLayer, GPTEmbeddingLayer, GPTHeadLayer,
-                                                   sequential_layers)
+    from plait.models.gpt_layers import gpt_layers
 
-    if not model.config.tied_head:
-        return sequential_layers(model)
-    # sequential_layers refuses a tied head (two stages would hold the weight); one
+    # GPT.pipeline_layers refuses a tied head (two stages would hold the weight); one
     # device tracing the layers in turn is fine: the head's params() omit the weight
-    return [GPTEmbeddingLayer(model), *(GPTBlockLayer(block) for block in model.blocks), GPTHeadLayer(model)]
+    return gpt_layers(model)
 
 
 def _named_layers(layers) -> list:

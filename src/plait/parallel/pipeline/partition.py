@@ -19,6 +19,7 @@ micro-batch visits every rank ``virtual`` times (virtual = 1: chunk c = rank c).
 
 from __future__ import annotations
 
+import abc
 import math
 import numbers
 import statistics
@@ -155,7 +156,7 @@ def layer_costs(layers, balance: str, *, sample_input=None, repeats: int = 3) ->
       Linear and column/row-parallel linear 2·rows·in·out (local weight shape; bias
       adds ignored); Conv{1,2,3}d 2·out_elems·(in/groups)·prod(kernel); embeddings,
       dropout, reshapes 0; norms 5·numel; activations, softmax, pooling 1·numel (of the output);
-      ParallelAttention adds 4·b·s²·h for QKᵀ and PV; a plait TransformerBlock is
+      ParallelAttention adds 4·b·s²·h for QKᵀ and PV; a plait TransformerBlock declares
       Megatron's 2·b·s·(4h² + 2h·ffn) + 4·b·s²·h = 24·b·s·h² + 4·b·s²·h at ffn = 4h.
       Other parameter-free modules count 0 (work done by functional calls is not
       seen); a module holding parameters with no rule is refused.
@@ -203,8 +204,6 @@ def _check_layers(layers) -> list[nn.Module]:
 def _register_flop_hooks(module: nn.Module, name: str, add, handles: list, hooked: set[int]) -> None:
     """Hook ``module`` once (a module shared by several layers counts for the layer
     that runs it), then its children unless its count already covers them."""
-    from plait.models.gpt import TransformerBlock  # here: plait.models imports plait.parallel
-
     if id(module) in hooked:
         return
     hooked.add(id(module))
@@ -212,9 +211,6 @@ def _register_flop_hooks(module: nn.Module, name: str, add, handles: list, hooke
     if callable(declared):
         handles.append(module.register_forward_hook(lambda m, args, out: add(declared(args[0] if args else None,
                                                                                       out))))
-        return
-    if isinstance(module, TransformerBlock):
-        handles.append(module.register_forward_hook(_block_flops_hook(add), with_kwargs=True))
         return
     rule = next((rule for types, rule in _RULES if isinstance(module, types)), None)
     if rule is not None:
@@ -225,17 +221,6 @@ def _register_flop_hooks(module: nn.Module, name: str, add, handles: list, hooke
                          f"'time'")
     for child_name, child in module.named_children():
         _register_flop_hooks(child, f"{name}.{child_name}", add, handles, hooked)
-
-
-def _block_flops_hook(add):
-    def hook(block, args, kwargs, output):  # args: (x (s or s/p, b, h), sequence)
-        x = args[0]
-        sequence = args[1] if len(args) > 1 else kwargs.get("sequence", x.shape[0])
-        weights = sum(linear.weight.numel() for linear in (block.attention.qkv, block.attention.proj,
-                                                            block.mlp.fc1, block.mlp.fc2))
-        width = block.attention.local_heads * block.attention.head_dim
-        add(2 * sequence * x.shape[1] * weights + 4 * x.shape[1] * sequence ** 2 * width)
-    return hook
 
 
 def _count_flops(layers: list[nn.Module], sample_input) -> list[float]:
@@ -366,71 +351,27 @@ def build_stage(layers, indices) -> nn.Sequential:
     return nn.Sequential(OrderedDict((str(i), layers[i]) for i in indices))
 
 
+class LayeredModel(abc.ABC):
+    """A model that lists its own layers for pipeline stages, as plait's GPT does (it
+    subclasses this): ``sequential_layers`` returns its ``pipeline_layers()``. So the
+    splitter needs no model class, and ``plait.models`` (above this layer) none of its."""
+
+    @abc.abstractmethod
+    def pipeline_layers(self) -> list[nn.Module]:
+        """The model's layers, run one after another, sharing its parameters."""
+
+
 def sequential_layers(model: nn.Module) -> list[nn.Module]:
     """The layers of ``model`` as a list run one after another: an nn.Sequential's
-    children, or for a plait GPT (at any tensor-parallel degree), tokens (b, s) ->
-    [GPTEmbeddingLayer] -> (s, b, h) -> [GPTBlockLayer] x l -> [GPTHeadLayer] ->
-    logits (b, s, V'/tp). The layers share the model's parameters (an optimiser on
-    the model trains them); under sequence parallelism the activations between
-    layers are this rank's (s/tp, b, h) sequence shard."""
-    from plait.models.gpt import GPT  # here: plait.models imports plait.parallel
-
+    children, or a LayeredModel's ``pipeline_layers()``: for a plait GPT (at any
+    tensor-parallel degree), tokens (b, s) -> [GPTEmbeddingLayer] -> (s, b, h) ->
+    [GPTBlockLayer] x l -> [GPTHeadLayer] -> logits (b, s, V'/tp) (``plait.models.gpt_layers``).
+    The layers share the model's parameters (an optimiser on the model trains them);
+    under sequence parallelism the activations between layers are this rank's (s/tp, b, h)
+    sequence shard."""
     if isinstance(model, nn.Sequential):
         return list(model)
-    if isinstance(model, GPT):
-        if model.config.tied_head:
-            raise ValueError("a GPT with tied_head=True shares one weight between its embedding and its head, "
-                             "which pipeline stages would hold twice: build GPTConfig(tied_head=False) for "
-                             "pipeline parallelism")
-        layers = [GPTEmbeddingLayer(model), *(GPTBlockLayer(block) for block in model.blocks), GPTHeadLayer(model)]
-        for layer in layers:
-            layer.training = model.training  # the wrappers only; the shared modules keep their own modes
-        return layers
+    if isinstance(model, LayeredModel):
+        return model.pipeline_layers()
     raise TypeError(f"sequential_layers takes an nn.Sequential or a plait GPT, got {type(model).__name__}: wrap "
                     f"the model's layers in nn.Sequential or pass a list of modules to split_layers")
-
-
-class GPTEmbeddingLayer(nn.Module):
-    """tokens (b, s) -> x (s, b, h) = Drop(E[tokensᵀ] + P[:s]): ``GPT.embed``."""
-
-    def __init__(self, model: nn.Module):
-        super().__init__()
-        # registered: the parameters this layer trains; the model itself is kept unregistered
-        self.embedding, self.position, self.embedding_dropout = model.embedding, model.position, model.embedding_dropout
-        self._model = (model,)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:  # (b, s) -> (s, b, h)
-        return self._model[0].embed(tokens)
-
-    def flops(self, tokens: torch.Tensor, output: torch.Tensor) -> int:
-        """The position add, b·s·h (the lookup is free)."""
-        return output.numel()
-
-
-class GPTBlockLayer(nn.Module):
-    """x (s, b, h) -> block(x, s): one TransformerBlock as a one-argument layer."""
-
-    def __init__(self, block: nn.Module):
-        super().__init__()
-        self.block = block
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        tp = self.block.tp
-        return self.block(x, x.shape[0] * (tp.size if tp.sequence_parallel else 1))
-
-
-class GPTHeadLayer(nn.Module):
-    """x (s, b, h) -> logits (b, s, V'/tp) = (LN_f(x) Wᵀ)ᵀ with the GPT's untied,
-    vocab-parallel head W: ``GPT.logits``."""
-
-    def __init__(self, model: nn.Module):
-        super().__init__()
-        self.ln_f, self.head = model.ln_f, model.head
-        self._model = (model,)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (s, b, h) -> (b, s, V'/tp)
-        return self._model[0].logits(x)
-
-    def flops(self, x: torch.Tensor, output: torch.Tensor) -> int:
-        """LayerNorm 5·b·s·h plus the head matmul 2·b·s·h·V."""
-        return 5 * x.numel() + 2 * _rows(x) * self.head.numel()
