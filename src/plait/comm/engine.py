@@ -19,6 +19,8 @@ import threading
 import time
 from collections import OrderedDict
 
+import torch.futures
+
 from plait.comm.errors import CommError, MismatchError
 
 _HISTORY = 32  # recent calls kept to say "issued in different orders"
@@ -122,8 +124,6 @@ class Handle:
         """A ``torch.futures.Future`` completed with ``output`` when the collective
         finishes, or with its error (``future.wait()`` raises it). Chain with
         ``.then(...)`` as with torch's Work, e.g. in a DDP communication hook."""
-        import torch.futures  # torch is already loaded by any collective
-
         future = torch.futures.Future()
         with self._futures_lock:
             if not self._done.is_set():

@@ -21,6 +21,8 @@ import numbers
 import os
 import threading
 
+from plait.comm.tuner import parse_overrides
+
 MAX_TIMEOUT_S = threading.TIMEOUT_MAX  # the longest wait threading (and so the comm thread) can do
 # torch's store and process-group deadlines count whole milliseconds: a shorter one is 0 ms, a wait that times out
 # before it starts ("timed out after 0ms" from the C++ store)
@@ -100,8 +102,6 @@ def _segment_bytes(value, source: str) -> int:
 
 
 def _algorithms(value, source: str) -> dict:
-    from plait.comm.tuner import parse_overrides  # noqa: PLC0415 - tuner imports the algorithms, which import settings users
-
     if isinstance(value, str):  # a collective named twice: the later one silently won
         named = [item.split("=", 1)[0].strip() for item in value.split(",") if "=" in item]
         twice = sorted({name for name in named if named.count(name) > 1})

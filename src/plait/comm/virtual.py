@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import torch
 
+from plait.comm import layout
+from plait.comm.algorithms import build_schedule
+from plait.comm.algorithms.hierarchical import parse_hierarchy
 from plait.comm.ops import COMBINE, apply_receives
 from plait.comm.schedule import Schedule
 
@@ -52,10 +55,6 @@ def simulate(
     tensor; gather -> the gathered tensor on the root, None elsewhere; all_to_all ->
     the output tensor; barrier -> None (``inputs`` may then be ``[None] * p``).
     """
-    from plait.comm import layout
-    from plait.comm.algorithms import build_schedule
-    from plait.comm.algorithms.hierarchical import parse_hierarchy
-
     p = len(inputs)
     prepared, outputs = [], []
     for rank, x in enumerate(inputs):
