@@ -4,7 +4,8 @@ import dataclasses
 
 import pytest
 
-from plait.comm.config import CommConfig, config_from_environment
+from plait.cli.comm_config import config_from_environment
+from plait.comm.config import CommConfig
 
 # (variable, configure() keyword, bad text, words the error must contain: the valid range)
 BAD = [

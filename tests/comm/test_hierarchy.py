@@ -22,7 +22,8 @@ def test_default_groups_the_ranks_per_host_the_caller_passes(monkeypatch):
 
 
 def test_the_cli_passes_the_launchers_ranks_per_host_down(monkeypatch):
-    from plait.comm.config import CommConfig, config_from_environment
+    from plait.cli.comm_config import config_from_environment
+    from plait.comm.config import CommConfig
 
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     assert config_from_environment().local_world_size == 4

@@ -95,7 +95,7 @@ def _comm_environment_error() -> str | None:
     if unknown is not None:
         return unknown
     try:
-        importlib.import_module("plait.comm.config").config_from_environment()
+        importlib.import_module("plait.cli.comm_config").config_from_environment()
     except ValueError as error:
         return str(error)
     return None

@@ -154,7 +154,7 @@ def _run_rank(args, config) -> int:
     """One rank of a torchrun world. Launched by plait train (--run-id given), errors go
     to torchrun's error file and the launcher's agent prints them once; under a user's
     own torchrun they are raised as usual."""
-    from plait.comm.config import config_from_environment
+    from plait.cli.comm_config import config_from_environment
     from plait.train.loop import run as run_rank
 
     if "TORCHELASTIC_RUN_ID" in os.environ and lifeline.supported():
@@ -221,7 +221,7 @@ def _check_launcher_options(args, config) -> int:
 def _check_comm_environment(config) -> None:
     """The PLAIT_* communicator settings against this run's layout (a hierarchy of the
     wrong size, ...), before any process starts and in --dry-run: plait.train.comm_environment."""
-    from plait.comm.config import config_from_environment
+    from plait.cli.comm_config import config_from_environment
     from plait.train.comm_environment import comm_environment_problems, fault_kill_problems
     from plait.train.loop import FAULT_ENV
 

@@ -23,7 +23,7 @@ from plait.cli.cost import parse_rate, parse_time_s
 from plait.cli.environment import cache_dir
 from plait.comm.algorithms import COLLECTIVES
 from plait.comm.choice import default_algorithm
-from plait.comm.config import config_from_environment
+from plait.cli.comm_config import config_from_environment
 from plait.comm.tuner import size_ranges, Tuner, tuner_from_profile
 from plait.cost import LinkModel
 from plait.cost.profile import (calibrate_command, DEFAULT_PROFILE_BACKEND, default_profile_path, load_profile,

@@ -31,7 +31,7 @@ from plait.comm.collectives import (
 from plait.comm.choice import auto_algorithm, default_algorithm
 from plait.comm.communicator import (Communicator, all_communicators, communicator_for, destroy_process_group,
                                      init_communicator)
-from plait.comm.config import CommConfig, config_from_environment
+from plait.comm.config import CommConfig
 from plait.comm.ddp_hook import DDPHookState, ddp_comm_hook
 from plait.comm.engine import Handle
 from plait.comm.errors import CommError, CommTimeoutError, MismatchError
@@ -44,7 +44,7 @@ __all__ = [
     "Handle", "Message", "MismatchError", "P2POp", "ReduceOp", "Schedule", "Step", "Transfer", "algorithms_for",
     "all_communicators", "all_gather", "all_gather_into_tensor", "all_gather_single", "all_reduce", "all_to_all",
     "all_to_all_single", "auto_algorithm", "barrier", "batch_isend_irecv", "broadcast", "build_schedule",
-    "communicator_for", "config_from_environment", "ddp_comm_hook", "default_algorithm", "default_device",
+    "communicator_for", "ddp_comm_hook", "default_algorithm", "default_device",
     "describe", "destroy_process_group", "enqueue", "gather", "init_communicator", "irecv", "isend", "link_for", "recv",
     "reduce", "reduce_scatter",
     "reduce_scatter_single", "reduce_scatter_tensor", "reset_stats", "scatter", "send", "stats", "synchronize",

@@ -3,8 +3,8 @@
 Every value that steers a collective (its deadline, how its arguments are checked,
 how its messages are cut, which algorithm ``algorithm="auto"`` runs) lives here, on
 the :class:`~plait.comm.communicator.Communicator` of one process group. The CLI may
-build one from flags and ``PLAIT_COMM_*`` variables (:func:`config_from_environment`);
-the library never does.
+build one from flags and ``PLAIT_COMM_*`` variables
+(``plait.cli.comm_config.config_from_environment``); the library never does.
 
     timeout_s               how long a collective may wait for a peer (300 s)
     check                   "inband": each call's first message to every peer carries a
@@ -44,11 +44,10 @@ the library never does.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 
-from plait.comm.settings import checked_setting, from_environment
+from plait.comm.settings import checked_setting
 from plait.cost.topology import Topology
 from plait.cost.topology_io import topology_fingerprint
 from plait.names.transports import TRANSPORTS
@@ -139,33 +138,10 @@ class CommConfig:
                 self.shm_ring_bytes)  # not shm_dir: each host may keep its segments elsewhere
 
 
+# the variable the CLI reads for each field (plait.cli.comm_config.config_from_environment)
 ENVIRONMENT = {"timeout_s": "PLAIT_COMM_TIMEOUT_S", "check": "PLAIT_COMM_CHECK",
                "segment_bytes": "PLAIT_COMM_SEGMENT_BYTES", "hierarchy": "PLAIT_HIERARCHY",
                "algorithms": "PLAIT_ALGORITHMS"}
 
 
-def config_from_environment(base: CommConfig | None = None) -> CommConfig:
-    """``base`` (default CommConfig()) with the PLAIT_* variables that are set applied,
-    each checked (errors name the variable, the value and the valid range). For the
-    CLI only: the library takes its CommConfig as an argument."""
-    base = base or CommConfig()
-    changes = {}
-    for name, variable in ENVIRONMENT.items():
-        text = os.environ.get(variable, "").strip()
-        if name == "check" and text.lower() in CHECK_MODES:
-            changes[name] = text.lower()
-            continue
-        default = object()
-        value = from_environment(variable, "check_args" if name == "check" else name, default)
-        if value is default:
-            continue
-        if name == "check" and isinstance(value, bool):  # PLAIT_COMM_CHECK=1/0 (as before): in-band or off
-            value = "inband" if value else "off"
-        changes[name] = value
-    local = os.environ.get("LOCAL_WORLD_SIZE", "").strip()  # set by torchrun: the ranks on this host
-    if local.isdigit() and int(local) >= 1:
-        changes["local_world_size"] = int(local)
-    return base.replace(**changes) if changes else base
-
-
-__all__ = ["CHECK_MODES", "TRANSPORTS", "CommConfig", "ENVIRONMENT", "config_from_environment"]
+__all__ = ["CHECK_MODES", "TRANSPORTS", "CommConfig", "ENVIRONMENT"]

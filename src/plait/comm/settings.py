@@ -1,5 +1,5 @@
 """The checks of a CommConfig's values, shared by ``CommConfig(...)`` and the PLAIT_*
-environment variables the CLI reads (``plait.comm.config.config_from_environment``), so
+environment variables the CLI reads (``plait.cli.comm_config.config_from_environment``), so
 the two cannot drift: the same value is accepted or refused, in the same words, either way.
 
     timeout_s      PLAIT_COMM_TIMEOUT_S      finite seconds, 0.001 (1 ms) <= t <= threading.TIMEOUT_MAX
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import math
 import numbers
-import os
 import threading
 
 from plait.comm.tuner import parse_overrides
@@ -38,14 +37,6 @@ def checked_setting(name: str, value, source: str):
     checks = {"timeout_s": _timeout_s, "check_args": _check_args, "segment_bytes": _segment_bytes,
               "algorithms": _algorithms, "hierarchy": _hierarchy}
     return checks[name](value, source)
-
-
-def from_environment(variable: str, name: str, default):
-    """The start value of field ``name``: $``variable`` checked, or ``default`` if unset/empty."""
-    text = os.environ.get(variable, "")
-    if not text.strip():
-        return default
-    return checked_setting(name, text, variable)
 
 
 def _number(value) -> float | None:
