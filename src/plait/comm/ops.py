@@ -9,7 +9,7 @@ import torch
 
 from plait.comm.schedule import Transfer
 from plait.names.collectives import BITWISE_OPS, REDUCE_OPS
-from plait.names.wire import COMPLEX, DTYPES, FLOATING, INTEGER, OP_FAMILIES, dtype_name, wire_dtype
+from plait.names.wire import BY_CODE, COMPLEX, DTYPES, FLOATING, INTEGER, OP_FAMILIES, dtype_name, wire_dtype
 
 OP_NAMES = REDUCE_OPS
 # the wire table's reducible dtypes, in its order (torch dtypes: plait.names is torch-free)
@@ -79,6 +79,15 @@ def op_name(op) -> str:
 
 def _names(dtypes) -> str:
     return ", ".join(dtype_name(d) for d in dtypes)
+
+
+def dtype_from_code(code: int) -> torch.dtype:
+    """The torch dtype a received wire code names (plait.names.wire)."""
+    entry = BY_CODE.get(code)
+    if entry is None:
+        raise ValueError(f"dtype code {code} is not in plait's wire table (plait.names.wire): the sender runs "
+                         "another plait version, or the message is not a plait header")
+    return getattr(torch, entry.name)
 
 
 def check_carried(dtype: torch.dtype, collective: str, torch_gloo: bool = False) -> None:

@@ -39,7 +39,9 @@ from plait.parallel.pipeline import build as build_schedule, PipelineEngine
 from plait.parallel.pipeline.partition import build_stage, split_layers
 from plait.memory.precision import AUTOCAST_DTYPE, GRAD_REDUCE_DTYPES, PRECISIONS, REDUCE_DTYPE, autocast
 from plait.memory.recompute import set_block_recompute
+from plait.comm.ops import dtype_from_code
 from plait.names.axes import AXES, DP, PP, TP
+from plait.names.wire import dtype_code
 from plait.names.precision import FP16_MIXED, FP32
 from plait.parallel.tensor.dropout import ConsistentDropout
 from plait.parallel.zero.optimizer import ShardedOptimizer
@@ -363,13 +365,11 @@ def evaluate(hybrid: HybridModel, inputs, targets) -> float:
     return _mean_over(mesh, DP, float(loss))
 
 
-_DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
-
 
 def _send_activation(x, group, peer, stage, timeout_s):
     """A header (dtype code, ndim, dims) then the payload, to the next chunk's rank."""
     x = x.contiguous()
-    header = torch.tensor([_DTYPES.index(x.dtype), x.dim(), *x.shape] + [0] * (6 - x.dim()), dtype=torch.int64,
+    header = torch.tensor([dtype_code(x.dtype), x.dim(), *x.shape] + [0] * (6 - x.dim()), dtype=torch.int64,
                           device=x.device)
     comm.send(header, group=group, tag=_EVAL_TAG + 2 * stage, group_dst=peer, label="evaluation activation header", timeout_s=timeout_s)
     comm.send(x, group=group, tag=_EVAL_TAG + 2 * stage + 1, group_dst=peer, label="evaluation activation", timeout_s=timeout_s)
@@ -379,6 +379,6 @@ def _receive_activation(group, peer, stage, device, timeout_s):
     header = torch.empty(8, dtype=torch.int64, device=device)
     comm.recv(header, group=group, tag=_EVAL_TAG + 2 * stage, group_src=peer, label="evaluation activation header", timeout_s=timeout_s)
     dims = [int(d) for d in header[2:2 + int(header[1])]]
-    x = torch.empty(dims, dtype=_DTYPES[int(header[0])], device=device)
+    x = torch.empty(dims, dtype=dtype_from_code(int(header[0])), device=device)
     comm.recv(x, group=group, tag=_EVAL_TAG + 2 * stage + 1, group_src=peer, label="evaluation activation", timeout_s=timeout_s)
     return x

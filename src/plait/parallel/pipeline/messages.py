@@ -45,8 +45,11 @@ import torch
 from plait import comm
 from plait.comm import tags
 from plait.comm.errors import CommError
+from plait.comm.ops import dtype_from_code
+from plait.names.wire import dtype_code as wire_code
 from plait.parallel.pipeline.schedules import RECV_ACT, RECV_GRAD, SEND_ACT, SEND_GRAD
 
+# what pipeline messages carry, each coded in the header by plait.names.wire
 DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32)
 HEADER_FIELDS = ("status", "filled", "dtype", "ndim")  # then up to MAX_DIMS sizes
 MAX_DIMS = 7
@@ -162,7 +165,7 @@ class StageMessages:
             values = [status, int(filled), -1, 0]
             if spec is not None:
                 dtype, shape = spec
-                values[2:4] = [DTYPES.index(dtype), len(shape)]
+                values[2:4] = [wire_code(dtype), len(shape)]
                 values += list(shape)
             header = torch.tensor(values + [0] * (_HEADER - len(values)), dtype=torch.int64, device=self.device)
             self._headers[key] = header
@@ -255,7 +258,7 @@ class StageMessages:
                 _wait(posted.payload_message)  # the payload, or an empty filler
             if status == ABORT:
                 raise PipelineError(f"{waited}: that rank failed (see its error) and aborted the step")
-            spec = (DTYPES[dtype_code], tuple(dims[:ndim]))
+            spec = (dtype_from_code(dtype_code), tuple(dims[:ndim]))
             if status == OK and posted.payload_message is not None:
                 if spec != posted.spec:
                     raise PipelineError(f"{waited}: the sender sent {spec} where {posted.spec} was agreed")
