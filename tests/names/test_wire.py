@@ -84,3 +84,11 @@ def test_op_tables_come_from_the_wire_table():
     assert ops.REDUCING_DTYPES == tuple(getattr(torch, e.name) for e in wire.DTYPES if e.family is not None)
     assert torch.uint16 not in ops.REDUCING_DTYPES and torch.float8_e4m3fn not in ops.REDUCING_DTYPES
     assert {wire.describe_op_code(code) for code in wire.OP_BY_CODE} == {NO_OP, *REDUCE_OPS}
+
+
+def test_every_code_decodes_to_its_torch_dtype():
+    """What the pipeline's and the evaluation's headers decode (comm.ops.dtype_from_code)."""
+    for name in TORCH_DTYPES:
+        assert ops.dtype_from_code(wire.BY_NAME[name].code) == getattr(torch, name)
+    with pytest.raises(ValueError, match="dtype code 9999 is not in plait's wire table"):
+        ops.dtype_from_code(9999)

@@ -38,7 +38,7 @@ from plait.cli.local_ranks import add_oversubscribe_flag, check_spawn
 from plait.cli.output_paths import output_file, prepare_output_paths
 from plait.cost.profile import default_profile_path, load_profile, profile_backend
 from plait.cost.topology_io import load_topology
-from plait.names.transports import AUTO, BACKENDS
+from plait.names.transports import AUTO, BACKENDS, GLOO, NCCL, SHM
 from plait.train.budget import available_memory_bytes
 
 _SIZE_PATTERN = re.compile(r"^\s*(\d+(?:\.\d*)?)\s*([kmgt]?)(?:i?b)?\s*$", re.IGNORECASE)
@@ -199,7 +199,7 @@ def run(args: argparse.Namespace) -> int:
     printer = report.Printer(stream, predictor)
     if is_reporter:
         printer.write(report.format_header(config, nprocs=nprocs, backend=backend,
-                                           device="cuda" if backend == "nccl" else "cpu"))
+                                           device="cuda" if backend == NCCL else "cpu"))
         if predictor is not None:
             printer.write(predictor.header())
     try:
@@ -213,7 +213,7 @@ def run(args: argparse.Namespace) -> int:
     if not is_reporter:
         return 0
     printer.write(report.summary_lines(rows))
-    if backend == "gloo" and rows:
+    if backend == GLOO and rows:
         printer.write(report.memcpy_lines(rows, memcpy_gbps()))
     if predictor is not None:
         from plait.bench import predict
@@ -255,7 +255,7 @@ def _check_workers_fit(args: argparse.Namespace, config: BenchConfig, nprocs: in
     if config.collective != "barrier":
         largest = max(buffer_plan(config.collective, nbytes, nprocs, element_size)[1]
                       for nbytes in message_sizes(config.min_nbytes, config.max_nbytes, config.factor))
-    per_rank = 0 if backend == "nccl" else collective_rank_bytes(
+    per_rank = 0 if backend == NCCL else collective_rank_bytes(
         config.collective, largest, nprocs, check=config.check, element_size=element_size)
     what, fix = "", "use a smaller --nprocs"
     if per_rank:
@@ -275,7 +275,7 @@ def _predictor(args: argparse.Namespace, config: BenchConfig, backend: str, npro
 
 
     # the profile of the transport the run uses (calibrate --transport shm saves gloo+shm)
-    transport = "gloo" if args.transport == "gloo" else "shm"
+    transport = GLOO if args.transport == GLOO else SHM
     path = args.profile or str(default_profile_path(profile_backend(backend, transport), cache_dir()))
     profile = load_profile(path)
     if args.topology is not None:

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 from plait.comm.algorithms import DEFAULT_NAMES, TORCH, builder
 from plait.comm.communicator import Communicator
+from plait.names.transports import GLOO, SHM
 
 
-def default_algorithm(collective: str, nbytes: int, world_size: int, transport: str = "gloo") -> str:
+def default_algorithm(collective: str, nbytes: int, world_size: int, transport: str = GLOO) -> str:
     """The default table, used by algorithm="auto" when there is no calibrated profile.
 
     Small messages are latency-bound, so they take the fewest rounds: on this
@@ -29,9 +30,9 @@ def default_algorithm(collective: str, nbytes: int, world_size: int, transport: 
     (median of 3 rounds, ``plait bench all_reduce -n 4 -b 1M``).
     """
     p = world_size
-    if transport == "shm" and collective in ("broadcast", "reduce"):
+    if transport == SHM and collective in ("broadcast", "reduce"):
         return "tree"
-    if transport == "shm" and collective == "all_reduce" and nbytes <= (2 << 20):
+    if transport == SHM and collective == "all_reduce" and nbytes <= (2 << 20):
         return "star" if p <= 4 else "recursive_doubling"
     small = nbytes <= 512 * 1024
     if collective == "all_reduce":
@@ -51,7 +52,7 @@ def default_algorithm(collective: str, nbytes: int, world_size: int, transport: 
     return "bruck"  # barrier: dissemination
 
 
-def auto_algorithm(collective: str, nbytes: int, world_size: int, config=None, transport: str = "gloo") -> str:
+def auto_algorithm(collective: str, nbytes: int, world_size: int, config=None, transport: str = GLOO) -> str:
     """What algorithm="auto" runs under ``config`` (a CommConfig; None: the defaults):
     its override for the collective, else its tuner's choice, else the default table
     of ``transport`` ("shm" when the whole group talks through shared memory)."""
@@ -67,7 +68,7 @@ def auto_algorithm(collective: str, nbytes: int, world_size: int, config=None, t
 def transport_kind(communicator: Communicator) -> str:
     """"shm" when every other rank of the group is reached through shared memory, else
     "gloo" (the same answer on every rank: the set-up decides for the whole group)."""
-    return "shm" if communicator.transport.all_peers_local(communicator.size) else "gloo"
+    return SHM if communicator.transport.all_peers_local(communicator.size) else GLOO
 
 
 def table_pending(algorithm, collective: str, communicator: Communicator) -> bool:

@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 from plait.models.gpt import GPTConfig
-from plait.parallel.mesh import AXES
+from plait.names.axes import AXES
 
 FORMAT = 1
 MANIFEST_NAME = "manifest.json"

@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from plait import comm
 from plait.parallel.hybrid import build_hybrid, evaluate, HybridModel, train_step
+from plait.names.transports import AUTO, GLOO, NCCL
 from plait.parallel.mesh import DeviceMesh, ParallelDims
 from plait.memory.precision import check_device
 from plait.parallel.zero.optimizer import ShardedOptimizer
@@ -54,17 +55,17 @@ def init_distributed(timeout_s: float, backend: str = "auto") -> torch.device:
     a GPU machine puts local rank r on GPU r mod (GPUs), so ranks may share a GPU (their
     messages pass through host memory, plait.comm.transport.stages_through_host)."""
     use_cuda = torch.cuda.is_available()
-    if backend == "nccl" and not use_cuda:
+    if backend == NCCL and not use_cuda:
         raise ValueError("backend='nccl' needs CUDA GPUs and this machine has none: use backend='gloo' or 'auto'")
     device = torch.device("cpu")
     if use_cuda:
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        device = torch.device("cuda", local_rank % torch.cuda.device_count() if backend == "gloo" else local_rank)
+        device = torch.device("cuda", local_rank % torch.cuda.device_count() if backend == GLOO else local_rank)
         torch.cuda.set_device(device)
     if dist.is_initialized():
         return device
-    if backend == "auto":
-        backend = "nccl" if use_cuda else "gloo"
+    if backend == AUTO:
+        backend = NCCL if use_cuda else GLOO
     timeout = timedelta(seconds=timeout_s)
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
     if attempt is None or "MASTER_ADDR" not in os.environ:
