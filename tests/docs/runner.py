@@ -1,10 +1,13 @@
 """Runs one docs block: commands through bash, python blocks with the venv's python.
 
 Everything runs in one work directory per test session that looks like the
-repository (links to .venv, bench, src, tests, the Makefile, pyproject.toml), so
-commands that name ``.venv/bin/plait`` or ``bench/...`` work, and whatever a block
-writes (runs/, topology.json, ...) lands in the work directory, not in the checkout.
+repository (links to .venv, bench, src, tests, docs, pyproject.toml), so commands
+that name ``.venv/bin/plait`` or ``bench/...`` work, and whatever a block writes
+(runs/, topology.json, ...) lands in the work directory, not in the checkout.
 PLAIT_CACHE_DIR points into it too, so a block never touches the user's profiles.
+Its Makefile includes the checkout's and never installs: a ``make run`` there once
+found the install stamp older than pyproject.toml and reinstalled plait from the work
+directory, which pointed the venv's ``plait`` script at a temporary path.
 """
 from __future__ import annotations
 
@@ -15,7 +18,7 @@ import sys
 
 from tests.docs.extract import ROOT, Block, console_commands, with_appended
 
-LINKED = (".venv", "bench", "src", "tests", "Makefile", "pyproject.toml", "docs")
+LINKED = (".venv", "bench", "src", "tests", "pyproject.toml", "docs")
 QUICK_TIMEOUT_S = 120
 SLOW_TIMEOUT_S = 600
 
@@ -25,6 +28,9 @@ def make_workdir(path: pathlib.Path, file_blocks: list[Block]) -> pathlib.Path:
     for name in LINKED:
         if (ROOT / name).exists() and not (path / name).exists():
             (path / name).symlink_to(ROOT / name)
+    (path / "Makefile").write_text(f"include {ROOT / 'Makefile'}\n\n"
+                                   "# the checkout's make install installs; here the stamp is never remade\n"
+                                   "$(STAMP):\n\t@true\n")
     for block in file_blocks:
         (path / block.option("file")).write_text(block.text)
     return path
