@@ -38,6 +38,7 @@ def test_every_torch_dtype_has_one_unique_code():
     for name in TORCH_DTYPES:
         entry = wire.BY_NAME[name]
         assert wire.describe_dtype_code(entry.code) == name
+        assert entry.itemsize == getattr(torch, name).itemsize, name
         if entry.refused is None:
             assert wire.dtype_code(getattr(torch, name)) == entry.code
 

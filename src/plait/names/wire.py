@@ -8,7 +8,8 @@ that iterates every ``torch`` dtype fails until it has one). Dtypes are keyed by
 their name as torch prints it without "torch." (``str(torch.float) == "torch.float32"``,
 so aliases share one entry); this module is torch-free.
 
-Each dtype also says which reduce ops may combine it (``family``: the ops of
+Each dtype also gives its bytes per element (what ``plan/`` prices a dtype at), says
+which reduce ops may combine it (``family``: the ops of
 ``OP_FAMILIES`` take floating, integer, bool or complex dtypes, as torch.distributed
 over gloo allows) and whether plait's collectives carry it at all (``refused``: None,
 or why not and what to do). Carried dtypes move as whole elements through gloo's
@@ -36,12 +37,14 @@ _SUB_BYTE = ("torch cannot copy elements of a sub-byte dtype: pack the values in
 
 @dataclass(frozen=True)
 class WireDtype:
-    """One dtype on the wire. ``family``: the reduce ops' family (None: never reduced).
+    """One dtype on the wire. ``itemsize``: bytes per element (torch's ``dtype.itemsize``;
+    a sub-byte or packed dtype takes a byte). ``family``: the reduce ops' family (None: never reduced).
     ``refused``: None when plait's collectives carry it, else why not and the fix.
     ``torch_gloo``: gloo's own collectives take it (torch.distributed with gloo)."""
 
     name: str
     code: int
+    itemsize: int
     family: str | None = None
     refused: str | None = None
     torch_gloo: bool = False
@@ -49,40 +52,40 @@ class WireDtype:
 
 DTYPES: tuple[WireDtype, ...] = (
     # the first twelve keep the codes plait's checks have always sent
-    WireDtype("float16", 0, FLOATING, torch_gloo=True),
-    WireDtype("bfloat16", 1, FLOATING, torch_gloo=True),
-    WireDtype("float32", 2, FLOATING, torch_gloo=True),
-    WireDtype("float64", 3, FLOATING, torch_gloo=True),
-    WireDtype("int8", 4, INTEGER, torch_gloo=True),
-    WireDtype("uint8", 5, INTEGER, torch_gloo=True),
-    WireDtype("int16", 6, INTEGER),
-    WireDtype("int32", 7, INTEGER, torch_gloo=True),
-    WireDtype("int64", 8, INTEGER, torch_gloo=True),
-    WireDtype("bool", 9, BOOL, torch_gloo=True),
-    WireDtype("complex64", 10, COMPLEX, torch_gloo=True),
-    WireDtype("complex128", 11, COMPLEX, torch_gloo=True),
-    WireDtype("complex32", 12, torch_gloo=True),
-    WireDtype("uint16", 13),
-    WireDtype("uint32", 14),
-    WireDtype("uint64", 15),
-    WireDtype("float8_e4m3fn", 16),
-    WireDtype("float8_e4m3fnuz", 17),
-    WireDtype("float8_e5m2", 18),
-    WireDtype("float8_e5m2fnuz", 19),
-    WireDtype("float8_e8m0fnu", 20),
-    WireDtype("float4_e2m1fn_x2", 21),
-    WireDtype("bits8", 22),
-    WireDtype("bits16", 23),
-    WireDtype("bits1x8", 24),
-    WireDtype("bits2x4", 25),
-    WireDtype("bits4x2", 26),
-    WireDtype("qint8", 27, refused=_QUANTIZED),
-    WireDtype("quint8", 28, refused=_QUANTIZED),
-    WireDtype("qint32", 29, refused=_QUANTIZED),
-    WireDtype("quint4x2", 30, refused=_QUANTIZED),
-    WireDtype("quint2x4", 31, refused=_QUANTIZED),
-    *(WireDtype(f"int{bits}", 31 + bits, refused=_SUB_BYTE) for bits in range(1, 8)),   # 32..38
-    *(WireDtype(f"uint{bits}", 38 + bits, refused=_SUB_BYTE) for bits in range(1, 8)),  # 39..45
+    WireDtype("float16", 0, 2, FLOATING, torch_gloo=True),
+    WireDtype("bfloat16", 1, 2, FLOATING, torch_gloo=True),
+    WireDtype("float32", 2, 4, FLOATING, torch_gloo=True),
+    WireDtype("float64", 3, 8, FLOATING, torch_gloo=True),
+    WireDtype("int8", 4, 1, INTEGER, torch_gloo=True),
+    WireDtype("uint8", 5, 1, INTEGER, torch_gloo=True),
+    WireDtype("int16", 6, 2, INTEGER),
+    WireDtype("int32", 7, 4, INTEGER, torch_gloo=True),
+    WireDtype("int64", 8, 8, INTEGER, torch_gloo=True),
+    WireDtype("bool", 9, 1, BOOL, torch_gloo=True),
+    WireDtype("complex64", 10, 8, COMPLEX, torch_gloo=True),
+    WireDtype("complex128", 11, 16, COMPLEX, torch_gloo=True),
+    WireDtype("complex32", 12, 4, torch_gloo=True),
+    WireDtype("uint16", 13, 2),
+    WireDtype("uint32", 14, 4),
+    WireDtype("uint64", 15, 8),
+    WireDtype("float8_e4m3fn", 16, 1),
+    WireDtype("float8_e4m3fnuz", 17, 1),
+    WireDtype("float8_e5m2", 18, 1),
+    WireDtype("float8_e5m2fnuz", 19, 1),
+    WireDtype("float8_e8m0fnu", 20, 1),
+    WireDtype("float4_e2m1fn_x2", 21, 1),
+    WireDtype("bits8", 22, 1),
+    WireDtype("bits16", 23, 2),
+    WireDtype("bits1x8", 24, 1),
+    WireDtype("bits2x4", 25, 1),
+    WireDtype("bits4x2", 26, 1),
+    WireDtype("qint8", 27, 1, refused=_QUANTIZED),
+    WireDtype("quint8", 28, 1, refused=_QUANTIZED),
+    WireDtype("qint32", 29, 4, refused=_QUANTIZED),
+    WireDtype("quint4x2", 30, 1, refused=_QUANTIZED),
+    WireDtype("quint2x4", 31, 1, refused=_QUANTIZED),
+    *(WireDtype(f"int{bits}", 31 + bits, 1, refused=_SUB_BYTE) for bits in range(1, 8)),   # 32..38
+    *(WireDtype(f"uint{bits}", 38 + bits, 1, refused=_SUB_BYTE) for bits in range(1, 8)),  # 39..45
 )
 BY_NAME = {entry.name: entry for entry in DTYPES}
 BY_CODE = {entry.code: entry for entry in DTYPES}

@@ -8,12 +8,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from plait.names.wire import BY_NAME
 from plait.plan.layers import LayerCost, backward_matmuls, weight_gradient_matmuls
 
 __all__ = ["DeviceSpec", "DTYPE_BYTES", "GIB", "matmul_efficiency_fit"]
 
 GIB = 1 << 30
-DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8}
+# bytes per element of the dtypes the planner prices (plait.names.wire)
+DTYPE_BYTES = {name: BY_NAME[name].itemsize for name in ("bfloat16", "float16", "float32", "float64")}
 
 
 @dataclass(frozen=True, kw_only=True)
