@@ -2,7 +2,7 @@
 
 from plait.comm import tags
 from plait.comm.inband import HEADER_TAG, PACKED_TAG_OFFSET
-from plait.parallel.ps import config as ps_config
+from plait.parallel.ps import protocol
 
 
 def test_no_two_protocols_share_a_tag():
@@ -20,5 +20,5 @@ def test_users_take_their_tags_from_the_ranges():
     assert HEADER_TAG in tags.COMM_CONTROL
     assert tags.COLLECTIVE.start + PACKED_TAG_OFFSET == tags.COLLECTIVE_PACKED.start
     assert (8191 << 16 | 65535) in tags.COLLECTIVE  # the executor's largest tag
-    for tag in (ps_config._PUSH_TAG, ps_config._REPLY_TAG, ps_config._DATA_TAG + 255):
+    for tag in (protocol.PUSH_TAG, protocol.REPLY_TAG, protocol.DATA_TAG + 255):
         assert tag in tags.PARAMETER_SERVER

@@ -1,5 +1,6 @@
-"""The parameter server's configuration, its sharding rule and its records
-(``plait.parallel.ps.worker`` runs the protocol)."""
+"""The parameter server's configuration, its sharding rule and its records (what a
+shard holds, what a push did, what a rank did); torch-free. The messages they exchange
+are ``plait.parallel.ps.protocol``'s; ``plait.parallel.ps.worker`` runs them."""
 
 from __future__ import annotations
 
@@ -7,28 +8,7 @@ import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from plait.comm import tags
-
 MODES = ("sync", "async")
-
-# ----- the wire format -----------------------------------------------------------------
-# Tags above the torch executor's (< 2**30), so parameter-server traffic never matches
-# a collective's message.
-_PUSH_TAG = tags.PARAMETER_SERVER.start  # plait.comm.tags assigns the range
-_REPLY_TAG = tags.PARAMETER_SERVER.start + 1
-_DATA_TAG = tags.PARAMETER_SERVER.start + 0x100  # + index of the payload tensor
-# Server receives from workers carry gloo deadlines this many times comm's, as a
-# fallback behind the server's own (see ParameterServer._wait).
-_GLOO_FALLBACK_FACTOR = 3
-_PUSH, _CLOSE, _REPLY, _ABORT = 1, 2, 3, 4
-_KINDS = {_PUSH: "push", _CLOSE: "close", _REPLY: "reply", _ABORT: "abort"}
-_TIMED_OUT, _DISCONNECTED, _RAISED, _PROTOCOL = 1, 2, 3, 4
-_REASONS = {
-    _TIMED_OUT: "sent nothing within {timeout_s:g}s (it died or hung)",
-    _DISCONNECTED: "lost its connection (it died)",
-    _RAISED: "aborted (it raised an exception; see its traceback)",
-    _PROTOCOL: "broke the protocol (ranks built different models or configs)",
-}
 
 
 def _is_int(value) -> bool:
@@ -136,20 +116,3 @@ class ParameterServerStats:
     max_steps_ahead: int
     max_update_staleness: int
     push_log: tuple[PushRecord, ...] = ()
-
-
-def _check_compression(compression) -> None:
-    if compression is None:
-        return
-    from plait.compress.base import PayloadCompressor
-    from plait.compress.powersgd import PowerSGD
-
-    if isinstance(compression, PowerSGD):
-        raise ValueError(
-            f"compression={compression.describe()} cannot run on a parameter server: PowerSGD needs two "
-            f"all-reduce rounds over the workers' low-rank factors, which push/pull cannot express; use "
-            f"plait.parallel.DataParallel(..., compression=PowerSGD(...)) for PowerSGD, or a PayloadCompressor "
-            f"(FP16, TopK, ErrorFeedback(TopK(...)), QSGD, Sign) here")
-    if not isinstance(compression, PayloadCompressor):
-        raise TypeError(f"compression must be a plait.compress PayloadCompressor (FP16, TopK, ErrorFeedback(...), "
-                        f"...) or None, got {compression!r}")

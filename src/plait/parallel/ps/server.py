@@ -10,9 +10,9 @@ import random
 import torch
 
 from plait import comm
-from plait.parallel.ps.config import (_ABORT, _CLOSE, _DATA_TAG, _DISCONNECTED, _KINDS,
-                                      _PROTOCOL, _PUSH, _PUSH_TAG, _RAISED, _REASONS, _REPLY, _REPLY_TAG,
-                                      _TIMED_OUT, ParameterServerStats, PushRecord)
+from plait.parallel.ps.config import ParameterServerStats, PushRecord
+from plait.parallel.ps.protocol import (ABORT, BROKE_PROTOCOL, CLOSE, DATA_TAG, DISCONNECTED, KIND_NAMES, PUSH,
+                                        PUSH_TAG, RAISED, REASONS, REPLY, REPLY_TAG, TIMED_OUT)
 
 
 class ServerLoop:
@@ -38,15 +38,15 @@ class ServerLoop:
         open_workers, step = list(self.worker_ranks), 0
         while open_workers:
             headers = {w: self._header(0, 0) for w in open_workers}
-            posted = {w: self._recv_push(headers[w], w, _PUSH_TAG, f"parameter-server push of step {step} from worker")
+            posted = {w: self._recv_push(headers[w], w, PUSH_TAG, f"parameter-server push of step {step} from worker")
                       for w in open_workers}
             payloads, data, steps = {}, [], {w: step for w in open_workers}
             for worker in open_workers:
                 _, kind = self._receive_header(posted[worker], headers[worker], worker, steps, open_workers)
-                if kind == _PUSH:
+                if kind == PUSH:
                     payloads[worker], tensors = self._payload_buffers(self._index)
                     label = f"parameter-server push of step {step} from worker"
-                    data += [(worker, self._recv_push(t, worker, _DATA_TAG + i, label)) for i, t in enumerate(tensors)]
+                    data += [(worker, self._recv_push(t, worker, DATA_TAG + i, label)) for i, t in enumerate(tensors)]
                 else:  # closed: no reply, no abort
                     open_workers = [w for w in open_workers if w != worker]
             for worker, message in data:
@@ -73,13 +73,13 @@ class ServerLoop:
             assert expected, "the slowest open worker is never withheld"
             src = expected[rng.randrange(len(expected))] if rng is not None else None
             header = self._header(0, 0)
-            message = self._recv_push(header, src, _PUSH_TAG, "parameter-server push from worker")
+            message = self._recv_push(header, src, PUSH_TAG, "parameter-server push from worker")
             worker, kind = self._receive_header(message, header, src, clock, sorted(open_workers), expected)
-            if kind == _PUSH:
+            if kind == PUSH:
                 step = clock[worker]
                 payload, tensors = self._payload_buffers(self._index)
                 for i, t in enumerate(tensors):
-                    message = self._recv_push(t, worker, _DATA_TAG + i,
+                    message = self._recv_push(t, worker, DATA_TAG + i,
                                               f"parameter-server push of step {step} from worker")
                     self._guarded_wait(message, worker, step, sorted(open_workers))
                 self._apply(self._decode(payload).div_(self.num_workers))
@@ -106,21 +106,21 @@ class ServerLoop:
         worker = self._guarded_wait(message, worker, step, open_workers, culprits=expected)
         kind, got_step, numel = header[:3].tolist()
         mode = f"ps-{self.config.mode}"
-        if kind == _ABORT:
-            self._abort_workers(open_workers, [worker], _RAISED, got_step)
+        if kind == ABORT:
+            self._abort_workers(open_workers, [worker], RAISED, got_step)
             raise comm.CommError(rank=self.rank, collective="parameter-server push", algorithm=mode,
-                                 step=got_step, peer=worker, reason=f"worker rank {worker} {_REASONS[_RAISED]}")
+                                 step=got_step, peer=worker, reason=f"worker rank {worker} {REASONS[RAISED]}")
         problem = None
         if expected is not None and worker not in expected:
-            problem = f"worker {worker} sent a {_KINDS.get(kind, kind)} while its reply was withheld"
-        elif kind == _PUSH and numel != self._shard.numel:
+            problem = f"worker {worker} sent a {KIND_NAMES.get(kind, kind)} while its reply was withheld"
+        elif kind == PUSH and numel != self._shard.numel:
             problem = f"it pushed {numel} elements but this server's shard holds {self._shard.numel}"
-        elif kind == _PUSH and got_step != steps[worker]:
+        elif kind == PUSH and got_step != steps[worker]:
             problem = f"it pushed step {got_step} while the server expected step {steps[worker]}"
-        elif kind not in (_PUSH, _CLOSE):
+        elif kind not in (PUSH, CLOSE):
             problem = f"unexpected message kind {kind}"
         if problem:
-            self._abort_workers(open_workers, [worker], _PROTOCOL, got_step)
+            self._abort_workers(open_workers, [worker], BROKE_PROTOCOL, got_step)
             raise comm.CommError(rank=self.rank, collective="parameter-server push", algorithm=mode,
                                  step=got_step, peer=worker, reason=problem + "; every rank must build the same "
                                  "model and ParameterServer")
@@ -133,7 +133,7 @@ class ServerLoop:
         except comm.CommError as error:
             culprits = [worker] if worker is not None else list(culprits or open_workers)
             timed_out = isinstance(error, comm.CommTimeoutError)
-            self._abort_workers(open_workers, culprits, _TIMED_OUT if timed_out else _DISCONNECTED, step)
+            self._abort_workers(open_workers, culprits, TIMED_OUT if timed_out else DISCONNECTED, step)
             names = ", ".join(map(str, culprits))
             kwargs = dict(rank=self.rank, collective="parameter-server push", algorithm=f"ps-{self.config.mode}",
                           step="-" if step is None else step, peer=names,
@@ -144,12 +144,12 @@ class ServerLoop:
 
     def _abort_workers(self, open_workers, culprits, reason: int, step) -> None:
         """Best effort ABORT (naming ``culprits``) to every other open worker, bounded by the deadline."""
-        header = self._header(_ABORT, -1 if step is None else step, reason, int(self.timeout_s * 1000), culprits)
+        header = self._header(ABORT, -1 if step is None else step, reason, int(self.timeout_s * 1000), culprits)
         sends = []
         for worker in open_workers:
             if worker not in culprits:
                 try:
-                    sends.append(self._send(header, worker, _REPLY_TAG, "parameter-server abort to worker"))
+                    sends.append(self._send(header, worker, REPLY_TAG, "parameter-server abort to worker"))
                 except comm.CommError:
                     pass
         for message in sends:
@@ -193,8 +193,8 @@ class ServerLoop:
         flat = torch.cat([p.detach().reshape(-1) for p in self._params])
         sends = []
         for worker in workers:
-            header = self._header(_REPLY, steps[worker], self._updates, steps_ahead[worker])
+            header = self._header(REPLY, steps[worker], self._updates, steps_ahead[worker])
             label = f"parameter-server reply to step {steps[worker]} to worker"
-            sends += [self._send(header, worker, _REPLY_TAG, label), self._send(flat, worker, _DATA_TAG, label)]
+            sends += [self._send(header, worker, REPLY_TAG, label), self._send(flat, worker, DATA_TAG, label)]
         for message in sends:
             self._wait(message)

@@ -30,20 +30,10 @@ Cost per step (sync): two message rounds; server s receives and sends W·n_s byt
 2·W·n·b (DESIGN section 6) by k when the shards balance. Compression (a
 ``PayloadCompressor``) shrinks the push to ``wire_nbytes(n_s)``; pulls stay dense.
 
-Protocol (point-to-point with deadlines, ``plait.comm.isend/irecv``; tags sit above
-the collectives' range): every message starts with an int64 header
-``[kind, step, a, b, mask(p)]``. Worker -> server: PUSH (a = shard numel, b = payload
-bytes) followed by the payload's tensors (one message each, in name order), CLOSE
-(done), ABORT (the worker raised). Server -> worker: REPLY (a = server version,
-b = steps ahead of the slowest) followed by the shard's flat parameters, or ABORT
-(a = reason, b = timeout in ms, mask = the culprit worker ranks). A server that loses
-a worker (dead connection, no push within the group's ``CommConfig.timeout_s``, or an ABORT)
-tells every other open worker who it was and raises; workers wait for replies up to
-twice the deadline, so that message, naming the culprit, arrives before they time
-out on their own. The server enforces its deadline itself (the gloo wait runs on a
-helper thread with a later deadline): a gloo timeout closes all of a rank's
-connections, and the others could no longer be told. ``timeout_s`` must therefore
-exceed one step's compute time; after a failure the group is not reusable.
+Protocol: ``plait.parallel.ps.protocol`` (the headers, kinds, tags and deadlines both
+sides share). A server that loses a worker tells every other open worker who it was and
+raises; ``timeout_s`` must therefore exceed one step's compute time; after a failure
+the group is not reusable.
 """
 
 from __future__ import annotations
@@ -58,12 +48,13 @@ import torch.distributed as dist
 from torch import nn
 
 from plait import comm
-
-from plait.parallel.ps.config import (_ABORT, _CLOSE, _DATA_TAG, _GLOO_FALLBACK_FACTOR, _KINDS, _PUSH, _PUSH_TAG,
-                                      _RAISED, _REASONS, _REPLY, _REPLY_TAG, ParameterServerConfig,
-                                      ParameterServerStats, PushRecord, Shard, _check_compression, shard_by_size)
+from plait.compress.base import PayloadCompressor
+from plait.compress.powersgd import PowerSGD
 from plait.parallel.arguments import check_wrapper_arguments, wrapper_communicator
 from plait.parallel.data.buckets import unflatten_into
+from plait.parallel.ps.config import ParameterServerConfig, ParameterServerStats, PushRecord, Shard, shard_by_size
+from plait.parallel.ps.protocol import (ABORT, CLOSE, DATA_TAG, GLOO_FALLBACK_FACTOR, KIND_NAMES, PUSH, PUSH_TAG,
+                                        RAISED, REASONS, REPLY, REPLY_TAG)
 from plait.parallel.ps.server import ServerLoop
 
 
@@ -223,7 +214,7 @@ class ParameterServer(ServerLoop):
     def _recv_push(self, tensor: torch.Tensor, src, tag: int, label: str) -> comm.Message:
         """A server's receive from a worker: gloo's own deadline is a late fallback
         (see :meth:`_wait`); :meth:`_guarded_wait` enforces ``self.timeout_s``."""
-        return self._recv(tensor, src, tag, label, _GLOO_FALLBACK_FACTOR * self.timeout_s)
+        return self._recv(tensor, src, tag, label, GLOO_FALLBACK_FACTOR * self.timeout_s)
 
     def _payload_buffers(self, index: int):
         """(payload object or None, its tensors in wire order) to receive a push into."""
@@ -275,29 +266,29 @@ class ParameterServer(ServerLoop):
             tensors = self._encode(index, step)
             nbytes = sum(t.numel() * t.element_size() for t in tensors)
             label = f"parameter-server push of step {step} to server"
-            sends.append(self._send(self._header(_PUSH, step, shard.numel, nbytes), shard.server, _PUSH_TAG, label))
-            sends += [self._send(t, shard.server, _DATA_TAG + i, label) for i, t in enumerate(tensors)]
+            sends.append(self._send(self._header(PUSH, step, shard.numel, nbytes), shard.server, PUSH_TAG, label))
+            sends += [self._send(t, shard.server, DATA_TAG + i, label) for i, t in enumerate(tensors)]
         # The server may itself wait timeout_s for the slowest worker before it replies
         # or aborts, so a worker waits twice as long: the abort naming the culprit wins.
         reply_timeout_s = 2 * self.timeout_s
-        headers = [self._header(_REPLY, 0) for _ in self.shards]
-        posted = [self._recv(h, s.server, _REPLY_TAG, f"parameter-server reply to step {step} from server",
+        headers = [self._header(REPLY, 0) for _ in self.shards]
+        posted = [self._recv(h, s.server, REPLY_TAG, f"parameter-server reply to step {step} from server",
                              reply_timeout_s) for h, s in zip(headers, self.shards)]
         flats, pulls = [], []
         for header, message, shard in zip(headers, posted, self.shards):
             self._wait(message)
             kind, got_step, a, b = header[:4].tolist()
-            if kind == _ABORT:
+            if kind == ABORT:
                 raise self._aborted(header, shard.server, step)
-            if kind != _REPLY or got_step != step:
+            if kind != REPLY or got_step != step:
                 raise comm.CommError(rank=self.rank, collective="parameter-server pull", algorithm=f"ps-{mode}",
                                      step=step, peer=shard.server,
-                                     reason=f"expected the reply to step {step}, got {_KINDS.get(kind, kind)} of "
+                                     reason=f"expected the reply to step {step}, got {KIND_NAMES.get(kind, kind)} of "
                                             f"step {got_step}; every worker must build the same ParameterServer")
             self._max_steps_ahead = max(self._max_steps_ahead, b)
             flat = torch.empty(shard.numel, dtype=self.dtype)
             flats.append(flat)
-            pulls.append(self._recv(flat, shard.server, _DATA_TAG, f"parameter-server pull of step {step} from server",
+            pulls.append(self._recv(flat, shard.server, DATA_TAG, f"parameter-server pull of step {step} from server",
                                     reply_timeout_s))
         for message in pulls + sends:
             self._wait(message)
@@ -326,7 +317,7 @@ class ParameterServer(ServerLoop):
     def _aborted(self, header: torch.Tensor, server: int, step: int) -> comm.CommError:
         _, _, reason, timeout_ms = header[:4].tolist()
         culprits = [rank for rank in range(self.world_size) if header[4 + rank]]
-        what = _REASONS.get(reason, "failed").format(timeout_s=timeout_ms / 1000)
+        what = REASONS.get(reason, "failed").format(timeout_s=timeout_ms / 1000)
         names = ", ".join(map(str, culprits))
         return comm.CommError(rank=self.rank, collective="parameter-server pull", algorithm=f"ps-{self.config.mode}",
                               step=step, peer=names,
@@ -339,7 +330,7 @@ class ParameterServer(ServerLoop):
         if self._closed:
             return
         self._closed = True
-        sends = [self._send(self._header(_CLOSE, self._step), s.server, _PUSH_TAG,
+        sends = [self._send(self._header(CLOSE, self._step), s.server, PUSH_TAG,
                             "parameter-server close to server") for s in self.shards]
         for message in sends:
             self._wait(message)
@@ -350,7 +341,21 @@ class ParameterServer(ServerLoop):
         self._closed = True
         for shard in self.shards:
             try:
-                self._wait(self._send(self._header(_ABORT, self._step, _RAISED), shard.server, _PUSH_TAG,
+                self._wait(self._send(self._header(ABORT, self._step, RAISED), shard.server, PUSH_TAG,
                                       "parameter-server abort to server", min(self.timeout_s, 5.0)))
             except comm.CommError:
                 pass
+
+
+def _check_compression(compression) -> None:
+    if compression is None:
+        return
+    if isinstance(compression, PowerSGD):
+        raise ValueError(
+            f"compression={compression.describe()} cannot run on a parameter server: PowerSGD needs two "
+            f"all-reduce rounds over the workers' low-rank factors, which push/pull cannot express; use "
+            f"plait.parallel.DataParallel(..., compression=PowerSGD(...)) for PowerSGD, or a PayloadCompressor "
+            f"(FP16, TopK, ErrorFeedback(TopK(...)), QSGD, Sign) here")
+    if not isinstance(compression, PayloadCompressor):
+        raise TypeError(f"compression must be a plait.compress PayloadCompressor (FP16, TopK, ErrorFeedback(...), "
+                        f"...) or None, got {compression!r}")
