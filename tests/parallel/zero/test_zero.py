@@ -116,6 +116,48 @@ def test_zero_trains_like_one_process(stage, world_size):
             torch.testing.assert_close(got[name], want[name], rtol=1e-10, atol=1e-12, msg=name)
 
 
+class TwoHeads(nn.Module):
+    """A body and two heads; each forward runs one head."""
+
+    def __init__(self):
+        super().__init__()
+        self.body, self.left, self.right = nn.Linear(4, 4), nn.Linear(4, 1), nn.Linear(4, 1)
+
+    def forward(self, x, head):
+        return getattr(self, head)(torch.tanh(self.body(x)))
+
+
+def _accumulated_outside_no_sync(rank, world_size, stage, synced):
+    """Two backwards before one step, the first through ``left``, the second through
+    ``right``: both outside no_sync (``synced``: each reduces), or the first inside."""
+    torch.manual_seed(0)
+    model = TwoHeads().double()
+    before = model.left.weight.detach().clone()
+    zero = ZeRO(model, lambda params: torch.optim.SGD(params, lr=0.1), stage=stage)
+    x = torch.linspace(-1, 1, 8, dtype=torch.float64).view(2, 4) * (rank + 1)
+    with zero.no_sync() if not synced else torch.enable_grad():
+        zero(x, "left").sum().backward()
+    zero(x, "right").sum().backward()
+    zero.step()
+    state = zero.full_state_dict()
+    return state, bool(torch.equal(state["left.weight"], before))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_gradient_of_an_earlier_synced_backward_is_stepped(stage):
+    """A parameter with a gradient since zero_grad() is stepped even when the last
+    backward before the step did not reach it, as when the backwards accumulate in
+    no_sync() (before one engine served both ZeRO fronts, the module's stages 2 and 3
+    kept only the last reduction's "had a gradient" flags, and left ``left`` as it was)."""
+    for (synced, left_unchanged), (accumulated, _) in zip(
+            run_distributed(_accumulated_outside_no_sync, 2, stage, True),
+            run_distributed(_accumulated_outside_no_sync, 2, stage, False)):
+        assert not left_unchanged
+        for name in accumulated:
+            torch.testing.assert_close(synced[name], accumulated[name], rtol=1e-12, atol=1e-14, msg=name)
+
+
 @pytest.mark.slow
 def test_five_ranks_shard_unevenly():
     """N = 5 does not divide any unit's size (nor the batch of 12: 10 rows used here)."""

@@ -130,7 +130,23 @@ def verify_replicas(module: nn.Module, group, init: str, who: str) -> None:
         _flat_broadcast(tensors, communicator.ranks[0], group, "torch")
 
 
-class DataParallel(nn.Module):
+class NoSync:
+    """``no_sync()`` for a wrapper whose backward reduces gradients across ranks while
+    its ``_require_sync`` is true (DataParallel, ZeRO): gradient accumulation."""
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Inside: backward only accumulates local gradients (gradient accumulation);
+        the next backward outside reduces (averages) the accumulated sums."""
+        previous = self._require_sync
+        self._require_sync = False
+        try:
+            yield
+        finally:
+            self._require_sync = previous
+
+
+class DataParallel(NoSync, nn.Module):
     """Wraps ``module`` for data-parallel training over ``group`` (default: world).
 
     algorithm: the all-reduce algorithm ("auto": the tuner's choice; any name from
@@ -227,17 +243,6 @@ class DataParallel(nn.Module):
             if buffers:
                 _flat_broadcast(buffers, self._src, self.group, self._broadcast_algorithm)
         return self.module(*args, **kwargs)
-
-    @contextlib.contextmanager
-    def no_sync(self):
-        """Inside: backward only accumulates local gradients (gradient accumulation);
-        the next backward outside averages the accumulated sums."""
-        previous = self._require_sync
-        self._require_sync = False
-        try:
-            yield
-        finally:
-            self._require_sync = previous
 
     # ----- backward hooks --------------------------------------------------------------
     def _on_grad_ready(self, param: torch.Tensor) -> None:

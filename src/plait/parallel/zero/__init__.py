@@ -1,6 +1,7 @@
-"""ZeRO sharding (stages 1-3): the ``ZeRO`` module wrapper and the trainer's
-``ShardedOptimizer``, over flat units of parameters, their gathering and optimizer-state
-offload."""
+"""ZeRO sharding (stages 1-3): two fronts, the ``ZeRO`` module wrapper and the trainer's
+``ShardedOptimizer``, over one engine (``engine``: backward, reduce, step, gathers) that
+drives flat units of parameters (``flat_units``), their gathering around modules
+(``unit_gathering``) and optimizer-state offload (``state_offload``)."""
 
 from plait.parallel.zero.module import ZeRO
 from plait.parallel.zero.optimizer import ShardedOptimizer

@@ -1,9 +1,9 @@
 """The flat buffers ZeRO shards (plait.parallel.zero.module, plait.parallel.zero.optimizer):
 a unit's parameters packed into one buffer, padded with zeros to a multiple of N and
 cut into N equal shards (rank r owns shard r), the module's parameters made views into
-it; gathered with an all-gather, released with ``resize_(0)``. Also what both need
-around an optimizer step: which optimizers may step flat shards, and how a parameter
-no rank used keeps its value and state.
+it; gathered with an all-gather, released with ``resize_(0)``; their gradients
+reduce-scattered (several units in one call) and the averages added into the shards'
+gradients. ``plait.parallel.zero.engine`` drives them.
 """
 
 from __future__ import annotations
@@ -14,19 +14,6 @@ import torch
 from torch import nn
 
 from plait import comm
-
-ELEMENTWISE_OPTIMIZERS = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad,
-                          torch.optim.Adadelta, torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam,
-                          torch.optim.RMSprop)
-
-
-def check_elementwise(optimizer) -> None:
-    """Refuse an optimizer whose update mixes the elements of a tensor."""
-    if not isinstance(optimizer, ELEMENTWISE_OPTIMIZERS):
-        raise ValueError(
-            f"ZeRO: {type(optimizer).__name__} is not an element-wise optimizer: ZeRO steps flat shards "
-            "of the parameters, which equals stepping the parameters only when each element's update depends "
-            f"on that element alone; use one of {', '.join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)}")
 
 
 def alias(tensor: torch.Tensor) -> torch.Tensor:
@@ -70,9 +57,8 @@ class FlatUnit:
         view = full[start:start + self.shard_numel].detach()
         self.shard = nn.Parameter(view.clone() if shard_params else view)
         self.gathered = True
-        self.pending = 0  # parameters whose gradient this backward has not delivered yet
-        self.ready: list[bool] = []
-        self.used = [True] * len(self.params)  # had a gradient at the last reduce
+        self.ready: list[bool] = []  # which parameters' gradients this backward has delivered
+        self.used = [False] * len(self.params)  # had a gradient at a reduce since the last zero_grad
         self.handle = None  # a prefetch's all-gather in flight
 
     def _attach(self) -> None:
@@ -203,70 +189,6 @@ def reduce_units(units: list[FlatUnit], group, algorithm, async_op: bool) -> lis
     return entries
 
 
-def snapshot_unused(units: list[FlatUnit], optimizer, group, world_size: int, rank: int) -> list:
-    """The shard elements (and their optimizer state) of parameters that no rank gave
-    a gradient this step: one all-reduce of a flag per parameter."""
-    flags = torch.tensor([int(used) for unit in units for used in unit.used], dtype=torch.int32)
-    if world_size > 1:
-        comm.all_reduce(flags, group=group)
-    kept, index = [], 0
-    for unit in units:
-        start, end = rank * unit.shard_numel, (rank + 1) * unit.shard_numel
-        positions = []
-        for param, offset in zip(unit.params, unit.offsets):
-            if int(flags[index]) == 0:
-                low, high = max(offset, start), min(offset + param.numel(), end)
-                if low < high:
-                    positions.append(torch.arange(low - start, high - start))
-            index += 1
-        if positions:
-            where = torch.cat(positions)
-            state = optimizer.state.get(unit.shard, {})
-            state_values = {key: value[where].clone() for key, value in state.items()
-                            if torch.is_tensor(value) and value.shape == unit.shard.shape}
-            kept.append((unit.shard, optimizer, where, unit.shard.detach()[where].clone(), state_values))
-    return kept
-
-
-def step_and_gather(units: list[FlatUnit], optimizer, group, world_size: int, rank: int, algorithm,
-                    offload=None) -> None:
-    """Step the shards (a parameter no rank gave a gradient keeps its value and its
-    state), then all-gather every unit whose buffer is allocated (stage 3's freed ones
-    gather at their next use). With ``offload`` (a ``StateFiles``) the units step one
-    at a time, each unit's state back in its files before the next one's step."""
-    kept = snapshot_unused(units, optimizer, group, world_size, rank)
-    if offload is None:
-        optimizer.step()
-        restore_unused(kept)
-    else:
-        _step_unit_by_unit(units, optimizer, offload, kept)
-    for unit in units:
-        if unit.gathered:
-            unit.gather(group, algorithm)
-
-
-def _step_unit_by_unit(units: list[FlatUnit], optimizer, offload, kept: list) -> None:
-    """One ``optimizer.step()`` per unit with only that unit's gradient set: torch's
-    optimizers skip a parameter whose .grad is None and keep per-parameter state (and
-    step counts), so this equals one step over all of them, with one unit's state
-    resident at a time."""
-    grads = [unit.shard.grad for unit in units]
-    for unit in units:
-        unit.shard.grad = None
-    try:
-        for unit, grad in zip(units, grads):
-            if grad is None:
-                continue
-            unit.shard.grad = grad
-            optimizer.step()
-            unit.shard.grad = None
-            restore_unused([entry for entry in kept if entry[0] is unit.shard])
-            offload.adopt(optimizer.state.get(unit.shard, {}), unit.shard)
-    finally:
-        for unit, grad in zip(units, grads):
-            unit.shard.grad = grad
-
-
 def add_reduced(in_flight: list, world_size: int) -> None:
     """Wait for each (unit, out, flat, handle) reduce-scatter of ``in_flight`` and add
     its average (out / N) into the unit's shard gradient; every handle is waited for,
@@ -283,20 +205,3 @@ def add_reduced(in_flight: list, world_size: int) -> None:
         unit.shard.grad = average if unit.shard.grad is None else unit.shard.grad.add_(average)
     if errors:
         raise errors[0]
-
-
-def clear_grads(units: list[FlatUnit]) -> None:
-    """Drop the shards' and the parameters' gradients."""
-    for unit in units:
-        unit.shard.grad = None
-        for param in unit.params:
-            param.grad = None
-
-
-def restore_unused(kept: list) -> None:
-    with torch.no_grad():
-        for shard, optimizer, positions, values, state_values in kept:
-            shard[positions] = values
-            state = optimizer.state[shard]
-            for key, value in state_values.items():
-                state[key][positions] = value

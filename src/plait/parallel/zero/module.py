@@ -49,11 +49,15 @@ during the backward and stepped one unit at a time on the CPU (see
 values are the master weights, so nothing else moves. ``offload="cpu"`` (host memory
 for the state of a model on a GPU) and any offload of a model on a GPU are not built
 yet, and are refused.
+
+This module is the wrapper's front: arguments, the units' layout, the forward, the
+state dicts and memory. What happens to the units from the backward to the next
+forward (reduce-scatters, the step, gathers and frees) is ``plait.parallel.zero.engine``'s,
+the engine plait train's ``ShardedOptimizer`` runs too.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 import tempfile
 from collections.abc import Callable
@@ -64,17 +68,17 @@ from torch import nn
 
 from plait import comm
 from plait.parallel.arguments import check_wrapper_arguments, wrapper_communicator
-from plait.parallel.data.data_parallel import verify_replicas
-from plait.parallel.zero.flat_units import FlatUnit, add_reduced, check_elementwise, clear_grads, step_and_gather
+from plait.parallel.data.data_parallel import NoSync, verify_replicas
+from plait.parallel.zero.engine import ShardEngine, buckets, check_elementwise, owners_of, storage_bytes
+from plait.parallel.zero.flat_units import FlatUnit
 from plait.parallel.zero.state_offload import StateFiles
-from plait.parallel.zero.unit_gathering import UnitGatherer, default_wrap
-from plait.parallel.data.weak_hooks import weak_method
+from plait.parallel.zero.unit_gathering import default_wrap
 
 STAGES = (1, 2, 3)
 OFFLOADS = (None, "cpu", "disk")
 
 
-class ZeRO(nn.Module):
+class ZeRO(NoSync, nn.Module):
     """``module`` trained with ZeRO stage ``stage`` over ``group`` (default: the world);
     see the module docstring. ``optimizer(shards)`` builds the optimizer over this
     rank's shards (e.g. ``lambda params: torch.optim.AdamW(params, lr=3e-4)``).
@@ -111,47 +115,36 @@ class ZeRO(nn.Module):
         self._src = group.ranks[0]
         verify_replicas(module, group, init, "ZeRO")
         self.units = self._build_units(wrap or default_wrap, int(bucket_mb * (1 << 20)))
-        self._unit_of = {id(param): (unit, slot) for unit in self.units for slot, param in enumerate(unit.params)}
         self._shape = [(id(param), tuple(param.shape)) for unit in self.units for param in unit.params]
         self.optimizer = optimizer([unit.shard for unit in self.units])
         self._check_optimizer()
         self.offload = StateFiles(offload_dir or tempfile.gettempdir()) if offload == "disk" else None
-        self._require_sync = True
-        self._in_backward = False
-        self._reduced = False  # this step's gradients are in the shards
-        self._handles: list = []
-        self._gatherer: UnitGatherer | None = None  # stage 3
-        self._hooks = [param.register_post_accumulate_grad_hook(weak_method(self._on_grad_ready))
-                       for unit in self.units for param in unit.params]
-        if stage == 3:
-            for unit in self.units:
-                unit.free()
-            units = [unit for unit in self.units if not self._is_root(unit)]
-            self._gatherer = UnitGatherer([self._unit_modules[unit.index] for unit in units], [[u] for u in units],
-                                          group, algorithm, self._backward_starts)
+        # every unit reduced after each backward, so that a unit no gradient reached on this rank
+        # still joins the collective; the root (stage 3) gathered by the forward, freed after
+        self.engine = ShardEngine(self.units, self.optimizer, group, algorithm, stage, offload=self.offload,
+                                  gathered_modules=[(self._unit_modules[unit.index], [unit]) for unit in self.units
+                                                    if stage == 3 and not self._is_root(unit)],
+                                  reduce_every_unit=True, collect_at_backward_end=True)
+
+    @property
+    def _require_sync(self) -> bool:  # what no_sync() turns off: the engine's
+        return self.engine.sync
+
+    @_require_sync.setter
+    def _require_sync(self, value: bool) -> None:
+        self.engine.sync = value
 
     # ----- wrap time -------------------------------------------------------------------
     def _build_units(self, wrap: Callable, bucket_bytes: int) -> list[FlatUnit]:
         named = [(name, param) for name, param in self.module.named_parameters() if param.requires_grad]
         if not named:
             raise ValueError("ZeRO: the module has no parameter that requires a gradient")
-        if self.stage < 3:
-            groups, current, size = [], [], 0
-            for name, param in reversed(named):  # the backward's order, as DataParallel's buckets
-                nbytes = param.numel() * param.element_size()
-                if current and (size + nbytes > bucket_bytes or param.dtype != current[0][1].dtype):
-                    groups.append(current)
-                    current, size = [], 0
-                current.append((name, param))
-                size += nbytes
-            groups.append(current)
+        if self.stage < 3:  # the backward's order, as DataParallel's buckets
+            groups = buckets(list(reversed(named)), bucket_bytes)
             self._unit_modules: list[nn.Module | None] = [None] * len(groups)
             return [FlatUnit(i, group, self.world_size, self.rank, False) for i, group in enumerate(groups)]
         modules = [unit for unit in wrap(self.module) if unit is not self.module]
-        owners: dict[int, list[int]] = {}
-        for index, unit_module in enumerate(modules):
-            for param in unit_module.parameters():
-                owners.setdefault(id(param), []).append(index)
+        owners = owners_of(modules)
         root, per_unit = [], [[] for _ in modules]
         for name, param in named:
             where = owners.get(id(param), [])
@@ -180,7 +173,7 @@ class ZeRO(nn.Module):
     # ----- forward ---------------------------------------------------------------------
     def forward(self, *args, **kwargs):
         self._check_unchanged()
-        if self._in_backward:
+        if self.engine.in_backward:
             raise RuntimeError("ZeRO: the previous backward did not finish reducing its gradients (it raised or "
                                "was interrupted); rebuild the wrapper to recover")
         if self.broadcast_buffers and self.world_size > 1:
@@ -193,11 +186,11 @@ class ZeRO(nn.Module):
                     buffer.copy_(flat[offset:offset + buffer.numel()].view(buffer.shape))
                     offset += buffer.numel()
         roots = []
-        if self._gatherer is not None:
-            self._gatherer.new_step()
+        if self.engine.gatherer is not None:
+            self.engine.gatherer.new_step()
             roots = [unit for unit in self.units if self._is_root(unit)]
         for unit in roots:
-            self._gatherer.ready(unit)
+            self.engine.gatherer.ready(unit)
         try:
             output = self.module(*args, **kwargs)
             if not torch.is_grad_enabled():  # no backward to come: the root's parameters go now
@@ -221,91 +214,15 @@ class ZeRO(nn.Module):
             raise RuntimeError("ZeRO: the module's parameters were added, removed or resized after wrapping; "
                                "wrap the finished model")
 
-    def _backward_starts(self) -> None:
-        """Stage 3: a unit's backward is about to run (before any of its gradients)."""
-        if not self._in_backward:
-            self._begin_backward()
-
-    @contextlib.contextmanager
-    def no_sync(self):
-        """Inside: backward only accumulates local gradients; the next backward outside
-        reduces the accumulated sums."""
-        previous = self._require_sync
-        self._require_sync = False
-        try:
-            yield
-        finally:
-            self._require_sync = previous
-
-    # ----- backward --------------------------------------------------------------------
-    def _begin_backward(self) -> None:
-        self._in_backward = True
-        self._handles = []
-        for unit in self.units:
-            unit.ready = [False] * len(unit.params)
-            unit.pending = len(unit.params)
-        torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
-        if self.offload is not None:  # the state's pages read in while the backward computes
-            self.offload.prefetch()
-
-    def _on_grad_ready(self, param: torch.Tensor) -> None:
-        if not self._in_backward:
-            self._begin_backward()
-        unit, slot = self._unit_of[id(param)]
-        if unit.ready[slot]:
-            return
-        unit.ready[slot] = True
-        unit.pending -= 1
-        if unit.pending == 0:
-            self._unit_done(unit)
-
-    def _unit_done(self, unit: FlatUnit) -> None:
-        """Every gradient of ``unit`` is in (or will not come this backward)."""
-        if self._require_sync and self.stage >= 2:
-            self._reduce(unit, async_op=True)
-        if self.stage == 3:
-            unit.free()
-
-    def _reduce(self, unit: FlatUnit, async_op: bool) -> None:
-        unit.used = [param.grad is not None for param in unit.params]
-        flat = unit.flat_grad()
-        for param in unit.params:
-            param.grad = None  # only the shard stays
-        out = torch.empty(unit.shard_numel, dtype=unit.dtype, device=unit.device)
-        if self.world_size == 1:
-            out.copy_(flat)
-            handle = None
-        else:
-            handle = comm.reduce_scatter_tensor(out, flat, group=self.group, async_op=async_op,
-                                                algorithm=self.algorithm)
-        self._handles.append((unit, out, flat, handle))
-
-    def _finish_backward(self) -> None:
-        for unit in self.units:
-            if unit.pending:
-                unit.pending = 0
-                self._unit_done(unit)
-        self._in_backward = False
-        if self._require_sync and self.stage >= 2:
-            self._collect()
-
-    def _collect(self) -> None:
-        """Wait for the reduce-scatters and add the averages into the shards' gradients."""
-        handles, self._handles = self._handles, []
-        add_reduced(handles, self.world_size)
-        self._reduced = True
-
     # ----- step ------------------------------------------------------------------------
     def _reduce_pending(self) -> None:
         """Stage 1 reduces at the step: every unit's full gradient, reduce-scattered."""
-        if self.stage == 1 and not self._reduced:
+        if self.stage == 1 and not self.engine.reduced:
             if all(param.grad is None for unit in self.units for param in unit.params):
                 raise RuntimeError("ZeRO: step() without a backward since the last zero_grad(); call "
                                    "loss.backward() first")
-            for unit in self.units:
-                self._reduce(unit, async_op=False)
-            self._collect()
-        if not self._reduced:
+            self.engine.reduce_gradients()
+        if not self.engine.reduced:
             raise RuntimeError("ZeRO: step() without a backward since the last zero_grad(); call "
                                "loss.backward() first")
 
@@ -313,18 +230,13 @@ class ZeRO(nn.Module):
         """Scale the gradients so that their global 2-norm (over every rank's shards) is
         at most ``max_norm``; returns the norm before clipping."""
         self._reduce_pending()
-        square = torch.zeros((), dtype=torch.float64)
-        for unit in self.units:
-            if unit.shard.grad is not None:
-                square += unit.shard.grad.double().pow(2).sum()
+        square = self.engine.grad_square_sum()
         if self.world_size > 1:
             comm.all_reduce(square, group=self.group)
         norm = square.sqrt()
         scale = max_norm / (float(norm) + 1e-6)
         if scale < 1:
-            for unit in self.units:
-                if unit.shard.grad is not None:
-                    unit.shard.grad.mul_(scale)
+            self.engine.scale_gradients(scale)
         return norm.to(torch.float32)
 
     def step(self) -> None:
@@ -332,26 +244,19 @@ class ZeRO(nn.Module):
         parameter no rank gave a gradient is left as it was, its optimizer state too
         (as torch's optimizers skip a parameter whose .grad is None)."""
         self._reduce_pending()
-        step_and_gather(self.units, self.optimizer, self.group, self.world_size, self.rank, self.algorithm,
-                        self.offload)
+        self.engine.step()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        clear_grads(self.units)
-        self._reduced = False
+        self.engine.zero_grad()
 
     # ----- state -----------------------------------------------------------------------
     def full_state_dict(self, rank0_only: bool = False) -> dict[str, torch.Tensor]:
         """The unsharded parameters and buffers, as ``module.state_dict()`` would give
         without ZeRO: on every rank, or (``rank0_only``) on rank 0 of the group only, the
         others getting ``{}``. Every rank of the group must call it (stage 3 gathers)."""
-        freed = [unit for unit in self.units if not unit.gathered]
-        for unit in freed:
-            unit.gather(self.group, self.algorithm)
-        state = {} if rank0_only and self.rank != 0 else \
-            {name: tensor.detach().clone() for name, tensor in self.module.state_dict().items()}
-        for unit in freed:
-            unit.free()
-        return state
+        with self.engine.gathered():
+            return {} if rank0_only and self.rank != 0 else \
+                {name: tensor.detach().clone() for name, tensor in self.module.state_dict().items()}
 
     def load_full_state_dict(self, state: dict[str, torch.Tensor] | None, from_rank0: bool = False) -> None:
         """Load unsharded parameters and buffers (names and shapes must match the
@@ -436,28 +341,12 @@ class ZeRO(nn.Module):
         and sharded gradients, master shards and optimizer state in memory, and
         optimizer state in offload files (each storage once)."""
         seen: set[int] = set()
-        state = [value for entry in self.optimizer.state.values() for value in entry.values() if torch.is_tensor(value)]
-
-        def add(tensors) -> int:
-            total = 0
-            for tensor in tensors:
-                if tensor is None:
-                    continue
-                storage = tensor.untyped_storage()
-                if storage.nbytes() and storage.data_ptr() not in seen:
-                    seen.add(storage.data_ptr())
-                    total += storage.nbytes()
-            return total
-
-        return {"params_bytes": add(unit.full for unit in self.units),
-                "grads_bytes": add([param.grad for unit in self.units for param in unit.params]
-                                   + [unit.shard.grad for unit in self.units]),
-                "master_bytes": add(unit.shard for unit in self.units),
-                "optimizer_bytes": add(value for value in state if not self._offloaded(value)),
-                "offloaded_bytes": add(value for value in state if self._offloaded(value))}
-
-    def _offloaded(self, tensor: torch.Tensor) -> bool:
-        return self.offload is not None and self.offload.owns(tensor)
+        return {"params_bytes": storage_bytes((unit.full for unit in self.units), seen),
+                "grads_bytes": storage_bytes([param.grad for unit in self.units for param in unit.params]
+                                             + [unit.shard.grad for unit in self.units], seen),
+                "master_bytes": storage_bytes((unit.shard for unit in self.units), seen),
+                "optimizer_bytes": storage_bytes(self.engine.state_tensors(offloaded=False), seen),
+                "offloaded_bytes": storage_bytes(self.engine.state_tensors(offloaded=True), seen)}
 
 
 def _offload_problems(module: nn.Module, offload) -> list[str]:

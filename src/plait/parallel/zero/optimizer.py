@@ -1,9 +1,9 @@
 """ZeRO stages 1-3 as an optimizer (what plait train --zero-stage 1|2|3 runs): see
-``ShardedOptimizer``."""
+``ShardedOptimizer``. Its units follow the optimizer's param groups; what happens to them
+from the backward to the next forward is ``plait.parallel.zero.engine``'s, the engine the
+``ZeRO`` module runs too."""
 
 from __future__ import annotations
-
-import contextlib
 
 import torch
 from torch import nn
@@ -11,11 +11,10 @@ from torch import nn
 from plait import comm
 from plait.comm.communicator import check_group
 from plait.parallel.arguments import wrapper_communicator
-from plait.parallel.zero.flat_units import (FlatUnit, add_reduced, check_elementwise, clear_grads, reduce_units,
-                                       step_and_gather)
+from plait.parallel.zero.engine import ShardEngine, buckets, check_elementwise, owners_of, storage_bytes
+from plait.parallel.zero.flat_units import FlatUnit
 from plait.parallel.zero.state_offload import StateFiles
-from plait.parallel.zero.unit_gathering import UnitGatherer, default_wrap
-from plait.parallel.data.weak_hooks import weak_method
+from plait.parallel.zero.unit_gathering import default_wrap
 
 
 class ShardedOptimizer:
@@ -81,10 +80,7 @@ class ShardedOptimizer:
         self.unit_early: list[bool] = []  # stages 2 and 3: reduced inside each backward
         self.unit_root: list[bool] = []  # stage 3: parameters of no single unit module, kept gathered
         unit_modules = [unit for module in modules or () for unit in default_wrap(module)]
-        owners: dict[int, list[int]] = {}
-        for index, unit_module in enumerate(unit_modules):
-            for param in unit_module.parameters():
-                owners.setdefault(id(param), []).append(index)
+        owners = owners_of(unit_modules)
         late_ids = {id(param) for param in late}
         by_module: list[list[FlatUnit]] = [[] for _ in unit_modules]
         groups = []
@@ -104,23 +100,13 @@ class ShardedOptimizer:
         # each group carries every option (torch fills them in), so the class defaults do not matter
         self.optimizer = type(optimizer)([group for group in groups if group["params"]])
         self.param_groups = self.optimizer.param_groups
-        self._where = {id(param): (unit, slot) for unit in self.units for slot, param in enumerate(unit.params)}
-        self._in_backward = False
-        self._in_flight: list = []  # (unit, out, flat, handle) of reduce-scatters not yet waited for
-        self._hooks = [param.register_post_accumulate_grad_hook(weak_method(self._on_grad_ready))
-                       for unit, early in zip(self.units, self.unit_early) if early for param in unit.params]
-        for unit in self.units:
-            unit.used = [False] * len(unit.params)
-        self._gatherer = None
-        self._siblings = {unit.index: units for units in by_module for unit in units}  # stage 3: a module's units
-        self._reduced_now = set()
-        if stage == 3:
-            kept = [index for index, units in enumerate(by_module) if units]
-            self._gatherer = UnitGatherer([unit_modules[index] for index in kept], [by_module[i] for i in kept],
-                                          group, algorithm, self._begin_backward)
-            for unit, root in zip(self.units, self.unit_root):
-                if not root:
-                    unit.free()
+        # stage 2's buckets reduced inside each backward, waited for before the next one (the
+        # comm thread overlaps the next micro-batch); stage 3's root buckets stay gathered
+        kept = [index for index, units in enumerate(by_module) if units]
+        self.engine = ShardEngine(self.units, self.optimizer, group, algorithm, stage, offload=self.offload,
+                                  early=self.unit_early, kept=self.unit_root,
+                                  gathered_modules=[(unit_modules[i], by_module[i]) for i in kept],
+                                  reduce_every_unit=False, collect_at_backward_end=False)
 
     @property
     def shards(self) -> list[nn.Parameter]:
@@ -138,122 +124,42 @@ class ShardedOptimizer:
         self.zero_grad()
         if self.offload is not None:
             self.offload.prefetch()
-        if self._gatherer is not None:
-            self._gatherer.new_step()
+        if self.engine.gatherer is not None:
+            self.engine.gatherer.new_step()
 
-    @contextlib.contextmanager
     def whole_parameters(self, write: bool = False):
         """Stage 3: every parameter gathered inside (every rank of the group enters);
         ``write``: what was written into them is kept (copied into the shards) on exit.
         Stages 1 and 2 keep the parameters whole anyway."""
-        freed = [unit for unit in self.units if not unit.gathered]
-        for unit in freed:
-            unit.gather(self.group, self.algorithm)
-        try:
-            yield
-        finally:
-            if write and self.stage == 3:
-                with torch.no_grad():
-                    for unit in self.units:
-                        start = self.rank * unit.shard_numel
-                        unit.shard.copy_(unit.full[start:start + unit.shard_numel])
-            for unit in freed:
-                unit.free()
-
-    # ----- stage 2: inside each backward ---------------------------------------------------
-    def _begin_backward(self) -> None:
-        if self._in_backward:
-            return
-        self._in_backward = True
-        self._wait_in_flight()  # the previous backward's, long done by now
-        self._reduced_now: set[int] = set()
-        for unit in self.units:
-            unit.ready = [False] * len(unit.params)
-        torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
-
-    def _on_grad_ready(self, param: torch.Tensor) -> None:
-        self._begin_backward()
-        unit, slot = self._where[id(param)]
-        unit.ready[slot] = True
-        if not all(unit.ready) or unit.index in self._reduced_now:
-            return
-        # stage 3: a module's units together (one call), once each has all its gradients
-        together = self._siblings.get(unit.index, [unit])
-        if all(all(other.ready) for other in together):
-            self._reduce(together, async_op=True)
-            if self.stage == 3 and not self.unit_root[unit.index]:
-                for other in together:
-                    other.free()  # the module's backward is done: its parameters go until the next forward
-
-    def _end_backward(self) -> None:
-        """Buckets this backward gave only some of their gradients: reduced now, in
-        bucket order (the same on every rank); stage 3: every unit gathered for this
-        backward is freed."""
-        self._in_backward = False
-        for unit, early in zip(self.units, self.unit_early):
-            if early and any(unit.ready) and unit.index not in self._reduced_now:
-                self._reduce([unit], async_op=True)
-        if self.stage == 3:
-            for unit, root in zip(self.units, self.unit_root):
-                if not root:
-                    unit.free()
-
-    def _reduce(self, units: list[FlatUnit], async_op: bool) -> None:
-        """The units' gradients reduce-scattered in one call; the full ones dropped."""
-        self._in_flight += reduce_units(units, self.group, self.algorithm, async_op)
-        self._reduced_now.update(unit.index for unit in units)
-
-    def _wait_in_flight(self) -> None:
-        """The average of every reduce-scatter issued, added into its shard's gradient."""
-        in_flight, self._in_flight = self._in_flight, []
-        add_reduced(in_flight, self.world_size)
+        return self.engine.gathered(write)
 
     # ----- the step ------------------------------------------------------------------------
     def reduce_gradients(self) -> None:
         """This rank's shard of the average gradient in each bucket's ``shard.grad``:
         stage 1 reduce-scatters every bucket now; stage 2 waits for the reductions the
         backwards started and reduces the late buckets."""
-        for unit, early in zip(self.units, self.unit_early):
-            if not early:
-                self._reduce([unit], async_op=False)
-        self._wait_in_flight()
+        self.engine.reduce_gradients()
 
     def grad_square_sum(self, tp_rank: int) -> torch.Tensor:
         """Σ g² over this rank's shards (tp-replicated buckets only on tp rank 0), float64."""
-        total = torch.zeros((), dtype=torch.float64)
-        for unit, replicated in zip(self.units, self.unit_replicated):
-            if unit.shard.grad is not None and (not replicated or tp_rank == 0):
-                total += unit.shard.grad.double().pow(2).sum().cpu()
-        return total
+        return self.engine.grad_square_sum([unit for unit, replicated in zip(self.units, self.unit_replicated)
+                                            if not replicated or tp_rank == 0])
 
     def scale_gradients(self, factor: float) -> None:
-        for unit in self.units:
-            if unit.shard.grad is not None:
-                unit.shard.grad.mul_(factor)
+        self.engine.scale_gradients(factor)
 
     def step(self) -> None:
         """Step the shards (a parameter no rank gave a gradient is left as it was), then
         all-gather every bucket."""
-        step_and_gather(self.units, self.optimizer, self.group, self.world_size, self.rank, self.algorithm,
-                        self.offload)
+        self.engine.step()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        clear_grads(self.units)
-        for unit in self.units:
-            unit.used = [False] * len(unit.params)
+        self.engine.zero_grad()
 
     def state_bytes(self) -> int:
         """Bytes of this rank's optimizer state in memory (each storage once; not what
         is offloaded to files)."""
-        seen, total = set(), 0
-        for entry in self.optimizer.state.values():
-            for value in entry.values():
-                if self.offload is not None and torch.is_tensor(value) and self.offload.owns(value):
-                    continue
-                if torch.is_tensor(value) and value.untyped_storage().data_ptr() not in seen:
-                    seen.add(value.untyped_storage().data_ptr())
-                    total += value.untyped_storage().nbytes()
-        return total
+        return storage_bytes(self.engine.state_tensors(offloaded=False), set())
 
     def full_state(self, names: dict[int, str]) -> dict[str, dict]:
         """torch's per-parameter state ({name: {key: tensor}}) of every parameter, each
@@ -323,13 +229,5 @@ def _buckets(params, stage: int, late_ids: set[int], owners: dict[int, list[int]
         for is_late in (False, True):
             kind = [param for param in params if (getattr(param, "tp_shard", None) is None) == replicated
                     and (id(param) in late_ids) == is_late]
-            current, size = [], 0
-            for param in kind + [None]:
-                if param is None or (current and (size + param.numel() * param.element_size() > bucket_bytes
-                                                  or param.dtype != current[0][1].dtype)):
-                    if current:
-                        yield (replicated, is_late, None), current
-                    current, size = [], 0
-                if param is not None:
-                    current.append((f"param.{len(current)}", param))
-                    size += param.numel() * param.element_size()
+            for bucket in buckets([(None, param) for param in kind], bucket_bytes):
+                yield (replicated, is_late, None), [(f"param.{slot}", param) for slot, (_, param) in enumerate(bucket)]

@@ -5,9 +5,9 @@ its backward), and freed by the owner once their gradients are reduced. While on
 module computes, the next one (in the order the last step's forwards ran them; in the
 backward the one before) is already being gathered on plait's comm thread.
 
-Used by ``plait.parallel.zero.ZeRO`` (one unit a module) and by
-``plait.parallel.zero.optimizer.ShardedOptimizer`` (plait train: a module's units
-split by optimizer param group and tensor-parallel kind)."""
+Built by ``plait.parallel.zero.engine`` for both fronts: ``ZeRO`` (one unit a module)
+and ``ShardedOptimizer`` (plait train: a module's units split by optimizer param group
+and tensor-parallel kind)."""
 
 from __future__ import annotations
 
