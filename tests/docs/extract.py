@@ -14,6 +14,9 @@ to a file. An HTML comment on the line before the fence says how to run the bloc
                                           checked shorter; the last one of a flag wins)
     <!-- docs: file=job.toml -->          the block is written to that file in the work
                                           directory before any block runs
+    <!-- docs: slow cleanup=CMD -->       CMD runs after the block, passed or failed, once
+                                          its first command has succeeded (e.g. a testbed
+                                          brought up is taken down)
 
 An unmarked runnable block is quick. Values run to the next key (``key=``) or the end.
 """
@@ -26,7 +29,7 @@ import re
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 RUNNABLE = ("bash", "console", "python")
 NOT_RUN = ("text", "toml")
-KEYS = ("reason", "timeout", "torchrun", "append", "file")
+KEYS = ("reason", "timeout", "torchrun", "append", "file", "cleanup")
 _DIRECTIVE = re.compile(r"^<!--\s*docs:\s*(.*?)\s*-->\s*$")
 _FENCE = re.compile(r"^(`{3,})(.*)$")
 

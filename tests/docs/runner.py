@@ -86,22 +86,27 @@ def block_timeout_s(block: Block) -> int:
     return int(block.option("timeout", QUICK_TIMEOUT_S if block.mode == "quick" else SLOW_TIMEOUT_S))
 
 
-def run_block(block: Block, workdir: pathlib.Path, cache: dict[tuple[str, ...], str]) -> None:
+def run_block(block: Block, workdir: pathlib.Path) -> None:
+    """Every command of the block, in order, each to the end (no command is skipped as seen before:
+    a repeated `plait testbed down` is not the same as the first)."""
     env = environment(workdir)
     timeout_s = block_timeout_s(block)
     if block.lang == "python":
         (workdir / commands_of(block)[0][1][-1]).write_text(block.text)
-    for shown, argv in commands_of(block):
-        key = tuple(argv)
-        if key in cache and block.lang != "python":
-            continue                      # the same command earlier in this session (e.g. make run)
-        try:
-            done = subprocess.run(argv, cwd=workdir, env=env, stdin=subprocess.DEVNULL, capture_output=True,
-                                  text=True, timeout=timeout_s)
-        except subprocess.TimeoutExpired as error:
-            raise AssertionError(f"{block.id}: still running after {timeout_s:g} s: {shown}\n"
-                                 f"{(error.stdout or '')[-3000:]}{(error.stderr or '')[-3000:]}") from None
-        if done.returncode != 0:
-            raise AssertionError(f"{block.id}: exit {done.returncode}: {shown}\n--- stdout (tail)\n"
-                                 f"{done.stdout[-4000:]}\n--- stderr (tail)\n{done.stderr[-4000:]}")
-        cache[key] = done.stdout
+    started = False
+    try:
+        for shown, argv in commands_of(block):
+            try:
+                done = subprocess.run(argv, cwd=workdir, env=env, stdin=subprocess.DEVNULL, capture_output=True,
+                                      text=True, timeout=timeout_s)
+            except subprocess.TimeoutExpired as error:
+                raise AssertionError(f"{block.id}: still running after {timeout_s:g} s: {shown}\n"
+                                     f"{(error.stdout or '')[-3000:]}{(error.stderr or '')[-3000:]}") from None
+            if done.returncode != 0:
+                raise AssertionError(f"{block.id}: exit {done.returncode}: {shown}\n--- stdout (tail)\n"
+                                     f"{done.stdout[-4000:]}\n--- stderr (tail)\n{done.stderr[-4000:]}")
+            started = True
+    finally:
+        if started and block.option("cleanup"):
+            subprocess.run(["bash", "-c", block.option("cleanup")], cwd=workdir, env=env, stdin=subprocess.DEVNULL,
+                           capture_output=True, timeout=SLOW_TIMEOUT_S)

@@ -21,14 +21,9 @@ def docs_workdir(tmp_path_factory):
     return make_workdir(tmp_path_factory.mktemp("docs-work"), [b for b in BLOCKS if b.mode == "file"])
 
 
-@pytest.fixture(scope="session")
-def docs_cache():
-    return {}
-
-
 @pytest.mark.parametrize("block", [_param(block) for block in RUN])
-def test_block_runs(block, docs_workdir, docs_cache):
-    run_block(block, docs_workdir, docs_cache)
+def test_block_runs(block, docs_workdir):
+    run_block(block, docs_workdir)
 
 
 def test_every_block_is_tagged_and_marked():
