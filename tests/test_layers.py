@@ -49,7 +49,6 @@ LOCAL_ALLOWED = {
     ("plait.train.agent", "plait.train.lifeline"): "inside a conditional branch",
     ("plait.testing.worker", "torch"): "the worker imports torch only in the spawned child, after setting threads",
     ("plait.parallel.mesh", "torch.distributed"): "plait.parallel stays importable without torch.distributed",
-    ("plait.parallel.ps.config", "plait.compress"): "compress loads torch; ps_config stays torch-free",
     ("plait.parallel.data.data_parallel", "plait.compress"): "inside a conditional branch (compressor given as a spec)",
     ("plait.parallel.hybrid", "plait.compress"): "inside a conditional branch (compression on)",
     ("plait.compress.feedback", "plait.compress.powersgd"): "inside a conditional branch (PowerSGD's own feedback)",

@@ -34,6 +34,7 @@ from plait.comm.errors import MismatchError
 from plait.comm.inband import INLINE_BYTES, CallSignature, InbandCall
 from plait.comm.ops import COMBINE
 from plait.names.wire import OP_CODES, dtype_code
+
 FIELDS = ("collective", "algorithm", "elements", "dtype", "op", "root", "hierarchy or schedule",
           "segment_bytes", "pipeline_segment_bytes")
 SIGNATURE_BYTES = 8 * len(FIELDS)

@@ -199,7 +199,8 @@ class DataParallel(NoSync, nn.Module):
             raise RuntimeError("DataParallel needs torch.distributed to be initialised "
                                "(torch.distributed.init_process_group, or run under torchrun)")
         self.module = module
-        self.group = group = wrapper_communicator(group, "DataParallel")  # a Communicator: every call goes through it
+        self.group = group  # as given (None: the world), as before
+        self.communicator = group = wrapper_communicator(group, "DataParallel")  # every call goes through it
         self.algorithm = algorithm
         # buffers and compressed payloads use other collectives: the same algorithm where
         # it implements them, else the tuner's choice
@@ -231,7 +232,7 @@ class DataParallel(NoSync, nn.Module):
         return self.algorithm if ok else "auto"
 
     def _verify_and_broadcast(self, init: str) -> None:
-        verify_replicas(self.module, self.group, init, "DataParallel")
+        verify_replicas(self.module, self.communicator, init, "DataParallel")
 
     # ----- forward ---------------------------------------------------------------------
     def forward(self, *args, **kwargs):
@@ -241,7 +242,7 @@ class DataParallel(NoSync, nn.Module):
         if self.broadcast_buffers and self.world_size > 1 and self._require_sync:
             buffers = list(self.module.buffers())
             if buffers:
-                _flat_broadcast(buffers, self._src, self.group, self._broadcast_algorithm)
+                _flat_broadcast(buffers, self._src, self.communicator, self._broadcast_algorithm)
         return self.module(*args, **kwargs)
 
     # ----- backward hooks --------------------------------------------------------------
@@ -286,10 +287,10 @@ class DataParallel(NoSync, nn.Module):
     def _launch(self, bucket: Bucket):
         # the comm layer checks sizes and order in-band, in the call's own messages
         if self.compression is None:
-            return comm.all_reduce(bucket.buffer, op=comm.ReduceOp.AVG, group=self.group, async_op=True,
+            return comm.all_reduce(bucket.buffer, op=comm.ReduceOp.AVG, group=self.communicator, async_op=True,
                                    algorithm=self.algorithm)
         grad_bucket = bucket.as_grad_bucket(self.step_count)
-        compressor, group, algorithm = self.compression, self.group, self._compress_algorithm
+        compressor, group, algorithm = self.compression, self.communicator, self._compress_algorithm
 
         communicator = comm.communicator_for(group)
 
@@ -331,7 +332,7 @@ class DataParallel(NoSync, nn.Module):
         """(bucket, slot) of the parameters that no rank gave a gradient this step."""
         slots = [(bucket.index, slot) for bucket in self.buckets for slot in range(len(bucket.params))]
         used = torch.tensor([0 if key in self._unused_slots else 1 for key in slots], dtype=torch.int32)
-        comm.all_reduce(used, group=self.group, algorithm=self._compress_algorithm)
+        comm.all_reduce(used, group=self.communicator, algorithm=self._compress_algorithm)
         return {key for key, count in zip(slots, used.tolist()) if count == 0}
 
     def _record(self, backward_end_s: float, done_s: float) -> None:

@@ -82,9 +82,10 @@ class ParameterServer(ServerLoop):
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("ParameterServer needs torch.distributed initialised on every rank (launch with "
                                "torchrun and call dist.init_process_group, or use plait.testing.run_distributed)")
-        self.group = wrapper_communicator(group, "ParameterServer")  # a Communicator: every call goes through it
-        self.world_size = self.group.size
-        self.rank = self.group.rank
+        self.group = group  # as given (None: the world), as before
+        self.communicator = wrapper_communicator(group, "ParameterServer")  # every call goes through it
+        self.world_size = self.communicator.size
+        self.rank = self.communicator.rank
         self.config.check_world_size(self.world_size)
         named = [(name, param) for name, param in module.named_parameters() if param.requires_grad]
         if not named:
@@ -109,9 +110,9 @@ class ParameterServer(ServerLoop):
                   numel=sum(named[i][1].numel() for i in indices),
                   nbytes=sum(named[i][1].numel() * named[i][1].element_size() for i in indices))
             for server, indices in zip(self.server_ranks, owned))
-        self.timeout_s = self.group.config.timeout_s  # the group's deadline
+        self.timeout_s = self.communicator.config.timeout_s  # the group's deadline
         # pushes and pulls go through shared memory when the whole group shares this host
-        self._link = comm.link_for(self.group)
+        self._link = comm.link_for(self.communicator)
         self._broadcast_state(self.server_ranks[0])
         self._bytes_sent = self._bytes_received = 0
         self._wait_time_s = 0.0
@@ -157,11 +158,11 @@ class ParameterServer(ServerLoop):
     def _broadcast_state(self, src: int) -> None:
         """Every rank takes the first server's parameters and buffers (one broadcast per dtype)."""
         tensors = list(self.module.parameters()) + list(self.module.buffers())
-        src_global = self.group.ranks[src]
+        src_global = self.communicator.ranks[src]
         for dtype in sorted({t.dtype for t in tensors}, key=str):
             same = [t for t in tensors if t.dtype == dtype]
             flat = torch.cat([t.detach().reshape(-1) for t in same])
-            comm.broadcast(flat, src_global, self.group)
+            comm.broadcast(flat, src_global, self.communicator)
             unflatten_into(flat, same)
 
     def _header(self, kind: int, step: int, a: int = 0, b: int = 0, culprits=()) -> torch.Tensor:

@@ -108,8 +108,9 @@ class ZeRO(NoSync, nn.Module):
         if not dist.is_initialized():
             raise RuntimeError("ZeRO needs torch.distributed to be initialised "
                                "(torch.distributed.init_process_group, or run under torchrun)")
+        self.group = group  # as given (None: the world), as before
         group = wrapper_communicator(group, "ZeRO")  # a Communicator: every call goes through it
-        self.module, self.stage, self.group, self.algorithm = module, stage, group, algorithm
+        self.module, self.stage, self.communicator, self.algorithm = module, stage, group, algorithm
         self.world_size, self.rank = group.size, group.rank
         self.broadcast_buffers = broadcast_buffers
         self._src = group.ranks[0]
@@ -180,7 +181,7 @@ class ZeRO(NoSync, nn.Module):
             buffers = list(self.module.buffers())
             if buffers:
                 flat = torch.cat([buffer.detach().reshape(-1).to(torch.float64) for buffer in buffers])
-                comm.broadcast(flat, src=self._src, group=self.group)
+                comm.broadcast(flat, src=self._src, group=self.communicator)
                 offset = 0
                 for buffer in buffers:
                     buffer.copy_(flat[offset:offset + buffer.numel()].view(buffer.shape))
@@ -232,7 +233,7 @@ class ZeRO(NoSync, nn.Module):
         self._reduce_pending()
         square = self.engine.grad_square_sum()
         if self.world_size > 1:
-            comm.all_reduce(square, group=self.group)
+            comm.all_reduce(square, group=self.communicator)
         norm = square.sqrt()
         scale = max_norm / (float(norm) + 1e-6)
         if scale < 1:
@@ -265,14 +266,14 @@ class ZeRO(NoSync, nn.Module):
         template = self.module.state_dict()
         if from_rank0 and self.world_size > 1:
             verdict = [self._state_problem(state, template) if self.rank == 0 else None]
-            dist.broadcast_object_list(verdict, src=self._src, group=self.group.group)
+            dist.broadcast_object_list(verdict, src=self._src, group=self.communicator.group)
             if verdict[0]:
                 raise ValueError(verdict[0])
             received = {}
             for name in sorted(template):
                 value = state[name].detach().to(template[name].dtype).contiguous().clone() if self.rank == 0 \
                     else torch.empty(template[name].shape, dtype=template[name].dtype)
-                comm.broadcast(value, src=self._src, group=self.group)
+                comm.broadcast(value, src=self._src, group=self.communicator)
                 received[name] = value
             state = received
         else:
@@ -288,7 +289,7 @@ class ZeRO(NoSync, nn.Module):
             with torch.no_grad():
                 unit.shard.copy_(flat[start:start + unit.shard_numel])
             if unit.gathered:
-                unit.gather(self.group, self.algorithm)
+                unit.gather(self.communicator, self.algorithm)
         # every name of every parameter (a tied one has two): only the buffers remain to load
         params = {name for name, _ in self.module.named_parameters(remove_duplicate=False)}
         buffers = {name: value for name, value in state.items() if name not in params}
@@ -326,7 +327,7 @@ class ZeRO(NoSync, nn.Module):
             for unit, shard in zip(self.units, state["shards"]):
                 unit.shard.copy_(shard)
                 if unit.gathered:
-                    unit.gather(self.group, self.algorithm)
+                    unit.gather(self.communicator, self.algorithm)
         self.optimizer.load_state_dict(state["optimizer"])
         if self.offload is not None:  # the loaded state into files, the replaced files let go
             for unit in self.units:

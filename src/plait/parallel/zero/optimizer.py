@@ -72,7 +72,8 @@ class ShardedOptimizer:
                              "the state of a model on the CPU can be offloaded, to disk): turn offload off")
         self.stage = stage
         self.offload = StateFiles(offload_dir) if offload_dir is not None else None
-        self.group = group = wrapper_communicator(group, "ShardedOptimizer")  # every call goes through it
+        self.group = group  # as given (None: the world), as before
+        self.communicator = group = wrapper_communicator(group, "ShardedOptimizer")  # every call goes through it
         self.algorithm = algorithm
         self.world_size, self.rank = group.size, group.rank
         self.units: list[FlatUnit] = []
@@ -174,7 +175,7 @@ class ShardedOptimizer:
                     if self.world_size == 1:
                         full.copy_(value)
                     else:
-                        comm.all_gather_into_tensor(full, value.contiguous(), group=self.group,
+                        comm.all_gather_into_tensor(full, value.contiguous(), group=self.communicator,
                                                     algorithm=self.algorithm)
                     for param, offset in zip(unit.params, unit.offsets):
                         out.setdefault(names[id(param)], {})[key] = \
