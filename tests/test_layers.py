@@ -52,21 +52,36 @@ LOCAL_ALLOWED = {
     ("plait.parallel.data.data_parallel", "plait.compress"): "inside a conditional branch (compressor given as a spec)",
     ("plait.parallel.hybrid", "plait.compress"): "inside a conditional branch (compression on)",
     ("plait.compress.feedback", "plait.compress.powersgd"): "inside a conditional branch (PowerSGD's own feedback)",
-    ("plait.cli", ""): "`plait --help` imports every cli module: torch, matplotlib and "
-                       "train/comm/compress load only when a subcommand runs (or in a branch)",
+    # `plait --help` and a refused flag must not load torch, matplotlib or the layers that do:
+    ("plait.cli.bench", "plait.bench.predict"): "loads the cost model's predictions only for --predict",
+    ("plait.cli.bench", "plait.bench"): "the benchmark modules load torch; only when a benchmark runs",
+    ("plait.cli.bench_dp", "matplotlib"): "optional heavy dependency, only for the plot",
+    ("plait.cli.bench_fold", "plait.bench"): "the FoldedCNN benchmark loads torch; only when it runs",
+    ("plait.cli.plan", "plait.train"): "train's config and corpus load torch; only for --model plait (this machine)",
+    ("plait.cli.plan", "plait.cli.factory"): "a --module factory loads torch; only when one is given",
+    ("plait.cli.simulate", "matplotlib"): "optional heavy dependency, only for the plot",
+    ("plait.cli.simulate", "plait.cost.profile"): "only when --profile names one",
+    ("plait.cli.train", "plait.train"): "the launcher's checks and the loop load torch; only once flags are valid",
+    ("plait.cli.train", "plait.cli.comm_config"): "reads PLAIT_COMM_* into a CommConfig (loads comm/torch) per run",
+    ("plait.cli.train", "torch"): "only in the rank process and for sampling",
     ("plait.bench.report", "matplotlib"): "optional heavy dependency, only for plots",
     ("plait.bench.memory", "matplotlib"): "optional heavy dependency, only for the frontier PNG",
     ("plait.bench.zero", "torch.distributed.device_mesh"): "FSDP2's mesh loads only when an FSDP2 variant runs",
     ("plait.bench.zero", "torch.distributed.fsdp"): "FSDP2 loads only when an FSDP2 variant runs",
-    ("plait.bench.collectives", ""): "inside conditional branches (tuner profile, --check module)",
+    ("plait.bench.collectives", "plait.comm"): "inside conditional branches (tuner profile, --check module)",
     ("plait.bench.dp", "plait.compress"): "inside a conditional branch (compressor spec)",
     ("plait.parallel.pipeline.draw", "matplotlib"): "optional heavy dependency, only for PNG Gantt charts",
     ("plait.train.report", "matplotlib"): "optional heavy dependency, only for plots",
     ("plait.train.budget", "plait.parallel.pipeline.partition"): "loads torch; budget is checked before any process",
     ("plait.train.config_rules", "plait.comm"): "comm loads torch; TrainConfig parses flags without it",
     ("plait.train.config_rules", "plait.compress"): "compress loads torch; TrainConfig parses flags without it",
-    ("plait.train.loop", ""): "inside branches (progress on rank 0, the GPT's FLOPs, a tuner from a profile)",
-    ("plait.train.build", ""): "inside branches per model/data kind (GPT or MLP, corpus or digits)",
+    ("plait.train.loop", "plait.train.progress"): "inside a branch: the progress line on rank 0 only",
+    ("plait.train.loop", "plait.comm.tuner"): "inside a branch: a tuner only when a profile is given",
+    ("plait.train.loop", "plait.cost.profile"): "inside a branch: a tuner only when a profile is given",
+    ("plait.train.build", "plait.models.gpt"): "inside a branch per model kind (GPT or MLP)",
+    ("plait.train.build", "plait.parallel.pipeline"): "inside a branch: pipeline stages only when pp > 1",
+    ("plait.train.build", "plait.parallel.tensor"): "inside a branch: tensor-parallel groups only when tp > 1",
+    ("plait.train.build", "plait.train.corpus"): "inside a branch per data kind (corpus or digits)",
 }
 
 
@@ -178,6 +193,26 @@ def test_dependencies_point_down():
         assert src in RANK and dst in RANK, f"{_where(imp)}: add the layer to RANK"
         if RANK[dst] >= RANK[src] and not _allowed(LAYER_EXCEPTIONS, imp):
             bad.append(f"{_where(imp)} ({src} -> {dst} does not point down)")
+    assert not bad, "\n".join(bad)
+
+
+# DESIGN.md 2's parallel/: one package a concept, each below the ones that build on it
+PARALLEL_RANK = {"hybrid": 3, "pipeline": 2, "zero": 2, "ps": 2, "data": 1, "tensor": 1, "mesh": 0, "arguments": 0}
+
+
+def test_parallel_concepts_depend_downwards():
+    """Inside plait.parallel: hybrid builds on the rest; pipeline uses tensor; zero and ps use
+    data's pieces; nothing below imports what is above it, and no two concepts import each other."""
+    bad = []
+    for imp in all_imports():
+        src, dst = imp.importer.split("."), imp.target.split(".")
+        if src[:2] != [ROOT, "parallel"] or dst[:2] != [ROOT, "parallel"] or len(src) < 3 or len(dst) < 3:
+            continue
+        if src[2] == dst[2]:
+            continue
+        assert src[2] in PARALLEL_RANK and dst[2] in PARALLEL_RANK, f"{_where(imp)}: add the concept to PARALLEL_RANK"
+        if PARALLEL_RANK[dst[2]] >= PARALLEL_RANK[src[2]]:
+            bad.append(f"{_where(imp)} (parallel.{src[2]} -> parallel.{dst[2]} does not point down)")
     assert not bad, "\n".join(bad)
 
 

@@ -13,6 +13,7 @@ bytes per step relative to uncompressed and the final loss (plait.bench.dp).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from plait.bench.dp import DpBenchConfig, median_by_mode, run_dp_bench, summary_numbers
@@ -98,8 +99,6 @@ def run(args: argparse.Namespace) -> int:
     use_world = args.nprocs is None and in_torchrun()
     stream = sys.stderr if args.json == "-" else sys.stdout
     if use_world:
-        import os
-
         nprocs, backend = int(os.environ["WORLD_SIZE"]), choose_backend(args.backend, spawned=False)
         is_reporter = int(os.environ.get("RANK", "0")) == 0
     else:

@@ -23,6 +23,7 @@ import json
 import sys
 import time
 import warnings
+from dataclasses import replace
 
 from plait.cli.environment import cache_dir
 from plait.cost.presets import PLACEHOLDER_LOCAL_LINK
@@ -167,8 +168,6 @@ def _transformer(args):
     if args.dropout is not None:
         overrides["dropout"] = args.dropout
     if overrides:
-        from dataclasses import replace
-
         spec = replace(spec, **overrides)
     return spec
 

@@ -102,8 +102,6 @@ def run(args) -> int:
     if args.algorithm == "hierarchical":
         spec = args.hierarchy
         if spec and spec.lstrip().startswith("["):
-            import json
-
             spec = json.loads(spec)
         hierarchy = parse_hierarchy(spec, p, 1)
     root = args.root if args.collective in ROOTED else None

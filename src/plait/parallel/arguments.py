@@ -1,8 +1,7 @@
 """The arguments every parallel wrapper takes, checked the same way: the module it
-wraps and the process group it runs on (and the pipeline engine's schedule and stages),
-and the one place a wrapper turns its ``group=`` into the Communicator it runs on
-(:func:`wrapper_communicator`). A string, a class or None where a module
-belongs is named as a TypeError before anything else runs (it used to surface as an
+wraps and the process group it runs on, and the one place a wrapper turns its
+``group=`` into the Communicator it runs on (:func:`wrapper_communicator`). A string,
+a class or None where a module belongs is named as a TypeError before anything else runs (it used to surface as an
 AttributeError from deep inside the wrapper)."""
 
 from __future__ import annotations
@@ -11,7 +10,6 @@ import torch.distributed as dist
 from torch import nn
 
 from plait.comm.communicator import Communicator, check_group, communicator_for
-from plait.parallel.pipeline.schedules import PipelineSchedule
 
 
 def check_module(module, owner: str, name: str = "module") -> nn.Module:
@@ -48,24 +46,3 @@ def wrapper_communicator(group, owner: str) -> Communicator:
         raise ValueError(f"{owner}: this rank (global rank {dist.get_rank()}) is not a member of the group it was "
                          "given; build the wrapper on the group's ranks only")
     return communicator
-
-
-def check_pipeline_arguments(schedule, stage_modules, loss_fn, group, model) -> None:
-    """PipelineEngine's arguments are of the kinds it takes, or a TypeError naming the one
-    that is not (a string used to surface as an AttributeError from inside)."""
-    if not isinstance(schedule, PipelineSchedule):
-        raise TypeError(f"PipelineEngine: schedule must be a PipelineSchedule (e.g. "
-                        f"plait.parallel.pipeline.schedules.one_f_one_b(ranks, microbatches)), got "
-                        f"{type(schedule).__name__} ({schedule!r:.40})")
-    if not isinstance(stage_modules, dict) or not all(
-            isinstance(stage, int) and isinstance(module, nn.Module) for stage, module in stage_modules.items()):
-        raise TypeError("PipelineEngine: stage_modules must be a dict of stage index -> nn.Module (this rank's "
-                        f"stages), got {stage_modules!r:.80}")
-    if not callable(loss_fn):
-        raise TypeError(f"PipelineEngine: loss_fn must be callable (output, target) -> loss, got {loss_fn!r:.40}")
-    if model is not None:
-        check_module(model, "PipelineEngine", "model")
-    try:
-        check_group(group)
-    except TypeError as error:
-        raise TypeError(f"PipelineEngine: {error}") from None

@@ -49,7 +49,8 @@ from plait import comm
 from plait.comm import tags
 from plait.comm.communicator import Communicator
 from plait.comm.errors import CommError
-from plait.parallel.arguments import check_pipeline_arguments, wrapper_communicator
+from plait.parallel.arguments import wrapper_communicator
+from plait.parallel.pipeline.engine_checks import check_pipeline_arguments
 from plait.parallel.pipeline.messages import PipelineError, StageMessages
 from plait.parallel.pipeline.replay import Interval, Timeline
 from plait.parallel.pipeline.split_backward import input_backward, weight_backward
