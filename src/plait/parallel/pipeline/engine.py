@@ -54,20 +54,8 @@ from plait.parallel.pipeline.engine_checks import check_pipeline_arguments
 from plait.parallel.pipeline.messages import PipelineError, StageMessages
 from plait.parallel.pipeline.replay import Interval, Timeline
 from plait.parallel.pipeline.split_backward import input_backward, weight_backward
-from plait.parallel.pipeline.schedules import (
-    ALL_REDUCE,
-    BACKWARD,
-    FORWARD,
-    RECV_ACT,
-    RECV_GRAD,
-    SEND_ACT,
-    SEND_GRAD,
-    STEP,
-    WEIGHT,
-    PipelineSchedule,
-    backward_next,
-    next_backward,
-)
+from plait.parallel.pipeline.schedules import (ALL_REDUCE, BACKWARD, FORWARD, RECV_ACT, RECV_GRAD, SEND_ACT, SEND_GRAD,
+                                              STEP, WEIGHT, PipelineSchedule, backward_next, next_backward)
 from plait.memory.offload import ActivationOffloader
 from plait.memory.precision import autocast
 from plait.memory.saved_memory import SavedTensorMeter
