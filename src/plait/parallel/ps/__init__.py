@@ -1,20 +1,8 @@
 """The parameter server: workers push gradients to server ranks, which update their shard
-and reply with parameters. ``config`` (the configuration, statistics and sharding) stays
-torch-free, so the names below load on first use."""
+and reply with parameters. ``protocol`` (tags, message kinds, wire constants) is what
+both sides import; ``config`` holds the configuration, statistics and sharding rule."""
 
-from __future__ import annotations
+from plait.parallel.ps.config import ParameterServerConfig, ParameterServerStats, shard_by_size
+from plait.parallel.ps.worker import ParameterServer
 
-import importlib
-
-_LAZY = {"ParameterServer": "plait.parallel.ps.worker", "ParameterServerConfig": "plait.parallel.ps.config",
-         "ParameterServerStats": "plait.parallel.ps.config", "shard_by_size": "plait.parallel.ps.config"}
-
-__all__ = sorted(_LAZY)
-
-
-def __getattr__(name: str):
-    if name in _LAZY:
-        value = getattr(importlib.import_module(_LAZY[name]), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__all__ = ["ParameterServer", "ParameterServerConfig", "ParameterServerStats", "shard_by_size"]
