@@ -120,6 +120,7 @@ def plait(*argv: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_training_on_beside_a_linked_step_directory_leaves_the_other_run_intact(tmp_path):
     """The probe, end to end: RUN's checkpoints/step_00000002 links to VICTIM's newest
     checkpoint. Before: `plait train --keep-checkpoints 1` resumed from it, then pruning

@@ -219,6 +219,7 @@ def test_a_fifo_where_the_run_writes_a_file_is_named_before_launch(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_plait_train_writes_through_no_link_of_its_run_directory(tmp_path):
     """Findings 1-3 as reported: linked loss.png, launch-config.toml, .lock and offload/."""
     out = _run_dir(tmp_path)

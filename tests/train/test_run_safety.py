@@ -33,7 +33,7 @@ from plait.train import checkpoint as ckpt
 from plait.train import runlock
 from plait.train.config import TrainConfig
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.long]
 
 WORKER = Path(__file__).with_name("agent_worker.py")
 TINY = dict(layers=2, hidden=32, heads=4, seq_len=16, data_max_bytes=60_000, global_batch=8, micro_batch=2, dp=2,

@@ -20,7 +20,7 @@ import pytest
 from plait.testing import run_distributed
 from plait.train.config import TrainConfig
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.long]
 
 
 def _config(out, **overrides) -> TrainConfig:
