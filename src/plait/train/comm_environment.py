@@ -23,26 +23,28 @@ from __future__ import annotations
 from plait.comm.algorithms import TOPOLOGY_ALGORITHMS
 from plait.comm.config import ENVIRONMENT, CommConfig
 from plait.comm.settings import hierarchy_ranks
+from plait.names.axes import DP, PP, TP
 from plait.train.config import TrainConfig
 from plait.train.loop import FAULT_ENV
 
 HIERARCHICAL = "hierarchical"
+WORLD = "world"
 
 
 def hierarchical_groups(config: TrainConfig, comm_config: CommConfig) -> dict[str, int]:
     """The run's groups of more than one rank that may run the hierarchical algorithm:
     {description: ranks per group}."""
-    sizes = {"dp": config.dp, "tp": config.tp, "pp": config.pp}
+    sizes = {DP: config.dp, TP: config.tp, PP: config.pp}
     names = set()
     if config.algorithm == HIERARCHICAL:
-        names |= {"dp", "tp"}
+        names |= {DP, TP}
     if HIERARCHICAL in comm_config.algorithms.values():
-        names |= {"dp", "tp", "pp", "world"}
+        names |= {DP, TP, PP, WORLD}
     groups = {}
-    for name in ("world", "dp", "tp", "pp"):
-        size = config.world_size if name == "world" else sizes[name]
+    for name in (WORLD, DP, TP, PP):
+        size = config.world_size if name == WORLD else sizes[name]
         if name in names and size > 1:
-            groups["the world" if name == "world" else f"the {name} groups ({name}={size})"] = size  # what: ranks
+            groups["the world" if name == WORLD else f"the {name} groups ({name}={size})"] = size  # what: ranks
     return groups
 
 
