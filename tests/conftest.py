@@ -20,13 +20,17 @@ torch.set_num_threads(1)
 SHM_DIRECTORY = "/dev/shm"
 
 
+# Markers whose tests run only when -m names them: ``long`` (whole plait train runs under
+# torchrun: restarts, stops, two nodes; make test-long) and ``docs_slow`` (the docs' slow
+# blocks; make docs-check). make test leaves both out, to stay under 20 minutes on the
+# 2-core machine; make test-all runs long and the rest.
+OPT_IN_MARKERS = ("long", "docs_slow")
+
+
 def pytest_collection_modifyitems(config, items):
-    """Tests marked ``long`` (whole ``plait train`` runs under torchrun: restarts, stops,
-    two nodes) run only when -m names ``long`` (make test-long; make test-all runs both):
-    make test stays under 20 minutes on the 2-core machine."""
-    if "long" in (config.getoption("markexpr") or ""):
-        return
-    kept = [item for item in items if item.get_closest_marker("long") is None]
+    markexpr = config.getoption("markexpr") or ""
+    left_out = [marker for marker in OPT_IN_MARKERS if marker not in markexpr]
+    kept = [item for item in items if not any(item.get_closest_marker(marker) for marker in left_out)]
     if len(kept) != len(items):
         config.hook.pytest_deselected(items=[item for item in items if item not in kept])
         items[:] = kept
