@@ -132,8 +132,10 @@ def build_hybrid(model: nn.Module, layers: list[nn.Module], mesh: DeviceMesh, lo
     offloader = None
     if offload_dir is not None:  # saved activations to files (CPU) or host memory, read back just in time
         offloader = ActivationOffloader(offload_dir, on_loaded=meter.pack if meter is not None else None)
+    # model=: the engine finds parameters shared by chunks on different pipeline ranks by
+    # their names in the model, and sums their gradients over the ranks holding them
     engine = PipelineEngine(pipeline, modules, loss_fn, group=mesh.group[PP], timeout_s=timeout_s, meter=meter,
-                            offloader=offloader,
+                            offloader=offloader, model=model,
                             autocast_dtype=AUTOCAST_DTYPE[precision],
                             loss_scale=loss_scaler.scale_loss if loss_scaler is not None else None)
     return HybridModel(mesh=mesh, engine=engine, chunks=chunks, names=names, saved_names=saved, tp_rank=tp_rank,

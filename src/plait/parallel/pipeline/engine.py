@@ -20,12 +20,14 @@ model chunks (``stage_modules[s]`` for every stage s the schedule places here) a
   holding the other replica); STEP waits for every send, then runs the optimiser.
 - parameters shared between stages held by different ranks (a tied embedding and
   output head, as GPT-2 has; any nn.Parameter appearing in two stages) are found at
-  construction when ``model``, the whole model the stages were cut from, is given:
-  every rank all-gathers the names (in ``model``) of the parameters it holds, and
-  for every set of ranks holding a common parameter one process group is made
-  (Megatron's "embedding group"). Before the optimiser step each such parameter's
-  gradient is all-reduced (summed) over its group, so every copy steps with the
-  gradient of the whole model: sum over the stages that use it.
+  construction (``plait.parallel.pipeline.shared_params``): by their names in
+  ``model``, the whole model the stages were cut from, when it is given; else as the
+  ``tied=`` groups declare; and parameters that look shared (equal shape and initial
+  values on two ranks) but are declared neither way are refused by name. For every
+  set of ranks holding a common parameter one process group is made (Megatron's
+  "embedding group"); before the optimiser step each such parameter's gradient is
+  all-reduced (summed) over it, so every copy steps with the gradient of the whole
+  model: the sum over the stages that use it.
 
 Sends never block and receives block, as the replay assumes. The engine records a
 timeline of its computations (``plait.parallel.pipeline.replay.Timeline``) and the
@@ -53,6 +55,7 @@ from plait.parallel.arguments import wrapper_communicator
 from plait.parallel.pipeline.engine_checks import check_pipeline_arguments
 from plait.parallel.pipeline.messages import PipelineError, StageMessages
 from plait.parallel.pipeline.replay import Interval, Timeline
+from plait.parallel.pipeline.shared_params import find_shared
 from plait.parallel.pipeline.split_backward import input_backward, weight_backward
 from plait.parallel.pipeline.schedules import (ALL_REDUCE, BACKWARD, FORWARD, RECV_ACT, RECV_GRAD, SEND_ACT, SEND_GRAD,
                                               STEP, WEIGHT, PipelineSchedule, backward_next, next_backward)
@@ -78,7 +81,7 @@ class PipelineEngine:
     """Executes ``schedule``'s actions for this rank (see the module docstring)."""
 
     def __init__(self, schedule: PipelineSchedule, stage_modules: dict[int, nn.Module], loss_fn, *,
-                 group=None, timeout_s: float | None = None, model: nn.Module | None = None,
+                 group=None, timeout_s: float | None = None, model: nn.Module | None = None, tied=None,
                  meter: SavedTensorMeter | None = None, autocast_dtype: torch.dtype | None = None,
                  loss_scale=None, offloader: ActivationOffloader | None = None):
         """``autocast_dtype``: run the stages' forwards under ``torch.autocast`` in this
@@ -92,10 +95,16 @@ class PipelineEngine:
         ``model``: the whole model the stage modules were cut from (every rank builds
         it the same way); its parameter names identify a parameter across processes, so
         parameters shared by stages on different ranks are found and their gradients
-        summed. Given, construction is collective: over the pipeline group, and over
-        the default group too when the pipeline group is a subgroup (every rank then
-        builds its engine at the same point, as ``new_group`` needs)."""
-        check_pipeline_arguments(schedule, stage_modules, loss_fn, group, model)
+        summed. ``tied``, without ``model``: every parameter shared across stages, as
+        groups of (stage, qualified name in that stage's module) that are one parameter,
+        e.g. ``[[(0, "wte.weight"), (1, "lm_head.weight")]]``; their gradients are summed
+        as with ``model``; ``tied=()`` says there are none. Neither given, trainable
+        parameters that look shared (same shape and the same non-pattern initial values
+        on two ranks) are refused by name. Construction is collective over the pipeline
+        group (unless it has one rank and neither is given), and, with ``model`` or
+        ``tied``, over the default group too when the pipeline group is a subgroup
+        (every rank then builds its engine at the same point, as ``new_group`` needs)."""
+        check_pipeline_arguments(schedule, stage_modules, loss_fn, group, model, tied)
         # the Communicator every plait call of the engine goes through; torch's own calls
         # (objects, new_group) take its process group (None: the world, as given)
         self.communicator = wrapper_communicator(group, "PipelineEngine")
@@ -125,12 +134,9 @@ class PipelineEngine:
         self._parameter_storages: set[int] = set()
         self._parameter_storage_objects: set[int] = set()
         self.parameters_moved()
+        self.shared = find_shared(self.stages, schedule, self.rank, group, model=model, tied=tied)
         # name -> pipeline ranks holding it, for parameters held by more than one rank
-        self.shared_parameters: dict[str, tuple[int, ...]] = {}
-        self._shared_groups: list[tuple[tuple[int, ...], list[str], list[nn.Parameter], object]] = []
-        self._replica_skip: set[int] = set()  # ids of parameters Chimera's exchange must leave to a shared group
-        if model is not None:
-            self._find_shared(model, size)
+        self.shared_parameters: dict[str, tuple[int, ...]] = self.shared.ranks_of
 
     def parameters(self):
         """Every parameter of this rank's stages once (a parameter shared by two
@@ -141,78 +147,6 @@ class PipelineEngine:
                 if id(param) not in seen:
                     seen.add(id(param))
                     yield param
-
-    # ----- parameters shared between ranks ------------------------------------------------
-    def _find_shared(self, model: nn.Module, size: int) -> None:
-        """All-gather every rank's held parameter names (name in ``model``: its first
-        one when tied), shapes and dtypes; make one process group per set of ranks
-        holding a common parameter, in sorted order on every rank of the world."""
-        name_of = {id(param): name for name, param in model.named_parameters()}  # a tied weight: its first name
-        held: dict[str, nn.Parameter] = {}
-        for stage, module in self.stages.items():
-            for param in module.parameters():
-                if id(param) not in name_of:
-                    raise ValueError(f"stage {stage} on rank {self.rank} holds a parameter of shape "
-                                     f"{tuple(param.shape)} that is not a parameter of the model given as model=: "
-                                     "pass the model the stage modules were cut from")
-                held[name_of[id(param)]] = param
-        mine = {name: (tuple(param.shape), str(param.dtype), float(param.detach().double().sum()))
-                for name, param in held.items()}
-        everyone: list = [None] * size
-        dist.all_gather_object(everyone, mine, group=self.group)
-        holders: dict[str, list[int]] = {}
-        for rank, described in enumerate(everyone):
-            for name, (shape, dtype, total) in described.items():
-                first = next((r for r in holders.get(name, [])), None)
-                if first is not None and everyone[first][name][:2] != (shape, dtype):
-                    raise ValueError(f"parameter {name} is {everyone[first][name][:2]} on pipeline rank {first} "
-                                     f"but {(shape, dtype)} on pipeline rank {rank}: build every rank's model alike")
-                if first is not None and everyone[first][name][2] != total:
-                    raise ValueError(f"parameter {name} held by pipeline ranks {first} and {rank} starts with "
-                                     "different values: build every rank's model from the same seed")
-                holders.setdefault(name, []).append(rank)
-        shared = {name: tuple(ranks) for name, ranks in holders.items() if len(ranks) > 1}
-        partner = self.schedule.ranks - 1 - self.rank
-        replica_pair = tuple(sorted({self.rank, partner}))
-        chimera = any(action.kind == ALL_REDUCE for action in self.schedule.actions[self.rank])
-        # Chimera's replica exchange already sums a parameter held by exactly this rank and its partner
-        summed_elsewhere = {name for name, ranks in shared.items() if chimera and ranks == replica_pair}
-        self.shared_parameters = {name: ranks for name, ranks in shared.items() if name not in summed_elsewhere}
-        self._replica_skip = {id(held[name]) for name in self.shared_parameters if name in held}
-        needed = sorted(set(self.shared_parameters.values()))
-        to_global = (lambda r: r) if self.group is None else (lambda r: dist.get_global_rank(self.group, r))
-        wanted = sorted({tuple(to_global(r) for r in ranks) for ranks in needed})
-        if self.group is not None and dist.get_world_size() > size:
-            # new_group is collective over the world: every rank creates every pipeline's groups, same order
-            every: list = [None] * dist.get_world_size()
-            dist.all_gather_object(every, wanted)
-            wanted = sorted({ranks for groups in every for ranks in groups})
-        made = {ranks: dist.new_group(list(ranks)) for ranks in wanted}
-        for ranks in needed:
-            if self.rank not in ranks:
-                continue
-            names = sorted(name for name, holder in self.shared_parameters.items() if holder == ranks)
-            self._shared_groups.append((ranks, names, [held[name] for name in names],
-                                        made[tuple(to_global(r) for r in ranks)]))
-
-    def _sum_shared(self) -> None:
-        """Each shared parameter's gradient := the sum of its holders' gradients (one
-        all-reduce per holder set and dtype: 2(k-1)/k · n bytes per rank with a ring)."""
-        for ranks, names, params, group in self._shared_groups:
-            trained = [param for param in params if param.requires_grad]  # a frozen one keeps grad None
-            for dtype in sorted({param.dtype for param in trained}, key=str):
-                chosen = [param for param in trained if param.dtype == dtype]
-                flat = torch.cat([param.grad.reshape(-1) if param.grad is not None else
-                                  torch.zeros(param.numel(), dtype=dtype, device=param.device) for param in chosen])
-                try:
-                    comm.all_reduce(flat, group=group)
-                except CommError as error:
-                    raise PipelineError(f"rank {self.rank}: summing the gradients of shared parameters {names} "
-                                        f"over pipeline ranks {list(ranks)}: {error}") from error
-                offset = 0
-                for param in chosen:
-                    param.grad = flat[offset:offset + param.numel()].view_as(param).clone()
-                    offset += param.numel()
 
     # ----- one step ------------------------------------------------------------------------
     def parameters_moved(self) -> None:
@@ -262,7 +196,7 @@ class PipelineEngine:
             self.steps += 1
             loss = torch.tensor([state.loss_sum], dtype=torch.float64)
             reduction = comm.all_reduce(loss, group=self.communicator, async_op=True)  # in flight during the step
-            self._sum_shared()
+            self.shared.sum_gradients()
             if optimizer is not None:
                 optimizer.step()
             reduction.wait()
@@ -417,7 +351,8 @@ class PipelineEngine:
         partner = self.schedule.ranks - 1 - self.rank
         # each parameter once (a tied pair within the rank is one), in stage order: the
         # partner holds the same stages, so the same list; shared groups sum the rest
-        params = [param for param in self.parameters() if param.requires_grad and id(param) not in self._replica_skip]
+        skip = self.shared.replica_skip
+        params = [param for param in self.parameters() if param.requires_grad and id(param) not in skip]
         if not params:
             return
         if len({param.dtype for param in params}) > 1:

@@ -338,7 +338,11 @@ def split_layers(layers, stages: int, *, balance="params", virtual: int = 1, sam
 
 def build_stage(layers, indices) -> nn.Sequential:
     """One model chunk: the listed layers run in order, each registered under its
-    index in the whole model ("5.attention..."), so state-dict keys name the layer."""
+    index in the whole model ("5.attention..."), so state-dict keys name the layer.
+    Layers sharing a parameter (a tied embedding and head) may land in chunks on
+    different pipeline ranks: give ``PipelineEngine`` the whole model (``model=``, as
+    ``plait.parallel.hybrid.build_hybrid`` does) and it finds them by identity and sums
+    their gradients; without it, such parameters are refused unless declared (``tied=``)."""
     layers = _check_layers(layers)
     indices = list(indices)
     if not indices:
