@@ -9,7 +9,9 @@ into two stages by hand, on two pipeline ranks with 1F1B and zero bubble.
 - the untied model (``tie_word_embeddings=False``) with nothing declared: not refused
   (its zero biases and LayerNorm ones are equal on both ranks by construction), exact;
 - ``tied=()`` on the tied model (a false "independent"): trains off, which shows the
-  comparison above can fail.
+  comparison above can fail;
+- ``plait.parallel.hybrid.build_hybrid`` (dp = tp = 1, pp = 2) given the whole tied model
+  and its two halves as layers: finds the tie itself and is exact.
 
 Tolerance 1e-10 absolute (float64), as tests/parallel/test_pipeline_engine.py: the
 pipeline sums per-micro-batch gradients (and the tied weight's two halves over the
@@ -116,6 +118,31 @@ def _train(rank, schedule_name, tied_model, **declared):
     return loss_error, param_error, dict(engine.shared_parameters)
 
 
+def _train_hybrid(rank):
+    """build_hybrid from the whole tied model: (max loss error, max parameter error, shared)."""
+    from plait.parallel.hybrid import build_hybrid, train_step
+    from plait.parallel.mesh import DeviceMesh, ParallelDims
+
+    mesh = DeviceMesh.create(ParallelDims(pp=2))
+    reference, whole = _gpt2(True), _gpt2(True)
+    hybrid = build_hybrid(whole, [FirstHalf(whole), SecondHalf(whole)], mesh, _loss, schedule="1f1b",
+                          microbatches=MICROBATCHES, timeout_s=60)
+    optimizer = torch.optim.SGD(list(hybrid.parameters()), lr=0.5, momentum=0.9)
+    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.5, momentum=0.9)
+    loss_error = 0.0
+    for step in range(STEPS):
+        tokens = torch.randint(0, VOCAB, (2 * MICROBATCHES, SEQ + 1), generator=torch.Generator().manual_seed(step))
+        loss, _, _ = train_step(hybrid, tokens[:, :-1], tokens[:, 1:], optimizer, step=step)
+        reference_optimizer.zero_grad()
+        want = _loss(reference(tokens[:, :-1]).logits, tokens[:, 1:])
+        want.backward()
+        reference_optimizer.step()
+        loss_error = max(loss_error, abs(loss - want.item()))
+    theirs = dict(reference.named_parameters())
+    param_error = max((param - theirs[name]).abs().max().item() for name, param in hybrid.names.items())
+    return loss_error, param_error, dict(hybrid.engine.shared_parameters)
+
+
 def shared_weight_cases(rank, world_size):
     results = {}
     for name in ("1f1b", "zero_bubble"):
@@ -128,6 +155,7 @@ def shared_weight_cases(rank, world_size):
         results[(name, "model")] = _train(rank, name, True, whole=True)
         results[(name, "untied")] = _train(rank, name, False)
         results[(name, "false independent")] = _train(rank, name, True, tied=())
+    results["build_hybrid"] = _train_hybrid(rank)
     return results
 
 
@@ -153,6 +181,9 @@ def test_hf_gpt2_tied_across_ranks_is_refused_or_exact():
             assert shared == {}
             _, param_error, shared = results[(name, "false independent")]
             assert shared == {} and param_error > 1e-4, (rank, name, param_error)
+        loss_error, param_error, shared = results["build_hybrid"]
+        assert loss_error < 1e-10 and param_error < 1e-10, (rank, "build_hybrid", loss_error, param_error)
+        assert shared == {"transformer.wte.weight": (0, 1)}
 
 
 # ----- the decision, in one process -------------------------------------------------------------
