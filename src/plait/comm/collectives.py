@@ -39,7 +39,7 @@ from plait.comm.algorithms import (DEFAULT_NAMES, REDUCING, ROOTED, TOPOLOGY_ALG
                                    checked_topology_fingerprint)
 from plait.comm.algorithms.hierarchical import parse_hierarchy
 from plait.comm.choice import resolve_algorithm, settled_algorithm, table_pending
-from plait.comm.communicator import Communicator, all_communicators, communicator_for
+from plait.comm.communicator import Communicator, all_communicators, communicator_for, process_group
 from plait.comm.engine import merge_stats
 from plait.comm.errors import CommError, CommTimeoutError, MismatchError
 from plait.comm.inband import INLINE_BYTES, CallSignature, InbandCall
@@ -105,8 +105,7 @@ def _torch_wait(work, collective: str, communicator: Communicator) -> None:
 def default_device(group=None):
     """Where a collective's own small tensors go (a barrier's token, an agreement
     check): the current GPU for NCCL, else the CPU."""
-    if isinstance(group, Communicator):
-        group = group.group
+    group = process_group(group)  # a Communicator's or a 1-D DeviceMesh's process group
     if group is None:
         group = dist.group.WORLD
     return torch.device("cuda") if "nccl" in str(dist.get_backend(group)) else torch.device("cpu")

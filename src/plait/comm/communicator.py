@@ -23,6 +23,11 @@ program's stated config: the config the world's communicator was created with
 every group; without it, ``CommConfig()``). A group inherits everything but the
 fields that describe the world's own ranks (``hierarchy``, ``topology``). Every rank
 of a group makes that first call, so every rank creates it with the same config.
+A torch ``DeviceMesh`` of one dimension (``init_device_mesh("cpu", (4,))``, or one
+named dimension of a larger mesh, ``mesh["dp"]``) means its process group
+(``mesh.get_group()``), so it resolves to the very communicator that group has; a mesh
+of several dimensions is refused by name (which dimension is meant?), and so is
+plait's own ``plait.parallel.mesh.DeviceMesh`` (one group per axis: ``mesh.group["dp"]``).
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 from plait.comm import tags
 from plait.comm.config import CommConfig
@@ -304,33 +310,76 @@ class _Registry:
 REGISTRY = _Registry()
 
 
+def _is_plait_mesh(group) -> bool:
+    """plait's own ``plait.parallel.mesh.DeviceMesh`` (comm/ does not import parallel/:
+    known by its shape, a ``dims`` and a dict of one process group per axis)."""
+    return hasattr(group, "dims") and isinstance(getattr(group, "group", None), dict)
+
+
+def _mesh_group(mesh: DeviceMesh):
+    """The process group of a 1-D torch DeviceMesh (``NON_GROUP_MEMBER`` on a rank
+    outside it, as ``new_group`` gives there), or a TypeError naming a mesh of more
+    dimensions and the fix."""
+    if mesh.ndim != 1:
+        names = mesh.mesh_dim_names
+        fix = (f"pass one dimension, e.g. mesh[{names[0]!r}]" if names else
+               "pass one dimension's process group, e.g. mesh.get_group(0), or name the dimensions "
+               "(init_device_mesh(..., mesh_dim_names=...)) and pass mesh['name']")
+        dims = f" with dims {tuple(names)!r}" if names else f" of shape {tuple(mesh.shape)}"
+        raise TypeError(f"group={mesh!r} is a {mesh.ndim}-D DeviceMesh{dims}: a group= is one dimension of it; {fix}")
+    if mesh.get_coordinate() is None:
+        return dist.GroupMember.NON_GROUP_MEMBER
+    return mesh.get_group()
+
+
 def check_group(group) -> None:
     """A TypeError naming ``group=`` when it is none of what it may be: None (the world),
-    a torch ProcessGroup or a plait Communicator (a name, a list of ranks or a number is
-    not a group: torch's own message for one is an unrelated "not registered")."""
+    a torch ProcessGroup, a 1-D torch DeviceMesh (or ``mesh["dp"]`` of a larger one) or a
+    plait Communicator (a name, a list of ranks, a number, a mesh of several dimensions
+    or plait's own per-axis mesh is not a group: torch's own message for one is an
+    unrelated "not registered")."""
     if group is None or isinstance(group, (Communicator, dist.ProcessGroup)):
+        return
+    if isinstance(group, DeviceMesh):
+        _mesh_group(group)  # a mesh of several dimensions is refused, naming them
         return
     if group == dist.GroupMember.NON_GROUP_MEMBER:  # what new_group returns on a rank outside it
         return
     hint = ""
     if isinstance(group, (list, tuple)):
         hint = f": make one with torch.distributed.new_group({list(group)!r})"
-    elif hasattr(group, "get_group") and hasattr(group, "mesh"):  # a torch DeviceMesh
-        hint = ": pass mesh.get_group() (or mesh.get_group(dim) of a larger mesh)"
+    elif _is_plait_mesh(group):
+        axes = ", ".join(repr(axis) for axis in group.group)
+        raise TypeError(f"group= is a plait.parallel.mesh.DeviceMesh ({type(group).__name__}, one process group per "
+                        f"axis {axes}): pass one axis's group, e.g. mesh.group['dp']")
     raise TypeError(f"group={group!r} ({type(group).__name__}) is not a process group; pass None (the world), a "
-                    f"torch.distributed ProcessGroup or a plait Communicator{hint}")
+                    f"torch.distributed ProcessGroup, a 1-D torch DeviceMesh (or mesh['dp'] of a larger one) or a "
+                    f"plait Communicator{hint}")
+
+
+def process_group(group):
+    """torch's ProcessGroup behind ``group=`` (checked: :func:`check_group`): a
+    Communicator's group, a 1-D DeviceMesh's ``get_group()``; None and a process group
+    stay as they are. For what torch's own calls take (``all_gather_object``,
+    ``get_rank``), where plait's go through :func:`communicator_for`."""
+    check_group(group)
+    if isinstance(group, Communicator):
+        return group.group
+    if isinstance(group, DeviceMesh):
+        return _mesh_group(group)
+    return group
 
 
 def communicator_for(group) -> Communicator | None:
     """The communicator ``group=`` means (the one resolver; see the module docstring):
-    a Communicator itself; None (the world) or a process group: its communicator,
-    created on first use with the program's stated config (the world communicator's,
-    from ``init_communicator(None, config)``) when it has none; None when this rank is
-    not in the group (the call is then a no-op, as in torch). A TypeError names a
-    ``group=`` that is none of these."""
+    a Communicator itself; None (the world), a process group or a 1-D DeviceMesh (its
+    process group): its communicator, created on first use with the program's stated
+    config (the world communicator's, from ``init_communicator(None, config)``) when it
+    has none; None when this rank is not in the group (the call is then a no-op, as in
+    torch). A TypeError names a ``group=`` that is none of these."""
     if isinstance(group, Communicator):
         return group
-    check_group(group)
+    group = process_group(group)
     _require_initialized()
     group = dist.group.WORLD if group is None else group
     if group == dist.GroupMember.NON_GROUP_MEMBER or dist.get_rank(group) < 0:
@@ -349,6 +398,8 @@ def init_communicator(group=None, config: CommConfig | None = None) -> Communica
     without a communicator of its own is created with it on first use (less
     ``hierarchy`` and ``topology``, which name the world's ranks)."""
     _require_initialized()
+    if isinstance(group, DeviceMesh):
+        group = _mesh_group(group)  # its process group's communicator
     group = dist.group.WORLD if group is None else group
     return REGISTRY.create(group, config)
 
@@ -376,4 +427,4 @@ atexit.register(REGISTRY.release)  # communicators of groups the program destroy
 
 
 __all__ = ["Communicator", "all_communicators", "communicator_for", "destroy_process_group", "group_ranks",
-           "init_communicator"]
+           "init_communicator", "process_group"]

@@ -27,7 +27,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from plait.comm.communicator import REGISTRY, Communicator, check_group, communicator_for, group_ranks
+from plait.comm.communicator import REGISTRY, Communicator, communicator_for, group_ranks, process_group
 from plait.comm.errors import CommError, CommTimeoutError
 from plait.comm.layout import check_tensor
 from plait.comm.transport import stages_through_host
@@ -55,10 +55,8 @@ def _transport_of(group):
 
 
 def _group_rank(group) -> tuple[object, int]:
-    check_group(group)
+    group = process_group(group)  # checked; a Communicator's or a 1-D DeviceMesh's process group
     group = dist.group.WORLD if group is None else group
-    if isinstance(group, Communicator):
-        group = group.group
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError("plait.comm point-to-point needs torch.distributed.init_process_group(...) first")
     return group, dist.get_rank(group)

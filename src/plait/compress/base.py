@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from plait import comm
+from plait.comm.communicator import process_group
 
 _MASK64 = (1 << 64) - 1
 
@@ -131,11 +132,13 @@ def accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def group_rank_and_size(group) -> tuple[int, int]:
     """(this rank in ``group``, the group's size); (0, 1) without a process group.
-    ``group`` may be a process group (None: the world) or a plait.comm.Communicator."""
+    ``group`` may be a process group (None: the world), a 1-D torch DeviceMesh or a
+    plait.comm.Communicator."""
     if isinstance(group, comm.Communicator):
         return group.rank, group.size
     if group is None and (not dist.is_available() or not dist.is_initialized()):
         return 0, 1
+    group = process_group(group)  # a 1-D torch DeviceMesh: its process group
     return dist.get_rank(group), dist.get_world_size(group)
 
 

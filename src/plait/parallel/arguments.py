@@ -2,14 +2,39 @@
 wraps and the process group it runs on, and the one place a wrapper turns its
 ``group=`` into the Communicator it runs on (:func:`wrapper_communicator`). A string,
 a class or None where a module belongs is named as a TypeError before anything else runs (it used to surface as an
-AttributeError from deep inside the wrapper)."""
+AttributeError from deep inside the wrapper).
+
+``group=`` is None (the world), a torch ProcessGroup, a 1-D torch ``DeviceMesh`` (or
+one named dimension of a larger one, ``mesh["dp"]``: its process group) or a plait
+Communicator (plait.comm.communicator.communicator_for). A wrapper keeps ``.group``
+as given (the mesh itself, for a mesh) and runs on ``.communicator``, the process
+group's own communicator, the same one a collective with ``group=mesh.get_group()``
+uses.
+
+A model with DTensor parameters (torch's tensor parallelism, ``parallelize_module``)
+is taken by the wrappers that work on its local shards (DataParallel); the others
+refuse it here, naming the parameter and the fix, before anything runs.
+``torch.distributed.tensor`` costs ~0.6 s to import, so it is not imported here: a
+DTensor can only exist once its module is loaded, and :func:`is_dtensor` looks it up
+in ``sys.modules`` (no module is loaded, nothing is stored)."""
 
 from __future__ import annotations
+
+import sys
 
 import torch.distributed as dist
 from torch import nn
 
 from plait.comm.communicator import Communicator, check_group, communicator_for
+
+DTENSOR_MODULE = "torch.distributed.tensor"
+
+
+def is_dtensor(tensor) -> bool:
+    """Whether ``tensor`` is a torch DTensor (never true before torch.distributed.tensor
+    has been imported by whoever made one)."""
+    module = sys.modules.get(DTENSOR_MODULE)
+    return module is not None and isinstance(tensor, module.DTensor)
 
 
 def check_module(module, owner: str, name: str = "module") -> nn.Module:
@@ -22,20 +47,40 @@ def check_module(module, owner: str, name: str = "module") -> nn.Module:
     raise TypeError(f"{owner}: {name} must be a torch.nn.Module, got {type(module).__name__} ({module!r:.60})")
 
 
-def check_wrapper_arguments(module, group, owner: str) -> None:
-    """A wrapper's module and ``group=`` (None, a ProcessGroup or a plait Communicator)."""
+def check_wrapper_arguments(module, group, owner: str, *, dtensor_parameters: bool = False) -> None:
+    """A wrapper's module and ``group=`` (None, a ProcessGroup, a 1-D DeviceMesh or a
+    plait Communicator). ``dtensor_parameters``: whether the wrapper takes DTensor
+    parameters (else they are refused by name: see :func:`refuse_dtensor_parameters`)."""
     check_module(module, owner)
     try:
         check_group(group)
     except TypeError as error:
         raise TypeError(f"{owner}: {error}") from None
+    if not dtensor_parameters:
+        refuse_dtensor_parameters(module.named_parameters(), owner)
+
+
+def refuse_dtensor_parameters(named, owner: str) -> None:
+    """A TypeError naming the DTensor parameters among ``named`` ((name, parameter)
+    pairs) for a wrapper that flattens or ships whole parameters (ZeRO, the parameter
+    server): it would mix torch's DTensor shards with its own flat buffers. The fixes:
+    plait's own tensor-parallel layers (plait.parallel.tensor), which hold plain
+    tensors, or DataParallel over the dp dimension, which works on the local shards."""
+    names = [name for name, param in named if is_dtensor(param)]
+    if names:
+        shown = ", ".join(repr(name) for name in names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        raise TypeError(f"{owner}: the model has DTensor parameters ({shown}: torch tensor parallelism, "
+                        f"parallelize_module), which {owner} cannot shard or flatten: build the tensor parallelism "
+                        "with plait's layers (plait.parallel.tensor.ColumnParallelLinear / RowParallelLinear), "
+                        "which hold plain tensors, or wrap the DTensor model in "
+                        "plait.parallel.DataParallel(model, group=mesh['dp'])")
 
 
 def wrapper_communicator(group, owner: str) -> Communicator:
     """The Communicator a wrapper runs every collective on, resolved once when it is
     built (plait.comm.communicator.communicator_for, the one rule): ``group=`` a
-    Communicator is used as given; None (the world) or a ProcessGroup means that
-    group's communicator, created with the program's stated config if it has none yet
+    Communicator is used as given; None (the world), a ProcessGroup or a 1-D DeviceMesh
+    (its process group) means that group's communicator, created with the program's stated config if it has none yet
     (so every rank of the group must build the wrapper, as it must anyway). A
     ValueError when this rank is not in the group."""
     try:

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from plait.compress.base import GradBucket
+from plait.parallel.data.local_tensors import local_tensor
 
 FIRST_BUCKET_NBYTES = 1 << 20
 
@@ -55,7 +56,7 @@ def assign_buckets(named_params: list[tuple[str, nn.Parameter]], bucket_nbytes: 
     current_nbytes = 0
     current_kind = None
     for index in reversed(range(len(named_params))):
-        param = named_params[index][1]
+        param = local_tensor(named_params[index][1])  # a DTensor: its local shard
         nbytes = param.numel() * param.element_size()
         kind = (param.dtype, param.device)
         cap = min(first_bucket_nbytes, bucket_nbytes) if not buckets else bucket_nbytes
@@ -74,10 +75,10 @@ def build_buckets(named_params: list[tuple[str, nn.Parameter]], bucket_nbytes: i
     buckets = []
     for bucket_index, members in enumerate(assign_buckets(named_params, bucket_nbytes)):
         params = [named_params[i][1] for i in members]
-        total = sum(param.numel() for param in params)
+        total = sum(local_tensor(param).numel() for param in params)  # a DTensor: its local shard
         buffer = torch.zeros(total, dtype=params[0].dtype, device=params[0].device)
         views, offset = [], 0
-        for param in params:
+        for param in map(local_tensor, params):
             views.append(buffer[offset : offset + param.numel()].view_as(param))
             offset += param.numel()
         bucket = Bucket(bucket_index, [named_params[i][0] for i in members], params, buffer, views)

@@ -33,6 +33,7 @@ from plait.comm.algorithms import algorithms_for, builder
 from plait.compress.base import Compressor
 from plait.parallel.arguments import check_wrapper_arguments, wrapper_communicator
 from plait.parallel.data.buckets import Bucket, build_buckets, unflatten_into
+from plait.parallel.data.local_tensors import check_dtensor_groups, grad_like, local_tensor
 from plait.parallel.data.weak_hooks import weak_method
 
 _INIT_MODES = ("check", "broadcast")
@@ -74,7 +75,8 @@ def _checksum(module: nn.Module) -> tuple[int, int, int]:
     for kind, items in (("param", module.named_parameters()), ("buffer", module.named_buffers())):
         for name, tensor in items:
             structure = zlib.crc32(f"{kind}:{name}:{tuple(tensor.shape)}:{tensor.dtype}".encode(), structure)
-            data = tensor.detach().cpu().contiguous().reshape(-1)  # 0-dim tensors too (num_batches_tracked)
+            # a DTensor: its local shard; 0-dim tensors too (num_batches_tracked)
+            data = local_tensor(tensor.detach()).cpu().contiguous().reshape(-1)
             values[kind] = zlib.crc32(data.view(torch.uint8).numpy().tobytes() if data.numel() else b"",
                                       values[kind])
     return structure, values["param"], values["buffer"]
@@ -90,7 +92,7 @@ def _rank_groups(column: list[int]) -> list[list[int]]:
 def _flat_broadcast(tensors: list[torch.Tensor], src: int, group, algorithm: str) -> None:
     """Broadcast tensors from global rank ``src``, one flat message per dtype."""
     by_kind: dict[tuple, list[torch.Tensor]] = {}
-    for tensor in tensors:
+    for tensor in map(local_tensor, tensors):  # a DTensor: its local shard (the same on every dp rank)
         by_kind.setdefault((tensor.dtype, tensor.device), []).append(tensor)
     for members in by_kind.values():
         flat = torch.cat([tensor.detach().reshape(-1) for tensor in members])
@@ -171,7 +173,7 @@ class DataParallel(NoSync, nn.Module):
                  compression=None, broadcast_buffers: bool = True, init: str = "check",
                  find_unused_parameters: bool = False):
         super().__init__()
-        check_wrapper_arguments(module, group, "DataParallel")
+        check_wrapper_arguments(module, group, "DataParallel", dtensor_parameters=True)
         problems = []
         if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float)) or not bucket_mb > 0 \
                 or math.isinf(bucket_mb):
@@ -194,7 +196,7 @@ class DataParallel(NoSync, nn.Module):
             raise ValueError("DataParallel: " + "; ".join(problems))
         named = [(name, param) for name, param in module.named_parameters() if param.requires_grad]
         if compression is not None:
-            compression.validate([(name, tuple(param.shape)) for name, param in named])
+            compression.validate([(name, tuple(local_tensor(param).shape)) for name, param in named])
         if not dist.is_initialized():
             raise RuntimeError("DataParallel needs torch.distributed to be initialised "
                                "(torch.distributed.init_process_group, or run under torchrun)")
@@ -211,6 +213,7 @@ class DataParallel(NoSync, nn.Module):
         self.find_unused_parameters = find_unused_parameters
         self.broadcast_buffers = broadcast_buffers
         self.world_size, self.rank, self._src = group.size, group.rank, group.ranks[0]
+        check_dtensor_groups(named, group.ranks, "DataParallel")  # DTensor parameters: their local shards
         self._named = named
         self._verify_and_broadcast(init)
         self.buckets: list[Bucket] = build_buckets(self._named, int(bucket_mb * (1 << 20)))
@@ -274,8 +277,8 @@ class DataParallel(NoSync, nn.Module):
             view.zero_()
             self._unused += 1
             self._unused_slots.add((bucket.index, slot))
-        elif param.grad.data_ptr() != view.data_ptr():
-            view.copy_(param.grad)
+        elif local_tensor(param.grad).data_ptr() != view.data_ptr():
+            view.copy_(local_tensor(param.grad))
         bucket.ready[slot] = True
         bucket.pending -= 1
 
@@ -325,7 +328,7 @@ class DataParallel(NoSync, nn.Module):
         unused_everywhere = self._unused_everywhere() if self.find_unused_parameters else set()
         for bucket in self.buckets:
             for slot, (param, view) in enumerate(zip(bucket.params, bucket.views)):
-                param.grad = None if (bucket.index, slot) in unused_everywhere else view
+                param.grad = None if (bucket.index, slot) in unused_everywhere else grad_like(param, view)
         self._record(backward_end_s, done_s)
 
     def _unused_everywhere(self) -> set[tuple[int, int]]:

@@ -49,7 +49,7 @@ from torch import nn
 
 from plait import comm
 from plait.comm import tags
-from plait.comm.communicator import Communicator
+from plait.comm.communicator import process_group
 from plait.comm.errors import CommError
 from plait.parallel.arguments import wrapper_communicator
 from plait.parallel.pipeline.engine_checks import check_pipeline_arguments
@@ -108,8 +108,7 @@ class PipelineEngine:
         # the Communicator every plait call of the engine goes through; torch's own calls
         # (objects, new_group) take its process group (None: the world, as given)
         self.communicator = wrapper_communicator(group, "PipelineEngine")
-        if isinstance(group, Communicator):
-            group = group.group
+        group = process_group(group)  # a Communicator's or a 1-D DeviceMesh's process group; None stays
         self.schedule, self.loss_fn, self.group = schedule, loss_fn, group
         self.rank, size = self.communicator.rank, self.communicator.size
         if size != schedule.ranks:

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from plait import comm
 from plait.comm.algorithms import ALGORITHMS, TORCH
-from plait.comm.communicator import Communicator, check_group
+from plait.comm.communicator import check_group, process_group
 
 
 class _Local:
@@ -45,7 +45,8 @@ class TensorParallel:
     reduce-scatter + all-gather pairs. ``group``: the process group (None: the world;
     ``LOCAL``: none, one process) or a plait Communicator, which every mapping's
     collective then runs on (a process group means its communicator: plait.comm's
-    rule). ``check_args=False``: ``new_tensor_parallel`` creates the group's
+    rule; a 1-D torch DeviceMesh, e.g. ``mesh["tp"]``, means its process group's and
+    stays in ``group`` as given). ``check_args=False``: ``new_tensor_parallel`` creates the group's
     communicator with ``CommConfig(check="off")`` (the default in-band check costs no
     extra message, so there is little to gain)."""
 
@@ -107,9 +108,9 @@ def name_code(text: str) -> int:
 
 
 def _process_group(group):
-    """torch's process group of ``group=`` (None: the world; a Communicator: its group)."""
-    if isinstance(group, Communicator):
-        return group.group
+    """torch's process group of ``group=`` (None: the world; a Communicator or a 1-D
+    torch DeviceMesh: its group)."""
+    group = process_group(group)
     return dist.group.WORLD if group is None else group
 
 
