@@ -30,9 +30,9 @@ def _train(rank, world_size, stage, offload, directory, resume_at=None):
     resident, leftovers = [], []
     for step in range(STEPS):
         if step == resume_at:
-            state = zero.state_dict()
+            state = zero.local_state_dict()
             zero = build()
-            zero.load_state_dict(state)
+            zero.load_local_state_dict(state)
         tokens, targets = _data(step)
         mine = slice(rank * 6, rank * 6 + 6)
         with zero.no_sync():

@@ -42,6 +42,7 @@ class UnitGatherer:
         self.on_backward = on_backward
         self._order: list[int] = []  # module indices in the last step's forward order
         self._order_now: list[int] = []
+        self.paused = False  # ZeRO.full_parameters(): every unit gathered, the hooks stand aside
         for index, module in enumerate(modules):
             module.register_forward_pre_hook(lambda _m, _a, index=index: self._before_forward(index))
             module.register_forward_hook(lambda _m, _a, out, index=index: self._after_forward(index, out))
@@ -85,12 +86,16 @@ class UnitGatherer:
         return self._order[position] if 0 <= position < len(self._order) else None
 
     def _before_forward(self, index: int) -> None:
+        if self.paused:
+            return
         self._ready_all(index)
         if index not in self._order_now:
             self._order_now.append(index)
         self._prefetch(self._neighbour(index, 1))
 
     def _after_forward(self, index: int, output) -> None:
+        if self.paused:
+            return
         if torch.is_grad_enabled():
             tensors = [t for t in _tensors(output) if t.requires_grad]
             if tensors:
@@ -100,6 +105,8 @@ class UnitGatherer:
             unit.free()
 
     def _before_backward(self, index: int) -> None:
+        if self.paused:
+            return
         self.on_backward()
         self._ready_all(index)
         self._prefetch(self._neighbour(index, -1))  # the backward runs the forward's order in reverse

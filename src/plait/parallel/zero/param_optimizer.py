@@ -1,0 +1,212 @@
+"""ZeRO's optimizer as torch's state-dict APIs see an optimizer: over the model's
+parameters, its state per parameter (``zero.param_optimizer``).
+
+ZeRO's own optimizer (``zero.optimizer``) steps this rank's flat shards, so its
+``state_dict()`` is keyed by shard and torch's ``get_optimizer_state_dict`` cannot name
+its entries. ``ParamOptimizer`` is the same optimizer seen per parameter, as FSDP2's
+is: its ``param_groups`` are the inner groups (the same options, read and written
+through) over the model's parameters, and
+
+- ``state_dict()`` gives torch's format, ``{"state": {index: {"exp_avg": ..., "step": ...}},
+  "param_groups": [{..., "params": [index, ...]}]}``, each element-wise state tensor a
+  DTensor with the parameter's shape sharded by rows over the ZeRO group (each unit's
+  state all-gathered and cut, one unit at a time) and each scalar (``step``) whole;
+  ``get_optimizer_state_dict(zero, zero.param_optimizer)`` turns the indices into the
+  model's names, ``torch.distributed.checkpoint`` saves and reshards it;
+- ``load_state_dict()`` takes that format (DTensors of any placement or whole tensors,
+  indices or names) and rebuilds each unit's flat state on this rank's shard;
+- ``state`` is this rank's piece of each parameter's state (the 1-D part of its
+  flattened elements inside this rank's shard, a view; FSDP1's ``use_orig_params``
+  layout), and ``step()`` / ``zero_grad()`` are ZeRO's.
+
+An optimizer with no state yet gets it as torch's state-dict APIs give it: one step of
+zero gradients with lr 0 (the parameters unchanged), so that a checkpoint has tensors
+to load into.
+"""
+
+from __future__ import annotations
+
+from collections.abc import MutableMapping
+
+import torch
+
+from plait.parallel.zero.row_shards import dim0_piece, gather_flat, own_range, param_views, whole
+
+PARAMS = "params"
+
+
+class _GroupView(MutableMapping):
+    """An inner param group with the model's parameters as its ``params``: every other
+    key reads and writes the inner group (an lr scheduler's changes reach the shards)."""
+
+    def __init__(self, inner: dict, params: list[torch.nn.Parameter]):
+        self._inner, self._params = inner, params
+
+    def __getitem__(self, key):
+        return self._params if key == PARAMS else self._inner[key]
+
+    def __setitem__(self, key, value) -> None:
+        if key == PARAMS:
+            raise ValueError("ZeRO: a param group's parameters are fixed when the wrapper is built")
+        self._inner[key] = value
+
+    def __delitem__(self, key) -> None:
+        if key == PARAMS:
+            raise ValueError("ZeRO: a param group's parameters are fixed when the wrapper is built")
+        del self._inner[key]
+
+    def __iter__(self):
+        return iter(self._inner)
+
+    def __len__(self) -> int:
+        return len(self._inner)
+
+
+class ParamOptimizer(torch.optim.Optimizer):
+    """``zero``'s optimizer over the model's parameters (see the module docstring).
+    torch.optim.Optimizer.__init__ is not run: the groups and the state are the inner
+    optimizer's."""
+
+    def __init__(self, zero):  # noqa: D107 - pylint: disable=super-init-not-called
+        self._zero = zero
+
+    @property
+    def defaults(self) -> dict:
+        return self._zero.optimizer.defaults
+
+    @property
+    def param_groups(self) -> list[_GroupView]:
+        by_shard = {id(unit.shard): unit for unit in self._zero.units}
+        order = {id(param): i for i, param in enumerate(self._zero.module.parameters())}  # the model's order
+        return [_GroupView(group, sorted((param for shard in group[PARAMS] for param in by_shard[id(shard)].params),
+                                         key=lambda param: order[id(param)]))
+                for group in self._zero.optimizer.param_groups]
+
+    @property
+    def state(self) -> dict:
+        """This rank's piece of each parameter's state (views into the shard's state)."""
+        inner = self._initialised()
+        pieces = {}
+        for unit in self._zero.units:
+            entry = inner.state.get(unit.shard)
+            if not entry:
+                continue
+            start = unit.rank * unit.shard_numel
+            for param, offset in zip(unit.params, unit.offsets):
+                low = min(max(offset, start), start + unit.shard_numel) - start
+                high = max(min(offset + param.numel(), start + unit.shard_numel) - start, low)
+                pieces[param] = {key: value[low:high] if _per_element(value, unit) else value
+                                 for key, value in entry.items()}
+        return pieces
+
+    def _initialised(self) -> torch.optim.Optimizer:
+        """The inner optimizer, its state made (lr 0, zero gradients) if it has none."""
+        zero, inner = self._zero, self._zero.optimizer
+        if inner.state:
+            return inner
+        grads = [unit.shard.grad for unit in zero.units]
+        lrs = [group["lr"] for group in inner.param_groups]
+        stepping = getattr(zero, "_stepping", None)
+        try:
+            for group in inner.param_groups:
+                group["lr"] = torch.zeros_like(group["lr"]) if torch.is_tensor(group["lr"]) else 0.0
+            for unit in zero.units:
+                unit.shard.grad = torch.zeros_like(unit.shard)
+            zero._stepping = True  # the inner optimizer's own step, allowed here
+            inner.step()
+        finally:
+            zero._stepping = stepping
+            for group, lr in zip(inner.param_groups, lrs):
+                group["lr"] = lr
+            for unit, grad in zip(zero.units, grads):
+                unit.shard.grad = grad
+        if zero.offload is not None:
+            for unit in zero.units:
+                zero.offload.adopt(inner.state.get(unit.shard, {}), unit.shard)
+        return inner
+
+    # ----- torch's format --------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """torch's optimizer state dict, element-wise state as row-sharded DTensors;
+        every rank of the group calls it (one all-gather per unit and state tensor)."""
+        zero, inner = self._zero, self._initialised()
+        mesh = zero._dp_mesh()
+        groups = self.param_groups
+        index = {id(param): i for i, param in enumerate(p for group in groups for p in group[PARAMS])}
+        state: dict[int, dict] = {}
+        for unit in zero.units:
+            entry = inner.state.get(unit.shard) or {}
+            for key in sorted(entry):
+                value = entry[key]
+                if _per_element(value, unit):
+                    flat = gather_flat(unit, value, zero.communicator)
+                    for param, view in zip(unit.params, param_views(unit, flat)):
+                        state.setdefault(index[id(param)], {})[key] = dim0_piece(view, mesh, zero.world_size,
+                                                                                  zero.rank)
+                elif not torch.is_tensor(value) or value.dim() == 0:
+                    for param in unit.params:
+                        state.setdefault(index[id(param)], {})[key] = value.clone() if torch.is_tensor(value) else value
+                else:
+                    raise ValueError(f"ZeRO: optimizer state {key!r} has shape {tuple(value.shape)}, neither one "
+                                     f"value per element of the shard ({unit.shard_numel}) nor a scalar")
+        packed = [{**{key: value for key, value in group.items() if key != PARAMS},
+                   PARAMS: [index[id(param)] for param in group[PARAMS]]} for group in groups]
+        return {"state": dict(sorted(state.items())), "param_groups": packed}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load torch's format (indices or the model's names, DTensors or whole
+        tensors); every rank of the group calls it."""
+        zero, inner = self._zero, self._zero.optimizer
+        groups, saved_groups = self.param_groups, state_dict["param_groups"]
+        if len(groups) != len(saved_groups) or any(len(a[PARAMS]) != len(b[PARAMS])
+                                                   for a, b in zip(groups, saved_groups)):
+            raise ValueError(f"ZeRO: the optimizer state has param groups of {[len(g[PARAMS]) for g in saved_groups]} "
+                             f"parameters, this optimizer {[len(g[PARAMS]) for g in groups]}: build the optimizer "
+                             "with the same param groups as the one saved")
+        param_of = {saved: param for now, then in zip(groups, saved_groups)
+                    for saved, param in zip(then[PARAMS], now[PARAMS])}
+        per_param = {id(param_of[key]): entry for key, entry in state_dict["state"].items() if key in param_of}
+        for now, then in zip(groups, saved_groups):
+            for key, value in then.items():
+                if key != PARAMS:
+                    now[key] = value
+        for unit in zero.units:
+            entries = [per_param.get(id(param)) for param in unit.params]
+            present = next((entry for entry in entries if entry), None)
+            if present is None:
+                continue
+            rebuilt = {}
+            for key in sorted(present):
+                sample = present[key]
+                if torch.is_tensor(sample) and sample.dim() > 0:  # one value per element of the parameter
+                    flat = torch.zeros(unit.padded, dtype=unit.shard.dtype, device=unit.device)
+                    for view, entry in zip(param_views(unit, flat), entries):
+                        if entry is not None and key in entry:
+                            view.copy_(whole(entry[key]).detach().reshape(view.shape))
+                    rebuilt[key] = own_range(unit, flat).clone()
+                else:
+                    rebuilt[key] = whole(sample).detach().clone() if torch.is_tensor(sample) else sample
+            inner.state[unit.shard] = rebuilt
+        if zero.offload is not None:  # the loaded state into files, the replaced files let go
+            for unit in zero.units:
+                zero.offload.adopt(inner.state.get(unit.shard, {}), unit.shard)
+            zero.offload.forget([value for entry in inner.state.values() for value in entry.values()])
+
+    # ----- ZeRO's step -----------------------------------------------------------------
+    def step(self, closure=None):
+        """``zero.step()`` (a closure is not supported)."""
+        if closure is not None:
+            raise ValueError("ZeRO: step(closure) is not supported; compute the loss and backward first, then step()")
+        self._zero.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._zero.zero_grad(set_to_none)
+
+    def add_param_group(self, param_group: dict) -> None:
+        raise ValueError("ZeRO: param groups are fixed when the wrapper is built; give every group to the optimizer "
+                         "before wrapping")
+
+
+def _per_element(value, unit) -> bool:
+    """A state tensor with one value per element of the unit's shard (Adam's moments)."""
+    return torch.is_tensor(value) and value.dim() == 1 and value.shape == unit.shard.shape
