@@ -2,8 +2,9 @@
 the state as stage 1) and DataParallel, with Hugging Face GPT-2 (tied wte / lm_head):
 
 - ``torch.distributed.checkpoint.state_dict.get_model_state_dict`` /
-  ``get_optimizer_state_dict`` give the plain model's keys (no ``module.``, no plait
-  format), and, full, the values one process training the whole batch has;
+  ``get_optimizer_state_dict`` (and ``state_dict()``, ``named_parameters()``) give the
+  plain model's keys (no ``module.``, no plait format), and, full, the values one
+  process training the whole batch has; a DDP checkpoint's ``module.`` keys load;
 - ``torch.distributed.checkpoint.save`` at dp=2 (each rank writes its own rows) and
   ``load`` at dp=1, then one more step, equals one process; saved again at dp=1 and
   loaded at dp=2, the same;
@@ -100,7 +101,11 @@ def _save_at(rank, world_size, directory):
         wrapper, optimizer = _wrap(kind)
         _train(wrapper, optimizer, rank, world_size, range(2))
         result = {"keys": (list(wrapper.state_dict()), list(get_model_state_dict(wrapper)),
-                           sorted(get_optimizer_state_dict(wrapper, optimizer)["state"])),
+                           sorted(get_optimizer_state_dict(wrapper, optimizer)["state"]),
+                           [name for name, _ in wrapper.named_parameters()]),
+                  # a DDP checkpoint (module.-prefixed keys) loads: the prefix is consumed
+                  "ddp_keys": wrapper.load_state_dict({f"module.{key}": value for key, value
+                                                       in get_model_state_dict(wrapper, options=FULL).items()}),
                   "full": _full(wrapper, optimizer)}
         dcp.save({"model": get_model_state_dict(wrapper), "optim": get_optimizer_state_dict(wrapper, optimizer)},
                  checkpoint_id=os.path.join(directory, f"{kind}-dp{world_size}"))
@@ -202,9 +207,10 @@ def test_torch_state_dict_apis_and_dcp_across_dp_sizes(tmp_path):
     for rank, per_kind in enumerate(saved):
         for kind, result in per_kind.items():
             what = f"{kind} rank {rank}"
-            state_keys, model_keys, optim_keys = result["keys"]
+            state_keys, model_keys, optim_keys, param_names = result["keys"]
             assert state_keys == plain_keys and model_keys == plain_keys, what
-            assert optim_keys == sorted(want_optim["state"]), what
+            assert optim_keys == sorted(want_optim["state"]) == sorted(param_names), what
+            assert (result["ddp_keys"].missing_keys, result["ddp_keys"].unexpected_keys) == ([], []), what
             _assert_model_equal(result["full"][0], want_model, what)
             _assert_optim_equal(result["full"][1], want_optim, what)
             if kind != "dp":
