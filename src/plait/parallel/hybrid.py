@@ -285,11 +285,13 @@ def clip_grad_norm(hybrid: HybridModel, max_norm: float) -> float:
     """The global L2 norm of the whole model's gradient; scales every gradient by
     max_norm / norm when it is larger (max_norm 0: measure only). Each parameter
     counts once: Chimera's second replica is skipped, tp-replicated parameters
-    count on tp rank 0, and the squares are summed over the tp and pp groups."""
+    count on tp rank 0, a parameter several pipeline ranks hold (a tied embedding,
+    its gradient summed over them) on the first of them, and the squares are summed
+    over the tp and pp groups."""
     counted = []
     for name in hybrid.saved_names:
         param = hybrid.names[name]
-        if param.grad is None:
+        if param.grad is None or not _first_holder(hybrid, name):
             continue
         sharded = getattr(param, "tp_shard", None) is not None and hybrid.tp_size > 1
         if sharded or hybrid.tp_rank == 0:
@@ -325,10 +327,38 @@ def _summed_over(hybrid: HybridModel, total: torch.Tensor, axes) -> torch.Tensor
     return total
 
 
+def _first_holder(hybrid: HybridModel, name: str) -> bool:
+    """Whether this pipeline rank counts parameter ``name`` in the norm: always, unless
+    other pipeline ranks hold it too (the engine sums its gradient over them), then only
+    on the first."""
+    holders = hybrid.engine.shared_parameters.get(name)
+    return holders is None or hybrid.mesh.coords[PP] == min(holders)
+
+
+def _shard_square_sum(hybrid: HybridModel, optimizer: ShardedOptimizer) -> torch.Tensor:
+    """Σ g² over this rank's shards (tp-replicated buckets on tp rank 0), a parameter
+    several pipeline ranks hold counted on the first of them only, float64."""
+    skipped = {id(hybrid.names[name]) for name in hybrid.engine.shared_parameters
+               if name in hybrid.names and not _first_holder(hybrid, name)}
+    if not skipped:
+        return optimizer.grad_square_sum(hybrid.tp_rank)
+    total = torch.zeros((), dtype=torch.float64)
+    for unit, replicated in zip(optimizer.units, optimizer.unit_replicated):
+        if unit.shard.grad is None or (replicated and hybrid.tp_rank != 0):
+            continue
+        start = unit.rank * unit.shard_numel
+        for param, offset in zip(unit.params, unit.offsets):
+            low, high = max(offset, start), min(offset + param.numel(), start + unit.shard_numel)
+            if id(param) not in skipped and low < high:
+                total += unit.shard.grad[low - start:high - start].double().pow(2).sum().cpu()
+    return total
+
+
 def clip_sharded_grad_norm(hybrid: HybridModel, optimizer: ShardedOptimizer, max_norm: float) -> float:
-    """``clip_grad_norm`` under ZeRO 1: each dp rank holds 1/dp of every gradient, so the
-    squares are also summed over the dp group (tp-replicated buckets on tp rank 0)."""
-    norm = float(_summed_over(hybrid, optimizer.grad_square_sum(hybrid.tp_rank), AXES).sqrt())
+    """``clip_grad_norm`` under ZeRO: each dp rank holds 1/dp of every gradient, so the
+    squares are also summed over the dp group (tp-replicated buckets on tp rank 0, a
+    parameter several pipeline ranks hold on the first of them)."""
+    norm = float(_summed_over(hybrid, _shard_square_sum(hybrid, optimizer), AXES).sqrt())
     if max_norm and norm > max_norm:
         optimizer.scale_gradients(max_norm / (norm + 1e-6))
     return norm

@@ -190,7 +190,8 @@ def _memory_and_traffic(rank, world_size, stage):
     comm.reset_stats()
     _loss(zero, tokens[:2], targets[:2]).backward()
     after_backward = zero.model_state_bytes()
-    with_grad = sum(param.numel() for param in model.parameters() if param.grad is not None) * 8
+    # the parameters that got a full local gradient (after a backward .grad is a view: grad_views)
+    with_grad = sum(param.numel() for param in model.parameters() if zero.grads.local_grad(param) is not None) * 8
     zero.step()
     stats = comm.stats()
     sent = {name: entry["bytes_sent"] for name, entry in stats.items()}

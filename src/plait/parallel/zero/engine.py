@@ -71,6 +71,7 @@ class ShardEngine:
         self.reduce_every_unit, self.collect_at_backward_end = reduce_every_unit, collect_at_backward_end
         self.sync = True
         self.in_backward = False
+        self.on_backward_end = None  # called after each backward's end (the ZeRO module exposes gradients)
         self.reduced = False  # some average was added into the shards' gradients since zero_grad
         self._in_flight: list = []  # (unit, out, flat, handle) of reduce-scatters not yet waited for
         self._done: set[int] = set()  # units complete this backward
@@ -136,6 +137,8 @@ class ShardEngine:
         self.in_backward = False
         if self.collect_at_backward_end and self.sync and self.stage >= 2:
             self.wait_in_flight()
+        if self.on_backward_end is not None:
+            self.on_backward_end()
 
     # ----- reduce ----------------------------------------------------------------------
     def reduce(self, units: list[FlatUnit], async_op: bool) -> None:

@@ -69,8 +69,10 @@ from torch import nn
 from plait import comm
 from plait.parallel.arguments import check_wrapper_arguments, wrapper_communicator
 from plait.parallel.data.data_parallel import NoSync, verify_replicas
+from plait.parallel.data.weak_hooks import weak_method
 from plait.parallel.zero.engine import ShardEngine, buckets, check_elementwise, owners_of, storage_bytes
 from plait.parallel.zero.flat_units import FlatUnit
+from plait.parallel.zero.grad_views import ZeroGrads
 from plait.parallel.zero.state_dicts import ZeroStateDicts
 from plait.parallel.zero.state_offload import StateFiles
 from plait.parallel.zero.unit_gathering import default_wrap
@@ -127,6 +129,10 @@ class ZeRO(ZeroStateDicts, NoSync, nn.Module):
                                   gathered_modules=[(self._unit_modules[unit.index], [unit]) for unit in self.units
                                                     if stage == 3 and not self._is_root(unit)],
                                   reduce_every_unit=True, collect_at_backward_end=True)
+        # each synchronised backward leaves every .grad a view of this rank's piece (grad_views):
+        # torch's clip_grad_norm_ on them reduces over the ranks
+        self.grads = ZeroGrads(self.units, self.engine, group, stage, module)
+        self.engine.on_backward_end = weak_method(self._expose_grads)
 
     @property
     def _require_sync(self) -> bool:  # what no_sync() turns off: the engine's
@@ -172,9 +178,14 @@ class ZeRO(ZeroStateDicts, NoSync, nn.Module):
             raise ValueError("ZeRO: the optimizer must be built over exactly the parameters it is given "
                              "(this rank's shards), in one param group")
 
+    def _expose_grads(self) -> None:
+        if self.engine.sync:
+            self.grads.expose()
+
     # ----- forward ---------------------------------------------------------------------
     def forward(self, *args, **kwargs):
         self._check_unchanged()
+        self.grads.before_forward()  # the gradient views go; the next backward accumulates as before
         if self.engine.in_backward:
             raise RuntimeError("ZeRO: the previous backward did not finish reducing its gradients (it raised or "
                                "was interrupted); rebuild the wrapper to recover")
@@ -218,7 +229,9 @@ class ZeRO(ZeroStateDicts, NoSync, nn.Module):
 
     # ----- step ------------------------------------------------------------------------
     def _reduce_pending(self) -> None:
-        """Stage 1 reduces at the step: every unit's full gradient, reduce-scattered."""
+        """Stage 1 reduces at the step (or at the first norm torch asks of its gradient
+        views): every unit's full gradient, reduce-scattered."""
+        self.grads.settle()
         if self.stage == 1 and not self.engine.reduced:
             if all(param.grad is None for unit in self.units for param in unit.params):
                 raise RuntimeError("ZeRO: step() without a backward since the last zero_grad(); call "
@@ -228,18 +241,17 @@ class ZeRO(ZeroStateDicts, NoSync, nn.Module):
             raise RuntimeError("ZeRO: step() without a backward since the last zero_grad(); call "
                                "loss.backward() first")
 
-    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        """Scale the gradients so that their global 2-norm (over every rank's shards) is
-        at most ``max_norm``; returns the norm before clipping."""
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Scale the gradients so that their global ``norm_type``-norm (over every rank's
+        shards, and the tp ranks of plait tensor layers inside) is at most ``max_norm``,
+        as torch.nn.utils.clip_grad_norm_ scales (by max_norm / (norm + 1e-6) when below
+        1); returns the norm before clipping, in the gradients' (master) dtype."""
         self._reduce_pending()
-        square = self.engine.grad_square_sum()
-        if self.world_size > 1:
-            comm.all_reduce(square, group=self.communicator)
-        norm = square.sqrt()
+        norm = self.grads.total_norm(norm_type)
         scale = max_norm / (float(norm) + 1e-6)
         if scale < 1:
             self.engine.scale_gradients(scale)
-        return norm.to(torch.float32)
+        return norm.to(self.units[0].shard.dtype)
 
     def step(self) -> None:
         """Step this rank's shards, then (stages 1 and 2) all-gather the parameters. A
@@ -250,6 +262,7 @@ class ZeRO(ZeroStateDicts, NoSync, nn.Module):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.engine.zero_grad()
+        self.grads.reset()
 
     # ----- measured memory -------------------------------------------------------------
     def model_state_bytes(self) -> dict[str, int]:
@@ -258,7 +271,8 @@ class ZeRO(ZeroStateDicts, NoSync, nn.Module):
         optimizer state in offload files (each storage once)."""
         seen: set[int] = set()
         return {"params_bytes": storage_bytes((unit.full for unit in self.units), seen),
-                "grads_bytes": storage_bytes([param.grad for unit in self.units for param in unit.params]
+                "grads_bytes": storage_bytes([self.grads.local_grad(param) for unit in self.units
+                                              for param in unit.params]
                                              + [unit.shard.grad for unit in self.units], seen),
                 "master_bytes": storage_bytes((unit.shard for unit in self.units), seen),
                 "optimizer_bytes": storage_bytes(self.engine.state_tensors(offloaded=False), seen),
