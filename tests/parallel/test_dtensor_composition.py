@@ -5,9 +5,9 @@ ranks.
 
 DataParallel over ``mesh["dp"]`` works on the local shards (every dp rank holds the
 same tp shard, so the dp average of each local gradient is that shard of the dp
-average) and trains exactly as one process on the whole batch. ZeRO, the parameter
-server and data parallelism over a group that holds two ranks of the tp mesh are
-refused by name before the first step (on the code before issue 33, DataParallel and
+average) and trains exactly as one process on the whole batch. ZeRO (the module and
+ShardedOptimizer), the parameter server, the pipeline engine and data parallelism over
+a group that holds two ranks of the tp mesh are refused by name before the first step (on the code before issue 33, DataParallel and
 ZeRO failed with an unrelated ".numpy() is not supported for tensor subclasses").
 
 Tolerance: float64, 3 AdamW steps. The tp layers split each matmul's sum over the
@@ -81,13 +81,18 @@ def _dp_by_tp(rank, world_size):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    from plait.parallel import DataParallel, ParameterServer, ZeRO
+    from plait.parallel import DataParallel, ParameterServer, ShardedOptimizer, ZeRO
+    from plait.parallel.pipeline import build
+    from plait.parallel.pipeline.engine import PipelineEngine
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     model = parallelize_module(_model(), mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
     refused = {
         "ZeRO": _refusal(lambda: ZeRO(model, _optimizer, stage=1, group=mesh["dp"])),
         "ParameterServer": _refusal(lambda: ParameterServer(model, _optimizer, group=mesh["dp"])),
+        "ShardedOptimizer": _refusal(lambda: ShardedOptimizer(_optimizer(model.parameters()), mesh["dp"])),
+        "PipelineEngine": _refusal(lambda: PipelineEngine(build("1f1b", 2, 2), {mesh["dp"].get_local_rank(): model},
+                                                          F.cross_entropy, group=mesh["dp"])),
         "DataParallel over the world": _refusal(lambda: DataParallel(model)),
     }
     wrapped = DataParallel(model, group=mesh["dp"])
@@ -111,10 +116,15 @@ def test_data_parallel_over_dp_of_a_dtensor_model_trains_like_one_process():
         assert set(got) == set(want)
         for name in want:
             torch.testing.assert_close(got[name], want[name], rtol=1e-10, atol=1e-12, msg=name)
-        print(refused)
         assert refused["ZeRO"].startswith("TypeError: ZeRO: the model has DTensor parameters ('up.weight'")
         assert "DataParallel(model, group=mesh['dp'])" in refused["ZeRO"]
         assert refused["ParameterServer"].startswith("TypeError: ParameterServer: the model has DTensor parameters")
+        assert refused["ShardedOptimizer"].startswith(
+            "TypeError: ShardedOptimizer: the model has DTensor parameters ('param_groups[0] parameter 0'")
+        assert refused["PipelineEngine"].startswith("TypeError: PipelineEngine: the model has DTensor parameters "
+                                                    "('stage "), refused["PipelineEngine"]
+        assert " up.weight'" in refused["PipelineEngine"]
+        assert "plait.parallel.hybrid for dp x tp x pp" in refused["PipelineEngine"]
         assert refused["DataParallel over the world"].startswith(
             "ValueError: DataParallel: parameter 'up.weight' is a DTensor on a mesh of global ranks")
         assert "mesh['dp']" in refused["DataParallel over the world"]

@@ -60,20 +60,23 @@ def check_wrapper_arguments(module, group, owner: str, *, dtensor_parameters: bo
         refuse_dtensor_parameters(module.named_parameters(), owner)
 
 
-def refuse_dtensor_parameters(named, owner: str) -> None:
+DTENSOR_FIX = ("build the tensor parallelism with plait's layers (plait.parallel.tensor.ColumnParallelLinear / "
+               "RowParallelLinear), which hold plain tensors, or wrap the DTensor model in "
+               "plait.parallel.DataParallel(model, group=mesh['dp'])")
+
+
+def refuse_dtensor_parameters(named, owner: str, fix: str = DTENSOR_FIX) -> None:
     """A TypeError naming the DTensor parameters among ``named`` ((name, parameter)
-    pairs) for a wrapper that flattens or ships whole parameters (ZeRO, the parameter
-    server): it would mix torch's DTensor shards with its own flat buffers. The fixes:
-    plait's own tensor-parallel layers (plait.parallel.tensor), which hold plain
-    tensors, or DataParallel over the dp dimension, which works on the local shards."""
+    pairs) for a wrapper that flattens, ships or tracks whole parameters (ZeRO, the
+    parameter server, the pipeline engine): it would mix torch's DTensor shards with its
+    own plain buffers and fail somewhere unrelated. ``fix``: what to do instead (by
+    default plait's own tensor-parallel layers, which hold plain tensors, or
+    DataParallel over the dp dimension, which works on the local shards)."""
     names = [name for name, param in named if is_dtensor(param)]
     if names:
         shown = ", ".join(repr(name) for name in names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
         raise TypeError(f"{owner}: the model has DTensor parameters ({shown}: torch tensor parallelism, "
-                        f"parallelize_module), which {owner} cannot shard or flatten: build the tensor parallelism "
-                        "with plait's layers (plait.parallel.tensor.ColumnParallelLinear / RowParallelLinear), "
-                        "which hold plain tensors, or wrap the DTensor model in "
-                        "plait.parallel.DataParallel(model, group=mesh['dp'])")
+                        f"parallelize_module), which {owner} cannot shard, flatten or send: {fix}")
 
 
 def wrapper_communicator(group, owner: str) -> Communicator:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from torch import nn
 
 from plait.comm.communicator import check_group
-from plait.parallel.arguments import check_module
+from plait.parallel.arguments import check_module, refuse_dtensor_parameters
 from plait.parallel.pipeline.schedules import PipelineSchedule
 
 
@@ -23,6 +23,11 @@ def check_pipeline_arguments(schedule, stage_modules, loss_fn, group, model, tie
             isinstance(stage, int) and isinstance(module, nn.Module) for stage, module in stage_modules.items()):
         raise TypeError("PipelineEngine: stage_modules must be a dict of stage index -> nn.Module (this rank's "
                         f"stages), got {stage_modules!r:.80}")
+    for stage, module in stage_modules.items():  # its storages, messages and shared-weight checks take plain tensors
+        refuse_dtensor_parameters(((f"stage {stage} {name}", param) for name, param in module.named_parameters()),
+                                  "PipelineEngine", "build the stages' tensor parallelism with plait's layers "
+                                  "(plait.parallel.tensor.ColumnParallelLinear / RowParallelLinear; "
+                                  "plait.parallel.hybrid for dp x tp x pp)")
     if not callable(loss_fn):
         raise TypeError(f"PipelineEngine: loss_fn must be callable (output, target) -> loss, got {loss_fn!r:.40}")
     if model is not None:

@@ -10,7 +10,7 @@ from torch import nn
 
 from plait import comm
 from plait.comm.communicator import check_group
-from plait.parallel.arguments import wrapper_communicator
+from plait.parallel.arguments import refuse_dtensor_parameters, wrapper_communicator
 from plait.parallel.zero.engine import ShardEngine, buckets, check_elementwise, owners_of, storage_bytes
 from plait.parallel.zero.flat_units import FlatUnit
 from plait.parallel.zero.state_offload import StateFiles
@@ -58,6 +58,9 @@ class ShardedOptimizer:
             raise TypeError(f"ShardedOptimizer: optimizer must be a torch.optim.Optimizer over the parameters, "
                             f"got {type(optimizer).__name__}, e.g. torch.optim.AdamW(model.parameters(), lr=3e-4)")
         check_group(group)
+        refuse_dtensor_parameters(((f"param_groups[{index}] parameter {slot}", param) for index, options in
+                                   enumerate(optimizer.param_groups) for slot, param in enumerate(options["params"])),
+                                  "ShardedOptimizer")
         check_elementwise(optimizer)
         if optimizer.state:
             raise ValueError("ZeRO: give the optimizer before its first step (its state is rebuilt on shards)")
