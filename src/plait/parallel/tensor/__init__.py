@@ -6,6 +6,10 @@
   reduce-scatter/all-gather).
 - ``layers``: column/row-parallel linear, vocab-parallel embedding, parallel
   attention and MLP.
+- ``layout``: the layout each layer's input must have (replicated, or sharded along
+  the sequence under sequence parallelism), checked on its first forward.
+- ``entry``: ``SequenceParallelEntry`` / ``SequenceParallelExit``, a replicated
+  (b, s, h) or (s, b, h) into the layers' layout and back.
 - ``cross_entropy``: the vocab-parallel loss that never gathers the logits.
 - ``sharding``: which slice each parameter holds; unsharded state dicts in and out.
 - ``dropout``: masks that are each rank's slice of the unsharded model's.
@@ -13,6 +17,7 @@
 
 from plait.parallel.tensor.cross_entropy import gather_logits, vocab_parallel_cross_entropy
 from plait.parallel.tensor.dropout import ConsistentDropout
+from plait.parallel.tensor.entry import SequenceParallelEntry, SequenceParallelExit
 from plait.parallel.tensor.group import LOCAL, UNSHARDED, TensorParallel, new_tensor_parallel
 from plait.parallel.tensor.layers import (
     ColumnParallelLinear,
@@ -26,10 +31,12 @@ from plait.parallel.tensor.layers import (
     parallel_output,
     valid_tp_sizes,
 )
+from plait.parallel.tensor.layout import LAYOUT_CHECKS, REPLICATED, SEQUENCE_SHARDED, check_layout
 from plait.parallel.tensor.mappings import (
     copy_to_region,
     gather_from_region,
     gather_from_sequence,
+    gather_to_replicated,
     reduce_from_region,
     reduce_scatter_to_sequence,
     scatter_to_region,
@@ -46,11 +53,12 @@ from plait.parallel.tensor.sharding import (
 )
 
 __all__ = [
-    "LOCAL", "UNSHARDED", "ColumnParallelLinear", "ConsistentDropout", "ParallelAttention", "ParallelMLP",
-    "RowParallelLinear", "ShardSpec", "TensorParallel", "VocabParallelEmbedding", "check_tp_divides",
+    "ColumnParallelLinear", "ConsistentDropout", "LAYOUT_CHECKS", "LOCAL", "ParallelAttention", "ParallelMLP",
+    "REPLICATED", "RowParallelLinear", "SEQUENCE_SHARDED", "SequenceParallelEntry", "SequenceParallelExit",
+    "ShardSpec", "TensorParallel", "UNSHARDED", "VocabParallelEmbedding", "check_layout", "check_tp_divides",
     "copy_to_region", "gather_from_region", "gather_from_sequence", "gather_grads", "gather_logits",
-    "gather_state_dict", "init_from_full", "new_tensor_parallel", "parallel_input", "parallel_logits",
-    "parallel_output", "reduce_from_region", "reduce_scatter_to_sequence", "scatter_to_region",
+    "gather_state_dict", "gather_to_replicated", "init_from_full", "new_tensor_parallel", "parallel_input",
+    "parallel_logits", "parallel_output", "reduce_from_region", "reduce_scatter_to_sequence", "scatter_to_region",
     "scatter_to_sequence", "shard_spec", "shard_state_dict", "sum_grads_in_backward", "valid_tp_sizes",
     "vocab_parallel_cross_entropy",
 ]

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from plait import comm
 from plait.comm.algorithms import ALGORITHMS, TORCH
 from plait.comm.communicator import check_group, process_group
+from plait.parallel.tensor.layout import FIRST, LAYOUT_CHECKS
 
 
 class _Local:
@@ -48,12 +49,16 @@ class TensorParallel:
     rule; a 1-D torch DeviceMesh, e.g. ``mesh["tp"]``, means its process group's and
     stays in ``group`` as given). ``check_args=False``: ``new_tensor_parallel`` creates the group's
     communicator with ``CommConfig(check="off")`` (the default in-band check costs no
-    extra message, so there is little to gain)."""
+    extra message, so there is little to gain). ``check_layout``: when each layer
+    checks that its input has the layout it expects (sharded along the sequence
+    under sequence parallelism, else replicated; see plait.parallel.tensor.layout):
+    "first" forward (default), "always" or "off"."""
 
     group: object = None
     algorithm: str = "auto"
     sequence_parallel: bool = False
     check_args: bool = True
+    check_layout: str = FIRST
 
     def __post_init__(self):
         if not isinstance(self.algorithm, str):
@@ -66,6 +71,9 @@ class TensorParallel:
             value = getattr(self, name)
             if not isinstance(value, bool):  # 'no' is truthy: sequence parallelism would be on
                 raise TypeError(f"TensorParallel: {name} must be True or False, got {value!r}")
+        if self.check_layout not in LAYOUT_CHECKS:
+            raise ValueError(f"TensorParallel: check_layout={self.check_layout!r} must be one of "
+                             f"{', '.join(map(repr, LAYOUT_CHECKS))}")
         if self.group is LOCAL:
             return
         try:
@@ -93,7 +101,8 @@ class TensorParallel:
     def agreement_fields(self) -> dict[str, int]:
         """What every rank of the group must agree on, as ints (see check_agreement)."""
         return {"tp": self.size, "sequence_parallel": int(self.sequence_parallel),
-                "algorithm": name_code(self.algorithm), "check_args": int(self.check_args)}
+                "algorithm": name_code(self.algorithm), "check_args": int(self.check_args),
+                "check_layout": name_code(self.check_layout)}
 
     def describe(self) -> str:
         sp = ", sequence parallel" if self.sequence_parallel else ""
@@ -134,7 +143,7 @@ def check_agreement(fields: dict[str, int], group, subject: str, detail: str = "
 
 
 def new_tensor_parallel(tp: int, *, algorithm: str = "auto", sequence_parallel: bool = False,
-                        check_args: bool = True) -> TensorParallel:
+                        check_args: bool = True, check_layout: str = FIRST) -> TensorParallel:
     """Split the world into world_size/tp groups of ``tp`` consecutive ranks (ranks
     0..tp-1, tp..2tp-1, ...) and return this rank's. Every rank must call it with the
     same arguments (it creates every group, as torch.distributed.new_group requires);
@@ -145,11 +154,12 @@ def new_tensor_parallel(tp: int, *, algorithm: str = "auto", sequence_parallel: 
     if isinstance(tp, bool) or not isinstance(tp, int):
         raise TypeError(f"tp must be an int, got {type(tp).__name__} {tp!r}")
     # agree first, so one rank's bad value is named on every rank rather than left to time out
-    wanted = TensorParallel(algorithm=algorithm, sequence_parallel=sequence_parallel, check_args=check_args)
+    wanted = TensorParallel(algorithm=algorithm, sequence_parallel=sequence_parallel, check_args=check_args,
+                            check_layout=check_layout)
     fields = {**wanted.agreement_fields(), "tp": tp}
     check_agreement(fields, None, "new_tensor_parallel: every rank must ask for the same tensor parallelism",
                     f"this rank {dist.get_rank()}: tp={tp}, algorithm={algorithm!r}, "
-                    f"sequence_parallel={sequence_parallel}, check_args={check_args}")
+                    f"sequence_parallel={sequence_parallel}, check_args={check_args}, check_layout={check_layout!r}")
     if tp < 1:
         raise ValueError(f"tp must be >= 1, got {tp}")
     if tp > world_size:
@@ -168,4 +178,4 @@ def new_tensor_parallel(tp: int, *, algorithm: str = "auto", sequence_parallel: 
     if not check_args and tp > 1:
         comm.init_communicator(mine, comm.CommConfig(check="off"))
     return TensorParallel(group=mine, algorithm=algorithm, sequence_parallel=sequence_parallel,
-                          check_args=check_args)
+                          check_args=check_args, check_layout=check_layout)

@@ -8,7 +8,17 @@ MLP) and two backward (at their inputs): with a ring, 4 · 2(p-1)/p · s·b·h
 elements sent per rank per layer per step. Under sequence parallelism each
 all-reduce becomes a reduce-scatter (output) and an all-gather (next input).
 
-Activations are (sequence, batch, features). Parameters are created as this
+Activations are (sequence, batch, features), sequence-first. Without sequence
+parallelism a layer's input is replicated: the same (s, b, h) on every rank of
+the group. With it, a column-parallel input (hence ParallelAttention's and
+ParallelMLP's) is sharded along the sequence: rank r feeds rows [r·s/p, (r+1)·s/p),
+its own (s/p, b, h). Each layer checks this on its first forward
+(``TensorParallel.check_layout``; plait.parallel.tensor.layout) and refuses, by
+name and with the shapes, a replicated input under sequence parallelism (which
+would give every sharded weight p times its gradient) or an input that differs
+between ranks without it; ``SequenceParallelEntry`` / ``SequenceParallelExit``
+convert a caller's replicated (b, s, h) or (s, b, h) in and out. Token ids are
+replicated (b, s) in both modes. Parameters are created as this
 rank's shard (``sharding.ShardSpec`` on each) and initialised as slices of the
 unsharded tensor drawn from ``seed``, so any tp gives the same model.
 """
@@ -24,6 +34,7 @@ from torch import nn
 from plait.memory.recompute import recompute
 from plait.parallel.tensor.dropout import ConsistentDropout
 from plait.parallel.tensor.group import UNSHARDED, TensorParallel
+from plait.parallel.tensor.layout import REPLICATED, LayoutCheck, column_input_check
 from plait.parallel.tensor.mappings import (
     copy_to_region,
     gather_from_region,
@@ -93,8 +104,10 @@ def _check_arguments(owner: str, tp, **sizes) -> None:
 class ColumnParallelLinear(nn.Module):
     """Y = X A + b with A (in, out) split by columns: rank r holds out/p output
     features (weight (out/p, in) as torch stores it, bias (out/p)). No communication
-    forward; backward all-reduces dX (f). Under sequence parallelism X arrives as
-    this rank's (s/p, b, in): forward all-gathers it, backward reduce-scatters dX.
+    forward; backward all-reduces dX (f). Input layout: X (s, b, in) replicated, the
+    same on every rank; under sequence parallelism this rank's sequence-first slice
+    (s/p, b, in), a different one on each rank: forward all-gathers it, backward
+    reduce-scatters dX. Checked on the first forward (``tp.check_layout``).
     ``gather_output`` all-gathers Y to full width; otherwise Y stays split for a
     following row-parallel layer."""
 
@@ -108,10 +121,12 @@ class ColumnParallelLinear(nn.Module):
         local = out_features // tp.size
         self.weight = mark_sharded(_parameter((local, in_features), dtype), 0, out_features)
         self.bias = mark_sharded(_parameter((local,), dtype), 0, out_features) if bias else None
+        self.layout_check = column_input_check(f"ColumnParallelLinear(in={in_features}, out={out_features})", tp)
         if seed is not None:
             init_from_full(self, tp, seed, default_draw)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (s, b, in) or (s/p, b, in) under SP
+        self.layout_check(x, self.tp)
         y = F.linear(parallel_input(x, self.tp), self.weight, self.bias)  # (s, b, out/p)
         return gather_from_region(y, self.tp) if self.gather_output else y
 
@@ -122,7 +137,9 @@ class ColumnParallelLinear(nn.Module):
 class RowParallelLinear(nn.Module):
     """Y = X B + b with B (in, out) split by rows: rank r holds in/p input features
     (weight (out, in/p)) and takes X already split along its last dim
-    (``input_is_parallel``, as a column-parallel layer leaves it). Forward sums the
+    (``input_is_parallel``, as a column-parallel layer leaves it: different on every
+    rank; ``input_is_parallel=False`` takes the replicated (s, b, in), checked on the
+    first forward, and keeps this rank's slice). Forward sums the
     partial products (g: all-reduce, or reduce-scatter under sequence parallelism),
     then adds the replicated bias. ``skip_bias_add`` returns (Y, b) for a fused add:
     the caller adds b and, under sequence parallelism (where b is added on a sequence
@@ -141,11 +158,14 @@ class RowParallelLinear(nn.Module):
         # replicated; under sequence parallelism it is added on a sequence shard, so its
         # gradient is summed over the group (here, or by the caller when skip_bias_add)
         self.bias = _parameter((out_features,), dtype) if bias else None
+        self.layout_check = LayoutCheck(f"RowParallelLinear(in={in_features}, out={out_features}, "
+                                        "input_is_parallel=False)", REPLICATED)
         if seed is not None:
             init_from_full(self, tp, seed, default_draw)
 
     def forward(self, x: torch.Tensor):  # x: (s, b, in/p)
         if not self.input_is_parallel:
+            self.layout_check(x, self.tp)
             x = scatter_to_region(x, self.tp)
         y = parallel_output(F.linear(x, self.weight), self.tp)  # (s, b, out) or (s/p, b, out)
         if self.skip_bias_add:
@@ -163,7 +183,9 @@ class VocabParallelEmbedding(nn.Module):
     """Token embedding with the vocabulary split: rank r holds rows
     [r·V'/p, (r+1)·V'/p) of the table padded to V' = p·ceil(V/p) rows. Each rank
     looks up the tokens in its range (zeros elsewhere) and one all-reduce (or
-    reduce-scatter along the sequence) sums the partial embeddings."""
+    reduce-scatter along the sequence) sums the partial embeddings. The token ids
+    (s, b) are replicated, the same on every rank, in both modes (checked on the
+    first forward): under sequence parallelism the output is this rank's (s/p, b, h)."""
 
     def __init__(self, vocab_size: int, hidden: int, tp: TensorParallel = UNSHARDED, *,
                  dtype: torch.dtype = torch.float32, seed: int | None = 0):
@@ -175,6 +197,8 @@ class VocabParallelEmbedding(nn.Module):
         local = -(-vocab_size // tp.size)
         self.vocab_start = tp.rank * local  # this rank's first row
         self.weight = mark_sharded(_parameter((local, hidden), dtype), 0, vocab_size)
+        self.layout_check = LayoutCheck(f"VocabParallelEmbedding(vocab={vocab_size}, hidden={hidden}) tokens",
+                                        REPLICATED)
         if seed is not None:
             init_from_full(self, tp, seed, default_draw)
 
@@ -191,6 +215,7 @@ class VocabParallelEmbedding(nn.Module):
         return embedded.masked_fill(outside.unsqueeze(-1), 0.0)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:  # tokens (s, b) -> (s, b, h) or (s/p, b, h)
+        self.layout_check(tokens, self.tp)
         return parallel_output(self.partial(tokens), self.tp)
 
     def extra_repr(self) -> str:
@@ -219,7 +244,12 @@ class ParallelAttention(_BiasedOutput):
     column-parallel QKV projection (rank r computes heads [r·n/p, (r+1)·n/p)), local
     attention, and a row-parallel output projection. The fused QKV weight is laid out
     head by head ((heads, 3, head_dim) rows), so a contiguous split hands each rank
-    the q, k and v of its own heads. ``forward`` returns the full output;
+    the q, k and v of its own heads. Input layout: sequence-first, dim 0 is the
+    sequence the causal mask runs along (a batch-first (b, s, h) goes through
+    ``SequenceParallelEntry(tp, seq_dim=1)``); replicated (s, b, h), or under
+    sequence parallelism this rank's (s/p, b, h) slice, all-gathered to the whole
+    sequence before attending (checked on the first forward by ``qkv``). The output
+    has the input's layout. ``forward`` returns the full output;
     ``forward_unbiased`` returns (output without the projection bias, bias) for a
     caller that fuses the bias add and sums its gradient (sum_grads_in_backward)."""
 
@@ -233,6 +263,7 @@ class ParallelAttention(_BiasedOutput):
         self.tp, self.hidden, self.heads = tp, hidden, heads
         self.local_heads, self.head_dim = heads // tp.size, hidden // heads
         self.qkv = ColumnParallelLinear(hidden, 3 * hidden, tp, dtype=dtype, seed=None)
+        self.qkv.layout_check.owner = f"ParallelAttention(hidden={hidden}, heads={heads}) input"
         self.proj = RowParallelLinear(hidden, hidden, tp, skip_bias_add=True, dtype=dtype, seed=None)
         self.attention_dropout = ConsistentDropout(dropout)
         self.recompute_core = False  # selective recomputation (set by the model's set_recompute)
@@ -264,7 +295,9 @@ class ParallelAttention(_BiasedOutput):
 class ParallelMLP(_BiasedOutput):
     """h -> ffn (column-parallel) -> GeLU -> h (row-parallel): no communication
     between the two matmuls, one sum at the end. ``forward_unbiased`` as in
-    ParallelAttention."""
+    ParallelAttention. Input layout: replicated (s, b, h), or under sequence
+    parallelism this rank's sequence-first (s/p, b, h) slice (checked on the first
+    forward by ``fc1``); the output has the input's layout."""
 
     def __init__(self, hidden: int, ffn_hidden: int, tp: TensorParallel = UNSHARDED, *,
                  dtype: torch.dtype = torch.float32, seed: int | None = 0):
@@ -272,6 +305,7 @@ class ParallelMLP(_BiasedOutput):
         _check_arguments("ParallelMLP", tp, hidden=hidden, ffn_hidden=ffn_hidden)
         check_tp_divides(tp.size, ffn_hidden=ffn_hidden)
         self.fc1 = ColumnParallelLinear(hidden, ffn_hidden, tp, dtype=dtype, seed=None)
+        self.fc1.layout_check.owner = f"ParallelMLP(hidden={hidden}, ffn_hidden={ffn_hidden}) input"
         self.fc2 = RowParallelLinear(ffn_hidden, hidden, tp, skip_bias_add=True, dtype=dtype, seed=None)
         self.tp = tp
         if seed is not None:

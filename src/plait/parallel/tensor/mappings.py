@@ -2,7 +2,7 @@
 
 Each is a named ``torch.autograd.Function`` (CopyToRegion, ReduceFromRegion,
 ScatterToRegion, GatherFromRegion, ScatterToSequence, GatherFromSequence,
-ReduceScatterToSequence) called through the function of the same name in snake
+ReduceScatterToSequence, GatherToReplicated) called through the function of the same name in snake
 case. Each is a pair (forward collective, backward collective) whose two halves are
 adjoint, so gradients of a sharded model equal the unsharded model's:
 
@@ -13,6 +13,7 @@ adjoint, so gradients of a sharded model equal the unsharded model's:
   scatter_to_sequence        forward split dim 0,         backward all-gather dim 0
   gather_from_sequence       forward all-gather dim 0,    backward reduce-scatter dim 0
   reduce_scatter_to_sequence forward reduce-scatter dim 0, backward all-gather dim 0
+  gather_to_replicated       forward all-gather dim 0,    backward split dim 0
 
 Hidden states are laid out (sequence, batch, hidden), so the sequence-parallel
 mappings work on dim 0 and their buffers are contiguous slabs. For a tensor of n
@@ -201,6 +202,25 @@ class ReduceScatterToSequence(torch.autograd.Function):
         return all_gather_dim0(grad, ctx.tp), None
 
 
+class GatherToReplicated(torch.autograd.Function):
+    """Leave sequence parallelism for a replicated consumer: (s/p, ...) shards -> the
+    full (s, ...) on every rank, used the same way on every rank (a loss, a layer
+    outside the tensor-parallel region). Unlike GatherFromSequence, whose consumer is
+    a column-parallel layer (each rank's loss part depends on all of Y, so backward
+    sums), the gradient arriving here is the same on every rank."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+        """Y = concat over r of X_r along dim 0: one all-gather."""
+        ctx.tp = tp
+        return all_gather_dim0(x, tp)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        """dX_r = dY[r s/p : (r+1) s/p] (dY replicated); no communication."""
+        return _split(grad, ctx.tp, 0), None
+
+
 class _SumGradsInBackward(torch.autograd.Function):
     """Identity on parameters whose gradient each rank computes only in part (those
     used on a sequence shard); backward sums their gradients over the group in one
@@ -247,15 +267,36 @@ def gather_from_region(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
     return _apply(GatherFromRegion, x, tp)
 
 
-def scatter_to_sequence(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
-    """(s, ...) -> this rank's (s/p, ...) (backward all-gathers)."""
-    return _apply(ScatterToSequence, x, tp)
+def scatter_to_sequence(x: torch.Tensor, tp: TensorParallel, seq_dim: int = 0) -> torch.Tensor:
+    """A replicated tensor whose sequence is dim ``seq_dim`` -> this rank's
+    sequence-first slice (s/p, ...) (backward all-gathers): ``seq_dim=1`` takes a
+    batch-first (b, s, h) to (s/p, b, h), what sequence-parallel layers expect."""
+    return _apply(ScatterToSequence, _sequence_first(x, seq_dim), tp)
 
 
 def gather_from_sequence(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
     """(s/p, ...) -> (s, ...) by all-gather (backward reduce-scatters): the input of a
     column-parallel layer under sequence parallelism."""
     return _apply(GatherFromSequence, x, tp)
+
+
+def gather_to_replicated(x: torch.Tensor, tp: TensorParallel, seq_dim: int = 0) -> torch.Tensor:
+    """This rank's sequence-first (s/p, ...) -> the whole sequence on every rank, put
+    back at dim ``seq_dim`` (1: (b, s, h)); backward keeps this rank's slice of the
+    (replicated) gradient. The inverse of ``scatter_to_sequence``."""
+    return _apply(GatherToReplicated, x, tp).movedim(0, check_seq_dim(x, seq_dim))
+
+
+def check_seq_dim(x: torch.Tensor, seq_dim) -> int:
+    if isinstance(seq_dim, bool) or not isinstance(seq_dim, int):
+        raise TypeError(f"seq_dim must be an int (the dim holding the sequence), got {seq_dim!r}")
+    if not -x.dim() <= seq_dim < x.dim():
+        raise ValueError(f"seq_dim={seq_dim} is not a dim of a tensor of shape {tuple(x.shape)}")
+    return seq_dim
+
+
+def _sequence_first(x: torch.Tensor, seq_dim: int) -> torch.Tensor:
+    return x.movedim(check_seq_dim(x, seq_dim), 0)
 
 
 def reduce_scatter_to_sequence(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
