@@ -34,6 +34,7 @@ from plait.compress.base import Compressor
 from plait.parallel.arguments import check_wrapper_arguments, wrapper_communicator
 from plait.parallel.data.buckets import Bucket, build_buckets, unflatten_into
 from plait.parallel.data.local_tensors import check_dtensor_groups, grad_like, local_tensor
+from plait.parallel.data.model_keys import ModelKeys
 from plait.parallel.data.weak_hooks import weak_method
 
 _INIT_MODES = ("check", "broadcast")
@@ -148,7 +149,7 @@ class NoSync:
             self._require_sync = previous
 
 
-class DataParallel(NoSync, nn.Module):
+class DataParallel(ModelKeys, NoSync, nn.Module):
     """Wraps ``module`` for data-parallel training over ``group`` (default: world).
 
     algorithm: the all-reduce algorithm ("auto": the tuner's choice; any name from
