@@ -184,6 +184,7 @@ class ZeRO(ZeroStateDicts, NoSync, nn.Module):
 
     # ----- forward ---------------------------------------------------------------------
     def forward(self, *args, **kwargs):
+        self._refuse_inside_full_parameters()
         self._check_unchanged()
         self.grads.before_forward()  # the gradient views go; the next backward accumulates as before
         if self.engine.in_backward:
