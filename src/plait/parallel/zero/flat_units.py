@@ -4,6 +4,12 @@ cut into N equal shards (rank r owns shard r), the module's parameters made view
 it; gathered with an all-gather, released with ``resize_(0)``; their gradients
 reduce-scattered (several units in one call) and the averages added into the shards'
 gradients. ``plait.parallel.zero.engine`` drives them.
+
+Mixed precision (``param_dtype``, ``reduce_dtype``; FSDP2's ``MixedPrecisionPolicy``): the
+shard the optimizer steps keeps the parameters' own dtype (the float32 master), the
+buffer the module computes with is in ``param_dtype`` (each gather casts the shards to it
+first, so the all-gather sends ``param_dtype``), and the gradients are reduce-scattered in
+``reduce_dtype`` and added into the master shard's gradient in the master's dtype.
 """
 
 from __future__ import annotations
@@ -27,7 +33,8 @@ class FlatUnit:
     """One unit's parameters as one flat buffer, padded to N equal shards."""
 
     def __init__(self, index: int, named: list[tuple[str, nn.Parameter]], world_size: int, rank: int,
-                 shard_params: bool):
+                 shard_params: bool, *, param_dtype: torch.dtype | None = None,
+                 reduce_dtype: torch.dtype | None = None):
         self.index = index
         self.names = [name for name, _ in named]
         self.params = [param for _, param in named]
@@ -35,27 +42,30 @@ class FlatUnit:
         if len(dtypes) > 1:
             raise ValueError(f"ZeRO: unit {index} mixes parameter dtypes {sorted(map(str, dtypes))} "
                              f"({', '.join(self.names)}); give every parameter one dtype")
-        self.dtype = self.params[0].dtype
+        master_dtype = self.params[0].dtype
+        self.dtype = param_dtype or master_dtype  # the buffer the module computes with
+        self.reduce_dtype = reduce_dtype or self.dtype  # the gradients' reduce-scatter
         self.device = self.params[0].device
         self.numel = sum(param.numel() for param in self.params)
         self.shard_numel = math.ceil(self.numel / world_size)
         self.padded = self.shard_numel * world_size
         self.rank, self.world_size = rank, world_size
         self.offsets = []
-        full = torch.zeros(self.padded, dtype=self.dtype, device=self.device)
+        master = torch.zeros(self.padded, dtype=master_dtype, device=self.device)
         offset = 0
         for param in self.params:
             self.offsets.append(offset)
-            full[offset:offset + param.numel()].copy_(param.detach().reshape(-1))
+            master[offset:offset + param.numel()].copy_(param.detach().reshape(-1))
             offset += param.numel()
-        self.full = full
+        self.full = master if self.dtype == master_dtype else master.to(self.dtype)
         self._attach()
         start = rank * self.shard_numel
-        # what the optimizer steps: with the parameters kept whole (stages 1, 2), this rank's
-        # slice of the buffer itself (the step updates the parameters in place, no copy);
-        # with them sharded (stage 3), a copy of its own, the only one kept between uses
-        view = full[start:start + self.shard_numel].detach()
-        self.shard = nn.Parameter(view.clone() if shard_params else view)
+        # what the optimizer steps: with the parameters kept whole (stages 1, 2) in their own
+        # dtype, this rank's slice of the buffer itself (the step updates the parameters in
+        # place, no copy); with them sharded (stage 3) or computed in another dtype, a master
+        # copy of its own in the parameters' dtype (the values given, never rounded)
+        view = master[start:start + self.shard_numel].detach()
+        self.shard = nn.Parameter(view.clone() if shard_params or self.full is not master else view)
         self.gathered = True
         self.ready: list[bool] = []  # which parameters' gradients this backward has delivered
         self.used = [False] * len(self.params)  # had a gradient at a reduce since the last zero_grad
@@ -66,8 +76,9 @@ class FlatUnit:
             param.data = self.full[offset:offset + param.numel()].view(param.shape)
 
     def flat_grad(self) -> torch.Tensor:
-        """The parameters' gradients, flat and padded (zeros where there is none)."""
-        flat = torch.zeros(self.padded, dtype=self.dtype, device=self.device)
+        """The parameters' gradients, flat and padded (zeros where there is none), in
+        ``reduce_dtype``."""
+        flat = torch.zeros(self.padded, dtype=self.reduce_dtype, device=self.device)
         for param, offset in zip(self.params, self.offsets):
             if param.grad is not None:
                 flat[offset:offset + param.numel()].copy_(param.grad.reshape(-1))
@@ -92,7 +103,7 @@ class FlatUnit:
         if storage.nbytes() != nbytes:
             storage.resize_(nbytes)
         self.gathered = True
-        source = self.shard.detach()
+        source = self.shard.detach().to(self.dtype)  # the master cast to the compute dtype (or itself)
         if source.untyped_storage().data_ptr() == storage.data_ptr():
             source = source.clone()  # a slice of the buffer the gather writes
         if self.world_size == 1:
@@ -134,7 +145,7 @@ def gather_units(units: list[FlatUnit], group, algorithm, async_op: bool = False
         if storage.nbytes() != unit.padded * unit.full.element_size():
             storage.resize_(unit.padded * unit.full.element_size())
         unit.gathered = True
-    sent = torch.cat([unit.shard.detach() for unit in units])
+    sent = torch.cat([unit.shard.detach().to(unit.dtype) for unit in units])
     received = torch.empty(total * world_size, dtype=sent.dtype, device=sent.device)
 
     def finish():
@@ -171,7 +182,7 @@ def reduce_units(units: list[FlatUnit], group, algorithm, async_op: bool) -> lis
     if world_size == 1 or len(units) == 1 or len({flat.dtype for flat in flats}) > 1:
         entries = []
         for unit, flat in zip(units, flats):
-            out = torch.empty(unit.shard_numel, dtype=unit.dtype, device=unit.device)
+            out = torch.empty(unit.shard_numel, dtype=unit.reduce_dtype, device=unit.device)
             handle = None
             if world_size == 1:
                 out.copy_(flat)

@@ -10,8 +10,16 @@ of its shards only (one ``nn.Parameter`` per unit), which is why the optimizer m
 be element-wise: Adam's moment of element i depends only on element i, so stepping a
 flat shard equals stepping the parameters (SGD, Adam, AdamW, Adagrad, Adadelta,
 Adamax, NAdam, RAdam, RMSprop; others, whose update mixes elements of a tensor as
-LAMB's trust ratio or Adafactor's factored moments do, are refused). One optimizer
-param group for every shard: per-parameter groups are not supported.
+LAMB's trust ratio or Adafactor's factored moments do, are refused).
+
+Optimizer. Given as torch users build it, over the model's parameters, with its param
+groups (``torch.optim.AdamW(groups, lr=3e-4)``; no weight decay on biases and norms, an
+lr per group): no unit mixes two groups, and the object itself is moved onto the shards
+(each group its own units' shards, same options, fresh state; an lr scheduler built over
+it keeps working). Or as a factory of the shards (``lambda shards: AdamW(shards, ...)``),
+one group. See ``plait.parallel.zero.param_groups``. Mixed precision (``mp_policy``, FSDP2's
+``MixedPrecisionPolicy``): float32 master shards and state, 16-bit parameters to compute
+with, gradients reduced in ``reduce_dtype`` (``plait.parallel.zero.mixed_precision``).
 
 - **Stage 1**: units are buckets of at most ``bucket_mb`` MiB in reverse registration
   order. Backward leaves full gradients in ``.grad``; ``step()`` reduce-scatters each
@@ -70,9 +78,11 @@ from plait import comm
 from plait.parallel.arguments import check_wrapper_arguments, wrapper_communicator
 from plait.parallel.data.data_parallel import NoSync, verify_replicas
 from plait.parallel.data.weak_hooks import weak_method
-from plait.parallel.zero.engine import ShardEngine, buckets, check_elementwise, owners_of, storage_bytes
+from plait.parallel.zero.engine import ShardEngine, check_elementwise, owners_of, storage_bytes
 from plait.parallel.zero.flat_units import FlatUnit
 from plait.parallel.zero.grad_views import ZeroGrads
+from plait.parallel.zero.mixed_precision import as_policy, cast_floating
+from plait.parallel.zero.param_groups import model_param_groups, move_onto_shards, plan_units
 from plait.parallel.zero.state_dicts import ZeroStateDicts
 from plait.parallel.zero.state_offload import StateFiles
 from plait.parallel.zero.unit_gathering import default_wrap
@@ -83,17 +93,19 @@ OFFLOADS = (None, "cpu", "disk")
 
 class ZeRO(ZeroStateDicts, NoSync, nn.Module):
     """``module`` trained with ZeRO stage ``stage`` over ``group`` (default: the world);
-    see the module docstring. ``optimizer(shards)`` builds the optimizer over this
-    rank's shards (e.g. ``lambda params: torch.optim.AdamW(params, lr=3e-4)``).
+    see the module docstring. ``optimizer``: a ``torch.optim`` optimizer built over the
+    module's parameters (param groups kept; ZeRO moves it onto this rank's shards), or
+    a factory of the shards (``lambda shards: torch.optim.AdamW(shards, lr=3e-4)``).
+    ``mp_policy``: a ``MixedPrecisionPolicy`` (plait's or torch's FSDP2 one).
 
     Per step: ``zero(x)``, ``loss.backward()``, optionally ``zero.clip_grad_norm_(m)``,
     ``zero.step()``, ``zero.zero_grad()``. ``init``: "check" refuses parameters that
     differ between ranks (naming them), "broadcast" takes rank 0's."""
 
-    def __init__(self, module: nn.Module, optimizer: Callable, *, stage: int = 1, group=None,
-                 bucket_mb: float = 25, algorithm: str = "auto", wrap: Callable | None = None,
+    def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer | Callable, *, stage: int = 1,
+                 group=None, bucket_mb: float = 25, algorithm: str = "auto", wrap: Callable | None = None,
                  init: str = "check", broadcast_buffers: bool = True, offload: str | None = None,
-                 offload_dir=None):
+                 offload_dir=None, mp_policy=None):
         super().__init__()
         check_wrapper_arguments(module, group, "ZeRO")
         problems = []
@@ -102,9 +114,10 @@ class ZeRO(ZeroStateDicts, NoSync, nn.Module):
                             "plait.parallel.DataParallel)")
         if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float)) or not 0 < bucket_mb < math.inf:
             problems.append(f"bucket_mb={bucket_mb!r} must be a finite number of MiB > 0")
-        if not callable(optimizer) or isinstance(optimizer, torch.optim.Optimizer):
-            problems.append("optimizer must be a function of the parameters that builds the optimizer, e.g. "
-                            "lambda params: torch.optim.AdamW(params, lr=3e-4) (ZeRO gives it this rank's shards)")
+        if not callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):
+            problems.append(f"optimizer={type(optimizer).__name__} must be a torch.optim optimizer built over the "
+                            "module's parameters, e.g. torch.optim.AdamW(model.parameters(), lr=3e-4), or a function "
+                            "of this rank's shards that builds one")
         problems += _offload_problems(module, offload)
         if problems:
             raise ValueError("ZeRO: " + "; ".join(problems))
@@ -117,17 +130,31 @@ class ZeRO(ZeroStateDicts, NoSync, nn.Module):
         self.world_size, self.rank = group.size, group.rank
         self.broadcast_buffers = broadcast_buffers
         self._src = group.ranks[0]
+        self.mp_policy = as_policy(mp_policy)
+        given = isinstance(optimizer, torch.optim.Optimizer)
+        groups = model_param_groups(module, optimizer) if given else \
+            [[(name, param) for name, param in module.named_parameters() if param.requires_grad]]
         verify_replicas(module, group, init, "ZeRO")
-        self.units = self._build_units(wrap or default_wrap, int(bucket_mb * (1 << 20)))
+        self.units = self._build_units(wrap or default_wrap, int(bucket_mb * (1 << 20)), groups)
         self._shape = [(id(param), tuple(param.shape)) for unit in self.units for param in unit.params]
-        self.optimizer = optimizer([unit.shard for unit in self.units])
-        self._check_optimizer()
+        if given:
+            move_onto_shards(optimizer, [[unit.shard for unit, index in zip(self.units, self._unit_groups)
+                                          if index == group_index] for group_index in range(len(groups))])
+            self.optimizer = optimizer
+        else:
+            self.optimizer = optimizer([unit.shard for unit in self.units])
+            self._check_optimizer()
+        self._stepping = False  # inside step(): the optimizer's own step() is refused outside it
+        self.optimizer.register_step_pre_hook(weak_method(self._refuse_direct_step))
         self.offload = StateFiles(offload_dir or tempfile.gettempdir()) if offload == "disk" else None
         # every unit reduced after each backward, so that a unit no gradient reached on this rank
         # still joins the collective; the root (stage 3) gathered by the forward, freed after
+        modules = [] if stage < 3 else list({id(module): module for module in self._unit_modules
+                                             if module is not self.module}.values())
         self.engine = ShardEngine(self.units, self.optimizer, group, algorithm, stage, offload=self.offload,
-                                  gathered_modules=[(self._unit_modules[unit.index], [unit]) for unit in self.units
-                                                    if stage == 3 and not self._is_root(unit)],
+                                  gathered_modules=[(module, [unit for unit in self.units
+                                                              if self._unit_modules[unit.index] is module])
+                                                    for module in modules],
                                   reduce_every_unit=True, collect_at_backward_end=True)
         # each synchronised backward leaves every .grad a view of this rank's piece (grad_views):
         # torch's clip_grad_norm_ on them reduces over the ranks
@@ -143,28 +170,21 @@ class ZeRO(ZeroStateDicts, NoSync, nn.Module):
         self.engine.sync = value
 
     # ----- wrap time -------------------------------------------------------------------
-    def _build_units(self, wrap: Callable, bucket_bytes: int) -> list[FlatUnit]:
-        named = [(name, param) for name, param in self.module.named_parameters() if param.requires_grad]
-        if not named:
+    def _build_units(self, wrap: Callable, bucket_bytes: int, groups: list[list]) -> list[FlatUnit]:
+        """Flat units of the trainable parameters, none mixing two of the optimizer's param
+        ``groups``: stages 1-2 buckets in the backward's order; stage 3 one unit per (module
+        of ``wrap``, group), the root keeping its own parameters and shared ones."""
+        if not any(groups):
             raise ValueError("ZeRO: the module has no parameter that requires a gradient")
-        if self.stage < 3:  # the backward's order, as DataParallel's buckets
-            groups = buckets(list(reversed(named)), bucket_bytes)
-            self._unit_modules: list[nn.Module | None] = [None] * len(groups)
-            return [FlatUnit(i, group, self.world_size, self.rank, False) for i, group in enumerate(groups)]
-        modules = [unit for unit in wrap(self.module) if unit is not self.module]
-        owners = owners_of(modules)
-        root, per_unit = [], [[] for _ in modules]
-        for name, param in named:
-            where = owners.get(id(param), [])
-            if len(where) == 1:
-                per_unit[where[0]].append((name, param))
-            else:  # the root's own, or shared by two units (a tied weight): gathered for the whole step
-                root.append((name, param))
-        groups = [root] + per_unit
-        self._unit_modules = [self.module] + modules
-        keep = [i for i, group in enumerate(groups) if group]
-        self._unit_modules = [self._unit_modules[i] for i in keep]
-        return [FlatUnit(j, groups[i], self.world_size, self.rank, True) for j, i in enumerate(keep)]
+        modules = [] if self.stage < 3 else [unit for unit in wrap(self.module) if unit is not self.module]
+        planned = plan_units(groups, self.stage, bucket_bytes, owners_of(modules), backward_order=True)
+        self._unit_groups = [plan.group for plan in planned]
+        self._unit_modules: list[nn.Module | None] = [
+            None if self.stage < 3 else self.module if plan.owner is None else modules[plan.owner] for plan in planned]
+        policy = self.mp_policy
+        return [FlatUnit(index, plan.named, self.world_size, self.rank, self.stage == 3,
+                         param_dtype=policy and policy.param_dtype, reduce_dtype=policy and policy.reduce_dtype)
+                for index, plan in enumerate(planned)]
 
     def _is_root(self, unit: FlatUnit) -> bool:
         """Stage 3's root unit (the module's own and shared parameters): gathered for
@@ -172,11 +192,25 @@ class ZeRO(ZeroStateDicts, NoSync, nn.Module):
         return self._unit_modules[unit.index] is self.module
 
     def _check_optimizer(self) -> None:
+        """A factory's optimizer: element-wise, over exactly this rank's shards, one group."""
         check_elementwise(self.optimizer)
         given = [param for group in self.optimizer.param_groups for param in group["params"]]
-        if len(given) != len(self.units) or any(a is not b for a, b in zip(given, (u.shard for u in self.units))):
-            raise ValueError("ZeRO: the optimizer must be built over exactly the parameters it is given "
-                             "(this rank's shards), in one param group")
+        shards = [unit.shard for unit in self.units]
+        if len(self.optimizer.param_groups) > 1 and {id(p) for p in given} == {id(p) for p in shards}:
+            raise ValueError(f"ZeRO: the optimizer factory made {len(self.optimizer.param_groups)} param groups over "
+                             "the shards, which are buckets of parameters, not parameters: for per-parameter groups "
+                             "give the optimizer itself, ZeRO(model, torch.optim.AdamW([{'params': decay}, {'params': "
+                             "no_decay, 'weight_decay': 0.0}], lr=3e-4))")
+        if len(given) != len(shards) or any(a is not b for a, b in zip(given, shards)):
+            raise ValueError("ZeRO: the optimizer factory must build the optimizer over exactly the shards it is "
+                             "given, in one param group (lambda shards: torch.optim.AdamW(shards, lr=3e-4)); an "
+                             "optimizer over the model's parameters is given as itself: ZeRO(model, optimizer)")
+
+    def _refuse_direct_step(self, *_args) -> None:
+        if not self._stepping:
+            raise RuntimeError("ZeRO: optimizer.step() called directly; ZeRO reduces the gradients before the "
+                               "optimizer steps its shards and gathers the parameters after: call zero.step() "
+                               "(and zero.zero_grad())")
 
     def _expose_grads(self) -> None:
         if self.engine.sync:
@@ -205,12 +239,15 @@ class ZeRO(ZeroStateDicts, NoSync, nn.Module):
             roots = [unit for unit in self.units if self._is_root(unit)]
         for unit in roots:
             self.engine.gatherer.ready(unit)
+        policy = self.mp_policy
+        if policy is not None and policy.cast_forward_inputs:
+            args, kwargs = cast_floating((args, kwargs), policy.param_dtype)
         try:
             output = self.module(*args, **kwargs)
             if not torch.is_grad_enabled():  # no backward to come: the root's parameters go now
                 for unit in roots:
                     unit.free()
-            return output
+            return output if policy is None else cast_floating(output, policy.output_dtype)
         except RuntimeError as error:
             if self.stage == 3 and ("storage of size 0" in str(error) or "data is not allocated" in str(error)):
                 raise RuntimeError(
@@ -259,7 +296,11 @@ class ZeRO(ZeroStateDicts, NoSync, nn.Module):
         parameter no rank gave a gradient is left as it was, its optimizer state too
         (as torch's optimizers skip a parameter whose .grad is None)."""
         self._reduce_pending()
-        self.engine.step()
+        self._stepping = True
+        try:
+            self.engine.step()
+        finally:
+            self._stepping = False
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.engine.zero_grad()

@@ -11,8 +11,9 @@ from torch import nn
 from plait import comm
 from plait.comm.communicator import check_group
 from plait.parallel.arguments import refuse_dtensor_parameters, wrapper_communicator
-from plait.parallel.zero.engine import ShardEngine, buckets, check_elementwise, owners_of, storage_bytes
+from plait.parallel.zero.engine import ShardEngine, check_elementwise, owners_of, storage_bytes
 from plait.parallel.zero.flat_units import FlatUnit
+from plait.parallel.zero.param_groups import build_over_shards, check_fresh, group_options, plan_units
 from plait.parallel.zero.state_offload import StateFiles
 from plait.parallel.zero.unit_gathering import default_wrap
 
@@ -62,8 +63,7 @@ class ShardedOptimizer:
                                    enumerate(optimizer.param_groups) for slot, param in enumerate(options["params"])),
                                   "ShardedOptimizer")
         check_elementwise(optimizer)
-        if optimizer.state:
-            raise ValueError("ZeRO: give the optimizer before its first step (its state is rebuilt on shards)")
+        check_fresh(optimizer, "ShardedOptimizer")
         if stage not in (1, 2, 3):
             raise ValueError(f"ShardedOptimizer: stage={stage!r} must be 1, 2 or 3")
         if (stage == 3) != (modules is not None):
@@ -87,22 +87,22 @@ class ShardedOptimizer:
         owners = owners_of(unit_modules)
         late_ids = {id(param) for param in late}
         by_module: list[list[FlatUnit]] = [[] for _ in unit_modules]
-        groups = []
-        for options in optimizer.param_groups:
-            shards = []
-            for key, named in _buckets(options["params"], stage, late_ids, owners, int(bucket_mb * (1 << 20))):
-                replicated, is_late, owner = key
-                unit = FlatUnit(len(self.units), named, self.world_size, self.rank, stage == 3)
-                self.units.append(unit)
-                self.unit_replicated.append(replicated)
-                self.unit_early.append(stage >= 2 and not is_late)
-                self.unit_root.append(stage == 3 and owner is None)
-                if owner is not None:
-                    by_module[owner].append(unit)
-                shards.append(unit.shard)
-            groups.append({**{k: v for k, v in options.items() if k != "params"}, "params": shards})
-        # each group carries every option (torch fills them in), so the class defaults do not matter
-        self.optimizer = type(optimizer)([group for group in groups if group["params"]])
+        groups = [[(f"param.{slot}", param) for slot, param in enumerate(options["params"]) if param.requires_grad]
+                  for options in optimizer.param_groups]
+        # key: (tp-replicated, late); stage 3 keys by owner module too (None: kept gathered)
+        kind = (lambda param: (getattr(param, "tp_shard", None) is None, id(param) in late_ids and stage < 3))
+        shards: list[list[nn.Parameter]] = [[] for _ in groups]
+        for plan in plan_units(groups, stage, int(bucket_mb * (1 << 20)), owners, kind):
+            replicated, is_late = plan.kind
+            unit = FlatUnit(len(self.units), plan.named, self.world_size, self.rank, stage == 3)
+            self.units.append(unit)
+            self.unit_replicated.append(replicated)
+            self.unit_early.append(stage >= 2 and not is_late)
+            self.unit_root.append(stage == 3 and plan.owner is None)
+            if plan.owner is not None:
+                by_module[plan.owner].append(unit)
+            shards[plan.group].append(unit.shard)
+        self.optimizer = build_over_shards(type(optimizer), group_options(optimizer), shards)
         self.param_groups = self.optimizer.param_groups
         # stage 2's buckets reduced inside each backward, waited for before the next one (the
         # comm thread overlaps the next micro-batch); stage 3's root buckets stay gathered
@@ -212,26 +212,3 @@ class ShardedOptimizer:
             if self.offload is not None:
                 self.offload.adopt(shard_state, unit.shard)
 
-
-def _buckets(params, stage: int, late_ids: set[int], owners: dict[int, list[int]], bucket_bytes: int):
-    """(key, [(name, param)]) per flat unit of one param group: key = (tp-replicated,
-    late, owner). Stages 1-2: buckets of at most ``bucket_bytes`` per (replicated,
-    late); stage 3: one unit per (owner module, replicated), owner None for a
-    parameter of no single unit module (the root's own, or one two modules share)."""
-    params = [param for param in params if param.requires_grad]
-    if stage == 3:
-        keys: dict[tuple, list] = {}
-        for param in params:
-            where = owners.get(id(param), [])
-            owner = where[0] if len(where) == 1 else None
-            key = (getattr(param, "tp_shard", None) is None, False, owner)
-            keys.setdefault((key, param.dtype), []).append(param)
-        for (key, _dtype), chosen in keys.items():
-            yield key, [(f"param.{slot}", param) for slot, param in enumerate(chosen)]
-        return
-    for replicated in (True, False):
-        for is_late in (False, True):
-            kind = [param for param in params if (getattr(param, "tp_shard", None) is None) == replicated
-                    and (id(param) in late_ids) == is_late]
-            for bucket in buckets([(None, param) for param in kind], bucket_bytes):
-                yield (replicated, is_late, None), [(f"param.{slot}", param) for slot, (_, param) in enumerate(bucket)]
