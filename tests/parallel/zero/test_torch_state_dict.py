@@ -30,7 +30,9 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_optimizer_state_dict)
 
 from plait.parallel.data.data_parallel import DataParallel
+from plait.parallel.data.model_keys import consume_ddp_prefix, key_report, raise_key_errors
 from plait.parallel.zero.module import ZeRO
+from plait.parallel.zero.row_shards import row_range
 from plait.testing import run_distributed
 
 BATCH, SEQ, VOCAB = 4, 8, 64
@@ -253,3 +255,33 @@ def _check_full_parameters(results, trained):
         torch.testing.assert_close(result["unchanged"], trained["transformer.ln_f.bias"], rtol=1e-10, atol=1e-12)
     loaded = GPT2LMHeadModel.from_pretrained(results[0]["saved"], dtype=torch.float64)
     _assert_model_equal(loaded.state_dict(), trained, "save_pretrained")
+
+
+def test_row_ranges_are_torch_chunks():
+    """Shard(0)'s rows per rank are torch.chunk's (trailing ranks may get none)."""
+    for rows in range(13):
+        for world_size in range(1, 6):
+            chunks = torch.arange(rows).chunk(world_size) if rows else ()
+            for rank in range(world_size):
+                start, end = row_range(rows, world_size, rank)
+                want = chunks[rank].tolist() if rank < len(chunks) else []
+                assert list(range(start, end)) == want, (rows, world_size, rank)
+
+
+def test_state_dict_keys_as_torch_names_them():
+    model = {"weight": torch.zeros(2, 3), "bias": torch.zeros(2)}
+    ddp = {"module.weight": torch.ones(2, 3), "module.bias": torch.ones(2)}
+    assert list(consume_ddp_prefix(ddp, model)) == ["weight", "bias"]
+    assert list(consume_ddp_prefix(ddp, {"module.weight": None})) == list(ddp)  # the model's own "module"
+    with pytest.raises(TypeError, match="dict of tensors"):
+        consume_ddp_prefix([1], model)
+    state = {"weight": torch.zeros(3, 3), "extra": torch.zeros(1)}
+    missing, unexpected, sizes = key_report(state, model)
+    assert (missing, unexpected) == (["bias"], ["extra"])
+    assert sizes == ["size mismatch for weight: copying a param with shape (3, 3) from checkpoint, the shape in "
+                     "current model is (2, 3)."]
+    with pytest.raises(RuntimeError, match='(?s)Unexpected key.*"extra".*Missing key.*"bias"'):
+        raise_key_errors(missing, unexpected, [], True, "Net")
+    raise_key_errors(missing, unexpected, [], False, "Net")  # strict=False: returned, not raised
+    with pytest.raises(RuntimeError, match="size mismatch for weight"):
+        raise_key_errors([], [], sizes, False, "Net")
