@@ -5,10 +5,12 @@ ranks.
 
 DataParallel over ``mesh["dp"]`` works on the local shards (every dp rank holds the
 same tp shard, so the dp average of each local gradient is that shard of the dp
-average) and trains exactly as one process on the whole batch. ZeRO (the module and
-ShardedOptimizer), the parameter server, the pipeline engine and data parallelism over
-a group that holds two ranks of the tp mesh are refused by name before the first step (on the code before issue 33, DataParallel and
-ZeRO failed with an unrelated ".numpy() is not supported for tensor subclasses").
+average) and trains exactly as one process on the whole batch, torch's
+``clip_grad_norm_`` included (the gradients are DTensors, so it reduces over tp).
+ZeRO (the module and ShardedOptimizer), the parameter server, the pipeline engine and
+data parallelism over a group that holds two ranks of the tp mesh are refused by name
+before the first step (on the code before issue 33, DataParallel and ZeRO failed with
+an unrelated ".numpy() is not supported for tensor subclasses").
 
 Tolerance: float64, 3 AdamW steps. The tp layers split each matmul's sum over the
 hidden dimension into two partial sums added by the all-reduce, and the dp average adds
@@ -27,6 +29,7 @@ from torch import nn
 from plait.testing import run_distributed
 
 BATCH, FEATURES, HIDDEN, CLASSES, STEPS = 8, 6, 16, 4, 3
+CLIP = 0.5  # below the gradient norms here (~1), so every step clips
 
 
 class MLP(nn.Module):
@@ -58,13 +61,15 @@ def _optimizer(params):
     return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
 
 
-def _reference() -> dict[str, torch.Tensor]:
+def _reference(clip: bool) -> dict[str, torch.Tensor]:
     model = _model()
     optimizer = _optimizer(model.parameters())
     for step in range(STEPS):
         inputs, targets = _batch(step)
         optimizer.zero_grad()
         F.cross_entropy(model(inputs), targets).backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
         optimizer.step()
     return {name: param.detach().clone() for name, param in model.named_parameters()}
 
@@ -77,8 +82,31 @@ def _refusal(call) -> str:
     return "accepted"
 
 
+def _train(model, mesh, clip: bool) -> dict[str, torch.Tensor]:
+    """DataParallel over mesh['dp'] of a model parallelised on mesh['tp']; its parameters
+    gathered whole."""
+    from plait.parallel import DataParallel
+
+    wrapped = DataParallel(model, group=mesh["dp"])
+    optimizer = _optimizer(wrapped.parameters())
+    dp_rank, dp = mesh["dp"].get_local_rank(), mesh["dp"].size()
+    rows = slice(dp_rank * BATCH // dp, (dp_rank + 1) * BATCH // dp)
+    for step in range(STEPS):
+        inputs, targets = _batch(step)
+        optimizer.zero_grad()
+        F.cross_entropy(wrapped(inputs[rows]), targets[rows]).backward()
+        if clip:
+            # torch's own idiom: the .grad are DTensors (plait's dp average of each local shard), so the
+            # norm reduces over the tp mesh as torch's tensor parallelism does, the same on every dp rank
+            torch.nn.utils.clip_grad_norm_(wrapped.parameters(), CLIP)
+        optimizer.step()
+    return {name: param.full_tensor().detach().clone() if hasattr(param, "full_tensor") else param.detach().clone()
+            for name, param in model.named_parameters()}
+
+
 def _dp_by_tp(rank, world_size):
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     from plait.parallel import DataParallel, ParameterServer, ShardedOptimizer, ZeRO
@@ -95,27 +123,22 @@ def _dp_by_tp(rank, world_size):
                                                           F.cross_entropy, group=mesh["dp"])),
         "DataParallel over the world": _refusal(lambda: DataParallel(model)),
     }
-    wrapped = DataParallel(model, group=mesh["dp"])
-    optimizer = _optimizer(wrapped.parameters())
-    dp_rank, dp = mesh["dp"].get_local_rank(), mesh["dp"].size()
-    rows = slice(dp_rank * BATCH // dp, (dp_rank + 1) * BATCH // dp)
-    for step in range(STEPS):
-        inputs, targets = _batch(step)
-        optimizer.zero_grad()
-        F.cross_entropy(wrapped(inputs[rows]), targets[rows]).backward()
-        optimizer.step()
-    full = {name: param.full_tensor().detach().clone() if hasattr(param, "full_tensor") else param.detach().clone()
-            for name, param in model.named_parameters()}
-    return refused, full
+    # the head stays a plain tensor beside the DTensors (torch's clip_grad_norm_ cannot mix the two: torch's
+    # own limitation); a second model has every layer parallelised, the head's output gathered, and clips
+    mixed = _train(model, mesh, clip=False)
+    whole = parallelize_module(_model(), mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel(),
+                                                       "head": ColwiseParallel(output_layouts=Replicate())})
+    return refused, mixed, _train(whole, mesh, clip=True)
 
 
 @pytest.mark.slow
 def test_data_parallel_over_dp_of_a_dtensor_model_trains_like_one_process():
-    want = _reference()
-    for refused, got in run_distributed(_dp_by_tp, 4):
-        assert set(got) == set(want)
-        for name in want:
-            torch.testing.assert_close(got[name], want[name], rtol=1e-10, atol=1e-12, msg=name)
+    want = {False: _reference(clip=False), True: _reference(clip=True)}
+    for refused, mixed, clipped in run_distributed(_dp_by_tp, 4):
+        for clip, got in ((False, mixed), (True, clipped)):
+            assert set(got) == set(want[clip])
+            for name in want[clip]:
+                torch.testing.assert_close(got[name], want[clip][name], rtol=1e-10, atol=1e-12, msg=f"{clip} {name}")
         assert refused["ZeRO"].startswith("TypeError: ZeRO: the model has DTensor parameters ('up.weight'")
         assert "DataParallel(model, group=mesh['dp'])" in refused["ZeRO"]
         assert refused["ParameterServer"].startswith("TypeError: ParameterServer: the model has DTensor parameters")
