@@ -27,6 +27,7 @@ from plait.parallel.tensor import (
     RowParallelLinear,
     SequenceParallelEntry,
     SequenceParallelExit,
+    UNSHARDED,
     TensorParallel,
     VocabParallelEmbedding,
 )
@@ -184,6 +185,13 @@ def layouts_at_tp2(rank, world_size, hf, x, upstream, oracle):
     # over p copies); sequence-first shards are its layout
     attention = ParallelAttention(HIDDEN, 2, sp, dtype=torch.float64, seed=1)
     result["attention replicated"] = _refusal(lambda: attention(x))
+    # ... and through the entry/exit it attends over the whole sequence: the one-process
+    # layer (same seed) on the sequence-first transpose, output and input gradient
+    whole = ParallelAttention(HIDDEN, 2, UNSHARDED, dtype=torch.float64, seed=1)
+    want_out, want_dx, _ = _run(_BatchFirst(whole), x, upstream)
+    out, dx, _ = _run(torch.nn.Sequential(SequenceParallelEntry(sp, seq_dim=1), attention,
+                                          SequenceParallelExit(sp, seq_dim=1)), x, upstream)
+    result["attention entry"] = max(_relative(out, want_out), _relative(dx, want_dx))
     # 5. token ids differing between ranks (the embedding sums rank-local lookups)
     embedding = VocabParallelEmbedding(32, HIDDEN, plain, dtype=torch.float64, seed=1)
     result["tokens differ"] = _refusal(lambda: embedding(torch.full((SEQUENCE, BATCH), rank)))
@@ -204,6 +212,17 @@ def layouts_at_tp2(rank, world_size, hf, x, upstream, oracle):
     result["always later"] = _refusal(lambda: checked_always(replicated))
     result["first later"] = _refusal(lambda: checked_first(replicated))
     return result
+
+
+class _BatchFirst(torch.nn.Module):
+    """A sequence-first layer on a (b, s, h) input, in one process."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return self.inner(x.transpose(0, 1)).transpose(0, 1)
 
 
 class _Checkpointed(torch.nn.Module):
@@ -243,6 +262,7 @@ def test_hf_gpt2_mlp_under_sequence_parallelism_is_refused_or_exact():
         assert result["plain entry rank-local"].startswith("SequenceParallelEntry(seq_dim=1)")
         assert result["attention replicated"].startswith("ParallelAttention(hidden=16, heads=2) input "
                                                          "(sequence_parallel=True"), result["attention replicated"]
+        assert result["attention entry"] < RELATIVE, result["attention entry"]
         assert result["tokens differ"].startswith("VocabParallelEmbedding(vocab=32, hidden=16) tokens"), \
             result["tokens differ"]
         assert result["all_gathers first"] == [2, 1]
