@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_optimizer_state_dict)
 
 from plait.parallel.data.data_parallel import DataParallel
-from plait.parallel.data.model_keys import consume_ddp_prefix, key_report, raise_key_errors
+from plait.parallel.data.model_keys import consume_ddp_prefix, key_report, raise_key_errors, refuse_assign
 from plait.parallel.zero.module import ZeRO
 from plait.parallel.zero.row_shards import row_range
 from plait.testing import run_distributed
@@ -285,3 +285,6 @@ def test_state_dict_keys_as_torch_names_them():
     raise_key_errors(missing, unexpected, [], False, "Net")  # strict=False: returned, not raised
     with pytest.raises(RuntimeError, match="size mismatch for weight"):
         raise_key_errors([], [], sizes, False, "Net")
+    with pytest.raises(ValueError, match=r"load_state_dict\(assign=True\) would replace"):
+        refuse_assign(True, "ZeRO")  # a wrapper's hooks and flat units hold the Parameter objects
+    refuse_assign(False, "ZeRO")

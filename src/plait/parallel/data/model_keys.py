@@ -55,8 +55,18 @@ class ModelKeys:
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """Load the wrapped model's state dict (its own keys, or a DDP checkpoint's
         ``module.``-prefixed ones); returns torch's (missing_keys, unexpected_keys)."""
+        refuse_assign(assign, type(self).__name__)
         state_dict = consume_ddp_prefix(state_dict, self.module.state_dict(keep_vars=True))
         return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+
+
+def refuse_assign(assign: bool, who: str) -> None:
+    """``load_state_dict(assign=True)`` would put new Parameter objects into the model,
+    which the wrapper's gradient hooks (and ZeRO's flat units) do not hold."""
+    if assign:
+        raise ValueError(f"{who}: load_state_dict(assign=True) would replace the model's parameters behind the "
+                         "wrapper (its gradient hooks and buffers hold the old ones); load with assign=False (the "
+                         "values are copied), or load into the model before wrapping it")
 
 
 def consume_ddp_prefix(state_dict, template) -> dict:

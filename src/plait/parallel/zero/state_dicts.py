@@ -35,7 +35,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from plait import comm
 from plait.parallel.data.model_keys import (ModelKeys, consume_ddp_prefix, incompatible_keys, key_report,
-                                            raise_key_errors)
+                                            raise_key_errors, refuse_assign)
 from plait.parallel.zero.param_optimizer import ParamOptimizer
 from plait.parallel.zero.row_shards import dim0_piece, gather_flat, own_range, param_views, whole
 
@@ -82,6 +82,7 @@ class ZeroStateDicts(ModelKeys):
         if isinstance(state_dict, dict) and {"stage", "shards"} <= set(state_dict):
             raise ValueError("ZeRO: this is ZeRO's local (flat-shard) state; load it with "
                              "zero.load_local_state_dict(state), or save model keys with zero.state_dict()")
+        refuse_assign(assign, "ZeRO")
         template = self.module.state_dict(keep_vars=True)
         state_dict = consume_ddp_prefix(state_dict, template)
         missing, unexpected, sizes = key_report(state_dict, template)
