@@ -173,7 +173,7 @@ def _ddp_hook(group, rank):
 
 def _every_entry(rank, world_size):
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
     from plait import comm
     from plait.comm.communicator import communicator_for
@@ -211,6 +211,13 @@ def _every_entry(rank, world_size):
     out["ZeRO.communicator"] = kept["ZeRO"].communicator is communicator_for(dp.get_group())
     out["TensorParallel.size"] = kept["TensorParallel"].size
     out["PipelineEngine.group"] = kept["PipelineEngine"].group is tp.get_group()
+    # init_communicator(mesh) configures the mesh's process group's communicator, the one group= then means
+    made = comm.init_communicator(tp, comm.CommConfig(algorithms={"all_reduce": "ring"}))
+    out["init_communicator"] = made is communicator_for(tp.get_group()) is communicator_for(tp)
+    # a mesh of ranks 0 and 1 only: on ranks 2 and 3 a collective on it is a no-op, as on a group they are not in
+    pair = DeviceMesh("cpu", [0, 1])
+    z = torch.full((2,), float(rank + 1), dtype=torch.float64)
+    out["outside"] = (comm.all_reduce(z, group=pair), z)
     plait_mesh = PlaitMesh.create(ParallelDims(dp=2, tp=2))
     out["refused"] = {
         "all_reduce(group=2-D mesh)": _error(lambda: comm.all_reduce(torch.ones(2), group=grid)),
@@ -236,6 +243,10 @@ def test_every_group_argument_takes_a_device_mesh():
         assert out["DataParallel.group is the mesh"] and out["DataParallel.communicator"]
         assert out["ZeRO.communicator"] and out["PipelineEngine.group"]
         assert out["TensorParallel.size"] == 2
+        assert out["init_communicator"]
+        handle, summed = out["outside"]
+        assert handle is None
+        torch.testing.assert_close(summed, torch.full((2,), 3.0 if rank < 2 else rank + 1.0, dtype=torch.float64))
         refused = out["refused"]
         assert refused["all_reduce(group=2-D mesh)"].startswith("TypeError: group=DeviceMesh(")
         for name in ("all_reduce(group=2-D mesh)", "DataParallel(group=2-D mesh)", "TensorParallel(group=2-D mesh)",
