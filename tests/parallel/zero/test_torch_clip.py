@@ -3,14 +3,16 @@
 off; ``get_total_norm`` + ``clip_grads_with_norm_``) and plait's ``zero.clip_grad_norm_``
 on ZeRO stages 1-3, and torch's idiom on DataParallel, give the norm and the parameters
 one process gets training the whole batch; with plait tensor-parallel layers (dp 2 × tp 2)
-too; every other op on a sharded gradient is refused by name. A hybrid model (pp 2) whose
-embedding and head are one weight on two pipeline ranks clips by the norm that counts it
-once (plait's own clip: train_step(grad_clip=), with and without ZeRO's ShardedOptimizer).
+too, under ZeRO and DataParallel (plait.parallel.data.tp_grads); every other op on a
+ZeRO-sharded gradient is refused by name. A hybrid model (pp 2) whose embedding and head
+are one weight on two pipeline ranks clips by the norm that counts it once (plait's own
+clip: train_step(grad_clip=), with and without ZeRO's ShardedOptimizer).
 
 Before (the code without gradient views): stage 1 clipped by each rank's local,
 un-reduced norm; stages 2 and 3 saw no gradient (.grad None), got a norm of 0 and
-clipped nothing; with tp layers plait's own method summed each tp rank's shard alone; the
-hybrid clip counted the tied weight on both pipeline ranks (a norm too large).
+clipped nothing; with tp layers plait's own method summed each tp rank's shard alone, and
+torch's on DataParallel took each tp rank's local norm; the hybrid clip counted the tied
+weight on both pipeline ranks (a norm too large).
 
 Tolerance: float64, 3 SGD steps (momentum 0.9, lr 0.1), every step clipped (max_norm
 below every norm). The ranks average per-rank mean gradients where one process sums the
@@ -42,7 +44,7 @@ def _gpt2():
 
     torch.manual_seed(0)
     config = GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=16, resid_pdrop=0.0,
-                        embd_pdrop=0.0, attn_pdrop=0.0)
+                        embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
     return GPT2LMHeadModel(config).double()
 
 
@@ -87,6 +89,9 @@ def _train_gpt2(rank, world_size, kind, stage, idiom):
     for step in range(STEPS):
         tokens = _tokens(step)[rows]
         wrapper(tokens, labels=tokens).loss.backward()
+        if idiom == "torch":  # an evaluation between the backward and the clip leaves the gradients
+            with torch.no_grad():
+                wrapper(tokens)
         norms.append(float(_clip(idiom, wrapper, list(model.parameters()))))
         if kind == "zero":
             wrapper.step()
@@ -162,25 +167,31 @@ def _tp_cases(rank, world_size):
     dp_groups = [dist.new_group([first, first + 2]) for first in (0, 1)]  # every rank creates every group
     dp_group, dp_rank = dp_groups[rank % 2], rank // 2
     out = {}
-    for stage, idiom in ((1, "torch"), (1, "plait"), (2, "torch_foreach"), (3, "torch_loop"), (3, "plait")):
+    for stage, idiom in ((1, "torch"), (1, "plait"), (2, "torch_foreach"), (3, "torch_loop"), (3, "plait"),
+                         (0, "torch"), (0, "torch_foreach")):  # stage 0: DataParallel
         model = TensorParallelNet(tp)
-        zero = ZeRO(model, lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9), stage=stage,
-                    group=dp_group)
+        sgd = lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9)  # noqa: E731
+        if stage:
+            wrapper = ZeRO(model, sgd, stage=stage, group=dp_group)
+        else:
+            wrapper, optimizer = DataParallel(model, dp_group), sgd(model.parameters())
         norms = []
         for step in range(STEPS):
             x, y = _tp_data(step)
             rows = slice(dp_rank * BATCH // 2, (dp_rank + 1) * BATCH // 2)
-            nn.functional.mse_loss(zero(x[:, rows]), y[:, rows]).backward()
-            norms.append(float(_clip(idiom, zero, list(model.parameters()))))
-            zero.step()
-            zero.zero_grad()
+            nn.functional.mse_loss(wrapper(x[:, rows]), y[:, rows]).backward()
+            norms.append(float(_clip(idiom, wrapper, list(model.parameters()))))
+            (wrapper if stage else optimizer).step()
+            (wrapper if stage else optimizer).zero_grad()
         specs = {name: shard_spec(param) for name, param in model.named_parameters()}
-        out[(stage, idiom)] = (zero.full_state_dict(), norms, specs, tp.rank)
+        state = wrapper.full_state_dict() if stage else model.state_dict()
+        state = {name: value.detach().clone() for name, value in state.items()}
+        out[(stage, idiom)] = (state, norms, specs, tp.rank)
     return out
 
 
 @pytest.mark.slow
-def test_torch_clip_with_tensor_parallel_layers_inside_zero_equals_one_process():
+def test_torch_clip_with_tensor_parallel_layers_inside_zero_and_data_parallel_equals_one_process():
     want_state, want_norms = _reference_tp()
     for got in run_distributed(_tp_cases, 4):
         for case, (state, norms, specs, tp_rank) in got.items():

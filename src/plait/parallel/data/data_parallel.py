@@ -35,6 +35,7 @@ from plait.parallel.arguments import check_wrapper_arguments, wrapper_communicat
 from plait.parallel.data.buckets import Bucket, build_buckets, unflatten_into
 from plait.parallel.data.local_tensors import check_dtensor_groups, grad_like, local_tensor
 from plait.parallel.data.model_keys import ModelKeys
+from plait.parallel.data.tp_grads import tp_grad, tp_groups_of, unwrap
 from plait.parallel.data.weak_hooks import weak_method
 
 _INIT_MODES = ("check", "broadcast")
@@ -216,6 +217,7 @@ class DataParallel(ModelKeys, NoSync, nn.Module):
         self.world_size, self.rank, self._src = group.size, group.rank, group.ranks[0]
         check_dtensor_groups(named, group.ranks, "DataParallel")  # DTensor parameters: their local shards
         self._named = named
+        self._tp_groups = tp_groups_of(module)  # tp-sharded parameters' groups, for torch's clip (tp_grads)
         self._verify_and_broadcast(init)
         self.buckets: list[Bucket] = build_buckets(self._named, int(bucket_mb * (1 << 20)))
         self._where = {id(param): (bucket, slot) for bucket in self.buckets for slot, param in enumerate(bucket.params)}
@@ -278,8 +280,8 @@ class DataParallel(ModelKeys, NoSync, nn.Module):
             view.zero_()
             self._unused += 1
             self._unused_slots.add((bucket.index, slot))
-        elif local_tensor(param.grad).data_ptr() != view.data_ptr():
-            view.copy_(local_tensor(param.grad))
+        elif local_tensor(unwrap(param.grad)).data_ptr() != view.data_ptr():
+            view.copy_(local_tensor(unwrap(param.grad)))
         bucket.ready[slot] = True
         bucket.pending -= 1
 
@@ -329,7 +331,8 @@ class DataParallel(ModelKeys, NoSync, nn.Module):
         unused_everywhere = self._unused_everywhere() if self.find_unused_parameters else set()
         for bucket in self.buckets:
             for slot, (param, view) in enumerate(zip(bucket.params, bucket.views)):
-                param.grad = None if (bucket.index, slot) in unused_everywhere else grad_like(param, view)
+                param.grad = None if (bucket.index, slot) in unused_everywhere else \
+                    tp_grad(grad_like(param, view), self._tp_groups.get(id(param)))  # torch's norms: tp_grads
         self._record(backward_end_s, done_s)
 
     def _unused_everywhere(self) -> set[tuple[int, int]]:

@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from plait import comm
+from plait.parallel.data.tp_grads import local_power, reduce_powers
 from plait.parallel.tensor.group import TensorParallel
 from plait.parallel.tensor.sharding import shard_spec
 
@@ -187,37 +188,10 @@ def global_norms(tensors, order: float) -> torch.Tensor:
     powers, groups = [], []
     for tensor in tensors:
         piece = tensor.piece() if isinstance(tensor, ShardedGrad) else tensor
-        powers.append(_power(piece, order))
+        powers.append(local_power(piece, order))
         groups.append(tensor._grads.groups_of(tensor) if isinstance(tensor, ShardedGrad) else ())
-    totals = _reduce(torch.stack(powers), groups, order) if powers else torch.zeros(0, dtype=torch.float64)
+    totals = reduce_powers(torch.stack(powers), groups, order) if powers else torch.zeros(0, dtype=torch.float64)
     return totals if math.isinf(order) else totals.pow(1.0 / order)
-
-
-def _power(piece: torch.Tensor | None, order: float) -> torch.Tensor:
-    """Σ|x|^p of ``piece`` (max |x| for p = inf), float64 on the CPU."""
-    if piece is None or piece.numel() == 0:
-        return torch.zeros((), dtype=torch.float64)
-    values = piece.detach().to(torch.float64).abs()
-    if math.isinf(order):
-        return values.max().cpu()
-    return (values.square() if order == 2 else values.pow(order)).sum().cpu()
-
-
-def _reduce(powers: torch.Tensor, groups: list[tuple], order: float) -> torch.Tensor:
-    """Each entry summed (max for p = inf) over each of its groups: one all-reduce per
-    distinct group (first-seen order, the same on every rank), the others masked out."""
-    distinct = {}
-    for entry in groups:
-        for group in entry:
-            distinct.setdefault(id(group), group)
-    op = comm.ReduceOp.MAX if math.isinf(order) else comm.ReduceOp.SUM
-    for key, group in distinct.items():
-        mask = torch.tensor([any(id(member) == key for member in entry) for entry in groups])
-        device = comm.default_device(group)
-        sent = torch.where(mask, powers, torch.zeros_like(powers)).to(device)
-        comm.all_reduce(sent, op=op, group=group)
-        powers = torch.where(mask, sent.cpu(), powers)
-    return powers
 
 
 def tensor_parallel_groups(module: nn.Module) -> dict[int, TensorParallel]:
@@ -301,7 +275,11 @@ class ZeroGrads:
         """The views taken away: a pending one gives back its full local gradient (the
         next backward accumulates into it), a reduced one goes (the shard keeps the sum).
         A view the user dropped or replaced meanwhile (torch's ``zero_grad``) drops that
-        parameter's gradient from the shard too: all of them, as ``zero.zero_grad()``."""
+        parameter's gradient from the shard too: all of them, as ``zero.zero_grad()``.
+        A forward without autograd (an evaluation between the backward and the clip)
+        leaves them."""
+        if not torch.is_grad_enabled():
+            return
         exposed, self._exposed = self._exposed, []
         if not exposed:
             return
