@@ -6,7 +6,10 @@ hook, DataParallel, ZeRO, ShardedOptimizer, TensorParallel's layers, PipelineEng
 ParameterServer) run with the mesh gives bit for bit what it gives with the process
 group (the mesh resolves to that group's own communicator, so the same algorithm runs
 on the same bytes: tolerance 0). A mesh of two dimensions passed whole, and plait's own
-per-axis ``plait.parallel.mesh.DeviceMesh``, are refused by name with the fix.
+per-axis ``plait.parallel.mesh.DeviceMesh``, are refused by name with the fix, and so
+are torch's functional-collective ``(mesh, dim)`` pair and a DTensor given to a
+collective (it hung: plait ran on some ranks' local shards and DTensor's dispatch on
+others).
 
 Before issue 33 every one of these failed ("Group DeviceMesh(...) is not registered",
 or a TypeError asking for ``mesh.get_group()``)."""
@@ -174,6 +177,7 @@ def _ddp_hook(group, rank):
 def _every_entry(rank, world_size):
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
 
     from plait import comm
     from plait.comm.communicator import communicator_for
@@ -219,6 +223,7 @@ def _every_entry(rank, world_size):
     z = torch.full((2,), float(rank + 1), dtype=torch.float64)
     out["outside"] = (comm.all_reduce(z, group=pair), z)
     plait_mesh = PlaitMesh.create(ParallelDims(dp=2, tp=2))
+    shard = distribute_tensor(torch.arange(4.0, dtype=torch.float64), tp, [Shard(0)])
     out["refused"] = {
         "all_reduce(group=2-D mesh)": _error(lambda: comm.all_reduce(torch.ones(2), group=grid)),
         "DataParallel(group=2-D mesh)": _error(lambda: DataParallel(_model(), group=grid)),
@@ -227,6 +232,8 @@ def _every_entry(rank, world_size):
         "all_reduce(group=plait mesh)": _error(lambda: comm.all_reduce(torch.ones(2), group=plait_mesh)),
         "DataParallel(group=plait mesh)": _error(lambda: DataParallel(_model(), group=plait_mesh)),
         "send(group=2-D mesh)": _error(lambda: comm.send(torch.ones(2), group=grid, group_dst=0)),
+        "all_reduce(group=(mesh, 0))": _error(lambda: comm.all_reduce(torch.ones(2), group=(grid, 0))),
+        "all_reduce(a DTensor)": _error(lambda: comm.all_reduce(shard, group=tp)),
     }
     dist.barrier()
     return out
@@ -255,6 +262,9 @@ def test_every_group_argument_takes_a_device_mesh():
             assert "pass one dimension, e.g. mesh['dp']" in refused[name], refused[name]
         assert refused["DataParallel(group=2-D mesh)"].startswith("TypeError: DataParallel: group=")
         assert "of shape (2, 2)" in refused["unnamed 2-D mesh"] and "mesh.get_group(0)" in refused["unnamed 2-D mesh"]
+        assert "(mesh, dim) pair is torch's functional-collective spelling" in refused["all_reduce(group=(mesh, 0))"]
+        assert refused["all_reduce(a DTensor)"].startswith("TypeError: all_reduce: tensor is a DTensor ((Shard(dim=0),)")
+        assert "pass tensor.to_local() (this rank's shard)" in refused["all_reduce(a DTensor)"]
         for name in ("all_reduce(group=plait mesh)", "DataParallel(group=plait mesh)"):
             assert "is a plait.parallel.mesh.DeviceMesh" in refused[name], refused[name]
             assert "pass one axis's group, e.g. mesh.group['dp']" in refused[name], refused[name]

@@ -346,7 +346,10 @@ def check_group(group) -> None:
     if group == dist.GroupMember.NON_GROUP_MEMBER:  # what new_group returns on a rank outside it
         return
     hint = ""
-    if isinstance(group, (list, tuple)):
+    if isinstance(group, (list, tuple)) and any(isinstance(item, DeviceMesh) for item in group):
+        hint = (": a (mesh, dim) pair is torch's functional-collective spelling; pass the dimension itself, "
+                "e.g. mesh['dp'] (or mesh.get_group(dim))")
+    elif isinstance(group, (list, tuple)):
         hint = f": make one with torch.distributed.new_group({list(group)!r})"
     elif _is_plait_mesh(group):
         axes = ", ".join(repr(axis) for axis in group.group)

@@ -8,15 +8,29 @@ when the collective itself runs: an async collective queued behind others reads
 its inputs only after they have finished, as torch's do.
 
 Tensors are detached first (same storage), so parameters that require grad can be
-reduced in place, as with torch.distributed.
+reduced in place, as with torch.distributed. A torch DTensor is refused by name: which
+elements a rank holds is its placements' business (``to_local()`` is this rank's shard).
+``torch.distributed.tensor`` costs ~0.6 s to import, so it is not imported here: a
+DTensor can only exist once its module is loaded, and :func:`is_dtensor` looks it up
+in ``sys.modules`` (no module is loaded, nothing is stored).
 """
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
+
+DTENSOR_MODULE = "torch.distributed.tensor"
+
+
+def is_dtensor(tensor) -> bool:
+    """Whether ``tensor`` is a torch DTensor (never true before torch.distributed.tensor
+    has been imported by whoever made one)."""
+    module = sys.modules.get(DTENSOR_MODULE)
+    return module is not None and isinstance(tensor, module.DTensor)
 
 
 @dataclass
@@ -41,6 +55,10 @@ def check_tensor(tensor, name: str, collective: str) -> torch.Tensor:
         if isinstance(tensor, (list, tuple)) or hasattr(tensor, "__array__") or isinstance(tensor, (int, float)):
             hint = " (wrap the data in one: torch.tensor(...) or torch.as_tensor(...))"
         raise TypeError(f"{collective}: {name} must be a torch.Tensor, got {type(tensor).__name__}{hint}")
+    if is_dtensor(tensor):  # plait would run on its local shard on some ranks and its dispatch on others
+        raise TypeError(f"{collective}: {name} is a DTensor ({tuple(tensor.placements)} on {tensor.device_mesh}); "
+                        f"plait's collectives take plain tensors: pass {name}.to_local() (this rank's shard), or "
+                        "use the DTensor's own redistribute() / full_tensor()")
     return tensor.detach()
 
 

@@ -13,28 +13,16 @@ uses.
 
 A model with DTensor parameters (torch's tensor parallelism, ``parallelize_module``)
 is taken by the wrappers that work on its local shards (DataParallel); the others
-refuse it here, naming the parameter and the fix, before anything runs.
-``torch.distributed.tensor`` costs ~0.6 s to import, so it is not imported here: a
-DTensor can only exist once its module is loaded, and :func:`is_dtensor` looks it up
-in ``sys.modules`` (no module is loaded, nothing is stored)."""
+refuse it here, naming the parameter and the fix, before anything runs (a DTensor is
+known by plait.comm.layout.is_dtensor, which does not import torch.distributed.tensor)."""
 
 from __future__ import annotations
-
-import sys
 
 import torch.distributed as dist
 from torch import nn
 
 from plait.comm.communicator import Communicator, check_group, communicator_for
-
-DTENSOR_MODULE = "torch.distributed.tensor"
-
-
-def is_dtensor(tensor) -> bool:
-    """Whether ``tensor`` is a torch DTensor (never true before torch.distributed.tensor
-    has been imported by whoever made one)."""
-    module = sys.modules.get(DTENSOR_MODULE)
-    return module is not None and isinstance(tensor, module.DTensor)
+from plait.comm.layout import is_dtensor
 
 
 def check_module(module, owner: str, name: str = "module") -> nn.Module:

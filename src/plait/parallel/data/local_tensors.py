@@ -13,8 +13,8 @@ What must hold for that: the dp group and each DTensor's mesh meet in this rank 
 (:func:`check_dtensor_groups`); with the whole world as the dp group, ranks holding
 *different* shards would be averaged together.
 
-Whether a tensor is a DTensor: plait.parallel.arguments.is_dtensor (which imports
-nothing heavy).
+Whether a tensor is a DTensor: plait.comm.layout.is_dtensor (which imports nothing
+heavy).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import sys
 
 import torch
 
-from plait.parallel.arguments import DTENSOR_MODULE, is_dtensor
+from plait.comm.layout import DTENSOR_MODULE, is_dtensor
 
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
