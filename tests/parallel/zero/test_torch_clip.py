@@ -203,36 +203,81 @@ def test_torch_clip_with_tensor_parallel_layers_inside_zero_and_data_parallel_eq
                 torch.testing.assert_close(state[name], want, rtol=1e-10, atol=1e-12, msg=f"{case}: {name}")
 
 
-# ----- what is refused -----------------------------------------------------------------------------
+# ----- other norms, torch's zero_grad, and what is refused ---------------------------------------------
 
-def _refusals(rank, world_size, stage):
+def _small_model():
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 6), nn.LayerNorm(6), nn.Linear(6, 1)).double()
-    zero = ZeRO(model, lambda params: torch.optim.SGD(params, lr=0.1), stage=stage)
-    x = torch.linspace(-1, 1, 8, dtype=torch.float64).view(2, 4) * (rank + 1)
-    loss = zero(x).sum()
-    loss.backward(retain_graph=True)
-    errors = {}
-    for label, call in (("read", lambda: model[0].weight.grad + 1),
-                        ("clip_value", lambda: torch.nn.utils.clip_grad_value_(model.parameters(), 0.1)),
-                        ("accumulate", lambda: loss.backward())):
-        try:
-            call()
-            errors[label] = None
-        except RuntimeError as error:
-            errors[label] = str(error)
-    return errors, repr(model[0].weight.grad)
+    return nn.Sequential(nn.Linear(4, 6), nn.LayerNorm(6), nn.Linear(6, 1)).double()
+
+
+def _small_data(rank: int) -> torch.Tensor:
+    return torch.linspace(-1, 1, 8, dtype=torch.float64).view(2, 4) * (rank + 1)
+
+
+def _small_reference(world_size: int, batches: int):
+    """One process: the mean over the ranks' losses of the last of ``batches`` backwards
+    (the earlier ones dropped by zero_grad), as each rank's mean loss averaged."""
+    model = _small_model()
+    for _ in range(batches):
+        model.zero_grad()
+        sum(model(_small_data(rank)).sum() for rank in range(world_size)).div(world_size).backward()
+    return model
+
+
+def _small_cases(rank, world_size):
+    """Per stage: get_total_norm with p = 1, 3, inf against one process; model.zero_grad()
+    (torch's, not zero's) between two backwards drops the first from the shards; the
+    refusals (each in a fresh wrapper)."""
+    out = {}
+    for stage in (1, 2, 3):
+        sgd = lambda params: torch.optim.SGD(params, lr=0.1)  # noqa: E731
+        model = _small_model()
+        zero = ZeRO(model, sgd, stage=stage)
+        zero(_small_data(rank)).sum().backward()
+        reference = _small_reference(world_size, 1)
+        norms = {order: (float(torch.nn.utils.get_total_norm([param.grad for param in model.parameters()], order)),
+                         float(torch.nn.utils.get_total_norm([param.grad for param in reference.parameters()],
+                                                             order)))
+                 for order in (1.0, 3.0, float("inf"))}
+        model.zero_grad()  # torch's idiom: every .grad None
+        zero(_small_data(rank)).sum().backward()
+        zero.clip_grad_norm_(0.01)
+        zero.step()
+        reference = _small_reference(world_size, 2)
+        torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.01)
+        torch.optim.SGD(reference.parameters(), lr=0.1).step()
+        worst = max(float((got - want).abs().max()) for got, want in
+                    zip(zero.full_state_dict().values(), reference.state_dict().values()))
+        model = _small_model()
+        zero = ZeRO(model, sgd, stage=stage)
+        loss = zero(_small_data(rank)).sum()
+        loss.backward(retain_graph=True)
+        errors = {}
+        for label, call in (("read", lambda: model[0].weight.grad + 1),
+                            ("clip_value", lambda: torch.nn.utils.clip_grad_value_(model.parameters(), 0.1)),
+                            ("accumulate", lambda: loss.backward())):
+            try:
+                call()
+                errors[label] = None
+            except RuntimeError as error:
+                errors[label] = str(error)
+        out[stage] = (norms, worst, errors, repr(model[0].weight.grad))
+    return out
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stage", [1, 2])
-def test_other_ops_on_a_sharded_gradient_are_refused_by_name(stage):
-    for errors, text in run_distributed(_refusals, 2, stage):
-        assert "'0.weight'" in text and f"stage {stage}" in text
-        for label, message in errors.items():
-            assert message is not None and "the gradient of '" in message, (label, message)
-            assert "zero.clip_grad_norm_" in message, (label, message)
-        assert "run the forward through the ZeRO wrapper" in errors["accumulate"]
+def test_other_norms_torch_zero_grad_and_refusals_by_name():
+    """Tolerance: float64 sums of the same terms in another order, 1e-12 relative."""
+    for got in run_distributed(_small_cases, 2):
+        for stage, (norms, worst, errors, text) in got.items():
+            for order, (mine, want) in norms.items():
+                assert mine == pytest.approx(want, rel=1e-12), (stage, order)
+            assert worst <= 1e-12, (stage, worst)
+            assert "'0.weight'" in text and f"stage {stage}" in text
+            for label, message in errors.items():
+                assert message is not None and "the gradient of '" in message, (stage, label, message)
+                assert "zero.clip_grad_norm_" in message, (stage, label, message)
+            assert "run the forward through the ZeRO wrapper" in errors["accumulate"]
 
 
 # ----- plait's own clip of a hybrid model: a weight tied across pipeline ranks counts once -----------
