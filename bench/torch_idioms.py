@@ -231,6 +231,29 @@ def _hf_mlp_parallel(rank, sequence_parallel: bool):
     return tp, layer, full, gather_grads
 
 
+def p_clip_tp(rank, world_size, wrapper):
+    """torch's clip_grad_norm_(wrapped.parameters()) on plait tensor-parallel layers (tp = 2, the
+    MLP) inside ``wrapper`` over a dp group of one: the norm must sum the tp shards' squares."""
+    from plait.parallel.tensor.sharding import gather_state_dict
+
+    tp, layer, full, _ = _hf_mlp_parallel(rank, False)
+    dp_group = [dist.new_group([r]) for r in range(world_size)][rank]  # every rank creates every group
+    x = torch.randn(6, 2, 16, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+    if wrapper == "zero":
+        wrapped = zero(layer, lambda params: sgd(params), stage=2, group=dp_group)
+        step = wrapped.step
+    else:
+        wrapped = data_parallel(layer, dp_group)
+        step = sgd(wrapped.parameters()).step
+    wrapped(x).pow(2).sum().backward()
+    torch.nn.utils.clip_grad_norm_(wrapped.parameters(), 0.1)
+    step()
+    full(x).pow(2).sum().backward()
+    torch.nn.utils.clip_grad_norm_(full.parameters(), 0.1)
+    sgd(full.parameters()).step()
+    return measured(difference(gather_state_dict(layer, tp), state_of(full)))
+
+
 def _mlp_forward(layer, x):
     return layer(x)  # the row bias added with its gradient summed over the group (forward's contract)
 
@@ -941,6 +964,31 @@ def p_optimizer_calls(rank, world_size, stage, how):
     return measured(difference(wrapped.full_state_dict(), state_of(gpt_reference(3))))
 
 
+def p_module_zero_grad(rank, world_size, stage):
+    """model.zero_grad() (nn.Module's, on the inner model) in place of zero.zero_grad()."""
+    model = gpt2()
+    wrapped = zero(model, stage=stage)
+    zero_train(rank, world_size, wrapped, 3, zero_grad=model.zero_grad)
+    return measured(difference(wrapped.full_state_dict(), state_of(gpt_reference(3))))
+
+
+def p_grad_read(rank, world_size, wrapper, rank0_only):
+    """Reading gradients after backward for logging: {name: p.grad.clone()} on every rank, or
+    (rank0_only) a per-parameter norm on rank 0 only (``if rank == 0: log(p.grad.norm())``)."""
+    model, reference = gpt2(), gpt2()
+    wrapped = data_parallel(model) if wrapper == "dataparallel" else zero(model, stage=int(wrapper))
+    gpt_loss(wrapped, gpt_ids(0)[rows(rank, world_size)]).backward()
+    gpt_loss(reference, gpt_ids(0)).backward()
+    if rank0_only:
+        norms = {n: float(p.grad.norm()) for n, p in model.named_parameters()} if rank == 0 else None
+        want = {n: float(p.grad.norm()) for n, p in reference.named_parameters()}
+        worst = max(abs(norms[n] - want[n]) for n in want) if rank == 0 else 0.0
+        dist.barrier()
+        return measured(worst, "norms logged on rank 0 only")
+    got = {n: p.grad.clone() for n, p in model.named_parameters()}
+    return measured(difference(got, {n: p.grad for n, p in reference.named_parameters()}))
+
+
 def p_dp_zero_grad_not_none(rank, world_size):
     model = gpt2()
     wrapped = data_parallel(model)
@@ -1195,6 +1243,10 @@ def probes(path: str) -> list[Probe]:
     out += [
         P("clip.plait.zero3", "zero.clip_grad_norm_(max_norm) ZeRO-3", p_clip_plait_zero, {"stage": 3}),
         P("clip.torch.dp", "torch clip_grad_norm_(dp.parameters()) DataParallel", p_clip_torch_dp),
+        P("clip.torch.zero2.tp2", "torch clip_grad_norm_ ZeRO-2 over plait tp=2 layers", p_clip_tp,
+          {"wrapper": "zero"}, ("clip_grad_norm_",)),
+        P("clip.torch.dp.tp2", "torch clip_grad_norm_ DataParallel over plait tp=2 layers", p_clip_tp,
+          {"wrapper": "dataparallel"}, ("clip_grad_norm_",)),
         P("sp.bsh_replicated", "sequence_parallel=True, HF (b,s,h) input replicated", p_sp_batch_first,
           {"layout": "bsh_replicated"}, ("sequence", "layout", "shape")),
         P("sp.sbh_sharded", "sequence_parallel=True, (s/tp,b,h) shard (Megatron layout)", p_sp_batch_first,
@@ -1296,6 +1348,12 @@ def probes(path: str) -> list[Probe]:
     for stage in (1, 3):
         out.append(P(f"zero_grad_not_none.zero{stage}", f"zero.zero_grad(set_to_none=False), ZeRO-{stage}",
                      p_optimizer_calls, {"stage": stage, "how": "set_to_none_false"}))
+    out += [P(f"module_zero_grad.zero{s}", f"model.zero_grad() not zero.zero_grad(), ZeRO-{s}", p_module_zero_grad,
+              {"stage": s}, ("zero_grad",)) for s in (1, 2, 3)]
+    out += [P(f"grad_read.{w}{'.rank0_norm' if r0 else ''}",
+              f"{'p.grad.norm() on rank 0 only' if r0 else '{n: p.grad.clone()}'} after backward, {w}", p_grad_read,
+              {"wrapper": w, "rank0_only": r0}, ("grad", "sharded", "collective"))
+            for w, r0 in (("dataparallel", False), ("1", False), ("2", False), ("3", False), ("2", True))]
     for stage in (1, 2, 3):
         out.append(P(f"optimizer_zero_grad.zero{stage}", f"zero.optimizer.zero_grad() not zero.zero_grad(), "
                      f"ZeRO-{stage}", p_optimizer_calls, {"stage": stage, "how": "optimizer.zero_grad"},
