@@ -160,6 +160,7 @@ class ZeRO(ZeroStateDicts, NoSync, nn.Module):
         # torch's clip_grad_norm_ on them reduces over the ranks
         self.grads = ZeroGrads(self.units, self.engine, group, stage, module)
         self.engine.on_backward_end = weak_method(self._expose_grads)
+        self._guard_sharded_module()  # stage 3: zero.module's own state_dict() refused while freed
 
     @property
     def _require_sync(self) -> bool:  # what no_sync() turns off: the engine's

@@ -34,6 +34,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from plait import comm
+from plait.parallel.data.weak_hooks import weak_method
 from plait.parallel.data.model_keys import (ModelKeys, consume_ddp_prefix, incompatible_keys, key_report,
                                             raise_key_errors, refuse_assign)
 from plait.parallel.zero.param_optimizer import ParamOptimizer
@@ -238,6 +239,18 @@ class ZeroStateDicts(ModelKeys):
                 unit.free()
 
     summon_full_params = full_parameters  # FSDP's name
+
+    def _guard_sharded_module(self) -> None:
+        """Stage 3: the wrapped model's own ``state_dict()`` is refused by name while its
+        parameters are freed (reading them would read storage that is not there)."""
+        if self.stage == 3:
+            self.module.register_state_dict_pre_hook(weak_method(self._check_module_readable))
+
+    def _check_module_readable(self, _module, _prefix, keep_vars) -> None:
+        if not keep_vars and not all(unit.gathered for unit in self.units):
+            raise RuntimeError("ZeRO stage 3: zero.module.state_dict() between steps reads parameters that are "
+                               "sharded and freed; use zero.state_dict() (sharded, the model's keys), "
+                               "zero.full_state_dict(), or read them inside `with zero.full_parameters():`")
 
     def _refuse_inside_full_parameters(self) -> None:
         if self.__dict__.get("_full_parameters"):
