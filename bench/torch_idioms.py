@@ -989,6 +989,42 @@ def p_grad_read(rank, world_size, wrapper, rank0_only):
     return measured(difference(got, {n: p.grad for n, p in reference.named_parameters()}))
 
 
+def p_edit_after_wrap(rank, world_size, wrapper, how):
+    """Weights changed in place after wrapping, before training: ``how`` "mul_" (torch.no_grad():
+    model.lm_head.weight.mul_(0.5), a re-init) or "load_state_dict" (wrapped.module.load_state_dict(sd),
+    loading pretrained weights into the inner model); then 2 steps."""
+    model = gpt2()
+    if wrapper == "dataparallel":
+        wrapped = data_parallel(model)
+        opt = adamw(wrapped.parameters())
+        step, zero_grad, final = opt.step, opt.zero_grad, lambda: state_of(model)
+    else:
+        wrapped = zero(model, stage=int(wrapper))
+        step, zero_grad, final = wrapped.step, wrapped.zero_grad, wrapped.full_state_dict
+    reference = gpt2()
+    pretrained = state_of(gpt2(seed=5))
+    for net in (model, reference):
+        if how == "mul_":
+            with torch.no_grad():
+                net.lm_head.weight.mul_(0.5)
+        else:
+            net.load_state_dict(pretrained)
+    for index in range(2):
+        gpt_loss(wrapped, gpt_ids(index)[rows(rank, world_size)]).backward()
+        step()
+        zero_grad()
+    return measured(difference(final(), state_of(gpt_reference(2, model=reference))))
+
+
+def p_meta_init(rank, world_size):
+    """FSDP2's large-model init: build on the meta device, shard, then to_empty() and initialise."""
+    with torch.device("meta"):
+        model = gpt2()
+    wrapped = zero(model, stage=3)
+    wrapped.to_empty(device="cpu")
+    return {"outcome": "ran", "detail": "accepted a meta-device model"}
+
+
 def p_dp_zero_grad_not_none(rank, world_size):
     model = gpt2()
     wrapped = data_parallel(model)
@@ -1348,6 +1384,11 @@ def probes(path: str) -> list[Probe]:
     for stage in (1, 3):
         out.append(P(f"zero_grad_not_none.zero{stage}", f"zero.zero_grad(set_to_none=False), ZeRO-{stage}",
                      p_optimizer_calls, {"stage": stage, "how": "set_to_none_false"}))
+    out += [P(f"edit_after_wrap.{how}.{w}", f"{'weight.mul_(0.5)' if how == 'mul_' else 'module.load_state_dict(sd)'}"
+              f" after wrapping, {w}", p_edit_after_wrap, {"wrapper": w, "how": how},
+              ("full_parameters", "stage 3", "load_full_state_dict"))
+            for how in ("mul_", "load_state_dict") for w in ("dataparallel", "1", "2", "3")]
+    out.append(P("meta_init.zero3", "meta-device model, ZeRO-3, to_empty()", p_meta_init, {}, ("meta device", "to_empty")))
     out += [P(f"module_zero_grad.zero{s}", f"model.zero_grad() not zero.zero_grad(), ZeRO-{s}", p_module_zero_grad,
               {"stage": s}, ("zero_grad",)) for s in (1, 2, 3)]
     out += [P(f"grad_read.{w}{'.rank0_norm' if r0 else ''}",
