@@ -224,10 +224,17 @@ def _small_reference(world_size: int, batches: int):
     return model
 
 
+def _stepped_difference(zero, reference) -> float:
+    torch.optim.SGD(reference.parameters(), lr=0.1).step()
+    zero.step()
+    return max(float((got - want).abs().max()) for got, want in
+               zip(zero.full_state_dict().values(), reference.state_dict().values()))
+
+
 def _small_cases(rank, world_size):
     """Per stage: get_total_norm with p = 1, 3, inf against one process; model.zero_grad()
-    (torch's, not zero's) between two backwards drops the first from the shards; the
-    refusals (each in a fresh wrapper)."""
+    (torch's, not zero's) between two backwards drops the first from the shards;
+    clip_grad_value_ (foreach default and on) clamps the averaged gradient; the refusals."""
     out = {}
     for stage in (1, 2, 3):
         sgd = lambda params: torch.optim.SGD(params, lr=0.1)  # noqa: E731
@@ -242,19 +249,24 @@ def _small_cases(rank, world_size):
         model.zero_grad()  # torch's idiom: every .grad None
         zero(_small_data(rank)).sum().backward()
         zero.clip_grad_norm_(0.01)
-        zero.step()
         reference = _small_reference(world_size, 2)
         torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.01)
-        torch.optim.SGD(reference.parameters(), lr=0.1).step()
-        worst = max(float((got - want).abs().max()) for got, want in
-                    zip(zero.full_state_dict().values(), reference.state_dict().values()))
+        worst = {"zero_grad": _stepped_difference(zero, reference)}
+        for foreach in (None, True):
+            model = _small_model()
+            zero = ZeRO(model, sgd, stage=stage)
+            zero(_small_data(rank)).sum().backward()
+            torch.nn.utils.clip_grad_value_(model.parameters(), 0.3, foreach=foreach)  # clamps some elements
+            reference = _small_reference(world_size, 1)
+            torch.nn.utils.clip_grad_value_(reference.parameters(), 0.3)
+            worst[f"clip_value foreach={foreach}"] = _stepped_difference(zero, reference)
         model = _small_model()
         zero = ZeRO(model, sgd, stage=stage)
         loss = zero(_small_data(rank)).sum()
         loss.backward(retain_graph=True)
         errors = {}
         for label, call in (("read", lambda: model[0].weight.grad + 1),
-                            ("clip_value", lambda: torch.nn.utils.clip_grad_value_(model.parameters(), 0.1)),
+                            ("sum", lambda: model[2].bias.grad.sum()),
                             ("accumulate", lambda: loss.backward())):
             try:
                 call()
@@ -266,13 +278,14 @@ def _small_cases(rank, world_size):
 
 
 @pytest.mark.slow
-def test_other_norms_torch_zero_grad_and_refusals_by_name():
+def test_other_norms_clip_value_torch_zero_grad_and_refusals_by_name():
     """Tolerance: float64 sums of the same terms in another order, 1e-12 relative."""
     for got in run_distributed(_small_cases, 2):
         for stage, (norms, worst, errors, text) in got.items():
             for order, (mine, want) in norms.items():
                 assert mine == pytest.approx(want, rel=1e-12), (stage, order)
-            assert worst <= 1e-12, (stage, worst)
+            for label, difference in worst.items():
+                assert difference <= 1e-12, (stage, label, difference)
             assert "'0.weight'" in text and f"stage {stage}" in text
             for label, message in errors.items():
                 assert message is not None and "the gradient of '" in message, (stage, label, message)

@@ -88,12 +88,18 @@ def whole_tensor_norm(args, kwargs) -> bool:
     return dim is None and not kwargs.get("keepdim", args[3] if len(args) > 3 else False)
 
 
-def tp_norms(func, args, kwargs):
+def norm_arguments(func, args, kwargs) -> tuple[list, float, torch.dtype | None, bool]:
+    """(tensors, p, dtype, single) of a ``torch._foreach_norm`` or ``linalg.vector_norm`` call."""
     single = func is _aten.linalg_vector_norm.default
     tensors = [args[0]] if single else list(args[0])
     order = float(args[1] if len(args) > 1 else kwargs.get("ord", 2))
     dtype = kwargs.get("dtype", args[4] if single and len(args) > 4 else args[2] if not single and len(args) > 2
                        else None)
+    return tensors, order, dtype, single
+
+
+def tp_norms(func, args, kwargs):
+    tensors, order, dtype, single = norm_arguments(func, args, kwargs)
     if not order > 0:
         raise RuntimeError(f"norm_type={order} of a tensor-parallel sharded gradient is refused: the norms reduced "
                            "over the tp ranks are p > 0 and inf")

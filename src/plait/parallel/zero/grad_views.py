@@ -20,7 +20,8 @@ It implements exactly what torch's clipping runs, and refuses every other op by 
   all-reduce of a float64 vector per group per call, so ``foreach=True`` costs one
   per group and the per-tensor path one per parameter per group.
 - ``mul_`` / ``_foreach_mul_`` by a scalar and ``zero_`` / ``_foreach_zero_`` write the
-  piece (and so the shard gradient the step uses).
+  piece (and so the shard gradient the step uses); ``clamp_`` and its foreach forms
+  (``clip_grad_value_``) too, on the averaged gradient (a pending view reduced first).
 
 Every rank must make the same calls (they are collectives), as with DTensor. The wrapper
 takes the views away before its next forward (a reduced one goes: the shard keeps the
@@ -37,7 +38,7 @@ import torch
 from torch import nn
 
 from plait import comm
-from plait.parallel.data.tp_grads import local_power, reduce_powers
+from plait.parallel.data.tp_grads import local_power, norm_arguments, reduce_powers, whole_tensor_norm
 from plait.parallel.tensor.group import TensorParallel
 from plait.parallel.tensor.sharding import shard_spec
 
@@ -46,6 +47,9 @@ _NORMS = (_aten._foreach_norm.Scalar, _aten.linalg_vector_norm.default)
 _SCALES = (_aten.mul_.Tensor, _aten.mul_.Scalar, _aten._foreach_mul_.Tensor, _aten._foreach_mul_.Scalar,
            _aten._foreach_mul_.ScalarList, _aten._foreach_mul_.List)
 _ZEROS = (_aten.zero_.default, _aten._foreach_zero_.default)
+# element-wise, not linear: on the averaged gradient's pieces (stage 1 reduces first)
+_CLAMPS = (_aten.clamp_.default, _aten.clamp_min_.default, _aten.clamp_max_.default,
+           _aten._foreach_clamp_min_.Scalar, _aten._foreach_clamp_max_.Scalar)
 
 
 class ShardedGrad(torch.Tensor):
@@ -97,6 +101,8 @@ class ShardedGrad(torch.Tensor):
             return _scale(func, args)
         if func in _ZEROS:
             return _apply(args[0], lambda tensor: tensor.zero_())
+        if func in _CLAMPS and not any(torch.is_tensor(value) for value in args[1:]):
+            return _clamp(func, args, kwargs)
         raise RuntimeError(_refusal(func, args))
 
 
@@ -117,9 +123,9 @@ def _refusal(func, args) -> str:
         hint = (" (a backward accumulating into a gradient ZeRO has reduced: run the forward through the ZeRO "
                 "wrapper, which makes room, or call zero.zero_grad() first)")
     return (f"the gradient of {name!r} is sharded by ZeRO stage {stage}: this rank holds {held}, so "
-            f"{func} is refused{hint}; torch.nn.utils.clip_grad_norm_ / get_total_norm / clip_grads_with_norm_ "
-            "and zero.clip_grad_norm_(max_norm) work on it (norms over every rank), and zero.full_state_dict() "
-            "gives the whole parameters")
+            f"{func} is refused{hint}; torch.nn.utils.clip_grad_norm_ / get_total_norm / clip_grads_with_norm_ / "
+            "clip_grad_value_ and zero.clip_grad_norm_(max_norm) work on it (over every rank), and "
+            "zero.full_state_dict() gives the whole parameters")
 
 
 def _apply(target, write) -> None:
@@ -129,6 +135,25 @@ def _apply(target, write) -> None:
         if piece is not None:
             write(piece)
     return target if isinstance(target, torch.Tensor) else None
+
+
+def _clamp(func, args, kwargs):
+    """torch's clip_grad_value_: the clamp of each piece of the averaged gradient is the
+    clamp of the whole one (element-wise); pending views are reduced first."""
+    target = args[0]
+    listed = isinstance(target, (list, tuple))
+    for grads in {id(view._grads): view._grads for view in _views(target if listed else [target])
+                  if view._pending}.values():
+        grads.settle()
+    pieces = [tensor.piece() if isinstance(tensor, ShardedGrad) else tensor for tensor in (target if listed
+                                                                                             else [target])]
+    pieces = [piece for piece in pieces if piece is not None]
+    if listed:
+        func(pieces, *args[1:], **kwargs)
+        return None
+    for piece in pieces:
+        func(piece, *args[1:], **kwargs)
+    return target
 
 
 def _scalar(value, func):
@@ -154,13 +179,8 @@ def _scale(func, args):
 
 def _norms(func, args, kwargs):
     """torch's per-tensor norms, each over every rank's piece (see the module docstring)."""
-    single = func is _aten.linalg_vector_norm.default
-    tensors = [args[0]] if single else list(args[0])
-    order = float(args[1] if len(args) > 1 else kwargs.get("ord", 2))
-    dtype = kwargs.get("dtype", args[4] if single and len(args) > 4 else args[2] if not single and len(args) > 2
-                       else None)
-    if single and (kwargs.get("dim", args[2] if len(args) > 2 else None) is not None
-                   or kwargs.get("keepdim", args[3] if len(args) > 3 else False)):
+    tensors, order, dtype, single = norm_arguments(func, args, kwargs)
+    if single and not whole_tensor_norm(args, kwargs):
         raise RuntimeError(f"torch.linalg.vector_norm over some dims of the ZeRO-sharded gradient of "
                            f"{tensors[0].param_name!r} is refused (each rank holds a flat piece): only the norm of "
                            "the whole gradient (dim=None) is reduced over the ranks")
