@@ -74,7 +74,8 @@ def _reference(grouped=True) -> dict[str, torch.Tensor]:
 
 def _train(rank, world_size):
     """Stages 1-3 with the grouped optimizer object (tiny buckets at stages 1-2, so each
-    group has several), the scheduler built before wrapping; then the refusals."""
+    group has several), the scheduler built before wrapping, the loop written as for
+    DDP (the user's optimizer's zero_grad); then the refusals."""
     results = {}
     for stage in (1, 2, 3):
         model = _gpt2()
@@ -93,7 +94,7 @@ def _train(rank, world_size):
             _loss(zero, tokens).backward()
             zero.step()
             scheduler.step()
-            zero.zero_grad()
+            optimizer.zero_grad()  # the user's optimizer, as with DDP (steps the shards now)
         results[stage] = {"state": zero.full_state_dict(), "mixed_units": mixed,
                           "module_in_two_groups": any(len(groups) == 2 for groups in per_module.values()),
                           "lrs": [group["lr"] for group in optimizer.param_groups]}
@@ -131,6 +132,13 @@ def _refusals() -> list[str]:
     except RuntimeError as error:
         errors.append(str(error))
     zero.step()  # the wrapper's own step still works after the refusal
+    optimizer.add_param_group({"params": [nn.Parameter(torch.zeros(2, dtype=torch.float64))]})
+    _loss(zero, _data(0)[:2]).backward()
+    try:
+        zero.step()
+        errors.append("accepted")
+    except RuntimeError as error:
+        errors.append(str(error))
     adagrad_model = _gpt2()
     ZeRO(adagrad_model, torch.optim.Adagrad(adagrad_model.parameters(), lr=0.1), stage=1)  # fresh state: accepted
     return errors
@@ -159,3 +167,4 @@ def test_hf_param_groups_and_optimizer_object_at_every_stage():
         assert "does not hold the trainable parameters ['transformer.ln_f.weight'" in errors[3]
         assert "optimizer=str must be a torch.optim optimizer" in errors[4]
         assert "optimizer.step() called directly" in errors[5] and "zero.step()" in errors[5]
+        assert "param groups were changed after wrapping (add_param_group" in errors[6]

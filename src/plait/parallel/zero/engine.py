@@ -194,17 +194,20 @@ class ShardEngine:
     @contextlib.contextmanager
     def gathered(self, write: bool = False):
         """Every unit's buffer gathered inside (every rank of the group enters);
-        ``write`` (stage 3): what was written into the parameters is copied into the
-        shards on exit. Units that were freed are freed again."""
+        ``write``: what was written into the parameters is copied into the shards on
+        exit where they are copies (stage 3, or a master under a mixed-precision
+        policy). Units that were freed are freed again."""
         freed = [unit for unit in self.units if not unit.gathered]
         for unit in freed:
             unit.gather(self.group, self.algorithm)
         try:
             yield
         finally:
-            if write and self.stage == 3:
+            if write:
                 with torch.no_grad():
                     for unit in self.units:
+                        if unit.shard.untyped_storage().data_ptr() == unit.full.untyped_storage().data_ptr():
+                            continue  # the shard is a slice of the parameters: written already
                         start = self.rank * unit.shard_numel
                         unit.shard.copy_(unit.full[start:start + unit.shard_numel])
             for unit in freed:

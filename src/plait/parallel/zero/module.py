@@ -208,10 +208,16 @@ class ZeRO(ZeroStateDicts, NoSync, nn.Module):
                              "optimizer over the model's parameters is given as itself: ZeRO(model, optimizer)")
 
     def _refuse_direct_step(self, *_args) -> None:
+        """The optimizer's step pre-hook: only zero.step() steps it, over the shards only."""
         if not self._stepping:
             raise RuntimeError("ZeRO: optimizer.step() called directly; ZeRO reduces the gradients before the "
                                "optimizer steps its shards and gathers the parameters after: call zero.step() "
                                "(and zero.zero_grad())")
+        held = [param for group in self.optimizer.param_groups for param in group["params"]]
+        if len(held) != len(self.units) or {id(param) for param in held} != {id(unit.shard) for unit in self.units}:
+            raise RuntimeError("ZeRO: the optimizer's param groups were changed after wrapping (add_param_group or "
+                               "new params): it steps this rank's shards only; build the optimizer with every "
+                               "group before ZeRO(model, optimizer)")
 
     def _expose_grads(self) -> None:
         if self.engine.sync:
