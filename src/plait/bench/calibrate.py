@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from plait.bench.collectives import message_sizes
-from plait.comm.communicator import Communicator, init_communicator
+from plait.comm.communicator import Communicator, init_communicator, process_group
 from plait.comm.config import CommConfig
 from plait.comm.ops import COMBINE
 from plait.comm.schedule import Schedule, Step, Transfer, make_schedule
@@ -201,6 +201,7 @@ def run_calibration(config: CalibrateConfig, *, group=None, device: torch.device
     median drops them. emit(kind, payload): ("progress", text) per sweep, then
     ("row", Sample) per sample."""
     device = device or torch.device("cpu")
+    group = process_group(group)  # a Communicator's or a 1-D torch DeviceMesh's process group
     group = group if group is not None else dist.group.WORLD
     world_size, rank = dist.get_world_size(group), dist.get_rank(group)
     if world_size < 2:

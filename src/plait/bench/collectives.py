@@ -46,6 +46,7 @@ from plait.bench.buffers import (
     TORCH_ALGORITHM,
 )
 from plait.comm.algorithms import TOPOLOGY_ALGORITHMS
+from plait.comm.communicator import process_group
 from plait.comm.config import TRANSPORTS
 from plait.comm.tuner import Tuner, tuner_from_profile
 from plait.cost.profile import load_profile
@@ -365,6 +366,7 @@ def run_benchmark(config: BenchConfig, *, group=None, device: torch.device | Non
     ("progress", text) while measuring, then per algorithm ("begin", algorithm),
     ("row", BenchRow) ..., ("end", algorithm)."""
     device = device or torch.device("cpu")
+    group = process_group(group)  # a Communicator's or a 1-D torch DeviceMesh's process group
     world_size = dist.get_world_size(group)
     if config.root >= world_size:
         raise ValueError(f"root({config.root}) must be < world size({world_size})")
