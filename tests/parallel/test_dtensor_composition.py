@@ -12,13 +12,13 @@ data parallelism over a group that holds two ranks of the tp mesh are refused by
 before the first step (on the code before issue 33, DataParallel and ZeRO failed with
 an unrelated ".numpy() is not supported for tensor subclasses").
 
-Tolerance: float64, 3 AdamW steps. The tp layers split each matmul's sum over the
-hidden dimension into two partial sums added by the all-reduce, and the dp average adds
-two half-batch means where one process takes one mean: the same terms in another
-order, a few ulps (2.2e-16) relative per gradient element; AdamW's update is smooth in
-the gradient, so after 3 steps of lr 1e-2 the parameters agree to ~1e-13: rtol 1e-10,
-atol 1e-12 leave room and still catch any real error (a gradient off by a factor of 2
-moves the parameters by ~1e-3).
+Tolerance: float64, 3 SGD steps. The tp layers split each matmul's sum over the hidden
+dimension into two partial sums added by the all-reduce, and the dp average adds two
+half-batch means where one process takes one mean: the same terms in another order, a
+few ulps (2.2e-16) relative per gradient element, and SGD's update is linear in the
+gradient, so after 3 steps of lr 0.1 the parameters agree to ~1e-15: rtol 1e-10, atol
+1e-12 leave room and still catch any real error (a gradient off by a factor of 2, or not
+averaged over dp, moves the parameters by ~1e-2).
 """
 
 import pytest
@@ -58,7 +58,8 @@ def _batch(step: int):
 
 
 def _optimizer(params):
-    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+    # SGD with momentum: every update is linear in the gradient, so a wrong scale shows (AdamW would hide one)
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9, weight_decay=0.01)
 
 
 def _reference(clip: bool) -> dict[str, torch.Tensor]:
@@ -138,7 +139,8 @@ def test_data_parallel_over_dp_of_a_dtensor_model_trains_like_one_process():
         for clip, got in ((False, mixed), (True, clipped)):
             assert set(got) == set(want[clip])
             for name in want[clip]:
-                torch.testing.assert_close(got[name], want[clip][name], rtol=1e-10, atol=1e-12, msg=f"{clip} {name}")
+                torch.testing.assert_close(got[name], want[clip][name], rtol=1e-10, atol=1e-12,
+                                           msg=lambda text, clip=clip, name=name: f"clip={clip} {name}: {text}")
         assert refused["ZeRO"].startswith("TypeError: ZeRO: the model has DTensor parameters ('up.weight'")
         assert "DataParallel(model, group=mesh['dp'])" in refused["ZeRO"]
         assert refused["ParameterServer"].startswith("TypeError: ParameterServer: the model has DTensor parameters")
