@@ -220,7 +220,7 @@ def probes(path: str) -> list[Probe]:
         P("comm_hook.ddp_plait", "torch DDP + plait.comm.ddp_comm_hook", p_register_comm_hook, {"where": "ddp"}),
     ]
     out += [P(f"to_dtype_after_wrap.{w}", f"wrapped.to(float64) after wrapping, {w}", p_to_dtype_after_wrap,
-              {"wrapper": w}, ("dtype", "wrap")) for w in ("dataparallel", "2", "3")]
+              {"wrapper": w}, ("after wrapping", "before wrapping")) for w in ("dataparallel", "2", "3")]
     out += [P(f"batchnorm.{w}", f"CNN with BatchNorm, {w}" + (" (vs DDP)" if w != "syncbn" else ""), p_batchnorm,
               {"wrapper": w}, ("SyncBatchNorm", "BatchNorm")) for w in ("dataparallel", "3", "syncbn")]
     out += [P(f"two_forwards.{w}", f"two forwards then one backward, {w}", p_two_forwards, {"wrapper": w})
