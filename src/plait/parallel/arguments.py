@@ -46,6 +46,23 @@ def check_wrapper_arguments(module, group, owner: str, *, dtensor_parameters: bo
         raise TypeError(f"{owner}: {error}") from None
     if not dtensor_parameters:
         refuse_dtensor_parameters(module.named_parameters(), owner)
+    refuse_sharded_parameters(module.named_parameters(), owner)
+
+
+def refuse_sharded_parameters(named, owner: str) -> None:
+    """A ValueError naming the first parameter among ``named`` with no data of its own:
+    a ZeRO stage-3 wrapper (live or dropped) leaves each parameter it shards a
+    placeholder (one element expanded) or a view of a released buffer; reading it as a
+    model's would be NaN or out of bounds."""
+    for name, param in named:
+        if is_dtensor(param) or param.numel() <= 1:
+            continue
+        span = 1 + sum((size - 1) * stride for size, stride in zip(param.shape, param.stride()))
+        if 0 in param.stride() or param.untyped_storage().nbytes() < (param.storage_offset() + span) * \
+                param.element_size():
+            raise ValueError(f"{owner}: {name!r} is sharded by a ZeRO stage-3 wrapper (live or dropped; it holds no "
+                             "data of its own): take zero.full_state_dict() before dropping the wrapper and load it "
+                             "into a fresh model (model.load_state_dict), then wrap that model")
 
 
 DTENSOR_FIX = ("build the tensor parallelism with plait's layers (plait.parallel.tensor.ColumnParallelLinear / "

@@ -62,13 +62,16 @@ class ShardEngine:
     def __init__(self, units: list[FlatUnit], optimizer: torch.optim.Optimizer, group, algorithm: str, stage: int,
                  *, offload: StateFiles | None = None, early: list[bool] | None = None,
                  kept: list[bool] | None = None, gathered_modules=(), reduce_every_unit: bool,
-                 collect_at_backward_end: bool):
+                 collect_at_backward_end: bool, rest_released: bool = False):
         self.units, self.optimizer, self.group, self.algorithm, self.stage = units, optimizer, group, algorithm, stage
         self.world_size, self.rank = units[0].world_size, units[0].rank
         self.offload = offload
         self.early = early if early is not None else [stage >= 2] * len(units)
         self.kept = kept if kept is not None else [False] * len(units)
         self.reduce_every_unit, self.collect_at_backward_end = reduce_every_unit, collect_at_backward_end
+        # stage 3: a released unit's parameters become NaN placeholders (FlatUnit.rest; the ZeRO module,
+        # whose forward arms them again), else views of the released buffer (plait train's ShardedOptimizer)
+        self.keep_views = not rest_released
         self.sync = True
         self.in_backward = False
         self.on_backward_end = None  # called after each backward's end (the ZeRO module exposes gradients)
@@ -83,7 +86,7 @@ class ShardEngine:
         if stage == 3:
             for unit, keep in zip(units, self.kept):
                 if not keep:
-                    unit.free()
+                    unit.free(self.keep_views)
             self.gatherer = UnitGatherer([module for module, _ in gathered_modules],
                                          [module_units for _, module_units in gathered_modules],
                                          group, algorithm, self.begin_backward)
@@ -122,7 +125,7 @@ class ShardEngine:
         if self.stage == 3:
             for unit in units:
                 if not self.kept[unit.index]:
-                    unit.free()  # the module's backward is done: its parameters go until the next forward
+                    unit.free(self.keep_views)  # the module's backward is done: its parameters go until its next use
 
     def _end_backward(self) -> None:
         """Units this backward left incomplete: handled now, in unit order (the same on
@@ -133,7 +136,7 @@ class ShardEngine:
         if self.stage == 3:
             for unit, keep in zip(self.units, self.kept):
                 if not keep:
-                    unit.free()
+                    unit.free(self.keep_views)
         self.in_backward = False
         if self.collect_at_backward_end and self.sync and self.stage >= 2:
             self.wait_in_flight()
@@ -211,7 +214,7 @@ class ShardEngine:
                         start = self.rank * unit.shard_numel
                         unit.shard.copy_(unit.full[start:start + unit.shard_numel])
             for unit in freed:
-                unit.free()
+                unit.free(self.keep_views)
 
     def state_tensors(self, offloaded: bool) -> list[torch.Tensor]:
         """The optimizer's state tensors in offload files (``offloaded``) or in memory."""

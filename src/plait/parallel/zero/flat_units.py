@@ -5,6 +5,17 @@ it; gathered with an all-gather, released with ``resize_(0)``; their gradients
 reduce-scattered (several units in one call) and the averages added into the shards'
 gradients. ``plait.parallel.zero.engine`` drives them.
 
+A released unit (stage 3) is *armed* while autograd may still need its views (between
+a unit's forward and its backward: saved views of the freed storage see the data again
+once it is re-gathered) and *at rest* otherwise (after its backward, after a no-grad
+forward, at construction, after ``full_parameters()``): each parameter's ``.data`` is
+then a placeholder of its shape and dtype that reads as NaN (one NaN element expanded
+with zero strides: no memory, and nothing computed from it is silently a number) instead
+of a view into a storage of size 0, which torch reads without a bounds check (a
+segfault). Every gather re-attaches the views (``param.data = full[...]``: no version
+counter moves). A parameter another wrapper has taken over since (its storage is no
+longer this unit's) is left alone.
+
 Mixed precision (``param_dtype``, ``reduce_dtype``; FSDP2's ``MixedPrecisionPolicy``): the
 shard the optimizer steps keeps the parameters' own dtype (the float32 master), the
 buffer the module computes with is in ``param_dtype`` (each gather casts the shards to it
@@ -58,7 +69,9 @@ class FlatUnit:
             master[offset:offset + param.numel()].copy_(param.detach().reshape(-1))
             offset += param.numel()
         self.full = master if self.dtype == master_dtype else master.to(self.dtype)
-        self._attach()
+        self._nan = torch.full((), math.nan, dtype=self.dtype, device=self.device)  # the placeholders' one element
+        self.resting = False  # the parameters are placeholders (see the module docstring)
+        self._attach(every=True)
         start = rank * self.shard_numel
         # what the optimizer steps: with the parameters kept whole (stages 1, 2) in their own
         # dtype, this rank's slice of the buffer itself (the step updates the parameters in
@@ -71,9 +84,40 @@ class FlatUnit:
         self.used = [False] * len(self.params)  # had a gradient at a reduce since the last zero_grad
         self.handle = None  # a prefetch's all-gather in flight
 
-    def _attach(self) -> None:
+    def _attach(self, every: bool = False) -> None:
+        """The parameters made views into the buffer (``every``: at construction; else
+        only those still this unit's)."""
         for param, offset in zip(self.params, self.offsets):
-            param.data = self.full[offset:offset + param.numel()].view(param.shape)
+            if every or self.owns(param):
+                param.data = self.full[offset:offset + param.numel()].view(param.shape)
+        self.resting = False
+
+    def owns(self, param: torch.Tensor) -> bool:
+        """Whether ``param``'s data is still this unit's (a view of its buffer, or its
+        placeholder), not another wrapper's since."""
+        storage = param.untyped_storage()._cdata
+        return storage == self.full.untyped_storage()._cdata or storage == self._nan.untyped_storage()._cdata
+
+    def rest(self) -> None:
+        """A released unit's parameters become NaN placeholders (no memory; reading them
+        is safe) until the next gather re-attaches them."""
+        if self.gathered or self.resting:
+            return
+        for param in self.params:
+            if self.owns(param):
+                param.data = self._nan.expand(param.shape)
+        self.resting = True
+
+    def arm(self) -> None:
+        """A resting unit's parameters made views of its (released) buffer again, so that a
+        use outside the unit's own forward fails with torch's storage error, as before
+        the rest, instead of computing with NaN. Costs an allocation without a fill."""
+        if self.gathered or not self.resting:
+            return
+        storage = self.full.untyped_storage()
+        storage.resize_(self.padded * self.full.element_size())
+        self._attach()
+        storage.resize_(0)
 
     def flat_grad(self) -> torch.Tensor:
         """The parameters' gradients, flat and padded (zeros where there is none), in
@@ -84,12 +128,15 @@ class FlatUnit:
                 flat[offset:offset + param.numel()].copy_(param.grad.reshape(-1))
         return flat
 
-    def free(self) -> None:
-        """Release the gathered buffer (stage 3); the views keep their metadata."""
+    def free(self, keep_views: bool = False) -> None:
+        """Release the gathered buffer (stage 3), the unit at rest; ``keep_views``: armed
+        instead (autograd may still need the views: after a forward, before its backward)."""
         self.wait()  # a prefetch still writing into it
         if self.gathered:
             self.full.untyped_storage().resize_(0)
             self.gathered = False
+        if not keep_views:
+            self.rest()
 
     def wait(self) -> None:
         handle, self.handle = self.handle, None
@@ -102,6 +149,8 @@ class FlatUnit:
         nbytes = self.padded * self.full.element_size()
         if storage.nbytes() != nbytes:
             storage.resize_(nbytes)
+        if self.resting:
+            self._attach()
         self.gathered = True
         source = self.shard.detach().to(self.dtype)  # the master cast to the compute dtype (or itself)
         if source.untyped_storage().data_ptr() == storage.data_ptr():
@@ -144,6 +193,8 @@ def gather_units(units: list[FlatUnit], group, algorithm, async_op: bool = False
         storage = unit.full.untyped_storage()
         if storage.nbytes() != unit.padded * unit.full.element_size():
             storage.resize_(unit.padded * unit.full.element_size())
+        if unit.resting:
+            unit._attach()  # noqa: SLF001 - gather's own step, for several units at once
         unit.gathered = True
     sent = torch.cat([unit.shard.detach().to(unit.dtype) for unit in units])
     received = torch.empty(total * world_size, dtype=sent.dtype, device=sent.device)

@@ -39,7 +39,11 @@ with, gradients reduced in ``reduce_dtype`` (``plait.parallel.zero.mixed_precisi
   While a unit computes, the next one (in the previous forward's order; in the
   backward the one before) is already being gathered on plait's comm thread. Freeing releases the storage (``resize_(0)``); the views keep their shapes, and
   autograd's saved references to them see the data again once it is re-gathered
-  (written through an alias, so no version counter moves).
+  (written through an alias, so no version counter moves). Outside the wrapper's
+  forward and backward each freed parameter is a NaN placeholder (no memory; reading
+  it is safe, never a number): read whole parameters inside ``full_parameters()``.
+  ``zero.module(...)`` outside ``zero(...)`` is refused by name; under
+  ``torch.compile`` the stage-3 forward runs eagerly.
 
 Communication per step and rank, Ψ the parameter bytes: ring reduce-scatter and
 all-gather each send Ψ(N-1)/N, so stages 1 and 2 send 2Ψ(N-1)/N (an all-reduce's),
@@ -85,7 +89,7 @@ from plait.parallel.zero.mixed_precision import as_policy, cast_floating
 from plait.parallel.zero.param_groups import model_param_groups, move_onto_shards, plan_units
 from plait.parallel.zero.state_dicts import ZeroStateDicts
 from plait.parallel.zero.state_offload import StateFiles
-from plait.parallel.zero.unit_gathering import default_wrap
+from plait.parallel.zero.unit_gathering import default_wrap, refuse_outside_forward
 
 STAGES = (1, 2, 3)
 OFFLOADS = (None, "cpu", "disk")
@@ -155,11 +159,14 @@ class ZeRO(ZeroStateDicts, NoSync, nn.Module):
                                   gathered_modules=[(module, [unit for unit in self.units
                                                               if self._unit_modules[unit.index] is module])
                                                     for module in modules],
-                                  reduce_every_unit=True, collect_at_backward_end=True)
+                                  reduce_every_unit=True, collect_at_backward_end=True, rest_released=True)
         # each synchronised backward leaves every .grad a view of this rank's piece (grad_views):
         # torch's clip_grad_norm_ on them reduces over the ranks
         self.grads = ZeroGrads(self.units, self.engine, group, stage, module)
         self.engine.on_backward_end = weak_method(self._expose_grads)
+        if self.engine.gatherer is not None:  # stage 3: zero.module(...) outside zero(...) refused by name
+            self.engine.gatherer.wrapper_forward = False
+            module.register_forward_pre_hook(weak_method(self._refuse_bypass))
         self._guard_sharded_module()  # stage 3: zero.module's own state_dict() refused while freed
 
     @property
@@ -219,12 +226,39 @@ class ZeRO(ZeroStateDicts, NoSync, nn.Module):
                                "new params): it steps this rank's shards only; build the optimizer with every "
                                "group before ZeRO(model, optimizer)")
 
+    @property
+    def param_groups(self):
+        """torch.amp.GradScaler.step(zero) / unscale_(zero) read this: refused by name."""
+        raise TypeError("ZeRO: torch.amp.GradScaler does not work with ZeRO (it unscales and checks for infs on each "
+                        "rank's own gradients, which ZeRO shards, and steps optimizer.step() itself): train in "
+                        "bfloat16 with mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16) (plait's or "
+                        "torch.distributed.fsdp's), which needs no loss scaling (float32 master weights), or in "
+                        "float32")
+
     def _expose_grads(self) -> None:
         if self.engine.sync:
             self.grads.expose()
 
     # ----- forward ---------------------------------------------------------------------
+    def _refuse_bypass(self, *_args) -> None:
+        """zero.module's forward pre-hook (stage 3): only zero(...) gathers the root."""
+        gatherer, unit = self.engine.gatherer, self.units[0]
+        if not gatherer.paused and unit.owns(unit.params[0]):  # not re-wrapped since
+            refuse_outside_forward(gatherer.wrapper_forward)
+
     def forward(self, *args, **kwargs):
+        if self.stage == 3:
+            return self._forward_eagerly(*args, **kwargs)
+        return self._forward(*args, **kwargs)
+
+    @torch.compiler.disable
+    def _forward_eagerly(self, *args, **kwargs):
+        """Stage 3's forward, never traced by torch.compile (dynamo would trace through
+        the hooks that gather and free each unit's parameters): under torch.compile(zero)
+        it runs eagerly, so exactly."""
+        return self._forward(*args, **kwargs)
+
+    def _forward(self, *args, **kwargs):
         self._refuse_inside_full_parameters()
         self._check_unchanged()
         self.grads.before_forward()  # the gradient views go; the next backward accumulates as before
@@ -244,6 +278,9 @@ class ZeRO(ZeroStateDicts, NoSync, nn.Module):
         if self.engine.gatherer is not None:
             self.engine.gatherer.new_step()
             roots = [unit for unit in self.units if self._is_root(unit)]
+            self.engine.gatherer.wrapper_forward = True
+            for unit in self.units:
+                unit.arm()  # a parameter used outside its unit's forward fails by name, below
         for unit in roots:
             self.engine.gatherer.ready(unit)
         policy = self.mp_policy
@@ -264,6 +301,11 @@ class ZeRO(ZeroStateDicts, NoSync, nn.Module):
                     "x, ..., self.norm.weight)) must not be a unit: give wrap= a policy that leaves it to the root"
                 ) from error
             raise
+        finally:
+            if self.engine.gatherer is not None:  # reading a parameter is safe until the next forward
+                self.engine.gatherer.wrapper_forward = False
+                for unit in self.units:
+                    unit.rest()
 
     def _check_unchanged(self) -> None:
         now = [(id(param), tuple(param.shape)) for unit in self.units for param in unit.params]
@@ -271,6 +313,13 @@ class ZeRO(ZeroStateDicts, NoSync, nn.Module):
         if now != self._shape or current != {key for key, _ in self._shape}:
             raise RuntimeError("ZeRO: the module's parameters were added, removed or resized after wrapping; "
                                "wrap the finished model")
+        for unit in self.units:  # zero.to(dtype) / .double() / .to(device) give the parameters new storages
+            for name, param in zip(unit.names, unit.params):
+                if not unit.owns(param):
+                    raise RuntimeError(
+                        f"ZeRO: {name!r} was cast or moved after wrapping (now {param.dtype} on {param.device}; "
+                        f"its shards are {unit.shard.dtype} on {unit.device}), cutting it off from its shards: "
+                        "cast/move the model before wrapping (or use mp_policy= for a compute dtype)")
 
     # ----- step ------------------------------------------------------------------------
     def _reduce_pending(self) -> None:

@@ -11,11 +11,13 @@ and tensor-parallel kind)."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 import torch
 from torch import nn
 
+from plait.comm.errors import MismatchError
 from plait.parallel.zero.flat_units import FlatUnit, gather_units
 
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
@@ -43,6 +45,8 @@ class UnitGatherer:
         self._order: list[int] = []  # module indices in the last step's forward order
         self._order_now: list[int] = []
         self.paused = False  # ZeRO.full_parameters(): every unit gathered, the hooks stand aside
+        # ZeRO's own forward running (None: no wrapper, plait train's ShardedOptimizer runs the model itself)
+        self.wrapper_forward: bool | None = None
         for index, module in enumerate(modules):
             module.register_forward_pre_hook(lambda _m, _a, index=index: self._before_forward(index))
             module.register_forward_hook(lambda _m, _a, out, index=index: self._after_forward(index, out))
@@ -62,14 +66,15 @@ class UnitGatherer:
 
     def _ready_all(self, index: int) -> None:
         """Module ``index``'s units gathered: prefetches waited for, the rest in one call."""
-        missing = []
-        for unit in self.units[index]:
-            if unit.handle is not None:
-                unit.wait()
-            elif not unit.gathered:
-                missing.append(unit)
-        if missing:
-            gather_units(missing, self.group, self.algorithm)
+        with _named_mismatch(self.units[index]):
+            missing = []
+            for unit in self.units[index]:
+                if unit.handle is not None:
+                    unit.wait()
+                elif not unit.gathered:
+                    missing.append(unit)
+            if missing:
+                gather_units(missing, self.group, self.algorithm)
 
     def _prefetch(self, index: int | None) -> None:
         """Start gathering module ``index``'s units (one call) on the comm thread."""
@@ -77,7 +82,8 @@ class UnitGatherer:
             return
         missing = [unit for unit in self.units[index] if not unit.gathered]
         if missing:
-            gather_units(missing, self.group, self.algorithm, async_op=True)
+            with _named_mismatch(missing):
+                gather_units(missing, self.group, self.algorithm, async_op=True)
 
     def _neighbour(self, index: int, step: int) -> int | None:
         if index not in self._order:
@@ -85,16 +91,23 @@ class UnitGatherer:
         position = self._order.index(index) + step
         return self._order[position] if 0 <= position < len(self._order) else None
 
+    def _taken(self, index: int) -> bool:
+        """Module ``index``'s parameters belong to another wrapper since (re-wrapped inside
+        ``full_parameters()``): this wrapper's hooks stand aside."""
+        unit = self.units[index][0]
+        return not unit.owns(unit.params[0])
+
     def _before_forward(self, index: int) -> None:
-        if self.paused:
+        if self.paused or self._taken(index):
             return
+        refuse_outside_forward(self.wrapper_forward)
         self._ready_all(index)
         if index not in self._order_now:
             self._order_now.append(index)
         self._prefetch(self._neighbour(index, 1))
 
     def _after_forward(self, index: int, output) -> None:
-        if self.paused:
+        if self.paused or self._taken(index):
             return
         if torch.is_grad_enabled():
             tensors = [t for t in _tensors(output) if t.requires_grad]
@@ -102,14 +115,38 @@ class UnitGatherer:
                 torch.autograd.graph.register_multi_grad_hook(
                     tensors, lambda _grads, index=index: self._before_backward(index), mode="any")
         for unit in self.units[index]:
-            unit.free()
+            unit.free(keep_views=True)  # autograd's saved views of it wait for its backward's gather
 
     def _before_backward(self, index: int) -> None:
-        if self.paused:
+        if self.paused or self._taken(index):
             return
         self.on_backward()
         self._ready_all(index)
         self._prefetch(self._neighbour(index, -1))  # the backward runs the forward's order in reverse
+
+
+@contextlib.contextmanager
+def _named_mismatch(units: list[FlatUnit]):
+    """A collective mismatch while gathering ``units``: the ranks ran different units
+    (a branch only some ranks take), named with the fix."""
+    try:
+        yield
+    except MismatchError as error:
+        raise MismatchError(
+            f"ZeRO stage 3: the ranks gathered different units (this rank the unit of {units[0].names[0]!r}): every "
+            "rank must run the same units in the same order at stage 3; a submodule only some ranks run (a branch, a "
+            "routed expert) must be in the root unit (wrap= a policy that leaves it out) or use stage 2 "
+            f"({error})", before_any_message=error.before_any_message) from error
+
+
+def refuse_outside_forward(wrapper_forward: bool | None) -> None:
+    """A stage-3 module run (``wrapper_forward`` False) through ``zero.module`` outside
+    ``zero(...)`` and outside a backward (an activation checkpoint's recomputation runs
+    there): its units would not be gathered right."""
+    if wrapper_forward is False and torch._C._current_graph_task_id() == -1:  # noqa: SLF001 - no public spelling
+        raise RuntimeError("ZeRO stage 3: zero.module(...) called outside zero(...): its parameters are sharded "
+                           "and only the wrapper's forward gathers them; call zero(...), or use `with "
+                           "zero.full_parameters():` to run zero.module on whole parameters")
 
 
 def _tensors(output):
