@@ -31,8 +31,9 @@ from torch import nn
 from plait import comm
 from plait.comm.algorithms import algorithms_for, builder
 from plait.compress.base import Compressor
-from plait.parallel.arguments import check_wrapper_arguments, wrapper_communicator
+from plait.parallel.arguments import check_module, check_wrapper_arguments, wrapper_communicator
 from plait.parallel.data.buckets import Bucket, build_buckets, unflatten_into
+from plait.parallel.data.ddp_keywords import apply_ddp_keywords
 from plait.parallel.data.local_tensors import check_dtensor_groups, grad_like, local_tensor
 from plait.parallel.data.model_keys import ModelKeys
 from plait.parallel.data.tp_grads import tp_grad, tp_groups_of, unwrap
@@ -157,6 +158,9 @@ class DataParallel(ModelKeys, NoSync, nn.Module):
         ``plait.comm.ALGORITHMS`` or "torch").
     bucket_mb: bucket cap in MiB (25, as DDP; the first bucket is capped at 1 MiB,
         as in DDP); smaller buckets start earlier.
+    ddp_keywords: torch DDP's keywords, in plait's spelling where plait has their
+        meaning (``process_group=``, ``bucket_cap_mb=``, ``device_ids=[the parameters'
+        device]``), else refused by name (``plait.parallel.data.ddp_keywords``).
     compression: a ``plait.compress.Compressor`` (or a spec like "topk:0.01+ef");
         each bucket is then averaged by ``compressor.reduce`` on the comm thread.
     broadcast_buffers: re-broadcast rank 0's buffers (e.g. BatchNorm statistics)
@@ -173,8 +177,10 @@ class DataParallel(ModelKeys, NoSync, nn.Module):
 
     def __init__(self, module: nn.Module, group=None, *, algorithm: str = "auto", bucket_mb: float = 25,
                  compression=None, broadcast_buffers: bool = True, init: str = "check",
-                 find_unused_parameters: bool = False):
+                 find_unused_parameters: bool = False, **ddp_keywords):
         super().__init__()
+        check_module(module, "DataParallel")
+        group, bucket_mb = apply_ddp_keywords(module, group, bucket_mb, ddp_keywords)  # DDP's spellings
         check_wrapper_arguments(module, group, "DataParallel", dtensor_parameters=True)
         problems = []
         if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float)) or not bucket_mb > 0 \
