@@ -87,6 +87,7 @@ from plait.parallel.zero.flat_units import FlatUnit
 from plait.parallel.zero.grad_views import ZeroGrads
 from plait.parallel.zero.mixed_precision import as_policy, cast_floating
 from plait.parallel.zero.param_groups import model_param_groups, move_onto_shards, plan_units
+from plait.parallel.zero.param_optimizer import present_per_parameter
 from plait.parallel.zero.state_dicts import ZeroStateDicts
 from plait.parallel.zero.state_offload import StateFiles
 from plait.parallel.zero.unit_gathering import default_wrap, refuse_outside_forward
@@ -148,6 +149,7 @@ class ZeRO(ZeroStateDicts, NoSync, nn.Module):
         else:
             self.optimizer = optimizer([unit.shard for unit in self.units])
             self._check_optimizer()
+        present_per_parameter(self, self.optimizer)  # get_optimizer_state_dict(zero, optimizer): model keys
         self._stepping = False  # inside step(): the optimizer's own step() is refused outside it
         self.optimizer.register_step_pre_hook(weak_method(self._refuse_direct_step))
         self.offload = StateFiles(offload_dir or tempfile.gettempdir()) if offload == "disk" else None

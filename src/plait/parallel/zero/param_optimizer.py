@@ -22,10 +22,26 @@ through) over the model's parameters, and
 An optimizer with no state yet gets it as torch's state-dict APIs give it: one step of
 zero gradients with lr 0 (the parameters unchanged), so that a checkpoint has tensors
 to load into.
+
+The optimizer the user built and gave to ZeRO (``zero.optimizer``, FSDP2's spelling
+``get_optimizer_state_dict(zero, optimizer)``) is this view to torch's checkpoint code
+and ZeRO's stepping optimizer to everything else (``present_per_parameter``): torch's
+``torch.distributed.checkpoint.state_dict`` names an optimizer's state by iterating its
+param groups' ``params`` itself and matching them to the model's parameters, so each
+group's ``params`` is a ``ShardParams``, the shards, which iterated *by that module*
+are the group's model parameters; its state is a ``ShardState``, which that module's
+"has state?" test fills as ``ParamOptimizer`` does; and its ``state_dict()`` /
+``load_state_dict()`` called by ``torch.distributed.checkpoint`` (the state-dict APIs,
+or ``dcp.save``/``dcp.load`` of the optimizer as a Stateful) are this view's. Called by
+anything else (``torch.save(optimizer.state_dict())``), they are the flat shards'
+state: this rank's, loadable only into the same layout (ranks, stage, buckets).
 """
 
 from __future__ import annotations
 
+import sys
+import weakref
+from collections import defaultdict
 from collections.abc import MutableMapping
 
 import torch
@@ -33,6 +49,9 @@ import torch
 from plait.parallel.zero.row_shards import dim0_piece, gather_flat, own_range, param_views, whole
 
 PARAMS = "params"
+CHECKPOINT_PACKAGE = "torch.distributed.checkpoint"  # torch's checkpoint code: sees the view
+STATE_DICT_MODULE = "torch.distributed.checkpoint.state_dict"  # iterates param groups itself
+PASSED_THROUGH = ("torch.optim.", "torch._", __name__)  # frames between a caller and the hooks
 
 
 class _GroupView(MutableMapping):
@@ -76,10 +95,7 @@ class ParamOptimizer(torch.optim.Optimizer):
 
     @property
     def param_groups(self) -> list[_GroupView]:
-        by_shard = {id(unit.shard): unit for unit in self._zero.units}
-        order = {id(param): i for i, param in enumerate(self._zero.module.parameters())}  # the model's order
-        return [_GroupView(group, sorted((param for shard in group[PARAMS] for param in by_shard[id(shard)].params),
-                                         key=lambda param: order[id(param)]))
+        return [_GroupView(group, model_params(self._zero, list.__iter__(group[PARAMS])))
                 for group in self._zero.optimizer.param_groups]
 
     @property
@@ -205,6 +221,100 @@ class ParamOptimizer(torch.optim.Optimizer):
     def add_param_group(self, param_group: dict) -> None:
         raise ValueError("ZeRO: param groups are fixed when the wrapper is built; give every group to the optimizer "
                          "before wrapping")
+
+
+def model_params(zero, shards) -> list[torch.nn.Parameter]:
+    """The model's parameters held by ``shards``' units, in the model's order."""
+    by_shard = {id(unit.shard): unit for unit in zero.units}
+    order = {id(param): i for i, param in enumerate(zero.module.parameters())}
+    return sorted((param for shard in shards for param in by_shard[id(shard)].params), key=lambda p: order[id(p)])
+
+
+def _caller_module(frame) -> str:
+    """The module of the first frame from ``frame`` up that is not torch.optim's,
+    a torch wrapper's or this module's: who called the optimizer's method."""
+    while frame is not None and frame.f_globals.get("__name__", "").startswith(PASSED_THROUGH):
+        frame = frame.f_back
+    return "" if frame is None else frame.f_globals.get("__name__", "")
+
+
+def _by_checkpoint(frame) -> bool:
+    module = _caller_module(frame)
+    return module == CHECKPOINT_PACKAGE or module.startswith(CHECKPOINT_PACKAGE + ".")
+
+
+class ShardParams(list):
+    """A param group's shards (what the optimizer steps); iterated by torch's
+    ``torch.distributed.checkpoint.state_dict``, the group's model parameters."""
+
+    def __init__(self, shards, zero):
+        super().__init__(shards)
+        self._zero = weakref.ref(zero)
+
+    def __iter__(self):
+        zero = self._zero()
+        if zero is not None and sys._getframe(1).f_globals.get("__name__") == STATE_DICT_MODULE:
+            return iter(model_params(zero, list.__iter__(self)))
+        return list.__iter__(self)
+
+
+class ShardState(defaultdict):
+    """The optimizer's state per shard; asked "any state?" by torch's
+    ``torch.distributed.checkpoint.state_dict``, it is made first (``ParamOptimizer``'s
+    lr-0 step) so that torch does not step the optimizer itself."""
+
+    def __init__(self, state: dict, zero):
+        super().__init__(dict, state)
+        self._zero = weakref.ref(zero)
+
+    def __bool__(self) -> bool:
+        zero = self._zero()
+        if not len(self) and zero is not None and sys._getframe(1).f_globals.get("__name__") == STATE_DICT_MODULE:
+            zero.param_optimizer._initialised()
+        return len(self) > 0
+
+
+class _CheckpointHooks:
+    """``state_dict()`` / ``load_state_dict()`` of ZeRO's optimizer, called by torch's
+    checkpoint code: ``zero.param_optimizer``'s (holds ``zero`` weakly)."""
+
+    def __init__(self, zero):
+        self._zero, self._raw = weakref.ref(zero), False
+
+    def after_state_dict(self, _optimizer, _state_dict):
+        zero = self._zero()
+        if zero is None or self._raw or not _by_checkpoint(sys._getframe(1)):
+            return None
+        return zero.param_optimizer.state_dict()
+
+    def before_load(self, optimizer, state_dict):
+        zero = self._zero()
+        if zero is None or not _by_checkpoint(sys._getframe(1)):
+            return None
+        zero.param_optimizer.load_state_dict(state_dict)
+        self._raw = True
+        try:  # the shards' state just rebuilt, for torch.optim's own load to take back as it is
+            return optimizer.state_dict()
+        finally:
+            self._raw = False
+
+    def after_load(self, optimizer) -> None:
+        """torch.optim's load replaces the state dict: keep it a ShardState."""
+        zero = self._zero()
+        if zero is not None and not isinstance(optimizer.state, ShardState):
+            optimizer.state = ShardState(optimizer.state, zero)
+
+
+def present_per_parameter(zero, optimizer: torch.optim.Optimizer) -> None:
+    """Make ``optimizer`` (over ``zero``'s shards) ``zero.param_optimizer`` to torch's
+    checkpoint code (see the module docstring)."""
+    for group in optimizer.param_groups:
+        group[PARAMS] = ShardParams(list.__iter__(group[PARAMS]), zero)
+    optimizer.state = ShardState(optimizer.state, zero)
+    hooks = _CheckpointHooks(zero)
+    optimizer.register_state_dict_post_hook(hooks.after_state_dict)
+    optimizer.register_load_state_dict_pre_hook(hooks.before_load)
+    optimizer.register_load_state_dict_post_hook(hooks.after_load)
 
 
 def _per_element(value, unit) -> bool:
