@@ -6,7 +6,8 @@ crash), on 2 gloo ranks, float64:
   and between a forward and its backward (``.clone()``, printing): safe (NaN
   placeholders; they segfaulted the rank), and training stays exact;
 - stage 3, a forward through ``zero.module`` (bypassing the wrapper): refused by name
-  (was torch's unrelated "storage of size 0");
+  (was torch's unrelated "storage of size 0"); ``zero.module.load_state_dict`` of the
+  sharded parameters: refused by name (segfaulted);
 - a new wrapper (ZeRO, DataParallel) over a model a dropped stage-3 wrapper left
   sharded: refused by name (segfaulted); the fix it names (full_state_dict into a fresh
   model) trains exactly;
@@ -127,7 +128,8 @@ def _stage3_reads(rank, world_size):
               _message(lambda: model.lm_head(torch.zeros(2, HIDDEN, dtype=torch.float64)))]
     with zero.full_parameters():
         whole = {name: value.detach().clone() for name, value in model.state_dict().items()}
-    return {"nan": nan, "bypass": bypass, "difference": _difference(whole, _reference(2)),
+    load = _message(lambda: model.load_state_dict(whole))
+    return {"nan": nan, "bypass": bypass, "load": load, "difference": _difference(whole, _reference(2)),
             "full": _difference(zero.full_state_dict(), _reference(2))}
 
 
@@ -138,6 +140,9 @@ def test_stage3_parameters_read_between_steps_are_safe_and_a_bypass_is_refused()
         for message in result["bypass"]:
             assert message.startswith("RuntimeError: ZeRO stage 3: zero.module(...) called outside zero(...)"), message
             assert "full_parameters()" in message
+        assert result["load"].startswith("RuntimeError: ZeRO stage 3: zero.module.load_state_dict(...) writes"), \
+            result["load"]
+        assert "zero.load_full_state_dict(sd)" in result["load"]
         assert result["difference"] < TOL and result["full"] < TOL, result
 
 

@@ -169,6 +169,7 @@ class ZeRO(ZeroStateDicts, NoSync, nn.Module):
         if self.engine.gatherer is not None:  # stage 3: zero.module(...) outside zero(...) refused by name
             self.engine.gatherer.wrapper_forward = False
             module.register_forward_pre_hook(weak_method(self._refuse_bypass))
+            module.register_load_state_dict_pre_hook(weak_method(self._refuse_sharded_load))
         self._guard_sharded_module()  # stage 3: zero.module's own state_dict() refused while freed
 
     @property
@@ -247,6 +248,18 @@ class ZeRO(ZeroStateDicts, NoSync, nn.Module):
         gatherer, unit = self.engine.gatherer, self.units[0]
         if not gatherer.paused and unit.owns(unit.params[0]):  # not re-wrapped since
             refuse_outside_forward(gatherer.wrapper_forward)
+
+    def _refuse_sharded_load(self, _module, state_dict, prefix, *_args) -> None:
+        """zero.module's load_state_dict pre-hook (stage 3): writing sharded parameters
+        at rest (NaN placeholders) is refused by name; ZeRO's own loads give it buffers."""
+        if all(unit.gathered for unit in self.units):
+            return  # inside full_parameters(): whole parameters, a plain load
+        sharded = {prefix + name for unit in self.units for name in unit.names}
+        given = sorted(key for key in state_dict if key in sharded)
+        if given:
+            raise RuntimeError(f"ZeRO stage 3: zero.module.load_state_dict(...) writes {given[0]!r} and other sharded "
+                               "parameters; load through the wrapper, zero.load_state_dict(sd) or "
+                               "zero.load_full_state_dict(sd), or inside `with zero.full_parameters():`")
 
     def forward(self, *args, **kwargs):
         if self.stage == 3:
