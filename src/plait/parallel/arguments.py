@@ -51,10 +51,14 @@ def check_wrapper_arguments(module, group, owner: str, *, dtensor_parameters: bo
 
 def refuse_sharded_parameters(named, owner: str) -> None:
     """A ValueError naming the first parameter among ``named`` with no data of its own:
-    a ZeRO stage-3 wrapper (live or dropped) leaves each parameter it shards a
+    on the meta device, or sharded: a ZeRO stage-3 wrapper (live or dropped) leaves each parameter it shards a
     placeholder (one element expanded) or a view of a released buffer; reading it as a
     model's would be NaN or out of bounds."""
     for name, param in named:
+        if param.is_meta:  # FSDP2's deferred init: the wrapper copies or checks values it would not have
+            raise ValueError(f"{owner}: {name!r} is on the meta device (no data): materialise the model before "
+                             "wrapping (model.to_empty(device=...), then initialise it); sharding first and "
+                             "materialising after, FSDP2's deferred init, is not supported")
         if is_dtensor(param) or param.numel() <= 1:
             continue
         span = 1 + sum((size - 1) * stride for size, stride in zip(param.shape, param.stride()))

@@ -16,6 +16,8 @@ crash), on 2 gloo ranks, float64:
 - ``torch.compile(zero)`` at stage 3: exact (the stage-3 forward runs eagerly; it
   trained silently wrong here, 3.4e-2, and was refused with a misleading message on GPT-2);
   activation checkpointing (reentrant or not) recomputing units in the backward: exact;
+- a model on the meta device (FSDP2's deferred init): refused by name (was torch's "Cannot
+  copy out of meta tensor");
 - ``GradScaler.step(zero)``: refused by name (AttributeError 'param_groups');
 - stage 3 with a branch only some ranks run: the collective mismatch names the cause.
 
@@ -244,3 +246,12 @@ def test_stage3_units_run_on_some_ranks_only_are_named():
     for message in run_fresh_world(_branch, 2):
         assert message.startswith("MismatchError: ZeRO stage 3: the ranks gathered different units"), message
         assert "must be in the root unit (wrap= a policy that leaves it out) or use stage 2" in message
+
+
+def test_a_meta_device_model_is_refused_by_name_before_anything_runs():
+    # FSDP2's deferred init (build on meta, shard, then to_empty): the wrappers need the values at wrap time
+    with torch.device("meta"):
+        model = Net()
+    for wrap, owner in ((lambda: ZeRO(model, _sgd, stage=3), "ZeRO"), (lambda: DataParallel(model), "DataParallel")):
+        with pytest.raises(ValueError, match=rf"^{owner}: 'embed.weight' is on the meta device \(no data\)"):
+            wrap()
