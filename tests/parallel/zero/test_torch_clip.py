@@ -166,6 +166,7 @@ def _tp_cases(rank, world_size):
     tp = new_tensor_parallel(2)
     dp_groups = [dist.new_group([first, first + 2]) for first in (0, 1)]  # every rank creates every group
     dp_group, dp_rank = dp_groups[rank % 2], rank // 2
+    alone = [dist.new_group([each]) for each in range(world_size)][rank]  # a dp group of one: tp only
     out = {}
     for stage, idiom in ((1, "torch"), (1, "plait"), (2, "torch_foreach"), (3, "torch_loop"), (3, "plait"),
                          (0, "torch"), (0, "torch_foreach")):  # stage 0: DataParallel
@@ -187,6 +188,18 @@ def _tp_cases(rank, world_size):
         state = wrapper.full_state_dict() if stage else model.state_dict()
         state = {name: value.detach().clone() for name, value in state.items()}
         out[(stage, idiom)] = (state, norms, specs, tp.rank)
+    model = TensorParallelNet(tp)  # DataParallel over one rank: no average, the tp norms all the same
+    wrapper, optimizer = DataParallel(model, alone), torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    norms = []
+    for step in range(STEPS):
+        x, y = _tp_data(step)
+        nn.functional.mse_loss(wrapper(x), y).backward()
+        norms.append(float(_clip("torch", wrapper, list(model.parameters()))))
+        optimizer.step()
+        optimizer.zero_grad()
+    specs = {name: shard_spec(param) for name, param in model.named_parameters()}
+    out[(0, "torch, a dp group of one")] = ({name: value.detach().clone() for name, value in
+                                            model.state_dict().items()}, norms, specs, tp.rank)
     return out
 
 

@@ -259,7 +259,12 @@ class DataParallel(ModelKeys, NoSync, nn.Module):
 
     # ----- backward hooks --------------------------------------------------------------
     def _on_grad_ready(self, param: torch.Tensor) -> None:
-        if not self._require_sync or self.world_size == 1:
+        if not self._require_sync:
+            return
+        if self.world_size == 1:  # nothing to average; a tp-sharded gradient still needs its tp norms
+            group = self._tp_groups.get(id(param))
+            if group is not None:
+                param.grad = tp_grad(unwrap(param.grad), group)
             return
         if not self._in_backward:
             self._begin_backward()
