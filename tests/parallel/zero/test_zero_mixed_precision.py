@@ -129,7 +129,9 @@ def _train(rank, world_size):
             zero.zero_grad()
         state = [value for entry in zero.optimizer.state.values() for value in entry.values()
                  if torch.is_tensor(value) and value.dim() == 1]
+        full = zero.full_state_dict()  # the masters (float32), not the bfloat16 parameters
         results[label] = {"masters": _masters(zero, model), "param_dtypes": dtypes,
+                          "full": [full[name] for name, _ in model.named_parameters()],
                           "state_dtypes": {str(value.dtype) for value in state},
                           "exp_avg_dtypes": {str(entry["exp_avg"].dtype) for entry in zero.optimizer.state.values()},
                           "memory": zero.model_state_bytes(),
@@ -151,6 +153,8 @@ def test_policy_is_fp32_master_training_by_hand():
             result = got[label]
             for index, (value, expected) in enumerate(zip(result["masters"], masters)):
                 torch.testing.assert_close(value, expected, rtol=0, atol=0, msg=f"{label} parameter {index}")
+                torch.testing.assert_close(result["full"][index], expected, rtol=0, atol=0,
+                                           msg=f"{label} full_state_dict {index}")
             assert result["state_dtypes"] == {"torch.float32"} and result["exp_avg_dtypes"] == {"torch.float32"}
             memory = result["memory"]
             assert memory["master_bytes"] == (4 * result["shard_numel"] if label != "stage2-autocast" else 0)

@@ -120,10 +120,19 @@ class ZeroStateDicts(ModelKeys):
     def full_state_dict(self, rank0_only: bool = False) -> dict[str, torch.Tensor]:
         """The unsharded parameters and buffers, as ``module.state_dict()`` would give
         without ZeRO: on every rank, or (``rank0_only``) on rank 0 of the group only, the
-        others getting ``{}``. Every rank of the group must call it (stage 3 gathers)."""
-        with self.engine.gathered():
-            return {} if rank0_only and self.rank != 0 else \
-                {name: tensor.detach().clone() for name, tensor in self.module.state_dict().items()}
+        others getting ``{}``. The values are the master weights' (float32 under a
+        mixed-precision policy, as FSDP2's full state dict; not the rounded parameters the
+        forward computes with). Every rank of the group must call it (one all-gather a unit)."""
+        whole = {}
+        for unit in self.units:
+            shares = unit.gathered and unit.full.dtype == unit.shard.dtype
+            flat = unit.full if shares else gather_flat(unit, unit.shard, self.communicator)
+            for param, full in zip(unit.params, param_views(unit, flat)):
+                whole[id(param)] = full
+        if rank0_only and self.rank != 0:
+            return {}
+        return {name: whole.get(id(value), value).detach().clone()
+                for name, value in self.module.state_dict(keep_vars=True).items()}
 
     def load_full_state_dict(self, state: dict[str, torch.Tensor] | None, from_rank0: bool = False,
                              strict: bool = True):
