@@ -162,6 +162,17 @@ def _worker(rank, world_size, directory):
         dcp.load({"optim": loaded_optimizer}, checkpoint_id=os.path.join(directory, f"stage{stage}"))
         result["dcp_stateful"] = _worst(
             _copy(get_optimizer_state_dict(loaded, loaded.param_optimizer, options=FULL)), reference["after2"])
+        # dcp of the dict optimizer.state_dict() gives (not the Stateful): every rank's slice is kept
+        dcp.save({"optim": optimizer.state_dict()}, checkpoint_id=os.path.join(directory, f"flat{stage}"))
+        again_model = _gpt2(seed=5)
+        again_optimizer = _adamw(again_model)
+        again = ZeRO(again_model, again_optimizer, stage=stage)
+        get_optimizer_state_dict(again, again_optimizer)  # the state made (torch's lr-0 step) to load into
+        template = again_optimizer.state_dict()
+        dcp.load({"optim": template}, checkpoint_id=os.path.join(directory, f"flat{stage}"))
+        again_optimizer.load_state_dict(template)
+        result["dcp_flat_dict"] = _worst(
+            _copy(get_optimizer_state_dict(again, again.param_optimizer, options=FULL)), reference["after2"])
         last_model = _gpt2(seed=3)
         last_optimizer = _adamw(last_model)
         last = ZeRO(last_model, last_optimizer, stage=stage)
@@ -181,7 +192,7 @@ def test_torch_state_dict_apis_take_the_optimizer_given_to_zero(tmp_path):
             assert "transformer.wte.weight" in keys and all(isinstance(key, str) for key in keys), (stage, keys)
             assert got["sharded_vs_view"] == 0.0, stage  # the same tensors, gathered the same way
             for name in ("initial", "full_vs_one_process", "get_state_dict", "set_full", "set_full_then_step",
-                         "set_sharded", "dcp_stateful", "flat_reload"):
+                         "set_sharded", "dcp_stateful", "dcp_flat_dict", "flat_reload"):
                 assert got[name] < 1e-12, (stage, name, got[name])
             flat_keys, units = got["flat_keys"]
             assert flat_keys == list(range(units)), (stage, flat_keys, units)

@@ -34,7 +34,9 @@ are the group's model parameters; its state is a ``ShardState``, which that modu
 ``load_state_dict()`` called by ``torch.distributed.checkpoint`` (the state-dict APIs,
 or ``dcp.save``/``dcp.load`` of the optimizer as a Stateful) are this view's. Called by
 anything else (``torch.save(optimizer.state_dict())``), they are the flat shards'
-state: this rank's, loadable only into the same layout (ranks, stage, buckets).
+state: this rank's slices, as ``Shard(0)`` DTensors over the ZeRO group (so that
+``dcp.save({"optim": optimizer.state_dict()})`` keeps every rank's), loadable only into
+the same layout (ranks, stage, buckets; another is refused by name).
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from collections import defaultdict
 from collections.abc import MutableMapping
 
 import torch
+from torch.distributed.tensor import DTensor, Shard
 
 from plait.parallel.zero.row_shards import dim0_piece, gather_flat, own_range, param_views, whole
 
@@ -281,16 +284,20 @@ class _CheckpointHooks:
     def __init__(self, zero):
         self._zero, self._raw = weakref.ref(zero), False
 
-    def after_state_dict(self, _optimizer, _state_dict):
+    def after_state_dict(self, optimizer, state_dict):
         zero = self._zero()
-        if zero is None or self._raw or not _by_checkpoint(sys._getframe(1)):
+        if zero is None or self._raw:
             return None
+        if not _by_checkpoint(sys._getframe(1)):
+            return flat_state_as_dtensors(zero, optimizer, state_dict)
         return zero.param_optimizer.state_dict()
 
     def before_load(self, optimizer, state_dict):
         zero = self._zero()
-        if zero is None or not _by_checkpoint(sys._getframe(1)):
+        if zero is None:
             return None
+        if not _by_checkpoint(sys._getframe(1)):
+            return flat_state_as_local(zero, optimizer, state_dict)
         zero.param_optimizer.load_state_dict(state_dict)
         self._raw = True
         try:  # the shards' state just rebuilt, for torch.optim's own load to take back as it is
@@ -315,6 +322,52 @@ def present_per_parameter(zero, optimizer: torch.optim.Optimizer) -> None:
     optimizer.register_state_dict_post_hook(hooks.after_state_dict)
     optimizer.register_load_state_dict_pre_hook(hooks.before_load)
     optimizer.register_load_state_dict_post_hook(hooks.after_load)
+
+
+def _units_by_index(zero, optimizer) -> dict:
+    """The index torch's ``state_dict()`` gives each shard -> the shard's flat unit."""
+    by_shard = {id(unit.shard): unit for unit in zero.units}
+    shards = [shard for group in optimizer.param_groups for shard in list.__iter__(group[PARAMS])]
+    return {index: by_shard[id(shard)] for index, shard in enumerate(shards) if id(shard) in by_shard}
+
+
+def flat_state_as_dtensors(zero, optimizer, state_dict: dict) -> dict:
+    """The flat shards' state as ``optimizer.state_dict()`` gives it to user code, each
+    element-wise tensor a DTensor: this rank's slice of the unit's padded flat state,
+    ``Shard(0)`` over the ZeRO group (the flat layout is exactly that: equal, contiguous
+    slices, no collective needed). ``torch.distributed.checkpoint.save({"optim":
+    optimizer.state_dict()})`` then writes every rank's slice (as plain tensors it kept
+    rank 0's alone, as if replicated); the tensors stay the optimizer's own."""
+    mesh, units = zero._dp_mesh(), _units_by_index(zero, optimizer)
+    state = {}
+    for index, entry in state_dict["state"].items():
+        unit = units.get(index)
+        state[index] = {key: DTensor.from_local(value, mesh, [Shard(0)], run_check=False, shape=(unit.padded,),
+                                                stride=(1,)) if unit is not None and _per_element(value, unit)
+                        else value for key, value in entry.items()}
+    return {**state_dict, "state": state}
+
+
+def flat_state_as_local(zero, optimizer, state_dict: dict) -> dict:
+    """``flat_state_as_dtensors``' state back to this rank's slices, for torch.optim's
+    load; a slice of another layout (another number of ranks, units or buckets) is
+    refused by name (torch's state-dict APIs with DCP reshard; this flat format cannot)."""
+    units, ranks = _units_by_index(zero, optimizer), zero.world_size
+    state = {}
+    for index, entry in state_dict.get("state", {}).items():
+        unit = units.get(index)
+        state[index] = dict(entry)
+        for key, value in entry.items():
+            if not isinstance(value, DTensor):
+                continue
+            if unit is None or tuple(value.shape) != (unit.padded,) or value.device_mesh.size() != ranks:
+                raise ValueError(
+                    f"ZeRO: optimizer state {index}.{key} is the flat state of {tuple(value.shape)} elements over "
+                    f"{value.device_mesh.size()} ranks; this optimizer's is {(unit.padded,) if unit else 'absent'} over "
+                    f"{ranks}: optimizer.state_dict() loads only into the same layout; to change it save and load "
+                    "with get_optimizer_state_dict / set_optimizer_state_dict (torch.distributed.checkpoint.state_dict)")
+            state[index][key] = value.to_local()
+    return {**state_dict, "state": state}
 
 
 def _per_element(value, unit) -> bool:
