@@ -177,6 +177,14 @@ def _worker(rank, world_size, directory):
         last_optimizer = _adamw(last_model)
         last = ZeRO(last_model, last_optimizer, stage=stage)
         last_optimizer.load_state_dict(flat)  # the same layout: the same shards' state
+        if stage == 1:
+            stage1_flat = flat
+        else:  # stage 1's flat state into stage 3's units: another layout, refused by name
+            try:
+                last_optimizer.load_state_dict(stage1_flat)
+                result["other_layout"] = "loaded"
+            except ValueError as error:
+                result["other_layout"] = str(error)
         result["flat_reload"] = _worst(_copy(get_optimizer_state_dict(last, last.param_optimizer, options=FULL)),
                                        reference["after2"])
         out[stage] = result
@@ -194,5 +202,7 @@ def test_torch_state_dict_apis_take_the_optimizer_given_to_zero(tmp_path):
             for name in ("initial", "full_vs_one_process", "get_state_dict", "set_full", "set_full_then_step",
                          "set_sharded", "dcp_stateful", "dcp_flat_dict", "flat_reload"):
                 assert got[name] < 1e-12, (stage, name, got[name])
+            if stage == 3:
+                assert "loads only into the same layout" in got["other_layout"], got["other_layout"]
             flat_keys, units = got["flat_keys"]
             assert flat_keys == list(range(units)), (stage, flat_keys, units)
