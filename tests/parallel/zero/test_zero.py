@@ -190,7 +190,6 @@ def _memory_and_traffic(rank, world_size, stage):
     comm.reset_stats()
     _loss(zero, tokens[:2], targets[:2]).backward()
     after_backward = zero.model_state_bytes()
-    # the parameters that got a full local gradient (after a backward .grad is a view: grad_views)
     with_grad = sum(param.numel() for param in model.parameters() if zero.grads.local_grad(param) is not None) * 8
     zero.step()
     stats = comm.stats()
@@ -287,8 +286,7 @@ def test_bad_use_is_named():
     errors = run_distributed(_bad_use, 2)[0]
     assert "stage=4 must be 1, 2 or 3" in errors[0]
     assert "LBFGS is not an element-wise optimizer" in errors[1]
-    assert "holds 2 tensors that are not the wrapped module's parameters" in errors[2]  # an optimizer object
-    # over the model's own parameters is accepted (tests/parallel/zero/test_zero_param_groups.py)
+    assert "holds 2 tensors that are not the wrapped module's parameters" in errors[2]  # (over its own: accepted)
     assert "step() without a backward" in errors[3]
     assert "missing ['blocks.0.0.bias'" in errors[4]
     assert "parameters were added, removed or resized after wrapping" in errors[5]
