@@ -44,12 +44,24 @@ def _ddp_spelling(rank, world_size):
     _train(wrapped, 2, slice(rank * share, (rank + 1) * share))
     reference = _model()
     _train(reference, 2)
-    return max((a - b).abs().max().item() for a, b in zip(model.parameters(), reference.parameters()))
+    difference = max((a - b).abs().max().item() for a, b in zip(model.parameters(), reference.parameters()))
+    refusals = []
+    for misuse in (lambda: wrapped.register_comm_hook(None, lambda state, bucket: None),  # DDP's hook
+                   lambda: wrapped.float()(_batch(0)[0].float())):  # cast after wrapping, then a forward
+        try:
+            misuse()
+            refusals.append("ran")
+        except (TypeError, RuntimeError) as error:
+            refusals.append(str(error))
+    return difference, refusals
 
 
 @pytest.mark.slow
 def test_ddp_keywords_with_plait_meaning_train_exactly():
-    assert max(run_distributed(_ddp_spelling, 2)) < TOL
+    for difference, (hook, cast) in run_distributed(_ddp_spelling, 2):
+        assert difference < TOL
+        assert hook.startswith("DataParallel: register_comm_hook is DDP's") and "ddp_comm_hook" in hook, hook
+        assert "parameter '0.weight' is torch.float32" in cast and "before wrapping" in cast, cast
 
 
 @pytest.mark.parametrize("keyword, value, fix", [

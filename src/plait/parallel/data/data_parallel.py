@@ -223,6 +223,7 @@ class DataParallel(ModelKeys, NoSync, nn.Module):
         self.world_size, self.rank, self._src = group.size, group.rank, group.ranks[0]
         check_dtensor_groups(named, group.ranks, "DataParallel")  # DTensor parameters: their local shards
         self._named = named
+        self._placement = [(param.dtype, param.device) for _, param in named]  # what the buckets were built for
         self._tp_groups = tp_groups_of(module)  # tp-sharded parameters' groups, for torch's clip (tp_grads)
         self._verify_and_broadcast(init)
         self.buckets: list[Bucket] = build_buckets(self._named, int(bucket_mb * (1 << 20)))
@@ -251,11 +252,28 @@ class DataParallel(ModelKeys, NoSync, nn.Module):
         if self._in_backward:
             raise RuntimeError("DataParallel: the previous backward did not finish its gradient all-reduce "
                                "(it raised or was interrupted); rebuild the wrapper to recover")
+        self._check_placement()
         if self.broadcast_buffers and self.world_size > 1 and self._require_sync:
             buffers = list(self.module.buffers())
             if buffers:
                 _flat_broadcast(buffers, self._src, self.communicator, self._broadcast_algorithm)
         return self.module(*args, **kwargs)
+
+    def _check_placement(self) -> None:
+        """The parameters still have the dtype and device the buckets were built for
+        (``wrapped.to(torch.float64)`` after wrapping would stop at the first gradient with
+        torch's unrelated grad-dtype message)."""
+        for (name, param), (dtype, device) in zip(self._named, self._placement):
+            if param.dtype != dtype or param.device != device:
+                raise RuntimeError(f"DataParallel: parameter '{name}' is {param.dtype} on {param.device}, it was "
+                                   f"{dtype} on {device} when wrapped: cast or move the model before wrapping it "
+                                   "(or autocast the forward)")
+
+    def register_comm_hook(self, state, hook) -> None:
+        """DDP's communication hook has no place here: refused by name, with plait's spelling."""
+        raise TypeError("DataParallel: register_comm_hook is DDP's; plait's DataParallel reduces with algorithm= "
+                        "(a plait collective algorithm) and compression= (e.g. 'powersgd:2', 'topk:0.01+ef'); to "
+                        "keep DDP, register plait.comm.ddp_comm_hook(...) on torch's DistributedDataParallel")
 
     # ----- backward hooks --------------------------------------------------------------
     def _on_grad_ready(self, param: torch.Tensor) -> None:
