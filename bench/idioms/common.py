@@ -112,6 +112,17 @@ def data_parallel(model, *args, **kwargs):
     return DataParallel(model, *args, **kwargs)
 
 
+def wrapped_training(model, wrapper: str):
+    """``model`` wrapped as ``wrapper`` ("dataparallel", or a ZeRO stage "1"-"3") and its
+    (wrapped, step, zero_grad, final state) for a training loop."""
+    if wrapper == "dataparallel":
+        wrapped = data_parallel(model)
+        opt = adamw(wrapped.parameters())
+        return wrapped, opt.step, opt.zero_grad, lambda: state_of(model)
+    wrapped = zero(model, stage=int(wrapper))
+    return wrapped, wrapped.step, wrapped.zero_grad, wrapped.full_state_dict
+
+
 def gpt_reference(steps: int, *, optimizer=adamw, clip: float | None = None, model=None, scheduler=None,
                   accumulate: int = 1) -> nn.Module:
     """One process on the whole batch."""

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from idioms.common import (adamw, data_parallel, difference, gpt2, gpt_ids, gpt_loss, gpt_reference, measured, mlp,
-                            mlp_batch, rows, sgd, state_of, zero, zero_train)
+                            mlp_batch, rows, sgd, state_of, wrapped_training, zero, zero_train)
 
 
 def p_grad_scaler(rank, world_size, wrapper, inf_on_rank1):
@@ -266,13 +266,7 @@ def p_edit_after_wrap(rank, world_size, wrapper, how):
     model.lm_head.weight.mul_(0.5), a re-init) or "load_state_dict" (wrapped.module.load_state_dict(sd),
     loading pretrained weights into the inner model); then 2 steps."""
     model = gpt2()
-    if wrapper == "dataparallel":
-        wrapped = data_parallel(model)
-        opt = adamw(wrapped.parameters())
-        step, zero_grad, final = opt.step, opt.zero_grad, lambda: state_of(model)
-    else:
-        wrapped = zero(model, stage=int(wrapper))
-        step, zero_grad, final = wrapped.step, wrapped.zero_grad, wrapped.full_state_dict
+    wrapped, step, zero_grad, final = wrapped_training(model, wrapper)
     reference = gpt2()
     pretrained = state_of(gpt2(seed=5))
     for net in (model, reference):

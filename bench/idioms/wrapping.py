@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from idioms.common import (adamw, cnn, data_parallel, difference, gpt2, gpt_ids, gpt_loss, gpt_reference, images,
-                            measured, mlp, mlp_batch, rows, sgd, state_of, zero, zero_train)
+                            measured, mlp, mlp_batch, rows, sgd, state_of, wrapped_training, zero, zero_train)
 
 
 def p_dp_zero_grad_not_none(rank, world_size):
@@ -77,13 +77,7 @@ def p_distributed_sampler(rank, world_size):
 def p_compile(rank, world_size, wrapper):
     """torch.compile(wrapped, backend="aot_eager") (dynamo + AOT autograd; inductor needs a compiler)."""
     model = gpt2()
-    if wrapper == "dataparallel":
-        wrapped = data_parallel(model)
-        opt = adamw(wrapped.parameters())
-        step, zero_grad, final = opt.step, opt.zero_grad, lambda: state_of(model)
-    else:
-        wrapped = zero(model, stage=int(wrapper))
-        step, zero_grad, final = wrapped.step, wrapped.zero_grad, wrapped.full_state_dict
+    wrapped, step, zero_grad, final = wrapped_training(model, wrapper)
     compiled = torch.compile(wrapped, backend="aot_eager")
     with warnings.catch_warnings():  # dynamo's notes on what it does not trace (graph breaks)
         warnings.simplefilter("ignore")
@@ -174,13 +168,7 @@ def p_batchnorm(rank, world_size, wrapper):
 def p_two_forwards(rank, world_size, wrapper):
     """loss = f(x1) + f(x2) then one backward."""
     model = gpt2()
-    if wrapper == "dataparallel":
-        wrapped = data_parallel(model)
-        opt = adamw(wrapped.parameters())
-        step, zero_grad, final = opt.step, opt.zero_grad, lambda: state_of(model)
-    else:
-        wrapped = zero(model, stage=int(wrapper))
-        step, zero_grad, final = wrapped.step, wrapped.zero_grad, wrapped.full_state_dict
+    wrapped, step, zero_grad, final = wrapped_training(model, wrapper)
     for index in range(2):
         ids = gpt_ids(index)[rows(rank, world_size)]
         ((gpt_loss(wrapped, ids[:1]) + gpt_loss(wrapped, ids[1:])) / 2).backward()
