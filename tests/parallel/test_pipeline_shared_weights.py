@@ -33,6 +33,7 @@ from plait.parallel.pipeline.engine import PipelineEngine
 from plait.parallel.pipeline.engine_checks import check_tied
 from plait.parallel.pipeline.shared_params import describe, identify
 from plait.testing import run_distributed
+from tests.hf_models import tiny_gpt2
 
 VOCAB, SEQ, MICROBATCHES, STEPS = 64, 8, 4, 3
 TIE = [[(0, "wte.weight"), (1, "lm_head.weight")]]
@@ -40,12 +41,7 @@ TIE = [[(0, "wte.weight"), (1, "lm_head.weight")]]
 
 def _gpt2(tied: bool):
     """A tiny HF GPT-2 (float64, no dropout), the same on every rank (one seed)."""
-    from transformers import GPT2Config, GPT2LMHeadModel  # a test dependency: imported where used
-
-    torch.manual_seed(0)
-    config = GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=16, resid_pdrop=0.0,
-                        embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0, tie_word_embeddings=tied)
-    return GPT2LMHeadModel(config).double()
+    return tiny_gpt2(0, VOCAB, tie_word_embeddings=tied)
 
 
 class _Blocks(nn.Module):

@@ -33,18 +33,14 @@ from torch.utils._pytree import tree_map_only
 
 from plait.parallel.zero.module import ZeRO
 from plait.testing import run_distributed
+from tests.hf_models import tiny_gpt2
 
 BATCH, SEQ, VOCAB = 4, 8, 64
 FULL = StateDictOptions(full_state_dict=True)
 
 
 def _gpt2(seed: int = 0):
-    from transformers import GPT2Config, GPT2LMHeadModel  # a test dependency, imported where used
-
-    torch.manual_seed(seed)
-    config = GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=16, bos_token_id=0,
-                        eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-    return GPT2LMHeadModel(config).double()
+    return tiny_gpt2(seed, VOCAB)
 
 
 def _adamw(model):

@@ -34,18 +34,14 @@ from plait.parallel.tensor.sharding import shard_spec, shard_tensor
 from plait.parallel.zero.module import ZeRO
 from plait.parallel.zero.optimizer import ShardedOptimizer
 from plait.testing import run_distributed
+from tests.hf_models import tiny_gpt2
 
 STEPS, BATCH, SEQ, VOCAB, MAX_NORM = 3, 4, 8, 64, 0.05
 IDIOMS = ("torch", "torch_foreach", "torch_loop", "total_then_clip", "plait")
 
 
 def _gpt2():
-    from transformers import GPT2Config, GPT2LMHeadModel  # a test dependency: imported where used
-
-    torch.manual_seed(0)
-    config = GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=16, resid_pdrop=0.0,
-                        embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
-    return GPT2LMHeadModel(config).double()
+    return tiny_gpt2(0, VOCAB)
 
 
 def _tokens(step: int) -> torch.Tensor:

@@ -18,17 +18,13 @@ from torch import nn
 
 from plait.parallel.zero.module import ZeRO
 from plait.testing import run_distributed
+from tests.hf_models import tiny_gpt2
 
 BATCH, SEQ, VOCAB, STEPS = 6, 8, 64, 3
 
 
 def _gpt2():
-    from transformers import GPT2Config, GPT2LMHeadModel  # a test dependency, imported where used
-
-    torch.manual_seed(0)
-    config = GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=16,
-                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-    return GPT2LMHeadModel(config).double()
+    return tiny_gpt2(0, VOCAB)
 
 
 def _hf_groups(model: nn.Module, grouped: bool = True) -> list[dict]:
