@@ -1,7 +1,13 @@
-"""The tiny Hugging Face GPT-2 the torch-idiom tests train (transformers is a test
-dependency, installed under constraints.txt; the model is built from a config, nothing
-is downloaded): 2 layers, width 32, 4 heads, float64, no dropout, the same weights on
-every rank for one seed."""
+"""The tiny Hugging Face models the tests train (transformers is a test dependency,
+installed under constraints.txt; every model is built from a config in code, nothing is
+downloaded): 2 layers, width 32, float64, no dropout, the same weights on every rank for
+one seed.
+
+- ``tiny_gpt2``: GPT-2 (HF's Conv1D, fused c_attn), 4 heads, tied embeddings.
+- ``tiny_llama``: a Llama-style decoder: RMSNorm, SwiGLU MLP (intermediate 64), rotary
+  embeddings, grouped-query attention (4 query heads, 2 key/value heads), untied
+  embeddings unless ``tie_word_embeddings=True``.
+"""
 
 import torch
 
@@ -16,3 +22,18 @@ def tiny_gpt2(seed: int = 0, vocab_size: int = 64, **config):
     fields = dict(n_layer=2, n_embd=32, n_head=4, vocab_size=vocab_size, n_positions=16, bos_token_id=0,
                   eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     return GPT2LMHeadModel(GPT2Config(**{**fields, **config})).double()
+
+
+def tiny_llama(seed: int = 0, vocab_size: int = 64, **config):
+    """``LlamaForCausalLM`` as above: hidden 32, intermediate 64, 2 layers, 4 attention
+    heads over 2 key/value heads (head_dim 8), up to 32 positions, HF's default attention
+    (sdpa). ``config`` overrides LlamaConfig's fields, e.g. ``tie_word_embeddings=True``
+    for the tied variant or ``num_key_value_heads=4`` for plain multi-head attention."""
+    # imported where used: importing transformers takes seconds, and only the ranks need it
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    fields = dict(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                  tie_word_embeddings=False, bos_token_id=0, eos_token_id=0, attention_dropout=0.0)
+    return LlamaForCausalLM(LlamaConfig(**{**fields, **config})).double()
