@@ -370,16 +370,54 @@ def _check_batch(tokens: torch.Tensor, batch_size: int, seq_len: int, rank: int,
     """Validate the batch arguments; returns the number of windows."""
     if tokens.dim() != 1:
         raise ValueError(f"tokens must be a 1-D id stream, got shape {tuple(tokens.shape)}")
+    return check_batch_args(len(tokens), batch_size, seq_len, rank, world_size)
+
+
+def check_batch_args(n_tokens: int, batch_size: int, seq_len: int, rank: int, world_size: int) -> int:
+    """Validate the batch arguments for a stream of ``n_tokens`` ids; returns the
+    number of windows (see windows_per_epoch). Shared with plait.train.text_data."""
     if world_size < 1 or not 0 <= rank < world_size:
         raise ValueError(f"need world_size >= 1 and 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
     if batch_size < 1 or batch_size % world_size:
         raise ValueError(f"global batch_size {batch_size} is not a positive multiple of world_size {world_size}; "
                          f"use a multiple of {world_size}")
-    windows = windows_per_epoch(tokens, seq_len)
+    if seq_len < 1:
+        raise ValueError(f"seq_len must be >= 1, got {seq_len}")
+    windows = max(0, (n_tokens - 1) // seq_len)
     if windows < 1:
-        raise ValueError(f"{len(tokens)} tokens hold no window of seq_len + 1 = {seq_len + 1}; "
+        raise ValueError(f"{n_tokens} tokens hold no window of seq_len + 1 = {seq_len + 1}; "
                          f"use a shorter seq_len or more text")
     return windows
+
+
+def train_window_ids(windows: int, step: int, batch_size: int, *, seed: int = 0, rank: int = 0,
+                     world_size: int = 1) -> torch.Tensor:
+    """(batch_size / world_size,) int64: the windows of this rank's slice of global
+    training batch ``step`` (the order of ``lm_batch``, which see). Needs B <= W."""
+    if step < 0:
+        raise ValueError(f"step must be >= 0, got {step}")
+    if batch_size > windows:
+        raise ValueError(f"batch_size {batch_size} exceeds the {windows} windows of the training stream; "
+                         f"use batch_size <= {windows}, a shorter seq_len or more text")
+    per_rank = batch_size // world_size
+    first = step * batch_size + rank * per_rank
+    positions = torch.arange(first, first + per_rank)
+    epochs = positions // windows
+    window_ids = torch.empty(per_rank, dtype=torch.int64)
+    for epoch in torch.unique(epochs).tolist():   # at most two, since per_rank <= W
+        mask = epochs == epoch
+        window_ids[mask] = _epoch_order(seed, epoch, windows)[positions[mask] % windows]
+    return window_ids
+
+
+def eval_window_ids(windows: int, index: int, batch_size: int, *, rank: int = 0, world_size: int = 1) -> torch.Tensor:
+    """(batch_size / world_size,) int64: the windows of this rank's slice of validation
+    batch ``index`` (the order of ``eval_batch``, which see)."""
+    if index < 0:
+        raise ValueError(f"index must be >= 0, got {index}")
+    per_rank = batch_size // world_size
+    first = index * batch_size + rank * per_rank
+    return torch.arange(first, first + per_rank) % windows
 
 
 def _gather(tokens: torch.Tensor, window_ids: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -400,19 +438,10 @@ def lm_batch(tokens: torch.Tensor, step: int, batch_size: int, seq_len: int, *, 
     laid end to end, so a batch may straddle two epochs and each window is seen once
     per epoch. Needs B <= W."""
     windows = _check_batch(tokens, batch_size, seq_len, rank, world_size)
-    if step < 0:
-        raise ValueError(f"step must be >= 0, got {step}")
     if batch_size > windows:
         raise ValueError(f"batch_size {batch_size} exceeds the {windows} windows of seq_len {seq_len} in "
                          f"{len(tokens)} tokens; use batch_size <= {windows}, a shorter seq_len or more text")
-    per_rank = batch_size // world_size
-    first = step * batch_size + rank * per_rank
-    positions = torch.arange(first, first + per_rank)
-    epochs = positions // windows
-    window_ids = torch.empty(per_rank, dtype=torch.int64)
-    for epoch in torch.unique(epochs).tolist():   # at most two, since per_rank <= W
-        mask = epochs == epoch
-        window_ids[mask] = _epoch_order(seed, epoch, windows)[positions[mask] % windows]
+    window_ids = train_window_ids(windows, step, batch_size, seed=seed, rank=rank, world_size=world_size)
     return _gather(tokens, window_ids, seq_len)
 
 
@@ -422,8 +451,4 @@ def eval_batch(tokens: torch.Tensor, index: int, batch_size: int, seq_len: int, 
     in stream order, modulo W (so it wraps around); shapes as in ``lm_batch``. Batches
     0..ceil(W / B) - 1 cover every window."""
     windows = _check_batch(tokens, batch_size, seq_len, rank, world_size)
-    if index < 0:
-        raise ValueError(f"index must be >= 0, got {index}")
-    per_rank = batch_size // world_size
-    first = index * batch_size + rank * per_rank
-    return _gather(tokens, torch.arange(first, first + per_rank) % windows, seq_len)
+    return _gather(tokens, eval_window_ids(windows, index, batch_size, rank=rank, world_size=world_size), seq_len)
