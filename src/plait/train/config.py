@@ -49,6 +49,8 @@ SCHEDULES = PIPELINE_SCHEDULES  # plait.names.schedules: one spelling per schedu
 OPTIMIZERS = ("adamw", "sgd")
 OFFLOADS = ("none", "optimizer")
 LR_SCHEDULES = ("cosine", "linear", "constant")
+CHECKPOINT_FORMATS = ("plait", "dcp")  # plait's verified shards always; dcp: torch.distributed.checkpoint too
+METRICS_LOGS = ("jsonl", "tensorboard")  # metrics.jsonl always; tensorboard: event files too
 TABLES = ("model", "data", "batch", "parallel", "optim", "run")
 CLI_GROUP_TITLE = "training config (also settable in --config FILE)"
 # a config sets each of TrainConfig's ~60 fields at most once: a few KB. 1 MiB is hundreds of times that and
@@ -131,8 +133,13 @@ class TrainConfig:
     eval_batches: int = _field(4, "run", "global batches per evaluation")
     checkpoint_interval: int = _field(100, "run", "checkpoint every this many steps (0 = only at the end)")
     keep_checkpoints: int = _field(3, "run", "newest checkpoints kept on disk (0 = keep all)")
+    checkpoint_format: str = _field("plait", "run", "plait (its verified sharded files, always written) or dcp "
+                                                    "(also torch.distributed.checkpoint, full tensors, in "
+                                                    "<checkpoint>/dcp)", CHECKPOINT_FORMATS)
     log_interval: int = _field(10, "run", "write metrics.jsonl and show progress every this many steps (the "
                                           "steps' losses are averaged over the dp ranks in one collective)")
+    log: str = _field("jsonl", "run", "jsonl (metrics.jsonl) or tensorboard (metrics.jsonl and TensorBoard event "
+                                      "files under <out>/tensorboard)", METRICS_LOGS)
     seed: int = _field(0, "run", "seed for initialisation, data order and dropout")
     out: str = _field("runs/gpt-small", "run", "run directory: checkpoints, metrics, config")
     timeout_s: float = _field(300.0, "run", "deadline in seconds for any collective or p2p wait")
