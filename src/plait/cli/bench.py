@@ -14,6 +14,7 @@ Training benchmarks, each with its own flags (e.g. plait bench dp --help):
     plait bench memory  recomputation x precision x offload: memory measured vs formulas, peers
     plait bench zero  ZeRO stages 1-3 against DataParallel, torch DDP and FSDP2
     plait bench fold  FoldedCNN: throughput of f = 2, 3, 4 vs the unfolded CNN, batch 1-1024
+    plait bench hf    a Llama-style HF model: plait vs torch DDP, FSDP2 and parallelize_module (tokens/s)
 """
 
 from __future__ import annotations
@@ -102,10 +103,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "bench", help="benchmark a collective (nccl-tests format), torch vs plait algorithms; "
                       "bench dp, bench tp, bench pp: data, tensor and pipeline parallel training; "
                       "bench memory: recomputation, precision and offload; bench zero: ZeRO against DDP and FSDP2; "
-                      "bench fold: FoldedCNN throughput",
+                      "bench fold: FoldedCNN throughput; bench hf: a Hugging Face Llama against DDP, FSDP2 and torch TP",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("collective", type=parse_collective, metavar="COLLECTIVE",
-                        help=f"one of: {', '.join(COLLECTIVES)}; or dp, tp, pp, memory, zero, fold for the training "
+                        help=f"one of: {', '.join(COLLECTIVES)}; or dp, tp, pp, memory, zero, fold, hf for the training "
                              "benchmarks below (plait bench dp --help)")
     parser.add_argument("--nprocs", "-n", type=_positive_int, default=None,
                         help="spawn this many local processes (default: the torchrun world "
