@@ -107,10 +107,11 @@ class HfBenchConfig:
         if self.hidden % self.heads or self.heads % self.kv_heads:
             found.append(f"--hidden {self.hidden}, --heads {self.heads}, --kv-heads {self.kv_heads}: heads must "
                          "divide hidden and kv-heads must divide heads (grouped-query attention)")
-        if any(LAYOUT_OF[v] == "tp" for v in self.variants if v in LAYOUT_OF) and (
-                self.kv_heads % self.nprocs or self.intermediate % self.nprocs):
-            found.append(f"tp over --nprocs {self.nprocs} ranks needs it to divide --kv-heads {self.kv_heads} and "
-                         f"--intermediate {self.intermediate}: change them or leave plait-tp,torch-tp out of --variants")
+        tp_sizes = {"kv-heads": self.kv_heads, "intermediate": self.intermediate, "vocab": self.vocab}
+        undivided = [f"--{flag} {size}" for flag, size in tp_sizes.items() if size % self.nprocs]
+        if undivided and any(LAYOUT_OF.get(variant) == "tp" for variant in self.variants):
+            found.append(f"tp over --nprocs {self.nprocs} ranks must divide {', '.join(undivided)}: change them or "
+                         "leave plait-tp,torch-tp out of --variants")
         if not self.lr > 0 or math.isinf(self.lr):
             found.append(f"--lr {self.lr} must be a finite number > 0")
         return found

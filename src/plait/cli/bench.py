@@ -103,11 +103,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "bench", help="benchmark a collective (nccl-tests format), torch vs plait algorithms; "
                       "bench dp, bench tp, bench pp: data, tensor and pipeline parallel training; "
                       "bench memory: recomputation, precision and offload; bench zero: ZeRO against DDP and FSDP2; "
-                      "bench fold: FoldedCNN throughput; bench hf: a Hugging Face Llama against DDP, FSDP2 and torch TP",
+                      "bench fold: FoldedCNN throughput; bench hf: a Hugging Face Llama vs DDP, FSDP2, torch TP",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("collective", type=parse_collective, metavar="COLLECTIVE",
-                        help=f"one of: {', '.join(COLLECTIVES)}; or dp, tp, pp, memory, zero, fold, hf for the training "
-                             "benchmarks below (plait bench dp --help)")
+                        help=f"one of: {', '.join(COLLECTIVES)}; or dp, tp, pp, memory, zero, fold, hf for the "
+                             "training benchmarks below (plait bench dp --help)")
     parser.add_argument("--nprocs", "-n", type=_positive_int, default=None,
                         help="spawn this many local processes (default: the torchrun world "
                              "if RANK/WORLD_SIZE are set, else 4)")

@@ -72,8 +72,8 @@ def table_lines(result: dict) -> list[str]:
     for pair in result["pairs"]:
         lines.append(f"{pair['layout']}: {pair['plait']} / {pair['peer']} tokens/s = median {pair['median']:.3f} "
                      f"[{pair['min']:.3f}-{pair['max']:.3f}] over {len(pair['ratios'])} rounds (per round "
-                     f"{', '.join(f'{r:.3f}' for r in pair['ratios'])}; > 1: plait faster); loss curves differ by at most "
-                     f"{pair['max_loss_difference']:.1e}")
+                     f"{', '.join(f'{r:.3f}' for r in pair['ratios'])}; > 1: plait faster); loss curves differ by "
+                     f"at most {pair['max_loss_difference']:.1e}")
     lines.append(f"# step-1 losses (same weights, same batch) agree within {result['step1_loss_spread']:.1e} "
                  f"(tolerance {result['step1_loss_tolerance']:.0e}): "
                  f"{'yes' if result['step1_losses_agree'] else 'NO'}; every side trained (loss moved): "

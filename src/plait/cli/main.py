@@ -21,7 +21,8 @@ from plait.errors import PlaitError
 EXIT_BROKEN_PIPE = 141
 
 SUBCOMMANDS = ("train", "bench", "bench_dp", "bench_tp", "bench_pp", "bench_memory", "bench_zero", "bench_fold",
-               "bench_hf", "schedule", "cost", "tune", "calibrate", "simulate", "checkpoint", "plan", "testbed", "optimize")
+               "bench_hf", "schedule", "cost", "tune", "calibrate", "simulate", "checkpoint", "plan", "testbed",
+               "optimize")
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
