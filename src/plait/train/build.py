@@ -13,14 +13,15 @@ from torch.nn import functional as F
 
 from plait.models.gpt import GPTConfig
 from plait.models.mlp import MLP
+from plait.train import hf_model
 from plait.train.config import TrainConfig
 from plait.train.data import load_digits, rank_batch
 
 
 def load_data(config: TrainConfig, cache_dir=None):
-    """The corpus (GPT; cached under ``cache_dir``, None: not cached, see load_corpus)
-    or the digits (MLP)."""
-    if config.model == "gpt":
+    """The corpus (GPT, and hf models without a tokenizer; cached under ``cache_dir``,
+    None: not cached, see load_corpus) or the digits (MLP)."""
+    if config.model == "gpt" or config.hf_source is not None:
         from plait.train.corpus import load_corpus
 
         return load_corpus(config.data, max_bytes=config.data_max_bytes, val_fraction=config.val_fraction,
@@ -31,6 +32,8 @@ def load_data(config: TrainConfig, cache_dir=None):
 
 def model_description(config: TrainConfig, data) -> dict:
     """What fixes the model's parameters: compared with a checkpoint's."""
+    if config.hf_source is not None:
+        return hf_model.description(hf_model.load_config(config.hf_source), config.dtype)
     if config.model == "gpt":
         return {"kind": "gpt", **asdict(gpt_config(config, data.vocab_size))}
     return {"kind": "mlp", "sizes": [64, *config.mlp_hidden, 10], "dtype": config.dtype}
@@ -44,6 +47,8 @@ def gpt_config(config: TrainConfig, vocab: int):
 
 def build_model(config: TrainConfig, data, tp_group=None):
     """(model at this rank's tp degree, its sequential layers, loss_fn)."""
+    if config.hf_source is not None:
+        return build_hf_model(config, data, tp_group)
     if config.model == "gpt":
         from plait.models.gpt import GPT
         from plait.parallel.pipeline.partition import sequential_layers
@@ -68,6 +73,17 @@ def build_model(config: TrainConfig, data, tp_group=None):
     return model, layers, lambda logits, labels: F.cross_entropy(logits, labels)
 
 
+def build_hf_model(config: TrainConfig, data, tp_group=None):
+    """A Hugging Face causal LM (plait.train.hf_model): built on every rank alike, its
+    blocks recomputed as ``config.recompute`` says; one layer (the whole model) for
+    the pipeline engine at pp=1."""
+    model = hf_model.build(config.hf_source, dtype=config.dtype, seed=config.seed)
+    hf_model.check_fits(model.config, config.hf_source, data_vocab=data.vocab_size, seq_len=config.seq_len,
+                        what=getattr(data, "tokenizer_description", f"the characters of {data.source}"))
+    hf_model.set_recompute(model, config.recompute, None if config.recompute_layers < 0 else config.recompute_layers)
+    return model, [hf_model.CausalLMLogits(model)], hf_model.loss_fn
+
+
 def make_optimizer(named_params, config: TrainConfig) -> torch.optim.Optimizer:
     """AdamW (or SGD with momentum); weight decay on matrices only, not on biases,
     LayerNorm scales or position vectors (GPT-2 / Megatron practice)."""
@@ -83,7 +99,7 @@ def make_optimizer(named_params, config: TrainConfig) -> torch.optim.Optimizer:
 
 def batch(config: TrainConfig, data, step: int, rank: int, world_size: int, *, evaluation: bool = False):
     """Global batch ``step`` (or validation batch ``step``), this dp rank's slice."""
-    if config.model == "gpt":
+    if config.model == "gpt" or config.hf_source is not None:
         from plait.train.corpus import eval_batch, lm_batch
 
         if evaluation:

@@ -41,9 +41,9 @@ from plait.names.precision import FP32, GRAD_REDUCE_DTYPES, PRECISIONS
 from plait.names.recompute import RECOMPUTE_MODES
 from plait.names.transports import BACKENDS, TRANSPORTS
 from plait.names.schedules import ONE_F_ONE_B, PIPELINE_SCHEDULES
-from plait.train.config_rules import listed, value_problems
+from plait.train.config_rules import MODELS, listed, value_problems
 
-MODELS = ("gpt", "mlp")
+HF_PREFIX = "hf:"  # model="hf:CONFIG": a Hugging Face causal LM (plait.train.hf_model); MODELS are plait's own
 DTYPES = ("float32", "float64", "bfloat16")
 SCHEDULES = PIPELINE_SCHEDULES  # plait.names.schedules: one spelling per schedule
 OPTIMIZERS = ("adamw", "sgd")
@@ -68,7 +68,9 @@ class TrainConfig:
     (a 4-layer GPT on the stdlib character corpus, dp=2 × pp=2 on 4 processes)."""
 
     # ----- model -----
-    model: str = _field("gpt", "model", "model to train: gpt (character LM) or mlp (scikit-learn digits)", MODELS)
+    model: str = _field("gpt", "model", "model to train: gpt (character LM), mlp (scikit-learn digits) or hf:CONFIG "
+                                        "(a Hugging Face causal LM from a local config.json or a directory holding "
+                                        "one, with its weights if saved there; nothing is downloaded)")
     layers: int = _field(4, "model", "gpt: transformer blocks")
     hidden: int = _field(128, "model", "gpt: model width h")
     heads: int = _field(4, "model", "gpt: attention heads (must divide hidden)")
@@ -91,6 +93,10 @@ class TrainConfig:
     mlp_hidden: tuple[int, ...] = _field((128, 128, 128), "model", "mlp: hidden widths, comma list e.g. 128,128,128")
     # ----- data -----
     data: str = _field("stdlib", "data", "corpus: stdlib (Python's own sources), digits (mlp), or a text file/dir")
+    tokenizer: str = _field("", "data", "hf models: a tokenizer.json, a directory for AutoTokenizer, or "
+                                        "train:bpe:VOCAB (a byte-level BPE trained on the training text); empty: "
+                                        "characters, as the gpt model reads text")
+    text_field: str = _field("text", "data", "JSONL / Parquet / Arrow data: the column holding the text")
     data_max_bytes: int = _field(4_000_000, "data", "read at most this many bytes of text")
     val_fraction: float = _field(0.05, "data", "fraction of the data held out for evaluation, in [0, 1)")
     # ----- batch -----
@@ -191,6 +197,11 @@ class TrainConfig:
         return self.ffn_hidden or 4 * self.hidden
 
     @property
+    def hf_source(self) -> str | None:
+        """CONFIG of model='hf:CONFIG' (a Hugging Face config.json or its directory), else None."""
+        return self.model[len(HF_PREFIX):] if self.model.startswith(HF_PREFIX) else None
+
+    @property
     def axes(self) -> tuple[str, ...]:
         """Mesh axes from innermost to outermost."""
         return tuple(self.mesh_order.split(","))
@@ -237,6 +248,8 @@ class TrainConfig:
         count, and ffn_hidden is resolved (0 and 4·hidden are the same model)."""
         if self.model == "mlp":
             return {"model": self.model, "mlp_hidden": list(self.mlp_hidden), "dtype": self.dtype}
+        if self.model.startswith(HF_PREFIX):  # the rest is the HF config's (plait.train.hf_model.description)
+            return {"model": self.model, "seq_len": self.seq_len, "dtype": self.dtype}
         return {"model": self.model, "layers": self.layers, "hidden": self.hidden, "heads": self.heads,
                 "seq_len": self.seq_len, "ffn_hidden": self.ffn, "tied_head": self.tied_head, "dtype": self.dtype}
 

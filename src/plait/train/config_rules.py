@@ -16,6 +16,8 @@ from plait.names.schedules import CHIMERA, INTERLEAVED_1F1B
 from plait.names.axes import AXES
 from plait.names.precision import PRECISION_FOR_REDUCE_DTYPE
 
+MODELS = ("gpt", "mlp")  # plait's own; hf:CONFIG names a Hugging Face causal LM (TrainConfig.hf_source)
+
 if TYPE_CHECKING:
     from plait.train.config import TrainConfig
 
@@ -74,6 +76,19 @@ def value_problems(config: TrainConfig, typed: set[str]) -> list[str]:
             hint = f"did you mean {close[0]!r}? " if close else ""
             problems.append(f"{name}={getattr(c, name)!r} is not valid: {hint}use one of {listed(choices)}")
             typed.discard(name)  # cross checks below assume a valid choice
+    if ok("model") and c.model not in MODELS and c.hf_source is None:
+        close = difflib.get_close_matches(c.model, MODELS, n=1, cutoff=0.5)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        problems.append(f"model={c.model!r} is not valid: {hint}use one of {listed(MODELS)}, or hf:CONFIG (a Hugging "
+                        "Face config.json or a directory holding one)")
+        typed.discard("model")
+    elif ok("model") and c.hf_source is not None and not c.hf_source.strip():
+        problems.append("model='hf:' names no config: give hf:PATH, a Hugging Face config.json or a directory "
+                        "holding one, e.g. model='hf:configs/gpt2-small'")
+        typed.discard("model")
+    if ok("tokenizer", "model") and c.tokenizer and c.hf_source is None:
+        problems.append(f"tokenizer={c.tokenizer!r} with model={c.model!r}: tokenizers are for hf:CONFIG models "
+                        "(the gpt model reads characters); leave tokenizer empty or use model=hf:CONFIG")
     # ----- single fields -----
     for name in ("layers", "hidden", "heads", "seq_len", "data_max_bytes", "global_batch", "micro_batch",
                  "dp", "tp", "pp", "virtual", "steps", "eval_batches", "log_interval"):
@@ -285,6 +300,14 @@ def _model_problems(c: TrainConfig, ok) -> list[str]:
         if ok("data") and c.data != "digits":
             problems.append(f"data={c.data!r} with model='mlp': the MLP trains on scikit-learn's digits; "
                             f"set data=digits (or model=gpt)")
+        return problems
+    if c.hf_source is not None:  # its sizes are the HF config's: checked when it is read (plait.train.hf_model)
+        if ok("data") and c.data == "digits":
+            problems.append(f"data='digits' with model={c.model!r}: digits is the MLP's image data set; give text "
+                            "(a file or directory, JSONL, Parquet, Arrow) or stdlib")
+        if ok("tied_head") and c.tied_head:
+            problems.append(f"tied_head=true with model={c.model!r}: a HF model's tying is its config's "
+                            "tie_word_embeddings; leave tied_head=false")
         return problems
     # ----- gpt -----
     if ok("data") and c.data == "digits":

@@ -34,7 +34,7 @@ from plait.names.transports import AUTO, GLOO, NCCL
 from plait.parallel.mesh import DeviceMesh, ParallelDims
 from plait.memory.precision import check_device
 from plait.parallel.zero.optimizer import ShardedOptimizer
-from plait.train import checkpoint as ckpt, checkpoint_load, rundir, runlock
+from plait.train import checkpoint as ckpt, checkpoint_load, hf_model, rundir, runlock
 from plait.train.atomic_files import atomic_write
 from plait.train.build import batch, build_model, load_data, make_optimizer, model_description
 from plait.train.checkpoint_write import CheckpointNotWritten, write_manifest, write_shard
@@ -105,6 +105,7 @@ class Trainer:
         self.coords = self.mesh.coords
         self.data = load_data(config, cache_dir) if data is None else data  # cache_dir: the CLI's
         self.model_info = model_description(config, self.data)
+        self.hf_config = None if config.hf_source is None else hf_model.load_config(config.hf_source)
         self._check_agreement()
         self.comm_config = comm_config(config, comm_environment)
         for group in (None, *self.mesh.group.values()):  # every group this rank talks on, one config
@@ -112,10 +113,13 @@ class Trainer:
         check_device(config.precision, self.device)  # every rank alike, before any group is built
         self.memory = MemoryMonitor(self.device)
         model, layers, loss_fn = build_model(config, self.data, self.mesh.group["tp"])
+        hf = config.hf_source is not None  # its blocks' recompute is set by build_model, its ZeRO-3 units here:
+        units = [hf_model.zero_units(model)] if hf and config.zero_stage == 3 else None  # one per decoder block
         self.hybrid: HybridModel = build_hybrid(
             model, layers, self.mesh, loss_fn, schedule=config.schedule, microbatches=config.microbatches,
             virtual=config.virtual, algorithm=config.algorithm, compression=config.compression,
-            timeout_s=config.timeout_s, tp_rank=self.coords["tp"], tp_size=config.tp, recompute=config.recompute,
+            timeout_s=config.timeout_s, tp_rank=self.coords["tp"], tp_size=config.tp,
+            recompute="none" if hf else config.recompute,
             recompute_layers=None if config.recompute_layers < 0 else config.recompute_layers,
             meter=self.memory.meter, precision=config.precision, grad_reduce_dtype=config.grad_reduce_dtype,
             offload_dir=self._offload_dir() if config.offload_activations else None)
@@ -130,8 +134,9 @@ class Trainer:
                 self.optimizer, self.mesh.group["dp"], algorithm=config.algorithm, stage=config.zero_stage,
                 late=[param for name, param in self.hybrid.names.items() if name in shared],
                 offload_dir=self._offload_dir() if config.offload == "optimizer" else None,
-                modules=list(self.hybrid.engine.stages.values()) if config.zero_stage == 3 else None)
+                modules=(units or list(self.hybrid.engine.stages.values())) if config.zero_stage == 3 else None)
             self.hybrid.engine.parameters_moved()  # the parameters now live in the flat buckets
+        del units
         # the same Parameter objects every step (ZeRO 3 moves their storages, not them)
         self._parameters = list(self.hybrid.parameters())
         self.out = Path(config.out)
@@ -145,6 +150,9 @@ class Trainer:
         if isinstance(self.optimizer, ShardedOptimizer):
             return self.optimizer.whole_parameters(write=write)
         return contextlib.nullcontext()
+
+    def _hf_json(self) -> str | None:
+        return None if self.hf_config is None else hf_model.config_json(self.hf_config)
 
     def _offload_dir(self) -> Path:
         """This rank's offload directory, checked writable on every rank (collective)."""
@@ -299,6 +307,7 @@ class Trainer:
         if failures:
             raise CheckpointNotWritten(step, failures)
         if self.rank == 0:
+            hf_model.write_config(directory, self._hf_json())  # HF's config.json beside the shards (hf models)
             manifest = {"step": step, "mesh": self._mesh_info(), "config": self.config.to_dict(),
                         "config_digest": self.config.digest(), "model": self.model_info,
                         "corpus_digest": getattr(self.data, "digest", None), "data_position": step,
@@ -343,6 +352,7 @@ class Trainer:
             self.out.mkdir(parents=True, exist_ok=True)
             text = config.to_toml()  # renamed over config.toml: a link there is replaced, never written through
             atomic_write(self.out / "config.toml", lambda temporary: Path(temporary).write_text(text))
+            hf_model.write_config(self.out, self._hf_json())
         metrics = MetricsLog(self.out / "metrics.jsonl", group=self.mesh.group["dp"], dp_size=config.dp,
                              write=self.rank == 0, interval=config.log_interval, start_step=self.start_step)
         progress = None
@@ -445,6 +455,8 @@ class Trainer:
 
     def flops_per_step(self) -> float:
         config = self.config
+        if config.hf_source is not None:
+            return hf_model.train_flops(self.hf_config, config.global_batch, config.seq_len)
         if config.model == "gpt":
             return gpt_train_flops(config.global_batch, config.seq_len, config.layers, config.hidden,
                                    self.data.vocab_size)

@@ -36,6 +36,8 @@ RATE_LABELS = {"tokens": "tok/s", "samples": "samples/s"}  # the progress line's
 
 def throughput_unit(model: str) -> str:
     """The unit ("tokens" or "samples") a throughput of plait train's ``model`` counts."""
+    if model.startswith("hf:"):  # a Hugging Face causal LM (TrainConfig.hf_source) counts tokens
+        return "tokens"
     if model not in THROUGHPUT_UNITS:
         raise ValueError(f"model={model!r} has no throughput unit; known: {', '.join(THROUGHPUT_UNITS)}")
     return THROUGHPUT_UNITS[model]

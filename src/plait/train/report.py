@@ -455,7 +455,8 @@ def render_markdown(report: dict) -> str:
     model = (run.get("config") or {}).get("model", "gpt")
     formula = {"gpt": "72·B·s·l·h²·(1 + s/(6h) + V/(12·l·h)) for a GPT (96·… with recomputation)",
                "mlp": "6·B·Σ d_i·d_(i+1) for the MLP of widths d_0 .. d_L (B samples; 2 FLOPs per weight and "
-                      "sample forward, 4 backward: the 6N rule)"}[model]
+                      "sample forward, 4 backward: the 6N rule)"}.get(
+        model, "(6·N + 12·l·h·s)·B·s for a Hugging Face causal LM (N every parameter: PaLM's count)")
     lines += ["",
               f"flops_per_step is the model FLOPs of one optimiser step over the global batch, {formula}; "
               "wall_s is the slowest rank's training loop, first step included. "

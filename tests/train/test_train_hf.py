@@ -1,0 +1,131 @@
+"""plait train --model hf:CONFIG: a Hugging Face causal LM built from a config.json the
+test writes (tiny GPT-2 and Llama-style configs, tests/hf_models.py), trained by
+plait's trainer under its layouts, against one process written here from plain torch
+and transformers: AutoModelForCausalLM.from_config after the same seed, the whole
+global batch, AdamW (decay on matrices only), torch's clip_grad_norm_, plait's LR
+schedule.
+
+float64 throughout: the layouts differ from the reference only in the order sums are
+taken (dp averaging, micro-batch accumulation, ZeRO's reduce-scatter), a relative
+roundoff of ~1e-15 per step that AdamW's normalised update keeps from growing over a
+few steps; the stated bound is 1e-10 on losses of ~4.5.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from plait.testing import run_distributed
+from plait.train.config import TrainConfig
+
+TOLERANCE = 1e-10  # float64, a few steps (module docstring)
+STEPS = 4
+VOCAB = 96  # covers the character vocabulary of the stdlib text read (92 at 60 kB)
+
+
+def _write_config(directory: Path, kind: str, **overrides) -> Path:
+    """A tiny model's config.json (no weights), as config.save_pretrained writes it."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from hf_models import tiny_gpt2, tiny_llama
+
+    make = {"gpt2": tiny_gpt2, "llama": tiny_llama}[kind]
+    directory.mkdir(parents=True, exist_ok=True)
+    make(**{"vocab_size": VOCAB, **overrides}).config.save_pretrained(directory)
+    return directory
+
+
+def _config(out, model_dir, **overrides) -> TrainConfig:
+    values = dict(model=f"hf:{model_dir}", seq_len=16, data_max_bytes=60_000, global_batch=8, micro_batch=2, dp=1,
+                  tp=1, pp=1, steps=STEPS, warmup_steps=1, dtype="float64", lr=3e-3, min_lr=3e-4, grad_clip=1.0,
+                  eval_interval=0, checkpoint_interval=0, keep_checkpoints=0, out=str(out), timeout_s=60.0)
+    values.update(overrides)
+    return TrainConfig(**values)
+
+
+def _losses(out) -> list[float]:
+    return [json.loads(line)["loss"] for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+
+
+def _train_each(rank, world_size, configs):
+    from plait.train.loop import Trainer
+
+    for config in configs:
+        Trainer(config, resume="never", log=lambda _: None).train()
+
+
+def _reference_losses(config: TrainConfig) -> list[float]:
+    """One process, the whole global batch, plain torch and transformers."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from plait.train.build import make_optimizer
+    from plait.train.corpus import lm_batch, load_corpus
+
+    corpus = load_corpus(config.data, max_bytes=config.data_max_bytes, val_fraction=config.val_fraction)
+    torch.manual_seed(config.seed)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(config.hf_source)).double()
+    optimizer = make_optimizer(model.named_parameters(), config)
+    losses = []
+    for step in range(config.steps):
+        inputs, targets = lm_batch(corpus.train, step, config.global_batch, config.seq_len, seed=config.seed)
+        logits = model(input_ids=inputs, use_cache=False).logits
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+        optimizer.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip or float("inf"))
+        for group in optimizer.param_groups:
+            group["lr"] = config.lr_at(step)
+        optimizer.step()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+def _worst(losses, reference) -> float:
+    assert len(losses) == len(reference) == STEPS, f"{len(losses)} and {len(reference)} steps, expected {STEPS}"
+    return max(abs(a - b) for a, b in zip(losses, reference))
+
+
+@pytest.mark.slow
+def test_data_parallel_zero3_and_recompute_match_one_process(tmp_path):
+    """On 2 ranks: dp2 with ZeRO-3 (one gathered unit per GPT-2 block, the tied
+    embedding kept gathered), and dp2 with full recomputation of the Llama-style
+    model's blocks (selective of its attention on the GPT-2): each equals one process."""
+    gpt2 = _write_config(tmp_path / "gpt2", "gpt2")
+    llama = _write_config(tmp_path / "llama", "llama")
+    configs = [_config(tmp_path / "zero3", gpt2, dp=2, zero_stage=3),
+               _config(tmp_path / "full", llama, dp=2, recompute="full"),
+               _config(tmp_path / "selective", gpt2, dp=2, micro_batch=4, recompute="selective")]
+    run_distributed(_train_each, 2, configs, timeout_s=300)
+    references = {gpt2: _reference_losses(configs[0]), llama: _reference_losses(configs[1])}
+    assert references[gpt2][-1] < references[gpt2][0], "the reference must learn"
+    for config, model_dir in zip(configs, (gpt2, llama, gpt2)):
+        worst = _worst(_losses(config.out), references[model_dir])
+        assert worst <= TOLERANCE, f"{config.out}: max |loss - reference| = {worst:.3g}"
+    checkpoint = json.loads(next((tmp_path / "zero3" / "checkpoints").glob("step_*/manifest.json")).read_text())
+    assert checkpoint["model"]["kind"] == "hf" and checkpoint["model"]["num_hidden_layers"] == 2
+    assert json.loads((tmp_path / "zero3" / "config.json").read_text())["model_type"] == "gpt2"
+
+
+def test_bad_models_are_refused_by_name(tmp_path):
+    from plait.train.hf_model import build, load_config
+
+    with pytest.raises(ValueError, match="does not exist; give a Hugging Face config.json"):
+        load_config(str(tmp_path / "missing"))
+    (tmp_path / "t5").mkdir()
+    (tmp_path / "t5" / "config.json").write_text(json.dumps({"model_type": "t5"}))
+    with pytest.raises(ValueError, match="'t5' .* is not a causal language model"):
+        load_config(str(tmp_path / "t5"))
+    with pytest.raises(ValueError, match="model='cnn' is not valid: use one of gpt, mlp, or hf:CONFIG"):
+        TrainConfig(model="cnn")
+    small = _write_config(tmp_path / "small", "gpt2", vocab_size=32)
+    from plait.train.build import build_model, load_data
+
+    config = _config(tmp_path / "run", small)
+    with pytest.raises(ValueError, match=r"vocab_size \(32\) is smaller than the data's vocabulary \(92 ids"):
+        build_model(config, load_data(config))
+    assert build(str(small), dtype="float64", seed=0).config.vocab_size == 32
