@@ -3,15 +3,23 @@ config in code) with plait against torch DDP, FSDP2 and parallelize_module, same
 data, world size, global batch and sequence length, sides alternated per round
 (plait.bench.hf).
 
-    plait bench hf                                  # 2 processes, every layout, 3 rounds
-    plait bench hf --variants plait-dp,torch-ddp --rounds 7
-    nice -n 19 sh -c 'while :; do :; done' & plait bench hf; kill $!    # under a busy core
+    plait bench hf                                  # 2 processes, every layout, 3 rounds, then again
+                                                    # with a `nice -n 19` busy loop on a core
+    plait bench hf --variants plait-dp,torch-ddp --rounds 7 --busy-loop off
+
+--busy-loop also (the default) runs the whole measurement twice: on the machine as it
+is, then with a second process of this Python spinning at nice 19 (it takes a core's
+idle time: the OS gives it what the ranks leave), started before the world and ended
+(by its pid) after it; only, the second alone; off, the first alone.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import subprocess
+import sys
 
 from plait.bench.hf import VARIANTS, HfBenchConfig, run_hf_bench, summarize
 from plait.bench.launch import in_torchrun, run_in_fresh_worlds
@@ -19,6 +27,7 @@ from plait.bench.report import write_json_document
 from plait.cli.local_ranks import add_oversubscribe_flag, check_spawn
 from plait.cli.output_paths import output_file, prepare_output_paths
 
+BUSY_LOOP_MODES = ("also", "only", "off")
 _INT_FLAGS = ("nprocs", "layers", "hidden", "heads", "kv_heads", "intermediate", "vocab", "seq_len", "global_batch",
               "rounds", "warmup", "steps", "seed")
 
@@ -34,6 +43,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(d, name),
                             help=f"(default {getattr(d, name)})")
     parser.add_argument("--lr", type=float, default=d.lr, help=f"AdamW's learning rate (default {d.lr})")
+    parser.add_argument("--busy-loop", choices=BUSY_LOOP_MODES, default="also",
+                        help="also (default): measure quiet, then with a nice -n 19 busy loop; only; off")
     parser.add_argument("--json", default=None, metavar="PATH", help="write every row and the summary ('-': stdout)")
     add_oversubscribe_flag(parser)
     parser.set_defaults(run=run)
@@ -81,6 +92,21 @@ def table_lines(result: dict) -> list[str]:
     return lines
 
 
+@contextlib.contextmanager
+def busy_loop(enabled: bool):
+    """A process spinning at nice 19 for the block, if ``enabled``: ended by its pid."""
+    if not enabled:
+        yield None
+        return
+    spinner = subprocess.Popen(["nice", "-n", "19", sys.executable, "-c", "while True: pass"],
+                               stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        yield spinner.pid
+    finally:
+        spinner.kill()
+        spinner.wait(timeout=10)
+
+
 def run(args) -> int:
     if in_torchrun():
         raise ValueError("plait bench hf starts its own world: run it without torchrun")
@@ -90,7 +116,25 @@ def run(args) -> int:
         raise ValueError("; ".join(problems))
     check_spawn(config.nprocs, allow_oversubscribe=args.allow_oversubscribe)
     prepare_output_paths(output_file("--json", args.json, stdout_allowed=True))
-    print(header(config), flush=True)
+    conditions = {"also": (False, True), "only": (True,), "off": (False,)}[args.busy_loop]
+    document, status = {"config": {**config.__dict__}, "measurements": []}, 0
+    for busy in conditions:
+        with busy_loop(busy) as spinner_pid:
+            load = f"with a nice -n 19 busy loop (pid {spinner_pid})" if busy else "no load added"
+            result, rows = measure_and_print(config, load)
+        if result is None:
+            return 1
+        document["measurements"].append({"busy_loop": busy, "rows": rows, **result})
+        status = status or (0 if result["step1_losses_agree"] and result["all_trained"] else 1)
+    if args.json:
+        write_json_document(document, args.json)
+    return status
+
+
+def measure_and_print(config: HfBenchConfig, load: str):
+    """One measurement in a fresh world, its rows printed as they come and its table;
+    (summary, rows), or (None, None) after a worker's failure (printed)."""
+    print(header(config) + f"; {load}", flush=True)
     print(f"{'round':>5} {'side':<13}{'window s':>10}{'tokens':>9}{'tokens/s':>10}{'loss step 1':>13}"
           f"{'loss last':>11}", flush=True)
 
@@ -101,11 +145,9 @@ def run(args) -> int:
 
     rows = run_in_fresh_worlds(run_hf_bench, config, [config.nprocs], on_event, "plait bench hf")
     if rows is None:
-        return 1
+        return None, None
     result = summarize(rows, config)
     for line in table_lines(result):
         print(line)
-    print(f"# load average after: {_load_average()}")
-    if args.json:
-        write_json_document({"config": {**config.__dict__}, "rows": rows, **result}, args.json)
-    return 0 if result["step1_losses_agree"] and result["all_trained"] else 1
+    print(f"# load average after: {_load_average()} ({load})", flush=True)
+    return result, rows
