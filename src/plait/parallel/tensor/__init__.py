@@ -13,6 +13,10 @@
 - ``cross_entropy``: the vocab-parallel loss that never gathers the logits.
 - ``sharding``: which slice each parameter holds; unsharded state dicts in and out.
 - ``dropout``: masks that are each rank's slice of the unsharded model's.
+- ``plan`` / ``styles``: ``parallelize(model, tp, plan)``, a plan of module names to
+  ColwiseParallel / RowwiseParallel / VocabParallel / SequenceParallel / Replicate,
+  applied in place to any model's Linear, HF Conv1D and Embedding (``convert``,
+  ``hooks``, ``native``); ``plans``: ready plans (HF GPT-2, plait's GPT) and ``plan_for``.
 """
 
 from plait.parallel.tensor.cross_entropy import gather_logits, vocab_parallel_cross_entropy
@@ -43,6 +47,8 @@ from plait.parallel.tensor.mappings import (
     scatter_to_sequence,
     sum_grads_in_backward,
 )
+from plait.parallel.tensor.plan import ParallelPlan, parallelize
+from plait.parallel.tensor.plans import gpt2_plan, plait_gpt_plan, plan_for
 from plait.parallel.tensor.sharding import (
     ShardSpec,
     gather_grads,
@@ -51,8 +57,11 @@ from plait.parallel.tensor.sharding import (
     shard_spec,
     shard_state_dict,
 )
+from plait.parallel.tensor.styles import ColwiseParallel, Replicate, RowwiseParallel, SequenceParallel, VocabParallel
 
 __all__ = [
+    "ColwiseParallel", "ParallelPlan", "Replicate", "RowwiseParallel", "SequenceParallel", "VocabParallel",
+    "gpt2_plan", "parallelize", "plait_gpt_plan", "plan_for",
     "ColumnParallelLinear", "ConsistentDropout", "LAYOUT_CHECKS", "LOCAL", "ParallelAttention", "ParallelMLP",
     "REPLICATED", "RowParallelLinear", "SEQUENCE_SHARDED", "SequenceParallelEntry", "SequenceParallelExit",
     "ShardSpec", "TensorParallel", "UNSHARDED", "VocabParallelEmbedding", "check_layout", "check_tp_divides",

@@ -4,7 +4,10 @@ state dicts in and out of a sharded model.
 A sharded parameter carries ``param.tp_shard = ShardSpec(dim, full_size)``: rank r
 of p holds rows [r*c, (r+1)*c) along ``dim`` of the full tensor zero-padded to
 p*c rows, c = ceil(full_size / p) (only the vocabulary is ever padded; Megatron
-pads it the same way). Parameters without ``tp_shard`` are replicated. Because
+pads it the same way). A fused projection (q|k|v in one matrix) carries
+``ShardSpec(dim, full_size, parts=(q, k, v))``: rank r holds its 1/p of every part,
+concatenated (q_r | k_r | v_r), so it keeps whole heads of each; ``gather`` puts the
+parts back in the unsharded order. Parameters without ``tp_shard`` are replicated. Because
 the layout is data on the parameter, ``shard_state_dict``, ``gather_state_dict``
 and ``init_from_full`` work for any module built from plait's parallel layers.
 """
@@ -24,10 +27,13 @@ from plait.parallel.tensor.mappings import all_gather_dim0
 
 @dataclass(frozen=True)
 class ShardSpec:
-    """Split along ``dim``; the unsharded tensor has ``full_size`` there."""
+    """Split along ``dim``; the unsharded tensor has ``full_size`` there. ``parts``:
+    the sizes of a fused layout's parts along ``dim`` (they sum to ``full_size`` and
+    each divides by p), each split on its own."""
 
     dim: int
     full_size: int
+    parts: tuple[int, ...] | None = None
 
     def shard_size(self, tp_size: int) -> int:
         return -(-self.full_size // tp_size)
@@ -36,9 +42,19 @@ class ShardSpec:
         return self.shard_size(tp_size) * tp_size
 
 
-def mark_sharded(param: nn.Parameter, dim: int, full_size: int) -> nn.Parameter:
-    param.tp_shard = ShardSpec(dim, full_size)
+def mark_sharded(param: nn.Parameter, dim: int, full_size: int, parts: tuple[int, ...] | None = None) -> nn.Parameter:
+    param.tp_shard = ShardSpec(dim, full_size, parts)
     return param
+
+
+def fused_gather_index(parts: tuple[int, ...], size: int) -> torch.Tensor:
+    """Indices taking the rank-order concatenation of ``size`` fused shards
+    (q_0 k_0 v_0 q_1 k_1 v_1 ...) to the unsharded order (q_0 q_1 ... k_0 k_1 ... v_0 ...)."""
+    local = sum(parts) // size
+    offsets = [sum(parts[:j]) // size for j in range(len(parts))]
+    index = [rank * local + offsets[j] + i for j, part in enumerate(parts) for rank in range(size)
+             for i in range(part // size)]
+    return torch.tensor(index, dtype=torch.long)
 
 
 def shard_spec(param: torch.Tensor) -> ShardSpec | None:
@@ -60,6 +76,11 @@ def shard_tensor(full: torch.Tensor, spec: ShardSpec | None, rank: int, size: in
         return full
     if full.shape[spec.dim] != spec.full_size:
         raise ValueError(f"expected size {spec.full_size} along dim {spec.dim}, got shape {tuple(full.shape)}")
+    if spec.parts is not None:
+        if any(part % size for part in spec.parts):
+            raise ValueError(f"fused parts {spec.parts} do not each divide by tp={size}")
+        pieces = full.split(list(spec.parts), dim=spec.dim)
+        return torch.cat([piece.chunk(size, dim=spec.dim)[rank] for piece in pieces], dim=spec.dim)
     pad = spec.padded_size(size) - spec.full_size
     if pad:
         shape = list(full.shape)
@@ -98,6 +119,8 @@ def gather_tensor(tensor: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
         return tensor.detach().clone()
     moved = tensor.detach().movedim(spec.dim, 0)
     gathered = all_gather_dim0(moved, tp)[: spec.full_size]
+    if spec.parts is not None:
+        gathered = gathered.index_select(0, fused_gather_index(spec.parts, tp.size).to(gathered.device))
     return gathered.movedim(0, spec.dim).contiguous()
 
 
