@@ -192,12 +192,12 @@ def _load_pretrained(directory: Path) -> Tokenizer:
 
 def load_tokenizer(spec: str | TokenizerSpec) -> Tokenizer:
     """The tokenizer of a file or directory spec (see parse_tokenizer_spec). A
-    train:bpe:VOCAB spec needs the text: plait.train.text_data.resolve_tokenizer or
-    train_bpe."""
+    train:bpe:VOCAB spec needs the text: plait.train.text_data.load_text_data trains
+    it (and caches it), or train_bpe."""
     parsed = spec if isinstance(spec, TokenizerSpec) else parse_tokenizer_spec(spec)
     if parsed.kind == "train_bpe":
         raise ValueError(f"--tokenizer {parsed.text!r} is trained on the data; call "
-                         f"plait.train.text_data.resolve_tokenizer(spec, files, ...) or train_bpe(texts, vocab)")
+                         f"plait.train.text_data.load_text_data(data, tokenizer=spec, ...) or train_bpe(texts, vocab_size)")
     return _load_file(parsed.path) if parsed.kind == "file" else _load_pretrained(parsed.path)
 
 
@@ -205,8 +205,9 @@ def train_bpe(texts: Iterable[str], vocab_size: int) -> Tokenizer:
     """A byte-level BPE (GPT-2's pre-tokenizer and decoder, no prefix space) of at most
     ``vocab_size`` tokens trained on ``texts``: id 0 is <|endoftext|>, ids 1..256 the
     bytes, then merges by frequency. A small text may stop before vocab_size (no pair
-    left to merge): the tokenizer's vocab_size says how many it has. Deterministic for
-    the same texts (the trainer breaks count ties by the pair's ids)."""
+    left to merge): the tokenizer's vocab_size says how many it has. The same texts
+    train the same tokenizer (tests/train/test_tokenizer.py); runs stay reproducible
+    anyway by saving it (Tokenizer.save; load_text_data caches it)."""
     if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < MIN_BPE_VOCAB:
         raise ValueError(f"vocab_size {vocab_size!r}: a byte-level BPE needs at least {MIN_BPE_VOCAB} tokens "
                          f"({BYTE_ALPHABET_SIZE} bytes + {END_OF_TEXT}); use e.g. 8192")
