@@ -18,14 +18,16 @@ from plait.train.text_data import load_text_data
 from plait.train.token_cache import pack_chunk, token_dtype
 from plait.train.tokenizer import END_OF_TEXT, Tokenizer, load_tokenizer, train_bpe
 
-DOCS = [f"def f{i}(x):\n    return x * {i} + {'ü' * (i % 3)}\n" * (1 + i % 4) for i in range(12)]
+# ü (2 UTF-8 bytes) in most documents; 語 (3 bytes, unseen by the tokenizers, so 3 ids) opens the first validation one
+DOCS = [("語 " if i == 9 else "") + f"def f{i}(x):\n    return x * {i} + {'ü' * (i % 3)}\n" * (1 + i % 4)
+        for i in range(12)]
 
 
 def bpe_file(tmp_path: Path) -> Path:
     """A tokenizer.json the test trains and saves (train_bpe + the tokenizers library's save)."""
     path = tmp_path / "tok" / "tokenizer.json"
     if not path.exists():
-        train_bpe(DOCS, 300).save(path)
+        train_bpe(DOCS[:9], 300).save(path)   # the training documents, as train:bpe does
     return path
 
 
@@ -86,8 +88,11 @@ def test_formats_pack_documents_with_end_of_text(tmp_path):
     np.testing.assert_array_equal(data.val, expected_stream(path, DOCS[9:]))
     np.testing.assert_array_equal(data.train, expected_stream(path, DOCS[:9]))
     # the closing sample's prompt: the start of the first validation document
-    prompt = data.sample_prompt(max_tokens=6)
+    prompt = data.sample_prompt(tokens=6)
     assert prompt and DOCS[9].startswith(prompt)
+    for tokens in range(1, 40):   # never a character cut in two (DOCS[9] opens with 語, 3 ids)
+        assert DOCS[9].startswith(data.sample_prompt(tokens=tokens))
+    assert data.sample_prompt(tokens=1) == "語"
     assert data.encode(prompt).tolist() == data.val[:len(data.encode(prompt))].tolist()
 
 

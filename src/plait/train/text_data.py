@@ -125,17 +125,24 @@ class TextData:
         return _gather(self.val, eval_window_ids(windows, index, batch_size, rank=rank, world_size=world_size),
                        seq_len)
 
-    def sample_prompt(self, max_tokens: int = SAMPLE_PROMPT_TOKENS) -> str:
-        """The text of the first ``max_tokens`` ids of the first non-empty validation
-        document (its end-of-text id excluded): a prompt from the data for the closing
-        sample. "" when every validation document is empty."""
-        if max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    def sample_prompt(self, tokens: int = SAMPLE_PROMPT_TOKENS) -> str:
+        """The start of the first non-empty validation document: its first ``tokens`` ids,
+        a few more when a character's bytes straddle the cut (byte-level BPE), never its
+        end-of-text id. A prompt from the data for the closing sample; "" when every
+        validation document is empty."""
+        if tokens < 1:
+            raise ValueError(f"tokens must be >= 1, got {tokens}")
         starts = self.packed.doc_starts
         for document in range(self.train_documents, self.documents):
             start, end = int(starts[document]), int(starts[document + 1]) - 1   # end: its end-of-text id
             if end > start:
-                return self.tokenizer.decode(self.packed.tokens[start:min(end, start + max_tokens)].tolist())
+                ids = self.packed.tokens[start:end].tolist()
+                count = min(tokens, len(ids))
+                text = self.tokenizer.decode(ids[:count])
+                while count < len(ids) and text.endswith("\ufffd"):   # half a character: take its other bytes
+                    count += 1
+                    text = self.tokenizer.decode(ids[:count])
+                return text
         return ""
 
 
