@@ -1,4 +1,5 @@
-"""parallelize with the ready plans on real gloo ranks against one process (float64):
+"""parallelize on real gloo ranks against one process (float64): the converted
+nn.Linear, HF Conv1D (fused GQA parts) and nn.Embedding (padded vocabulary) units, and
 HF GPT-2 (tied and untied head, a vocabulary tp does not divide, the bare GPT2Model,
 the vocab-sharded loss) at tp 2 and 4 with and without sequence parallelism, and
 plait's GPT as a plan against plait's GPT built sharded.
@@ -19,6 +20,7 @@ plait's GPT through its plan runs the same code on the same shards as GPT(config
 equal bit for bit.
 """
 
+import copy
 import sys
 from pathlib import Path
 
@@ -30,6 +32,7 @@ import torch.nn.functional as F
 from plait.testing import run_distributed
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/, for hf_models
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # for hand_swap_gpt2
 from hf_models import tiny_gpt2  # noqa: E402
 
 LOGITS_ATOL, PARAMS_ATOL, HF_LOSS_ATOL = 1e-12, 1e-10, 1e-6
@@ -127,6 +130,56 @@ def _plait_gpt_case(sp: bool) -> dict:
     return errors
 
 
+def _units_case() -> dict:
+    """nn.Linear column- then row-parallel, HF Conv1D fused with GQA-shaped parts and
+    gathered output, Conv1D row-parallel from a replicated input, nn.Embedding with a
+    vocabulary tp does not divide and a padding_idx: outputs and gathered gradients
+    against the unsharded modules."""
+    from torch import nn
+    from transformers.pytorch_utils import Conv1D
+
+    from plait.parallel.tensor import (ColwiseParallel, RowwiseParallel, TensorParallel, VocabParallel, gather_grads,
+                                       parallelize)
+
+    torch.manual_seed(5)  # the same modules and inputs on every rank
+    tp = TensorParallel()
+    cases = {
+        "linear": (nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 6)),
+                   {"0": ColwiseParallel(), "2": RowwiseParallel()}, torch.randn(3, 5, 6)),
+        "conv1d_fused_gqa": (nn.Sequential(Conv1D(16, 6)), {"0": ColwiseParallel(fused=(8, 4, 4), gather_output=True)},
+                             torch.randn(3, 5, 6)),
+        "conv1d_rowwise_replicated_input": (nn.Sequential(Conv1D(6, 8)),
+                                            {"0": RowwiseParallel(input_is_parallel=False)}, torch.randn(3, 5, 8)),
+        "embedding_padded": (nn.Sequential(nn.Embedding(11, 6, padding_idx=3)), {"0": VocabParallel()},
+                             torch.tensor([[0, 3, 10, 5], [6, 3, 1, 9]])),
+    }
+    errors = {}
+    for name, (module, plan, x) in cases.items():
+        module = module.double()
+        x = x.double() if x.is_floating_point() else x
+        reference = copy.deepcopy(module)
+        parallelize(module, tp, plan)
+        got, want = module(x), reference(x)
+        got.square().sum().backward()
+        want.square().sum().backward()
+        grads = gather_grads(module, tp)
+        errors[f"{name}_output"] = float((got - want).detach().abs().max())
+        errors[f"{name}_grads"] = max(float((grads[key] - param.grad).abs().max())
+                                      for key, param in reference.named_parameters())
+    return errors
+
+
+def _hand_swap_case() -> dict:
+    """The hand swap (what the plan replaces) gives the same logits: the count compares like with like."""
+    from hand_swap_gpt2 import hand_swap_gpt2
+
+    reference, model = tiny_gpt2(), tiny_gpt2()
+    tokens = _tokens(64, 0)
+    hand_swap_gpt2(model, dist.group.WORLD)
+    with torch.no_grad():
+        return {"logits": float((model(tokens).logits - reference(tokens).logits).abs().max())}
+
+
 def _run_cases(rank, world_size, cases):
     torch.set_num_threads(1)
     results = {}
@@ -134,6 +187,10 @@ def _run_cases(rank, world_size, cases):
         name = case["name"]
         if case.get("plait_gpt"):
             errors = _plait_gpt_case(case["sp"])
+        elif case.get("units"):
+            errors = _units_case()
+        elif case.get("hand_swap"):
+            errors = _hand_swap_case()
         else:
             group = case.get("group", "world")
             if group == "mesh":
@@ -148,7 +205,6 @@ def _run_cases(rank, world_size, cases):
 
 def _check(results: list[dict]) -> None:
     worst = {key: max(result[key] for result in results) for key in results[0]}
-    print(worst)
     for key, value in worst.items():
         if key.endswith(("round_trip", "shard_then_gather", "keys_equal", "not_bitwise")):
             assert value == 0.0, (key, value)  # exact: slices and concatenations only
@@ -169,6 +225,8 @@ def test_gpt2_plan_matches_one_process_tp2():
         dict(name="bare_sp", vocab=64, tied=True, sp=True, bare=True),
         dict(name="plait_gpt", plait_gpt=True, sp=False),
         dict(name="plait_gpt_sp", plait_gpt=True, sp=True),
+        dict(name="hand_swap", hand_swap=True),
+        dict(name="units", units=True),
     ]
     _check(run_distributed(_run_cases, 2, cases, timeout_s=240))
 

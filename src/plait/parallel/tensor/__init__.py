@@ -47,7 +47,7 @@ from plait.parallel.tensor.mappings import (
     scatter_to_sequence,
     sum_grads_in_backward,
 )
-from plait.parallel.tensor.plan import ParallelPlan, parallelize
+from plait.parallel.tensor.plan import ParallelPlan, check_plan, parallelize
 from plait.parallel.tensor.plans import gpt2_plan, plait_gpt_plan, plan_for
 from plait.parallel.tensor.sharding import (
     ShardSpec,
@@ -60,7 +60,7 @@ from plait.parallel.tensor.sharding import (
 from plait.parallel.tensor.styles import ColwiseParallel, Replicate, RowwiseParallel, SequenceParallel, VocabParallel
 
 __all__ = [
-    "ColwiseParallel", "ParallelPlan", "Replicate", "RowwiseParallel", "SequenceParallel", "VocabParallel",
+    "ColwiseParallel", "ParallelPlan", "Replicate", "check_plan", "RowwiseParallel", "SequenceParallel", "VocabParallel",
     "gpt2_plan", "parallelize", "plait_gpt_plan", "plan_for",
     "ColumnParallelLinear", "ConsistentDropout", "LAYOUT_CHECKS", "LOCAL", "ParallelAttention", "ParallelMLP",
     "REPLICATED", "RowParallelLinear", "SEQUENCE_SHARDED", "SequenceParallelEntry", "SequenceParallelExit",

@@ -228,6 +228,35 @@ def _weights_code(model: nn.Module) -> int:
     return zlib.crc32(packed) & 0x7FFFFFFF
 
 
+def as_plan(plan, sequence_parallel: bool = False) -> ParallelPlan:
+    """A ParallelPlan from a ParallelPlan or a dict of patterns to styles."""
+    if isinstance(plan, Mapping):
+        plan = ParallelPlan(styles=plan, sequence_parallel=sequence_parallel)
+    if not isinstance(plan, ParallelPlan):
+        raise TypeError(f"plan must be a ParallelPlan or a dict of module-name patterns to styles, got "
+                        f"{type(plan).__name__}")
+    return plan
+
+
+def check_plan(model: nn.Module, plan, tp_size: int, *, adapter=None) -> list[tuple[str, nn.Module, object]]:
+    """Everything ``parallelize`` refuses, without a process group (the planner and a
+    launcher check a plan at a tp before any process starts): returns the matched
+    (module name, module, style) in the model's order."""
+    plan = as_plan(plan)
+    adapter = plan.adapter if adapter is None else adapter
+    if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
+        raise ValueError(f"tp_size={tp_size!r} must be a whole number >= 1")
+    matched = match_plan(model, plan.styles)
+    if adapter is not None:  # first: "num_heads=6 is not divisible by tp=4" says more than a layer's width
+        adapter.check(model, {name: style for name, _, style in matched}, tp_size)
+    for name, module, style in matched:
+        check_module(name, module, style, tp_size, plan.sequence_parallel)
+    if plan.sequence_parallel:
+        _check_sequence_claims(model, matched, adapter)
+    _check_ties(model, matched)
+    return matched
+
+
 def parallelize(model: nn.Module, tp, plan, *, adapter=None) -> nn.Module:
     """Shard ``model`` in place over ``tp`` (a TensorParallel, a ProcessGroup or a 1-D
     DeviceMesh) by ``plan`` (a ParallelPlan, or a dict of module-name patterns to
@@ -235,22 +264,10 @@ def parallelize(model: nn.Module, tp, plan, *, adapter=None) -> nn.Module:
     weights and plan. ``adapter`` overrides the plan's."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"parallelize takes an nn.Module, got {type(model).__name__}")
-    if isinstance(plan, Mapping):
-        sequence_parallel = tp.sequence_parallel if isinstance(tp, TensorParallel) else False
-        plan = ParallelPlan(styles=plan, sequence_parallel=sequence_parallel)
-    if not isinstance(plan, ParallelPlan):
-        raise TypeError(f"plan must be a ParallelPlan or a dict of module-name patterns to styles, got "
-                        f"{type(plan).__name__}")
+    plan = as_plan(plan, tp.sequence_parallel if isinstance(tp, TensorParallel) else False)
     adapter = plan.adapter if adapter is None else adapter
     tp = resolve_tp(tp, plan.sequence_parallel)
-    matched = match_plan(model, plan.styles)
-    for name, module, style in matched:
-        check_module(name, module, style, tp.size, plan.sequence_parallel)
-    if adapter is not None:
-        adapter.check(model, {name: style for name, _, style in matched}, tp.size)
-    if plan.sequence_parallel:
-        _check_sequence_claims(model, matched, adapter)
-    _check_ties(model, matched)
+    matched = check_plan(model, plan, tp.size, adapter=adapter)
     if tp.size > 1:
         fields = {"plan": zlib.crc32(plan.describe().encode()) & 0x7FFFFFFF, "weights": _weights_code(model),
                   **tp.agreement_fields()}
