@@ -3,6 +3,7 @@ directory AutoTokenizer loads from local files, train:bpe:VOCAB trained here; th
 end-of-text token, the identity the token cache is keyed by, and the refusals."""
 
 import json
+import socket
 from pathlib import Path
 
 import pytest
@@ -72,7 +73,12 @@ def test_autotokenizer_directory_local_files_and_save_pretrained(tmp_path):
     PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<eos>", unk_token="[UNK]").save_pretrained(
         tmp_path / "hf")
     assert parse_tokenizer_spec(str(tmp_path / "hf")).kind == "pretrained"
-    tokenizer = load_tokenizer(str(tmp_path / "hf"))
+    refuse = pytest.MonkeyPatch()   # local files only: any connection attempt fails the test
+    refuse.setattr(socket.socket, "connect", lambda *args: pytest.fail(f"network access {args[1:]}"))
+    try:
+        tokenizer = load_tokenizer(str(tmp_path / "hf"))
+    finally:
+        refuse.undo()
     assert tokenizer.eos_token == "<eos>" and tokenizer.eos_id == 4
     assert tokenizer.encode("hello again") == [1, 3]
     # save_pretrained writes what AutoTokenizer loads, with the same ids and eos
