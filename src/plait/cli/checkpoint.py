@@ -2,11 +2,16 @@
 
     plait checkpoint info RUN_OR_CHECKPOINT_DIR
     plait checkpoint export RUN_OR_CHECKPOINT_DIR --out model.safetensors [--format safetensors|torch]
+    plait checkpoint export RUN_OR_CHECKPOINT_DIR --format hf --out DIR
 
 A run directory stands for its newest complete checkpoint (newer partial or corrupt
 ones are named on stderr and skipped). `info` verifies every file's size and sha256,
 then prints the step, mesh, model and files; `export` writes the unsharded model
-state dict (GPT parameter names), loadable into plait.models.GPT with strict=True.
+state dict (the model's own parameter names), loadable into plait.models.GPT (or the
+--model hf: run's HF model) with strict=True; `--format hf` writes a directory
+(config.json, model.safetensors, the run's tokenizer) that transformers'
+AutoModelForCausalLM.from_pretrained(DIR) loads: a --model hf: run's model, or plait's
+GPT as GPT2LMHeadModel (plait.train.export_hf).
 A bad or corrupt checkpoint exits 2 with the reason, in one line: among them a step
 directory (or checkpoints/) that is a symbolic link, a manifest whose step is not its
 directory's or whose mesh, shapes or model are not its files', and a path longer than
@@ -23,6 +28,7 @@ from pathlib import Path
 from plait.cli.output_paths import output_file, prepare_output_paths
 from plait.train import checkpoint
 from plait.train import export as export_file
+from plait.train import export_hf
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -35,12 +41,15 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                                                    "checkpoints/step_* directory")
     info.set_defaults(run=run_info)
     export = actions.add_parser("export", prog="plait checkpoint export",
-                                help="write the unsharded model state dict (.safetensors or .pt)")
+                                help="write the unsharded model state dict (.safetensors or .pt), or a Hugging "
+                                     "Face directory (--format hf)")
     export.add_argument("path", metavar="PATH", help="a run directory (its latest complete checkpoint) or a "
                                                      "checkpoints/step_* directory")
-    export.add_argument("--out", required=True, metavar="FILE", help="output file: .safetensors or .pt")
+    export.add_argument("--out", required=True, metavar="FILE|DIR", help="output file: .safetensors or .pt; with "
+                                                                        "--format hf a directory")
     export.add_argument("--format", choices=export_file.EXPORT_FORMATS, default=None,
-                        help="default: from the --out suffix (.safetensors -> safetensors, .pt/.pth/.bin -> torch)")
+                        help="default: from the --out suffix (.safetensors -> safetensors, .pt/.pth/.bin -> torch); "
+                             "hf: a directory transformers' from_pretrained loads")
     export.set_defaults(run=run_export)
     return parser
 
@@ -92,6 +101,8 @@ def run_info(args: argparse.Namespace) -> int:
 
 
 def run_export(args: argparse.Namespace) -> int:
+    if args.format == export_file.HF_FORMAT:
+        return run_export_hf(args)
     fmt = export_file.export_format(args.out, args.format)  # a bad --out suffix fails before any reading
     export_file.check_out_path(args.out)  # an overlong name, too
     prepare_output_paths(output_file("--out", args.out))
@@ -100,4 +111,15 @@ def run_export(args: argparse.Namespace) -> int:
     manifest = checkpoint.read_manifest(directory)
     print(f"exported step {manifest.get('step')} of {directory} ({len(manifest['files'])} shards) to {out_path} "
           f"({fmt}, {_nbytes_text(out_path.stat().st_size)})")
+    return 0
+
+
+def run_export_hf(args: argparse.Namespace) -> int:
+    export_hf.check_out_dir(args.out)  # a file, a link or a foreign directory fails before any reading
+    directory, verified = checkpoint.resolve(args.path, log=_note, what="PATH")
+    out_dir, written = export_hf.export_hf(directory, args.out, log=_note, check_files=not verified)
+    tokenizer = ", ".join(written["tokenizer"]) or "no tokenizer (none saved with the run)"
+    print(f"exported step {written['step']} of {directory} to {out_dir} as {written['architecture']} "
+          f"({written['tensors']} tensors, {_nbytes_text((out_dir / export_hf.WEIGHTS_NAME).stat().st_size)}; "
+          f"{tokenizer}): AutoModelForCausalLM.from_pretrained({str(out_dir)!r}) loads it")
     return 0

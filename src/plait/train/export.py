@@ -1,8 +1,10 @@
 """One unsharded model file from a sharded checkpoint: ``plait checkpoint export``.
 
-The state dict has the unsharded GPT's parameter names and contiguous tensors, as
-.safetensors (with the GPTConfig and step as metadata) or a torch.save'd dict of
-tensors; both load into ``GPT(GPTConfig(**manifest["model"]))`` with strict=True.
+The state dict has the unsharded model's parameter names (the GPT's, or a ``--model
+hf:`` run's HF names) and contiguous tensors, as .safetensors (with the model
+description and step as metadata) or a torch.save'd dict of tensors; a GPT's loads
+into ``GPT(GPTConfig(**manifest["model"]))`` with strict=True. ``--format hf`` writes
+a directory ``from_pretrained`` loads instead (plait.train.export_hf).
 """
 
 from __future__ import annotations
@@ -17,14 +19,17 @@ from plait.train.checkpoint import resolve
 from plait.train.checkpoint_checks import check_user_path, cut, name_max
 from plait.train.checkpoint_load import load_full
 
-EXPORT_FORMATS = ("safetensors", "torch")
+FILE_FORMATS = ("safetensors", "torch")
+HF_FORMAT = "hf"  # a directory: plait.train.export_hf
+EXPORT_FORMATS = (*FILE_FORMATS, HF_FORMAT)
 # atomic_write fills ".NAME.XXXXXXXX.tmp" first (tempfile.mkstemp: 8 random characters): 14 bytes more than NAME
 TEMPORARY_NAME_EXTRA_NBYTES = len("..") + 8 + len(".tmp")
 _SUFFIX_FORMATS = {".safetensors": "safetensors", ".pt": "torch", ".pth": "torch", ".bin": "torch"}
 
 
 def export_format(out_path: str | os.PathLike, fmt: str | None = None) -> str:
-    """"safetensors" or "torch": ``fmt`` if given, else from the file suffix."""
+    """"safetensors", "torch" or "hf": ``fmt`` if given, else from the file suffix
+    (a directory, "hf", is only ever asked for by name)."""
     if fmt is not None:
         if fmt not in EXPORT_FORMATS:
             raise ValueError(f"format {fmt!r} is not one of {list(EXPORT_FORMATS)}")
@@ -32,7 +37,8 @@ def export_format(out_path: str | os.PathLike, fmt: str | None = None) -> str:
     suffix = Path(out_path).suffix.lower()
     if suffix not in _SUFFIX_FORMATS:
         raise ValueError(f"cannot tell the format of {str(out_path)!r} from its suffix: name it .safetensors or "
-                         ".pt, or give the format (--format safetensors|torch)")
+                         ".pt, or give the format (--format safetensors|torch, or hf for a Hugging Face "
+                         "directory)")
     return _SUFFIX_FORMATS[suffix]
 
 
@@ -64,8 +70,10 @@ def export(directory: str | os.PathLike, out_path: str | os.PathLike, fmt: str |
     the GPTConfig and step as metadata) or a torch.save'd dict of tensors; both load
     into GPT(GPTConfig(**manifest["model"])) with strict=True. The checkpoint is
     verified first unless ``check_files`` is False (or it was found via a run dir)."""
-    out_path = check_out_path(out_path)
     fmt = export_format(out_path, fmt)
+    if fmt == HF_FORMAT:
+        raise ValueError("format 'hf' writes a directory: use plait.train.export_hf.export_hf(checkpoint, out_dir)")
+    out_path = check_out_path(out_path)
     directory, verified = resolve(directory, log=log)
     manifest, model, _, _ = load_full(directory, check_files=check_files and not verified)
     state = {name: tensor.contiguous() for name, tensor in model.items()}
