@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from plait.parallel.tensor.sharding import ShardSpec, shard_tensor
+from plait.parallel.tensor.sharding import ShardSpec, fused_gather_index, shard_tensor
 from plait.train.checkpoint import problems_summary, verify
 from plait.train.checkpoint_checks import check_header, read_manifest, shard_name
 
@@ -32,14 +32,18 @@ def _agree(values: list, what: str) -> object:
 
 
 def _concat(pieces: list[torch.Tensor], spec: list[int], what: str) -> torch.Tensor:
-    """The unsharded tensor: the tp slices concatenated along dim, padding dropped."""
-    dim, full_size = spec
+    """The unsharded tensor: the tp slices concatenated along dim, padding dropped; a
+    fused layout's parts ([dim, full_size, *parts]: each rank holds its 1/tp of every
+    part) put back in the unsharded order."""
+    dim, full_size, *parts = spec
     size = -(-full_size // len(pieces))
     for tp_rank, piece in enumerate(pieces):
         if piece.dim() <= dim or piece.shape[dim] != size or piece.shape != pieces[0].shape:
             raise ValueError(f"{what} on tp rank {tp_rank} has shape {tuple(piece.shape)}; spec {spec} at tp_size "
                              f"{len(pieces)} needs {size} along dim {dim}, the same on every rank")
     full = torch.cat(pieces, dim=dim)
+    if parts:
+        return full.index_select(dim, fused_gather_index(tuple(parts), len(pieces)))
     return full.narrow(dim, 0, full_size).clone() if full.shape[dim] != full_size else full
 
 
@@ -71,20 +75,22 @@ def _load_grid(directory: Path, manifest: dict) -> dict[tuple[int, int], dict]:
     return grid
 
 
-def load_full(directory: str | os.PathLike, *, check_files: bool = True,
-              check_replicas: bool = True) -> tuple[dict, dict, dict, dict]:
+def load_full(directory: str | os.PathLike, *, check_files: bool = True, check_replicas: bool = True,
+              manifest: dict | None = None) -> tuple[dict, dict, dict, dict]:
     """(manifest, model {name: unsharded tensor}, optimizer {name: {key: value}},
     specs {name: [dim, full_size] | None}) from every shard of a checkpoint.
     Sharded tensors (and optimizer state shaped like their shard) are concatenated
     in tp-rank order and trimmed to full_size; replicated ones and other state (e.g.
     0-dim step) come from tp rank 0, checked equal on the others. ``check_files``
-    verifies sizes and sha256 first (skip it right after ``latest_complete``)."""
+    verifies sizes and sha256 first (skip it right after ``latest_complete``).
+    ``manifest``: the one about to be written (its "files" and "mesh"), to read a
+    checkpoint's shards before its commit point (plait.train.checkpoint_dcp)."""
     directory = Path(directory)
-    problems = verify(directory) if check_files else []
+    problems = verify(directory) if check_files and manifest is None else []
     if problems:
         raise ValueError(f"{directory} is not a complete checkpoint: {problems_summary(problems)}; resume from an older "
                          "one (latest_complete picks it)")
-    manifest = read_manifest(directory)
+    manifest = read_manifest(directory) if manifest is None else manifest
     grid = _load_grid(directory, manifest)
     tp_size = 1 + max(tp for tp, _ in grid)
     pp_size = 1 + max(pp for _, pp in grid)
@@ -139,7 +145,8 @@ def reshard(full_model: dict, full_optimizer: dict, specs: dict, tp_rank: int, t
     model_shard, optimizer_shard = {}, {}
     for name in names:
         full = full_model[name]
-        spec = None if specs[name] is None else ShardSpec(*specs[name])
+        dim, full_size, *parts = specs[name] or (0, 0)
+        spec = None if specs[name] is None else ShardSpec(dim, full_size, tuple(parts) or None)
         model_shard[name] = shard_tensor(full, spec, tp_rank, tp_size).clone()
         if name in full_optimizer:
             optimizer_shard[name] = {

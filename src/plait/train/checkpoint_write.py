@@ -81,14 +81,17 @@ def _compact(value):
 
 
 def _spec_entry(spec, name: str) -> list[int] | None:
-    """None, ShardSpec, (dim, full_size) or [dim, full_size] -> [dim, full_size] | None."""
+    """None, ShardSpec, (dim, full_size) or [dim, full_size] -> [dim, full_size] | None;
+    a fused layout's parts follow: [dim, full_size, *parts] (checkpoint_load puts them back)."""
     if spec is None:
         return None
     if isinstance(spec, ShardSpec):
-        return [spec.dim, spec.full_size]
-    if isinstance(spec, (list, tuple)) and len(spec) == 2 and all(type(x) is int for x in spec):
-        return [spec[0], spec[1]]
-    raise ValueError(f"specs[{name!r}] = {spec!r}: use None (replicated) or [dim, full_size]")
+        return [spec.dim, spec.full_size, *(spec.parts or ())]
+    if isinstance(spec, (list, tuple)) and len(spec) >= 2 and all(type(x) is int for x in spec) and \
+            (len(spec) == 2 or sum(spec[2:]) == spec[1]):
+        return list(spec)
+    raise ValueError(f"specs[{name!r}] = {spec!r}: use None (replicated), [dim, full_size] or [dim, full_size, "
+                     "*parts] (a fused layout's parts, summing to full_size)")
 
 
 def write_shard(directory: str | os.PathLike, name: str, payload: dict) -> dict:

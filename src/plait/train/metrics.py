@@ -30,6 +30,7 @@ import torch
 
 from plait import comm
 from plait.train.atomic_files import atomic_write, open_no_link
+from plait.train.tensorboard_log import TensorBoardLog
 
 
 class MetricsLog:
@@ -40,9 +41,11 @@ class MetricsLog:
         records before ``start_step`` back (``records``: every record of the run).
     group, dp_size: the dp group the losses are averaged over (size 1: no collective).
     interval: log_interval, steps between flushes (>= 1).
+    tensorboard_dir: also write the records as TensorBoard scalars there (rank 0), or None.
     """
 
-    def __init__(self, path: Path, *, group, dp_size: int, write: bool, interval: int, start_step: int = 0):
+    def __init__(self, path: Path, *, group, dp_size: int, write: bool, interval: int, start_step: int = 0,
+                 tensorboard_dir: Path | None = None):
         if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
             raise ValueError(f"log interval must be an int >= 1 step, got {interval!r}")
         self.path, self.group, self.dp_size = Path(path), group, dp_size
@@ -50,11 +53,14 @@ class MetricsLog:
         self.records: list[dict] = []
         self._held: list[dict] = []
         self._file = None
+        self._tensorboard = None
         if write:
             self.records = read_metrics(self.path, before=start_step)
             write_metrics(self.path, self.records)
             # O_NOFOLLOW: a link put at metrics.jsonl since it was replaced is refused, never appended through
             self._file = os.fdopen(open_no_link(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT), "a")
+            if tensorboard_dir is not None:
+                self._tensorboard = TensorBoardLog(tensorboard_dir, start_step=start_step)
 
     def flush_due(self, step: int, *, last: bool = False, checkpoint: bool = False) -> bool:
         """Whether the log is flushed after ``step`` (the same answer on every rank)."""
@@ -85,6 +91,8 @@ class MetricsLog:
             self._file.write("".join(json.dumps(record) + "\n" for record in held))
             self._file.flush()
             self.records.extend(held)
+        if self._tensorboard is not None:
+            self._tensorboard.write(held)
         return held
 
     def close(self) -> None:
@@ -93,6 +101,31 @@ class MetricsLog:
         if self._file is not None:
             self._file.close()
             self._file = None
+        if self._tensorboard is not None:
+            self._tensorboard.close()
+            self._tensorboard = None
+
+
+class AxisCommClock:
+    """Seconds this rank spends in collectives on each mesh axis of size > 1 during a
+    step: ``start()`` before it, ``stop()`` after -> {"comm_dp_s": ..., ...}. Reads
+    the time each axis's communicator has recorded (plait.comm.stats(group)); the
+    pipeline's send/recv are not collectives (their waits are the step's bubble)."""
+
+    def __init__(self, groups: dict, sizes: dict[str, int]):
+        self.groups = {axis: group for axis, group in groups.items() if sizes[axis] > 1}
+        self._started: dict[str, float] = {}
+
+    def _seconds(self) -> dict[str, float]:
+        return {axis: sum(entry["time_s"] for entry in comm.stats(group).values())
+                for axis, group in self.groups.items()}
+
+    def start(self) -> None:
+        self._started = self._seconds()
+
+    def stop(self) -> dict[str, float]:
+        now = self._seconds()
+        return {f"comm_{axis}_s": now[axis] - self._started.get(axis, 0.0) for axis in self.groups}
 
 
 def read_metrics(path: Path, before: int) -> list[dict]:
