@@ -220,6 +220,7 @@ def _check(results: list[dict]) -> None:
 def test_gpt2_plan_matches_one_process_tp2():
     cases = [
         dict(name="tied", vocab=64, tied=True, sp=False),
+        dict(name="untied", vocab=64, tied=False, sp=False),
         dict(name="untied_sp", vocab=64, tied=False, sp=True, group="mesh"),
         dict(name="tied_sp_loss_parallel", vocab=64, tied=True, sp=True, loss_parallel=True),
         dict(name="bare_sp", vocab=64, tied=True, sp=True, bare=True),
@@ -235,6 +236,7 @@ def test_gpt2_plan_matches_one_process_tp2():
 def test_gpt2_plan_matches_one_process_tp4():
     cases = [
         dict(name="tied_padded_vocab", vocab=66, tied=True, sp=False),  # 66 rows: padded to 68 at tp=4
+        dict(name="untied", vocab=64, tied=False, sp=False, group="mesh"),
         dict(name="untied_sp", vocab=64, tied=False, sp=True),
         dict(name="tied_sp_padded_loss_parallel", vocab=66, tied=True, sp=True, loss_parallel=True),
         dict(name="plait_gpt_sp", plait_gpt=True, sp=True),
