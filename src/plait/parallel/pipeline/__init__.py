@@ -7,6 +7,8 @@
   validator; the engine's tests and the planner (``plait.plan.pipeline``) both use it.
 - ``partition``: splitting a sequential model into stages.
 - ``engine``: ``PipelineEngine``, which runs a schedule over real processes.
+- ``graph_split``: ``split(model, example_inputs, stages=N | split_points=[...])``, the
+  automatic split of any model (traced by ``graph_trace``) into stage modules.
 - ``draw``: ASCII and PNG Gantt charts, timeline JSON, the closed forms.
 
 ``actions``, ``schedules`` and ``replay`` import neither torch nor torch.distributed
@@ -43,9 +45,10 @@ from plait.parallel.pipeline.schedules import (
 _LAZY = {name: "plait.parallel.pipeline.draw"
          for name in ("ascii_gantt", "plot_gantt", "theory", "timeline_from_json", "timeline_to_json")}
 _LAZY.update({name: "plait.parallel.pipeline.engine" for name in ("PipelineEngine", "PipelineError", "gather_timeline")})
+_LAZY.update({name: "plait.parallel.pipeline.graph_split" for name in ("split", "causal_lm_loss", "PipelineSplit")})
 
 __all__ = [
-    "PipelineEngine", "PipelineError", "ascii_gantt", "gather_timeline", "plot_gantt", "theory",
+    "PipelineEngine", "PipelineError", "PipelineSplit", "ascii_gantt", "causal_lm_loss", "split", "gather_timeline", "plot_gantt", "theory",
     "timeline_from_json", "timeline_to_json",
     "SCHEDULES", "Action", "ActionKind", "Interval", "PipelineSchedule", "ScheduleError", "Timeline", "build",
     "chimera", "gpipe", "interleaved_1f1b", "one_f_one_b", "peak_in_flight", "peak_in_flight_per_chunk", "replay",

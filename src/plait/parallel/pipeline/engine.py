@@ -39,6 +39,7 @@ measurement: ``plait.memory.saved_memory`` measures live storages independently.
 
 from __future__ import annotations
 
+import inspect
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -52,6 +53,8 @@ from plait.comm import tags
 from plait.comm.communicator import process_group
 from plait.comm.errors import CommError
 from plait.parallel.arguments import wrapper_communicator
+from plait.parallel.pipeline.boundary_values import (as_leaf, grad_pairs, gradient_inputs, handed_over, input_grad,
+                                                     parts, shape_of)
 from plait.parallel.pipeline.engine_checks import check_pipeline_arguments
 from plait.parallel.pipeline.messages import PipelineError, StageMessages
 from plait.parallel.pipeline.replay import Interval, Timeline
@@ -172,7 +175,7 @@ class PipelineEngine:
         for module in self.stages.values():
             module.zero_grad(set_to_none=True)
         state = _StepState()
-        state.batch_storages = {batch.untyped_storage().data_ptr() for batch in (inputs, targets)
+        state.batch_storages = {batch.untyped_storage().data_ptr() for batch in (*parts(inputs), *parts(targets))
                                 if isinstance(batch, torch.Tensor)}
         actions = self.schedule.actions[self.rank]
         # checked before any message, so ranks given the same bad batch all raise alike
@@ -215,6 +218,8 @@ class PipelineEngine:
         if batch is None:
             raise ValueError(f"rank {self.rank} holds a {'first' if what == 'inputs' else 'last'} stage: "
                              f"pass the global batch's {what}")
+        if isinstance(batch, tuple):  # several inputs (a split model's positional inputs): each split alike
+            return list(zip(*(self._split(part, what) for part in batch)))
         if batch.shape[0] % m:
             raise ValueError(f"the batch of {batch.shape[0]} does not split into {m} equal micro-batches: "
                              f"use a batch size that is a multiple of {m}")
@@ -223,13 +228,13 @@ class PipelineEngine:
     def _run(self, action, state, micro_inputs, micro_targets, record):
         mb, s = action.microbatch, action.stage
         if action.kind == RECV_ACT:
-            state.inputs[(mb, s + 1)] = _as_leaf(self.messages.receive(action))
+            state.inputs[(mb, s + 1)] = as_leaf(self.messages.receive(action))
         elif action.kind == RECV_GRAD:
             state.output_grads[(mb, s - 1)] = self.messages.receive(action)
         elif action.kind == SEND_ACT:
             self.messages.send(self._checked(state, s, mb, state.outputs[(mb, s)]), action)
         elif action.kind == SEND_GRAD:
-            self.messages.send(_input_grad(state.inputs.pop((mb, s))), action)
+            self.messages.send(input_grad(state.inputs.pop((mb, s))), action)
         elif action.kind == FORWARD:
             t0 = time.perf_counter()
             self._forward(mb, s, state, micro_inputs, micro_targets)
@@ -248,10 +253,10 @@ class PipelineEngine:
             assert action.kind == STEP
 
     def _checked(self, state, stage, microbatch, tensor):
-        first = state.shapes.setdefault(stage, (microbatch, tuple(tensor.shape)))
-        if first[1] != tuple(tensor.shape):
+        first = state.shapes.setdefault(stage, (microbatch, shape_of(tensor)))
+        if first[1] != shape_of(tensor):
             raise ValueError(f"stage {stage} output shape changed between micro-batches: {first[1]} for micro-batch "
-                             f"{first[0]}, {tuple(tensor.shape)} for micro-batch {microbatch}; every micro-batch "
+                             f"{first[0]}, {shape_of(tensor)} for micro-batch {microbatch}; every micro-batch "
                              "must give the same shape")
         return tensor
 
@@ -261,7 +266,7 @@ class PipelineEngine:
         elif (mb, s) in state.inputs:
             x = state.inputs[(mb, s)]
         else:  # the previous stage ran here: hand over a detached copy, as a message would
-            x = _as_leaf(state.outputs[(mb, s - 1)].detach())
+            x = handed_over(state.outputs[(mb, s - 1)])
             state.inputs[(mb, s)] = x
         saved, counted = [0], set()  # activations only: each tensor (view) once, never a parameter
         # nor the caller's batch (a micro-batch is a view of it: memory the caller holds anyway)
@@ -270,7 +275,7 @@ class PipelineEngine:
         meter, offloader = self.meter, self.offloader
         if offloader is not None:
             offloader.begin((mb, s), enabled=state.position not in state.backward_next)
-        input_storage = x.untyped_storage().data_ptr() if isinstance(x, torch.Tensor) else None
+        input_storages = {part.untyped_storage().data_ptr() for part in parts(x) if isinstance(part, torch.Tensor)}
 
         def pack(tensor):
             key = (tensor.data_ptr(), tensor.numel() * tensor.element_size())
@@ -280,7 +285,7 @@ class PipelineEngine:
             if key not in counted and not parameter and storage not in batch_storages:
                 counted.add(key)
                 saved[0] += key[1]
-            if offloader is not None and storage != input_storage and storage not in batch_storages:
+            if offloader is not None and storage not in input_storages and storage not in batch_storages:
                 tensor = offloader.pack(tensor)  # (the stage input and the batch are held anyway)
                 if not isinstance(tensor, torch.Tensor):
                     return tensor  # off the device: nothing resident to meter
@@ -293,12 +298,13 @@ class PipelineEngine:
 
         with torch.autograd.graph.saved_tensors_hooks(pack, unpack if (meter or offloader) else _identity):
             with autocast(self.device, self.autocast_dtype):
-                out = self.stages[s](x)
-            if s != self.last and not isinstance(out, torch.Tensor):
+                out = _call_stage(self.stages[s], s, x)
+            if s != self.last and not (isinstance(out, torch.Tensor) or isinstance(out, tuple) and
+                                       all(isinstance(part, torch.Tensor) for part in out)):
                 raise TypeError(f"stage {s} ({type(self.stages[s]).__name__}) returned a {type(out).__name__} for "
-                                f"micro-batch {mb}: a pipeline stage before the last must return one tensor, the "
-                                f"activation stage {s + 1} receives; return a single tensor (e.g. keep the first "
-                                "element, or move the extra outputs into a later stage)")
+                                f"micro-batch {mb}: a pipeline stage before the last must return a tensor or a tuple "
+                                f"of tensors, the activation stage {s + 1} receives; return those (e.g. keep the "
+                                "first element, or move the extra outputs into a later stage)")
             if s == self.last:
                 if self.autocast_dtype is not None and out.is_floating_point():
                     out = out.float()  # the loss in fp32, as Megatron keeps its cross-entropy
@@ -310,9 +316,9 @@ class PipelineEngine:
         if offloader is not None:
             offloader.end()
         state.outputs[(mb, s)] = out
-        input_key = (x.data_ptr(), x.numel() * x.element_size())
-        held_input = s > 0 and input_key not in counted  # the stage input we keep, unless autograd saved it
-        state.alive[(mb, s)] = saved[0] + (input_key[1] if held_input else 0)
+        # the stage input we keep, unless autograd saved it
+        input_keys = [(part.data_ptr(), part.numel() * part.element_size()) for part in parts(x)] if s > 0 else []
+        state.alive[(mb, s)] = saved[0] + sum(key[1] for key in input_keys if key not in counted)
         state.stage_bytes.setdefault(s, state.alive[(mb, s)])
         state.peak_bytes = max(state.peak_bytes, sum(state.alive.values()))
 
@@ -320,25 +326,27 @@ class PipelineEngine:
         grad = None if s == self.last else state.output_grads.pop((mb, s))
         if self.schedule.split_backward:
             # B: the input gradient only, keeping the graph for W (stage 0 has none to make)
-            out, stage_input = state.outputs[(mb, s)], state.inputs.get((mb, s))
+            outs, grads = grad_pairs(state.outputs[(mb, s)], grad)
+            inputs = gradient_inputs(state.inputs.get((mb, s)))
             deferred = None
-            if out.requires_grad and stage_input is not None and stage_input.requires_grad:
-                deferred = input_backward(out, grad, stage_input, self._trained(s))
-            state.weight_grads[(mb, s)] = (grad, deferred)
+            if outs and inputs:
+                deferred = input_backward(outs, grads, inputs, self._trained(s))
+            state.weight_grads[(mb, s)] = (grads, deferred)
         else:
-            out = state.outputs.pop((mb, s))
-            if out.requires_grad:  # a frozen stage (e.g. a fixed embedding) has nothing to do
-                torch.autograd.backward(out, grad)
+            outs, grads = grad_pairs(state.outputs.pop((mb, s)), grad)
+            if outs:  # a frozen stage (e.g. a fixed embedding) has nothing to do
+                torch.autograd.backward(outs, grads)
             state.alive.pop((mb, s), None)
         if s > 0 and self.schedule.rank_of(mb, s - 1) == self.rank:
-            state.output_grads[(mb, s - 1)] = _input_grad(state.inputs.pop((mb, s)))
+            state.output_grads[(mb, s - 1)] = input_grad(state.inputs.pop((mb, s)))
 
     def _weight(self, mb, s, state):
         """W of a split backward: the stage's weight gradients, then its activations go."""
-        out, (grad, deferred) = state.outputs.pop((mb, s)), state.weight_grads.pop((mb, s))
+        out, (grads, deferred) = state.outputs.pop((mb, s)), state.weight_grads.pop((mb, s))
+        outs = [part for part in parts(out) if part.requires_grad]
         params = self._trained(s)
-        if out.requires_grad and params:
-            weight_backward(out, grad, deferred, params)
+        if outs and params:
+            weight_backward(outs, grads, deferred, params)
         state.alive.pop((mb, s), None)
 
     def _trained(self, stage: int) -> list[nn.Parameter]:
@@ -400,16 +408,20 @@ def _identity(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def _as_leaf(tensor: torch.Tensor) -> torch.Tensor:
-    """A stage input: a leaf that collects its gradient (integer inputs, e.g. token
-    ids, carry none)."""
-    return tensor.requires_grad_(True) if tensor.is_floating_point() else tensor
-
-
-def _input_grad(stage_input: torch.Tensor) -> torch.Tensor:
-    """The gradient a stage hands upstream: zeros where its input did not influence
-    the loss (None would read as an abort)."""
-    return stage_input.grad if stage_input.grad is not None else torch.zeros_like(stage_input)
+def _call_stage(module: nn.Module, stage: int, x):
+    """module(x), or module(*x) for the tuple a split model's stage receives."""
+    if not isinstance(x, tuple):
+        return module(x)
+    try:
+        return module(*x)
+    except TypeError as error:
+        try:
+            inspect.signature(module.forward).bind(*x)
+        except TypeError:
+            raise TypeError(f"stage {stage} ({type(module).__name__}) cannot take the {len(x)} tensors the stage "
+                            f"before returned ({error}): a stage after one returning a tuple takes its parts as "
+                            "positional arguments") from error
+        raise
 
 
 def gather_timeline(engine: PipelineEngine, step: int = -1) -> Timeline:

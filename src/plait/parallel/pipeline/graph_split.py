@@ -25,6 +25,7 @@ states, position ids, masks, rotary cos/sin, ...): a stage takes and returns a t
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass
 
 import torch
@@ -182,7 +183,7 @@ def split(model: nn.Module, example_inputs, *, stages: int | None = None, split_
     known = dict(model.named_modules())
     for point in split_points or ():
         if point not in known or not point:
-            near = [name for name in known if name and name.endswith(str(point).rpartition(".")[2])][:3]
+            near = difflib.get_close_matches(str(point), [name for name in known if name], n=3)
             raise ValueError(f"split: split point {point!r} names no module of {type(model).__name__}"
                              f"{' (did you mean ' + ', '.join(map(repr, near)) + '?)' if near else ''}")
     leaf_names = default_leaves(model, leaves)

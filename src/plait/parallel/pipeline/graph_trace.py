@@ -192,6 +192,7 @@ class _Tracer:
         self.constant_ids: set[int] = set()
         self.tainted: set[int] = set()
         self.flop_counter: FlopCounterMode | None = None
+        self.counting = False
 
     def is_watched(self, tensor) -> bool:
         return id(tensor) in self.values or id(tensor) in self.attrs
@@ -239,7 +240,7 @@ class _Tracer:
                 return Attr(name)
             if isinstance(item, _PLAIN) or callable(item) and not isinstance(item, nn.Module):
                 return item
-            raise TraceError(f"{what()} is a {type(item).__name__}, an object a split stage cannot carry between "
+            raise TraceError(f"{what(item)} is a {type(item).__name__}, an object a split stage cannot carry between "
                              "calls (state, e.g. a KV cache, would be shared by every micro-batch): pass the model "
                              "what disables it (e.g. kwargs={'use_cache': False}) or make the module that builds "
                              "and uses it a leaf")
@@ -247,14 +248,14 @@ class _Tracer:
 
     def add(self, kind, target, args=(), kwargs=None, what=None) -> Node:
         index = len(self.nodes)
-        what = what or (lambda: f"an argument of {target}")
+        what = what or (lambda item: f"an argument of {target}")
         node = Node(index, kind, target, self.encode(tuple(args), what), self.encode(dict(kwargs or {}), what))
         node.refs = tuple(item for _, item in flatten((node.args, node.kwargs)) if isinstance(item, Ref))
         self.nodes.append(node)
         return node
 
     def record_call(self, func, args, kwargs, result, tainted: bool) -> None:
-        node = self.add("call", func, args, kwargs, lambda: f"an argument of {_name_of(func)} in the forward of "
+        node = self.add("call", func, args, kwargs, lambda item: f"an argument of {_name_of(func)} in the forward of "
                                                             f"{self.where() or 'the model'}")
         self.record_value(result, node.index, tainted)
 
@@ -271,10 +272,11 @@ class _Tracer:
                 return None
             bound = _binder(module, args, kwargs)
             node = self.add("leaf", name, args, kwargs,
-                            lambda: f"argument {bound()} of {name} ({type(module).__name__})")
+                            lambda item: f"argument {bound(item)} of {name} ({type(module).__name__})")
             self.depth = 1
             self.flop_counter = FlopCounterMode(display=False)
             self.flop_counter.__enter__()
+            self.counting = True
             self.current = node
             return None
         return hook
@@ -285,8 +287,11 @@ class _Tracer:
                 if not self.depth and self.module_stack and self.module_stack[-1] == name:
                     self.module_stack.pop()
                 return None
+            if self.depth == 0:  # its pre-hook refused the call: nothing entered
+                return None
             self.depth -= 1
             if self.depth == 0:
+                self.counting = False
                 self.flop_counter.__exit__(None, None, None)
                 self.current.flops = int(self.flop_counter.get_total_flops())
                 self.record_value(output, self.current.index)
@@ -296,13 +301,14 @@ class _Tracer:
 
 def _binder(module, args, kwargs):
     """A callable naming the arguments of a leaf call (for an error message only)."""
-    def names() -> str:
+    def name_of(item) -> str:
         try:
-            bound = inspect.signature(module.forward).bind(*args, **kwargs)
-            return ", ".join(f"{key}={type(value).__name__}" for key, value in bound.arguments.items())
+            bound = inspect.signature(module.forward).bind(*args, **kwargs).arguments
         except (TypeError, ValueError):
-            return f"{len(args)} positional and {sorted(kwargs)}"
-    return names
+            bound = {**{f"#{index}": value for index, value in enumerate(args)}, **kwargs}
+        return next((key for key, value in bound.items()
+                     if any(part is item for _, part in flatten(value))), "?")
+    return name_of
 
 
 def default_leaves(model: nn.Module, extra=()) -> set[str]:
@@ -348,9 +354,9 @@ def trace_model(model: nn.Module, example_inputs: tuple, kwargs: dict, leaf_name
         with torch.no_grad():
             for buffer, saved in buffers:
                 buffer.copy_(saved)
-        if tracer.depth and tracer.flop_counter is not None:
+        if tracer.counting:  # a leaf's forward raised
             tracer.flop_counter.__exit__(None, None, None)
-    tracer.add("output", None, (_model_output(output),), what=lambda: "the model's output")
+    tracer.add("output", None, (_model_output(output),), what=lambda item: "the model's output")
     value_specs = tracer.value_specs
     for param_name, param in model.named_parameters():
         value_specs.setdefault(Attr(param_name), (param.dtype, tuple(param.shape)))

@@ -30,6 +30,14 @@ payload in the agreed spec, and a payload in a new spec:
 - a rank that fails sends ``ABORT`` headers (and empty fillers) for its remaining
   sends, so a peer waiting on it is told, names it and aborts too.
 
+A stage whose boundary is several tensors (hidden states, position ids, a mask,
+rotary cos/sin: ``plait.parallel.pipeline.graph_split``) sends a tuple as one message:
+its parts' bytes packed into one uint8 payload (each part at a 16-byte aligned offset),
+the spec (uint8, (bytes,), parts) listing each part's dtype, shape and whether it
+carries a gradient back; its header carries the parts' specs too, up to ``MAX_PARTS``
+of them (a longer header: a one-tensor header stays 11 int64s, received into a
+zeroed buffer of the longest). The receiver unpacks copies of the parts.
+
 Both ranks of a stream update its agreed spec only after a step that succeeded on
 this rank, and forget every spec after a failed one; a header says whether the
 agreed payload receive was filled, so a receiver that still expects a spec the
@@ -38,6 +46,7 @@ sender forgot raises instead of waiting (rebuild the engines after a PipelineErr
 
 from __future__ import annotations
 
+import math
 import time
 
 import torch
@@ -53,7 +62,13 @@ from plait.parallel.pipeline.schedules import RECV_ACT, RECV_GRAD, SEND_ACT, SEN
 DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32)
 HEADER_FIELDS = ("status", "filled", "dtype", "ndim")  # then up to MAX_DIMS sizes
 MAX_DIMS = 7
-_HEADER = len(HEADER_FIELDS) + MAX_DIMS
+MAX_PARTS = 8  # tensors of one tuple message
+PART_FIELDS = ("dtype", "requires_grad", "ndim")  # then MAX_DIMS sizes, per part
+_PART = len(PART_FIELDS) + MAX_DIMS
+_PLAIN = len(HEADER_FIELDS) + MAX_DIMS
+# a header's longest: + the number of parts (absent: one tensor; n + 1: a tuple of n) and theirs
+_HEADER = _PLAIN + 1 + MAX_PARTS * _PART
+_ALIGN_BYTES = 16
 OK, NEW, ABORT = 1, 2, -1
 TAGS_PER_MESSAGE = 3  # header, payload in the agreed spec, payload in a new spec
 STEP_SLOTS = 1024  # the step number (mod 1024) is part of every tag: a failed step's stray message is never read later
@@ -164,20 +179,27 @@ class StageMessages:
         if header is None:
             values = [status, int(filled), -1, 0]
             if spec is not None:
-                dtype, shape = spec
+                dtype, shape = spec[:2]
                 values[2:4] = [wire_code(dtype), len(shape)]
                 values += list(shape)
-            header = torch.tensor(values + [0] * (_HEADER - len(values)), dtype=torch.int64, device=self.device)
+            values += [0] * (_PLAIN - len(values))
+            if spec is not None and len(spec) == 3:  # a tuple's header lists its parts (a longer message)
+                values.append(len(spec[2]) + 1)
+                for dtype, shape, requires_grad in spec[2]:
+                    values += [wire_code(dtype), int(requires_grad), len(shape), *shape, *[0] * (MAX_DIMS - len(shape))]
+            header = torch.tensor(values, dtype=torch.int64, device=self.device)
             self._headers[key] = header
         return header
 
     # ----- sending ---------------------------------------------------------------------
-    def send(self, tensor: torch.Tensor | None, action) -> None:
-        """Send ``tensor`` for a SEND action (None: an abort header)."""
+    def send(self, tensor, action) -> None:
+        """Send ``tensor`` (or a tuple of tensors) for a SEND action (None: an abort header)."""
         stream = self._stream(action.kind, action.stage, action.peer, True)
         agreed = self.agreed.get(stream)
         spec = None
-        if tensor is not None:
+        if isinstance(tensor, tuple):
+            tensor, spec = pack(tensor, action)
+        elif tensor is not None:
             tensor = tensor.detach().contiguous()
             if tensor.dtype not in DTYPES or tensor.dim() > MAX_DIMS:
                 raise TypeError(f"stage {action.stage} produced a {tensor.dtype} tensor of {tensor.dim()} dims for "
@@ -217,7 +239,8 @@ class StageMessages:
                 buffer = torch.empty(spec[1], dtype=spec[0], device=self.device)
                 payload_message = comm.irecv(buffer, group=self.group, tag=tag + 1, group_src=action.peer,
                                              label=label, timeout_s=self.timeout_s)
-            header = torch.empty(_HEADER, dtype=torch.int64, device=self.device)
+            # zeros: a one-tensor header is shorter than the buffer, its part count reads 0
+            header = torch.zeros(_HEADER, dtype=torch.int64, device=self.device)
             header_message = comm.irecv(header, group=self.group, tag=tag, group_src=action.peer, label=label,
                                         timeout_s=self.timeout_s)
         except CommError as error:
@@ -247,7 +270,7 @@ class StageMessages:
         tag = self._tag(action.kind, action.microbatch, action.stage)
         try:
             _wait(posted.header_message)
-            status, filled, dtype_code, ndim, *dims = posted.header.tolist()
+            status, filled, spec = _read_header(posted.header.tolist())
             if posted.payload_message is not None and not filled and status != OK:
                 self._orphans.append(posted)  # the sender forgot the spec we posted for: never filled
                 if status != ABORT:
@@ -258,7 +281,6 @@ class StageMessages:
                 _wait(posted.payload_message)  # the payload, or an empty filler
             if status == ABORT:
                 raise PipelineError(f"{waited}: that rank failed (see its error) and aborted the step")
-            spec = (dtype_from_code(dtype_code), tuple(dims[:ndim]))
             if status == OK and posted.payload_message is not None:
                 if spec != posted.spec:
                     raise PipelineError(f"{waited}: the sender sent {spec} where {posted.spec} was agreed")
@@ -270,7 +292,56 @@ class StageMessages:
         except CommError as error:
             raise PipelineError(f"{waited}: {error}") from error
         self.seen[self._stream(action.kind, action.stage, action.peer, False)] = spec
-        return tensor
+        return unpack(tensor, spec[2]) if len(spec) == 3 else tensor
+
+
+def pack(parts: tuple, action) -> tuple[torch.Tensor, tuple]:
+    """(one uint8 payload, its spec (uint8, (bytes,), ((dtype, shape, requires_grad), ...)))
+    of a tuple of tensors, each at a 16-byte aligned offset (so it views back as its dtype)."""
+    if len(parts) > MAX_PARTS or not all(isinstance(part, torch.Tensor) for part in parts):
+        kinds = [type(part).__name__ for part in parts]
+        raise TypeError(f"stage {action.stage} produced a tuple of {kinds} for micro-batch {action.microbatch}: "
+                        f"a pipeline message carries a tensor or a tuple of at most {MAX_PARTS} tensors")
+    chunks, layout, offset = [], [], 0
+    for part in parts:
+        if part.dim() > MAX_DIMS:
+            raise TypeError(f"stage {action.stage} produced a {part.dim()}-dim tensor for micro-batch "
+                            f"{action.microbatch}: pipeline messages carry at most {MAX_DIMS} dims")
+        wire_code(part.dtype, "a pipeline message")  # refuses a dtype the wire has no code for
+        data = part.detach().contiguous().reshape(-1).view(torch.uint8)
+        padding = -data.numel() % _ALIGN_BYTES
+        chunks += [data, torch.zeros(padding, dtype=torch.uint8, device=data.device)] if padding else [data]
+        layout.append((part.dtype, tuple(part.shape), part.requires_grad))
+        offset += data.numel() + padding
+    payload = torch.cat(chunks) if chunks else torch.empty(0, dtype=torch.uint8)
+    return payload, (torch.uint8, (offset,), tuple(layout))
+
+
+def unpack(payload: torch.Tensor, layout: tuple) -> tuple:
+    """The parts of a packed payload (copies: each its own storage; a part that carries a
+    gradient back is a leaf requiring one)."""
+    parts, offset = [], 0
+    for dtype, shape, requires_grad in layout:
+        nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+        part = payload[offset:offset + nbytes].view(dtype).reshape(shape).clone()
+        parts.append(part.requires_grad_(requires_grad and part.is_floating_point()))
+        offset += nbytes + (-nbytes % _ALIGN_BYTES)
+    return tuple(parts)
+
+
+def _read_header(values: list) -> tuple:
+    """(status, filled, spec) of a received header (spec with its parts for a tuple)."""
+    status, filled, dtype_code, ndim, *dims = values[:_PLAIN]
+    spec = (dtype_from_code(dtype_code), tuple(dims[:ndim])) if status != ABORT else (torch.uint8, ())
+    count = values[_PLAIN] - 1
+    if count >= 0 and status != ABORT:
+        layout = []
+        for index in range(count):
+            start = _PLAIN + 1 + index * _PART
+            code, requires_grad, part_ndim, *part_dims = values[start:start + _PART]
+            layout.append((dtype_from_code(code), tuple(part_dims[:part_ndim]), bool(requires_grad)))
+        spec = (*spec, tuple(layout))
+    return status, filled, spec
 
 
 def _wait(message) -> None:

@@ -43,16 +43,21 @@ class DeferredWeights:
         return all(grads is not None for grads in self.grads)
 
 
-def boundary_plan(root, target, params: list[torch.Tensor]):
+def boundary_plan(roots, targets, params: list[torch.Tensor]):
     """(boundary nodes, the parameters behind each one's weight branches) of the
-    graph under ``root`` for the input whose accumulator node is ``target``; None
-    when W must be a plain backward (see the module docstring). Parameter sets are
-    bit masks (bit i: ``params[i]``): one pass over the graph, children read once."""
+    graph under ``roots`` (one node or a list: a stage's outputs) for the inputs whose
+    accumulator nodes are ``targets`` (one node or a set); None when W must be a plain
+    backward (see the module docstring). Parameter sets are bit masks (bit i:
+    ``params[i]``): one pass over the graph, children read once."""
+    roots = list(roots) if isinstance(roots, (list, tuple)) else [roots]
+    targets = set(targets) if isinstance(targets, (set, frozenset, list, tuple)) else {targets}
+    if any(root is None for root in roots):
+        return None  # an output that is an input passed through: nothing to replay for it
     bit_of = {id(param): 1 << index for index, param in enumerate(params)}
     reaches: dict = {}  # node -> does it reach the input
     masks: dict = {}  # node -> parameters it reaches
     children_of: dict = {}
-    stack = [root]
+    stack = list(roots)
     while stack:
         node = stack[-1]
         if node in reaches:
@@ -68,14 +73,14 @@ def boundary_plan(root, target, params: list[torch.Tensor]):
         stack.pop()
         variable = getattr(node, "variable", None)  # an AccumulateGrad node's leaf
         if variable is not None:
-            reaches[node], masks[node] = node is target, bit_of.get(id(variable), 0)
+            reaches[node], masks[node] = node in targets, bit_of.get(id(variable), 0)
         else:
             reach, mask = False, 0
             for child in children:
                 reach = reach or reaches[child]
                 mask |= masks[child]
             reaches[node], masks[node] = reach, mask
-    if not reaches[root]:
+    if not any(reaches[root] for root in roots):
         return None  # the output does not depend on the input: B has nothing to capture
     nodes, node_params = [], []
     for node in reaches:  # finished children first: the layers nearest the input first
@@ -97,17 +102,21 @@ def boundary_plan(root, target, params: list[torch.Tensor]):
     return nodes, node_params
 
 
-def input_backward(out: torch.Tensor, grad, stage_input: torch.Tensor, params: list[torch.Tensor]):
+def input_backward(out, grad, stage_input, params: list[torch.Tensor]):
     """B: accumulate the stage input's gradient; return what W needs (None: W runs
-    the plain backward)."""
-    plan = boundary_plan(out.grad_fn, get_gradient_edge(stage_input).node, params) if params else None
+    the plain backward). ``out``/``grad``/``stage_input``: a tensor each, or lists (a
+    stage whose boundaries are several tensors)."""
+    outs = list(out) if isinstance(out, (list, tuple)) else [out]
+    inputs = list(stage_input) if isinstance(stage_input, (list, tuple)) else [stage_input]
+    plan = boundary_plan([o.grad_fn for o in outs], {get_gradient_edge(i).node for i in inputs},
+                         params) if params else None
     deferred = None if plan is None else DeferredWeights(*plan)
     handles = []
     if deferred is not None:
         for index, node in enumerate(deferred.nodes):
             handles.append(node.register_prehook(_capture(deferred.grads, index)))
     try:
-        torch.autograd.backward(out, grad, inputs=[stage_input], retain_graph=True)
+        torch.autograd.backward(out, grad, inputs=inputs, retain_graph=True)
     finally:
         for handle in handles:
             handle.remove()
