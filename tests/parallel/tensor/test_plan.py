@@ -136,7 +136,7 @@ def test_sequence_parallelism_needs_every_parameter_claimed(gpt2):
 
 
 def test_attention_needs_both_projections_sharded_and_no_cross_attention(gpt2):
-    with pytest.raises(ValueError, match=r"transformer.h.0.attn: GPT2Attention needs c_attn ColwiseParallel\(fused=3\)"):
+    with pytest.raises(ValueError, match=r"h.0.attn: GPT2Attention needs c_attn ColwiseParallel\(fused=3\)"):
         check_plan(gpt2, {"transformer.h.*.attn.c_attn": ColwiseParallel()}, 2, adapter=plan_for(gpt2).adapter)
     with pytest.raises(ValueError, match="add_cross_attention=True is not supported"):
         gpt2_plan(tiny_gpt2(add_cross_attention=True))

@@ -13,8 +13,9 @@ from at most a few hundred products differ by a few hundred ulps: ~1e-14 in floa
 LOGITS_ATOL = 1e-12 covers logits, losses and gradients with room; AdamW's step
 m/(√v + ε) is smooth in the gradient (ε = 1e-8 damps gradients that are zero up to
 roundoff, such as the key bias's), so after two steps of lr 1e-2 the parameters stay
-within PARAMS_ATOL = 1e-10, which also bounds the second step's logits, loss and gradients. HF's own loss (labels=) casts float64 logits to float32
-(transformers' ForCausalLMLoss), so it is compared at HF_LOSS_ATOL = 1e-6 and the
+within PARAMS_ATOL = 1e-10, which also bounds the second step's logits, loss and
+gradients. HF's own loss (labels=) casts float64 logits to float32 (transformers'
+ForCausalLMLoss), so it is compared at HF_LOSS_ATOL = 1e-6 and the
 gradients come from a float64 cross-entropy on the returned logits.
 plait's GPT through its plan runs the same code on the same shards as GPT(config, tp):
 equal bit for bit.

@@ -60,8 +60,8 @@ from plait.parallel.tensor.sharding import (
 from plait.parallel.tensor.styles import ColwiseParallel, Replicate, RowwiseParallel, SequenceParallel, VocabParallel
 
 __all__ = [
-    "ColwiseParallel", "ParallelPlan", "Replicate", "check_plan", "RowwiseParallel", "SequenceParallel", "VocabParallel",
-    "gpt2_plan", "parallelize", "plait_gpt_plan", "plan_for",
+    "ColwiseParallel", "ParallelPlan", "Replicate", "RowwiseParallel", "SequenceParallel", "VocabParallel",
+    "check_plan", "gpt2_plan", "parallelize", "plait_gpt_plan", "plan_for",
     "ColumnParallelLinear", "ConsistentDropout", "LAYOUT_CHECKS", "LOCAL", "ParallelAttention", "ParallelMLP",
     "REPLICATED", "RowParallelLinear", "SEQUENCE_SHARDED", "SequenceParallelEntry", "SequenceParallelExit",
     "ShardSpec", "TensorParallel", "UNSHARDED", "VocabParallelEmbedding", "check_layout", "check_tp_divides",

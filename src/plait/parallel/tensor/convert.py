@@ -117,8 +117,9 @@ class ColwiseLinear(nn.Module):
 
     def extra_repr(self) -> str:
         fused = f", fused {self.parts}" if self.parts else ""
-        return (f"in={self.in_features}, out={self.out_features} (this rank {self.weight.shape[1 if self.transposed else 0]})"
-                f"{fused}, gather_output={self.gather_output}, input {self.input_layout}, {self.tp.describe()}")
+        local = self.weight.shape[1 if self.transposed else 0]
+        return (f"in={self.in_features}, out={self.out_features} (this rank {local}){fused}, "
+                f"gather_output={self.gather_output}, input {self.input_layout}, {self.tp.describe()}")
 
 
 class RowwiseLinear(nn.Module):
