@@ -154,7 +154,7 @@ def _adamw(params, config: HfBenchConfig) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=config.lr)
 
 
-def _torch_tp_plan() -> dict:
+def torch_tp_plan() -> dict:
     """HF's own base_model_tp_plan for Llama in torch's styles (prefixed with ``model.``),
     plus what plait's Llama plan shards too, as torchtitan writes it: the embedding
     vocabulary-parallel (RowwiseParallel of a replicated input) and lm_head
@@ -194,7 +194,7 @@ class Side:
             self.wrapped = model
         elif variant == "torch-tp":
             mesh = init_device_mesh("cpu", (world_size,))
-            self.wrapped = parallelize_module(model, mesh, _torch_tp_plan())
+            self.wrapped = parallelize_module(model, mesh, torch_tp_plan())
         else:  # plait-tp
             from plait.parallel.tensor import parallelize  # noqa: F401 - helper A's plan API (issue 34)
             from plait.parallel.tensor.llama import llama_plan
