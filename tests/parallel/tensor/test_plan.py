@@ -114,6 +114,12 @@ def test_a_width_tp_does_not_divide_is_refused_with_the_size_and_fix(gpt2):
 def test_a_plan_entry_matching_nothing_or_twice_is_refused(gpt2):
     with pytest.raises(ValueError, match=r"plan entry 'h.\*.mlp.c_fc' matches no module of GPT2LMHeadModel"):
         check_plan(gpt2, {"h.*.mlp.c_fc": ColwiseParallel()}, 2)
+    stage_plan = {"transformer.h.*.mlp.c_fc": "colwise", "transformer.h.*.mlp.c_proj": "rowwise", "lm_head": "colwise"}
+    stage = gpt2.transformer.h[0].mlp  # what a pipeline stage holds is named like the whole model; here: none of it
+    assert check_plan(stage, stage_plan, 2, missing_ok=True) == []
+    matched = check_plan(gpt2, {**stage_plan, "lm_head": "replicate", "score": "colwise"}, 2, missing_ok=True)
+    assert [name for name, _, _ in matched] == ["transformer.h.0.mlp.c_fc", "transformer.h.0.mlp.c_proj",
+                                                "transformer.h.1.mlp.c_fc", "transformer.h.1.mlp.c_proj", "lm_head"]
     with pytest.raises(ValueError, match=r"'transformer.h.0.mlp.c_fc' is matched by two plan entries"):
         check_plan(gpt2, {"transformer.h.*.mlp.c_fc": "colwise", "transformer.h.0.mlp.c_*": "colwise"}, 2)
 

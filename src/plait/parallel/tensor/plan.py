@@ -97,18 +97,19 @@ def name_matches(pattern: str, name: str) -> bool:
     return len(want) == len(have) and all(fnmatchcase(part, glob) for part, glob in zip(have, want))
 
 
-def match_plan(model: nn.Module, styles: Mapping) -> list[tuple[str, nn.Module, object]]:
+def match_plan(model: nn.Module, styles: Mapping, missing_ok: bool = False) -> list[tuple[str, nn.Module, object]]:
     """(module name, module, style) for every module a plan entry matches, in the
-    model's order; refuses an entry matching nothing and a module matched twice."""
+    model's order; refuses a module matched twice, and an entry matching nothing
+    unless ``missing_ok`` (a pipeline stage holds only some of the model's modules)."""
     names = [(name, module) for name, module in model.named_modules() if name]
     matched, by_name = [], {}
     for pattern, style in styles.items():
         hits = [(name, module) for name, module in names if name_matches(pattern, name)]
-        if not hits:
+        if not hits and not missing_ok:
             example = ", ".join(repr(name) for name, _ in names[:4])
             raise ValueError(f"plan entry {pattern!r} matches no module of {type(model).__name__} (its modules are "
                              f"named like {example}, ...; '*' matches one dotted component): fix the name or drop "
-                             f"the entry")
+                             f"the entry (a pipeline stage holding part of the model: missing_ok=True)")
         for name, module in hits:
             if name in by_name:
                 raise ValueError(f"module {name!r} is matched by two plan entries, {by_name[name]!r} and {pattern!r}: "
@@ -238,7 +239,8 @@ def as_plan(plan, sequence_parallel: bool = False) -> ParallelPlan:
     return plan
 
 
-def check_plan(model: nn.Module, plan, tp_size: int, *, adapter=None) -> list[tuple[str, nn.Module, object]]:
+def check_plan(model: nn.Module, plan, tp_size: int, *, adapter=None,
+               missing_ok: bool = False) -> list[tuple[str, nn.Module, object]]:
     """Everything ``parallelize`` refuses, without a process group (the planner and a
     launcher check a plan at a tp before any process starts): returns the matched
     (module name, module, style) in the model's order."""
@@ -246,7 +248,7 @@ def check_plan(model: nn.Module, plan, tp_size: int, *, adapter=None) -> list[tu
     adapter = plan.adapter if adapter is None else adapter
     if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
         raise ValueError(f"tp_size={tp_size!r} must be a whole number >= 1")
-    matched = match_plan(model, plan.styles)
+    matched = match_plan(model, plan.styles, missing_ok)
     if adapter is not None:  # first: "num_heads=6 is not divisible by tp=4" says more than a layer's width
         adapter.check(model, {name: style for name, _, style in matched}, tp_size)
     for name, module, style in matched:
@@ -257,17 +259,19 @@ def check_plan(model: nn.Module, plan, tp_size: int, *, adapter=None) -> list[tu
     return matched
 
 
-def parallelize(model: nn.Module, tp, plan, *, adapter=None) -> nn.Module:
+def parallelize(model: nn.Module, tp, plan, *, adapter=None, missing_ok: bool = False) -> nn.Module:
     """Shard ``model`` in place over ``tp`` (a TensorParallel, a ProcessGroup or a 1-D
     DeviceMesh) by ``plan`` (a ParallelPlan, or a dict of module-name patterns to
     styles); returns ``model``. Every rank of the group calls it with the same model
-    weights and plan. ``adapter`` overrides the plan's."""
+    weights and plan. ``adapter`` overrides the plan's. ``missing_ok=True`` lets plan
+    entries match nothing: a pipeline stage (plait.parallel.pipeline.split keeps the
+    model's names) takes the whole model's plan and shards the modules it holds."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"parallelize takes an nn.Module, got {type(model).__name__}")
     plan = as_plan(plan, tp.sequence_parallel if isinstance(tp, TensorParallel) else False)
     adapter = plan.adapter if adapter is None else adapter
     tp = resolve_tp(tp, plan.sequence_parallel)
-    matched = check_plan(model, plan, tp.size, adapter=adapter)
+    matched = check_plan(model, plan, tp.size, adapter=adapter, missing_ok=missing_ok)
     if tp.size > 1:
         fields = {"plan": zlib.crc32(plan.describe().encode()) & 0x7FFFFFFF, "weights": _weights_code(model),
                   **tp.agreement_fields()}
