@@ -7,6 +7,8 @@ one seed.
 - ``tiny_llama``: a Llama-style decoder: RMSNorm, SwiGLU MLP (intermediate 64), rotary
   embeddings, grouped-query attention (4 query heads, 2 key/value heads), untied
   embeddings unless ``tie_word_embeddings=True``.
+- ``tiny_phi3``: Phi-3 (the Llama layout with a fused ``qkv_proj`` of 8 query and 4
+  key/value heads and a fused ``gate_up_proj``).
 """
 
 import torch
@@ -37,3 +39,17 @@ def tiny_llama(seed: int = 0, vocab_size: int = 64, **config):
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
                   tie_word_embeddings=False, bos_token_id=0, eos_token_id=0, attention_dropout=0.0)
     return LlamaForCausalLM(LlamaConfig(**{**fields, **config})).double()
+
+
+def tiny_phi3(seed: int = 0, vocab_size: int = 64, **config):
+    """``Phi3ForCausalLM``: hidden 32, intermediate 64, 2 layers, 8 attention heads over
+    4 key/value heads (head_dim 4) in one fused qkv_proj, a fused gate_up_proj, up to 32
+    positions, untied. ``config`` overrides Phi3Config's fields."""
+    # imported where used: importing transformers takes seconds, and only the ranks need it
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    torch.manual_seed(seed)
+    fields = dict(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=32, pad_token_id=0,
+                  bos_token_id=0, eos_token_id=0, tie_word_embeddings=False)
+    return Phi3ForCausalLM(Phi3Config(**{**fields, **config})).double()

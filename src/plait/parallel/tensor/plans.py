@@ -22,6 +22,7 @@ from plait.parallel.tensor.convert import ColwiseLinear
 from plait.parallel.tensor.group import TensorParallel
 from plait.parallel.tensor.layers import ParallelAttention, valid_tp_sizes
 from plait.parallel.tensor.layout import REPLICATED
+from plait.parallel.tensor.llama import is_llama_style, llama_plan
 from plait.parallel.tensor.native import reshard_marked
 from plait.parallel.tensor.plan import ParallelPlan
 from plait.parallel.tensor.styles import (
@@ -162,8 +163,9 @@ def plan_for(model: nn.Module, *, sequence_parallel: bool = False) -> ParallelPl
         return gpt2_plan(model, sequence_parallel=sequence_parallel)
     if _plait_gpt(model):
         return plait_gpt_plan(model, sequence_parallel=sequence_parallel)
-    # Llama-style decoders (LlamaForCausalLM, LlamaModel): plait.parallel.tensor.llama.llama_plan goes here
-    known = f"{GPT2_HEADED}, {GPT2_BARE}, plait's GPT"
+    if is_llama_style(model):
+        return llama_plan(model, sequence_parallel=sequence_parallel)
+    known = f"{GPT2_HEADED}, {GPT2_BARE}, plait's GPT, Llama/Mistral/Qwen2/Phi3 ForCausalLM and Model"
     raise TypeError(f"no ready tensor-parallel plan for {name} (plans exist for {known}): write one, e.g. "
                     f"parallelize(model, tp, {{'layers.*.fc1': ColwiseParallel(), 'layers.*.fc2': RowwiseParallel()}}, "
                     f"adapter=...) naming your modules")
