@@ -170,6 +170,24 @@ def _units_case() -> dict:
     return errors
 
 
+def _disagreement_case(rank: int) -> dict:
+    """Ranks holding different weights, or (with dropout) different random states, are
+    refused by name on every rank, before anything is sharded."""
+    from plait.parallel.tensor import parallelize, plan_for
+
+    errors = {}
+    models = {"weight checksum": tiny_gpt2(seed=rank), "dropout random state": tiny_gpt2(resid_pdrop=0.1)}
+    for field, model in models.items():
+        torch.manual_seed(rank)  # the dropout streams differ (the weights above were drawn alike for the second)
+        try:
+            parallelize(model, dist.group.WORLD, plan_for(model))
+            errors[f"{field}_not_refused"] = 1.0
+        except ValueError as error:
+            errors[f"{field}_not_refused"] = float(f"ranks [1] have a different {field} from rank 0's" not in str(error))
+        errors[f"{field}_model_changed"] = float(type(model.lm_head).__name__ != "Linear")
+    return errors
+
+
 def _hand_swap_case() -> dict:
     """The hand swap (what the plan replaces) gives the same logits: the count compares like with like."""
     from hand_swap_gpt2 import hand_swap_gpt2
@@ -188,6 +206,8 @@ def _run_cases(rank, world_size, cases):
         name = case["name"]
         if case.get("plait_gpt"):
             errors = _plait_gpt_case(case["sp"])
+        elif case.get("disagreement"):
+            errors = _disagreement_case(rank)
         elif case.get("units"):
             errors = _units_case()
         elif case.get("hand_swap"):
@@ -207,7 +227,7 @@ def _run_cases(rank, world_size, cases):
 def _check(results: list[dict]) -> None:
     worst = {key: max(result[key] for result in results) for key in results[0]}
     for key, value in worst.items():
-        if key.endswith(("round_trip", "shard_then_gather", "keys_equal", "not_bitwise")):
+        if key.endswith(("round_trip", "shard_then_gather", "keys_equal", "not_bitwise", "not_refused", "changed")):
             assert value == 0.0, (key, value)  # exact: slices and concatenations only
         elif ":hf_loss" in key:
             assert value <= HF_LOSS_ATOL, (key, value)
@@ -229,6 +249,7 @@ def test_gpt2_plan_matches_one_process_tp2():
         dict(name="plait_gpt_sp", plait_gpt=True, sp=True),
         dict(name="hand_swap", hand_swap=True),
         dict(name="units", units=True),
+        dict(name="disagreement", disagreement=True),
     ]
     _check(run_distributed(_run_cases, 2, cases, timeout_s=240))
 

@@ -181,6 +181,10 @@ class VocabEmbedding(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:  # (...) -> (..., h), replicated or sequence-sharded
         self.layout_check(tokens, self.tp)
+        if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= self.num_embeddings):
+            # nn.Embedding raises on these; the split table would embed them as zeros
+            raise IndexError(f"token ids must lie in [0, {self.num_embeddings}), got min {int(tokens.min())} and max "
+                             f"{int(tokens.max())}")
         local = tokens - self.vocab_start
         outside = (local < 0) | (local >= self.weight.shape[0])
         embedded = F.embedding(local.masked_fill(outside, 0), self.weight, self.local_padding_idx)

@@ -259,6 +259,17 @@ def check_plan(model: nn.Module, plan, tp_size: int, *, adapter=None,
     return matched
 
 
+def _rng_code(model: nn.Module) -> int:
+    """A checksum of the random state dropout draws from (0 when the model has no
+    active dropout): tp ranks must drop the same elements of replicated activations."""
+    if not any(isinstance(module, nn.modules.dropout._DropoutNd) and module.p > 0 for module in model.modules()):
+        return 0
+    states = [torch.get_rng_state()]
+    devices = {param.device for param in model.parameters() if param.device.type == "cuda"}
+    states += [torch.cuda.get_rng_state(device) for device in sorted(devices, key=str)]
+    return zlib.crc32(b"".join(bytes(state.numpy()) for state in states)) & 0x7FFFFFFF
+
+
 def parallelize(model: nn.Module, tp, plan, *, adapter=None, missing_ok: bool = False) -> nn.Module:
     """Shard ``model`` in place over ``tp`` (a TensorParallel, a ProcessGroup or a 1-D
     DeviceMesh) by ``plan`` (a ParallelPlan, or a dict of module-name patterns to
@@ -273,10 +284,11 @@ def parallelize(model: nn.Module, tp, plan, *, adapter=None, missing_ok: bool = 
     tp = resolve_tp(tp, plan.sequence_parallel)
     matched = check_plan(model, plan, tp.size, adapter=adapter, missing_ok=missing_ok)
     if tp.size > 1:
-        fields = {"plan": zlib.crc32(plan.describe().encode()) & 0x7FFFFFFF, "weights": _weights_code(model),
-                  **tp.agreement_fields()}
+        fields = {"plan": zlib.crc32(plan.describe().encode()) & 0x7FFFFFFF, "weight checksum": _weights_code(model),
+                  "dropout random state": _rng_code(model), **tp.agreement_fields()}
         check_agreement(fields, tp.group, "parallelize: every rank of the tensor-parallel group must give the same "
-                        "model weights and plan (seed every rank alike, or load one checkpoint, before parallelize)",
+                        "model weights and plan, and with dropout the same random state (torch.manual_seed(seed) on "
+                        "every rank alike, or load one checkpoint, before parallelize)",
                         f"this rank {tp.rank}: {type(model).__name__}, {plan.describe()}")
     shared = {}
     modules = dict(model.named_modules())
