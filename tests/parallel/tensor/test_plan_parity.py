@@ -183,7 +183,8 @@ def _disagreement_case(rank: int) -> dict:
             parallelize(model, dist.group.WORLD, plan_for(model))
             errors[f"{field}_not_refused"] = 1.0
         except ValueError as error:
-            errors[f"{field}_not_refused"] = float(f"ranks [1] have a different {field} from rank 0's" not in str(error))
+            named = f"ranks [1] have a different {field} from rank 0's" in str(error)
+            errors[f"{field}_not_refused"] = float(not named)
         errors[f"{field}_model_changed"] = float(type(model.lm_head).__name__ != "Linear")
     return errors
 
