@@ -48,8 +48,8 @@ _LAZY.update({name: "plait.parallel.pipeline.engine" for name in ("PipelineEngin
 _LAZY.update({name: "plait.parallel.pipeline.graph_split" for name in ("split", "causal_lm_loss", "PipelineSplit")})
 
 __all__ = [
-    "PipelineEngine", "PipelineError", "PipelineSplit", "ascii_gantt", "causal_lm_loss", "split", "gather_timeline", "plot_gantt", "theory",
-    "timeline_from_json", "timeline_to_json",
+    "PipelineEngine", "PipelineError", "PipelineSplit", "ascii_gantt", "causal_lm_loss", "gather_timeline",
+    "plot_gantt", "split", "theory", "timeline_from_json", "timeline_to_json",
     "SCHEDULES", "Action", "ActionKind", "Interval", "PipelineSchedule", "ScheduleError", "Timeline", "build",
     "chimera", "gpipe", "interleaved_1f1b", "one_f_one_b", "peak_in_flight", "peak_in_flight_per_chunk", "replay",
     "validate", "zero_bubble",
