@@ -109,6 +109,10 @@ def test_a_width_tp_does_not_divide_is_refused_with_the_size_and_fix(gpt2):
         check_plan(mlp, {"0": ColwiseParallel(), "2": RowwiseParallel()}, 8)
     with pytest.raises(ValueError, match=r"fused part 0 size=32 is not divisible by tp=3"):
         check_plan(gpt2, {"transformer.h.*.attn.c_attn": ColwiseParallel(fused=3)}, 3)
+    with pytest.raises(ValueError, match=r"transformer.h.0.attn.c_attn: part 0 of 32 columns gives each of tp=4 "
+                                         r"ranks 8, not whole heads of head_dim=16: use a tp that divides the number "
+                                         r"of heads \(2\)"):
+        check_plan(gpt2, {"transformer.h.*.attn.c_attn": ColwiseParallel(fused=3, head_dim=16)}, 4)
 
 
 def test_a_plan_entry_matching_nothing_or_twice_is_refused(gpt2):

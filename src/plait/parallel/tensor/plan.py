@@ -157,6 +157,11 @@ def check_module(name: str, module: nn.Module, style, tp_size: int, sequence_par
         parts = style.parts(out_features)
         for index, part in enumerate(parts or ()):
             _check_divides(name, f"fused part {index} size", part, tp_size, "each rank keeps 1/tp of every part")
+        for index, part in enumerate(parts or (out_features,)):
+            if style.head_dim is not None and (part // tp_size) % style.head_dim:
+                raise ValueError(f"{name}: part {index} of {part} columns gives each of tp={tp_size} ranks "
+                                 f"{part // tp_size}, not whole heads of head_dim={style.head_dim}: use a tp that "
+                                 f"divides the number of heads ({part // style.head_dim})")
         if parts is None and not style.pad:
             _check_divides(name, "out_features", out_features, tp_size,
                            "ColwiseParallel splits the output features; a vocabulary head may use pad=True")

@@ -26,6 +26,7 @@ from plait.parallel.tensor.llama import is_llama_style, llama_plan
 from plait.parallel.tensor.native import reshard_marked
 from plait.parallel.tensor.plan import ParallelPlan
 from plait.parallel.tensor.styles import (
+    COLWISE,
     ColwiseParallel,
     Replicate,
     RowwiseParallel,
@@ -56,7 +57,7 @@ class GPT2Adapter:
             if attention.is_cross_attention:
                 raise ValueError(f"{name}: GPT-2 cross-attention (add_cross_attention=True) is not supported by the "
                                  f"GPT-2 plan: leave it out of the plan (Replicate)")
-            if qkv != ColwiseParallel(fused=3) or out != RowwiseParallel():
+            if getattr(qkv, "kind", None) != COLWISE or qkv.fused != 3 or qkv.gather_output or out != RowwiseParallel():
                 raise ValueError(f"{name}: GPT2Attention needs c_attn ColwiseParallel(fused=3) and c_proj "
                                  f"RowwiseParallel() together, got {qkv} and {out}")
             if attention.num_heads % tp_size:
@@ -98,7 +99,7 @@ def gpt2_plan(config_or_model, *, sequence_parallel: bool = False, loss_parallel
         f"{prefix}wpe": Replicate(),
         f"{prefix}drop": SequenceParallel(entry=True),  # the sequence is split after the embeddings' sum
         f"{prefix}h.*.ln_1": SequenceParallel(),
-        f"{prefix}h.*.attn.c_attn": ColwiseParallel(fused=3),
+        f"{prefix}h.*.attn.c_attn": ColwiseParallel(fused=3, head_dim=config.n_embd // config.n_head),
         f"{prefix}h.*.attn.c_proj": RowwiseParallel(),
         f"{prefix}h.*.ln_2": SequenceParallel(),
         f"{prefix}h.*.mlp.c_fc": ColwiseParallel(),

@@ -12,7 +12,9 @@ A style says how one module is split over the p ranks of a tensor-parallel group
   following row-parallel layer or ``vocab_parallel_cross_entropy``.
   ``fused=3`` is a fused q|k|v projection of three equal parts, ``fused=(q, k, v)``
   one with grouped k/v heads (GQA): rank r keeps its 1/p of every part, so it holds
-  whole heads of q, k and v. ``pad=True`` lets a vocabulary head whose width p does
+  whole heads of q, k and v; ``head_dim=d`` makes the check (each rank's share of
+  every part a whole number of heads of width d) explicit for a model without an
+  adapter that knows its heads. ``pad=True`` lets a vocabulary head whose width p does
   not divide be padded with zero columns (Megatron pads the vocabulary the same
   way): gathered logits are cut back to the true width, sharded ones carry zero
   columns that ``vocab_parallel_cross_entropy(..., vocab_size=V)`` masks.
@@ -68,11 +70,15 @@ class ColwiseParallel:
     fused: int | tuple[int, ...] | None = None
     pad: bool = False
     input_layout: str | None = None
+    head_dim: int | None = None
     kind = COLWISE
 
     def __post_init__(self):
         _check_bool("ColwiseParallel", gather_output=self.gather_output, pad=self.pad)
         _check_layout_name("ColwiseParallel", "input_layout", self.input_layout)
+        if self.head_dim is not None and (isinstance(self.head_dim, bool) or not isinstance(self.head_dim, int)
+                                          or self.head_dim < 1):
+            raise ValueError(f"ColwiseParallel: head_dim={self.head_dim!r} must be a positive int (or None)")
         fused = self.fused
         if fused is None:
             return
