@@ -31,7 +31,8 @@ def _run(pieces, *inputs):
 
 
 @pytest.mark.parametrize("how", [dict(stages=2), dict(stages=4), dict(stages=3, balance="params"),
-                                 dict(split_points=["transformer.h.2"])])
+                                 dict(split_points=["transformer.h.2"]),
+                                 dict(split_points=["transformer.h.1.mlp", "transformer.h.3"])])
 def test_gpt2_stages_in_sequence_equal_the_model_bit_for_bit(how):
     model = tiny_gpt2(0, VOCAB, n_layer=4)
     ids = _ids()
@@ -44,10 +45,15 @@ def test_gpt2_stages_in_sequence_equal_the_model_bit_for_bit(how):
     assert "transformer.wte.weight" in dict(first.named_parameters())
     assert dict(last.named_parameters())["lm_head.weight"] is model.transformer.wte.weight  # the tie, found
     assert pieces.shared == {"transformer.wte.weight": (0, len(pieces.modules) - 1)}
+    if len(how.get("split_points", ())) == 2:  # a point inside a block opens it: its children are the leaves
+        assert pieces.leaves[1][:2] == ["transformer.h.1.mlp", "transformer.h.2"]
+        assert pieces.leaves[0][-3:] == ["transformer.h.1.ln_1", "transformer.h.1.attn", "transformer.h.1.ln_2"]
+        assert pieces.boundaries[0][1:] == [(torch.float64, (2, SEQ, 32))] * 2  # the residual and ln_2's output
+        return
     leaves = [leaf for stage in pieces.leaves for leaf in stage]
     assert leaves == ["transformer.wte", "transformer.wpe", "transformer.drop", *[f"transformer.h.{i}" for i in range(4)],
                       "transformer.ln_f", "lm_head"]
-    if "split_points" in how:
+    if how.get("split_points") == ["transformer.h.2"]:
         assert pieces.leaves[1][0] == "transformer.h.2"
     if how.get("stages") == 2:  # balanced by FLOPs: two blocks a side, the head's matmul with the last two
         assert pieces.leaves[1] == ["transformer.h.2", "transformer.h.3", "transformer.ln_f", "lm_head"]

@@ -9,7 +9,8 @@ contiguous stages:
   at its first leaf, ``partition.layer_costs``), with ``partition.balanced_boundaries``
   (the split minimising the most expensive stage);
 - ``split_points=["model.layers.2", ...]``: a stage starts at the first call of each
-  named module (the glue before it stays in the stage before).
+  named module (the glue before it stays in the stage before); a point inside a leaf
+  (``"transformer.h.1.mlp"``) opens that leaf, its children becoming leaves.
 
 Each stage is a ``StageModule`` holding the user's own module objects (and the
 parameters and buffers the glue reads) under their ORIGINAL qualified names, so
@@ -187,9 +188,10 @@ def split(model: nn.Module, example_inputs, *, stages: int | None = None, split_
             raise ValueError(f"split: split point {point!r} names no module of {type(model).__name__}"
                              f"{' (did you mean ' + ', '.join(map(repr, near)) + '?)' if near else ''}")
     leaf_names = default_leaves(model, leaves)
-    for point in split_points or ():
-        if point not in leaf_names and not any(point.startswith(leaf + ".") for leaf in leaf_names):
-            leaf_names = {name for name in leaf_names if not name.startswith(point + ".")} | {point}
+    for point in split_points or ():  # a point inside a leaf opens it: its children become the leaves
+        while (outer := next((leaf for leaf in leaf_names if point.startswith(leaf + ".")), None)) is not None:
+            children = [f"{outer}.{name}" for name, _ in known[outer].named_children()]
+            leaf_names = (leaf_names - {outer}) | set(children)
     traced = trace_model(model, inputs, dict(kwargs or {}), leaf_names)
     _prune(traced)
     calls = traced.leaves()
