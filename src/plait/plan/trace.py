@@ -63,10 +63,12 @@ def _addressed_nbytes(tensor) -> int:
 
 def _storage_key(tensor):
     """Identity of ``tensor``'s storage: (device, data pointer); views share it.
-    A storage without memory behind it (meta device) falls back to the storage
-    object's own address."""
+    A storage without memory behind it (meta device, torch's FakeTensorMode) falls
+    back to the storage object's own address."""
+    from torch._subclasses.fake_tensor import is_fake
+
     storage = tensor.untyped_storage()
-    pointer = storage.data_ptr()
+    pointer = 0 if tensor.is_meta or is_fake(tensor) else storage.data_ptr()
     return (str(tensor.device), pointer) if pointer else ("storage", storage._cdata)
 
 
