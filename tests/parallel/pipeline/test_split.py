@@ -45,6 +45,7 @@ def test_gpt2_stages_in_sequence_equal_the_model_bit_for_bit(how):
     assert "transformer.wte.weight" in dict(first.named_parameters())
     assert dict(last.named_parameters())["lm_head.weight"] is model.transformer.wte.weight  # the tie, found
     assert pieces.shared == {"transformer.wte.weight": (0, len(pieces.modules) - 1)}
+    assert pieces.tied == [[(0, "transformer.wte.weight"), (len(pieces.modules) - 1, "lm_head.weight")]]
     if len(how.get("split_points", ())) == 2:  # a point inside a block opens it: its children are the leaves
         assert pieces.leaves[1][:2] == ["transformer.h.1.mlp", "transformer.h.2"]
         assert pieces.leaves[0][-3:] == ["transformer.h.1.ln_1", "transformer.h.1.attn", "transformer.h.1.ln_2"]

@@ -144,13 +144,18 @@ class PipelineSplit:
     """What ``split`` returns: one module per stage (``modules``), the leaf modules each
     runs (``leaves``), the tensors crossing each boundary (``boundaries[k]``: between
     stage k and k+1, as (dtype, shape)), and ``shared``: parameter name (in the model)
-    -> the stages holding it, for those held by more than one."""
+    -> the stages holding it, for those held by more than one; ``tied``: those as
+    ``PipelineEngine(tied=...)`` groups of (stage, its name in that stage's module), e.g.
+    [[(0, "transformer.wte.weight"), (1, "lm_head.weight")]] (for stages whose modules were
+    converted after the split, e.g. by a tensor-parallel plan, where ``model=`` no longer
+    holds their parameters)."""
 
     model: nn.Module
     modules: list[StageModule]
     leaves: list[list[str]]
     boundaries: list[list[tuple]]
     shared: dict[str, tuple[int, ...]]
+    tied: list[list[tuple[int, str]]]  # the same, as PipelineEngine's tied= groups of (stage, name in that stage)
 
     def stage_modules(self, schedule_or_stages, rank: int | None = None) -> dict[int, StageModule]:
         """{stage: module} for ``rank`` of a PipelineSchedule, or for the given stage ids."""
@@ -265,14 +270,17 @@ def _build(traced: TracedModel, calls: list, bounds: list[int]) -> PipelineSplit
         modules.append(StageModule(traced, k, nodes, inputs, outputs))
     name_of = {id(param): name for name, param in traced.model.named_parameters()}
     holders: dict[str, set] = {}
+    names: dict[str, list] = {}  # model name -> (stage, name in the stage) pairs
     for k, module in enumerate(modules):
-        for param in module.parameters():
+        for name, param in module.named_parameters():
             holders.setdefault(name_of[id(param)], set()).add(k)
+            names.setdefault(name_of[id(param)], []).append((k, name))
+    shared = {name: tuple(sorted(ks)) for name, ks in holders.items() if len(ks) > 1}
     return PipelineSplit(
         model=traced.model, modules=modules,
         leaves=[[node.target for node in calls[bounds[k]:bounds[k + 1]]] for k in range(count)],
         boundaries=[[traced.value_specs[ref] for ref in refs] for refs in crossing],
-        shared={name: tuple(sorted(ks)) for name, ks in holders.items() if len(ks) > 1})
+        shared=shared, tied=[names[name] for name in shared])
 
 
 def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
