@@ -11,7 +11,10 @@ model chunks (``stage_modules[s]`` for every stage s the schedule places here) a
   / ``irecv`` with deadlines; ``plait.parallel.pipeline.messages``): shapes need no
   configuration, the first step announces each stream's shape (and any step whose
   batch shape changes), later ones send payloads alone into receives posted ahead,
-  and a shape that changes between micro-batches is caught;
+  and a shape that changes between micro-batches is caught; a stage may take and
+  return a tuple of tensors (an automatically split model's hidden states with its
+  position ids, masks, rotary cos/sin: ``plait.parallel.pipeline.boundary_values``),
+  sent as one message, whose floating parts that required a gradient carry one back;
 - each micro-batch's loss is ``loss_fn(output, target) / m``, so the summed
   gradients are those of the mean loss over the whole batch, as one big batch gives;
 - a split backward (zero bubble) computes the stage input's gradient in B and
