@@ -23,7 +23,7 @@ from plait.testing import run_distributed
 from plait.train.config import TrainConfig
 
 TOLERANCE = 1e-10  # float64, a few steps (module docstring)
-STEPS = 4
+STEPS = 3
 VOCAB = 96  # covers the character vocabulary of the stdlib text read (92 at 60 kB)
 
 
@@ -59,8 +59,9 @@ def _train_each(rank, world_size, configs):
         Trainer(config, resume="never", log=lambda _: None).train()
 
 
-def _reference_losses(config: TrainConfig) -> list[float]:
-    """One process, the whole global batch, plain torch and transformers."""
+def _reference(config: TrainConfig) -> tuple[list[float], dict]:
+    """(losses, final named parameters) of one process, the whole global batch, plain
+    torch and transformers."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from plait.train.build import make_optimizer
@@ -82,7 +83,7 @@ def _reference_losses(config: TrainConfig) -> list[float]:
             group["lr"] = config.lr_at(step)
         optimizer.step()
         losses.append(float(loss.detach()))
-    return losses
+    return losses, {name: param.detach() for name, param in model.named_parameters()}
 
 
 def _worst(losses, reference) -> float:
@@ -90,25 +91,74 @@ def _worst(losses, reference) -> float:
     return max(abs(a - b) for a, b in zip(losses, reference))
 
 
+def _build_error(rank, world_size, config) -> str:
+    """The message of the Trainer's refusal to build ``config`` (every rank alike)."""
+    from plait.train.loop import Trainer
+
+    with pytest.raises(ValueError) as raised:
+        Trainer(config, resume="never", log=lambda _: None)
+    return str(raised.value)
+
+
 @pytest.mark.slow
-def test_data_parallel_zero3_and_recompute_match_one_process(tmp_path):
+def test_two_ranks_match_one_process(tmp_path):
     """On 2 ranks: dp2 with ZeRO-3 (one gathered unit per GPT-2 block, the tied
-    embedding kept gathered), and dp2 with full recomputation of the Llama-style
-    model's blocks (selective of its attention on the GPT-2): each equals one process."""
+    embedding kept gathered); tp2 through GPT-2's plan (fused c_attn, Conv1D, vocab-
+    parallel tied embedding) with selective recomputation (each block's attention);
+    dp2 with full recomputation of the Llama-style model's blocks: each equals one
+    process, and the checkpoints hold the reference's weights. A head count tp does
+    not divide is refused by the plan's adapter, naming the module."""
     gpt2 = _write_config(tmp_path / "gpt2", "gpt2")
     llama = _write_config(tmp_path / "llama", "llama")
     configs = [_config(tmp_path / "zero3", gpt2, dp=2, zero_stage=3),
-               _config(tmp_path / "full", llama, dp=2, recompute="full"),
-               _config(tmp_path / "selective", gpt2, dp=2, micro_batch=4, recompute="selective")]
+               _config(tmp_path / "tp2", gpt2, tp=2, recompute="selective"),
+               _config(tmp_path / "full", llama, dp=2, recompute="full")]
     run_distributed(_train_each, 2, configs, timeout_s=300)
-    references = {gpt2: _reference_losses(configs[0]), llama: _reference_losses(configs[1])}
-    assert references[gpt2][-1] < references[gpt2][0], "the reference must learn"
-    for config, model_dir in zip(configs, (gpt2, llama, gpt2)):
-        worst = _worst(_losses(config.out), references[model_dir])
+    references = {gpt2: _reference(configs[0]), llama: _reference(configs[2])}
+    assert references[gpt2][0][-1] < references[gpt2][0][0], "the reference must learn"
+    for config, model_dir in zip(configs, (gpt2, gpt2, llama)):
+        worst = _worst(_losses(config.out), references[model_dir][0])
         assert worst <= TOLERANCE, f"{config.out}: max |loss - reference| = {worst:.3g}"
-    checkpoint = json.loads(next((tmp_path / "zero3" / "checkpoints").glob("step_*/manifest.json")).read_text())
-    assert checkpoint["model"]["kind"] == "hf" and checkpoint["model"]["num_hidden_layers"] == 2
-    assert json.loads((tmp_path / "zero3" / "config.json").read_text())["model_type"] == "gpt2"
+    _check_checkpoint(tmp_path / "zero3", "gpt2", references[gpt2][1])
+    _check_checkpoint(tmp_path / "tp2", "gpt2", references[gpt2][1])  # the fused c_attn in HF's q|k|v order
+
+    odd = _write_config(tmp_path / "odd", "gpt2", n_head=3, n_embd=24)
+    messages = run_distributed(_build_error, 2, _config(tmp_path / "odd-run", odd, tp=2), timeout_s=120)
+    assert "num_heads=3 is not divisible by tp=2" in messages[0]
+
+
+def _check_checkpoint(out: Path, model_type: str, reference: dict) -> None:
+    """The run's checkpoint verifies, holds HF's parameters by HF's names, unsharded
+    in HF's layout: equal to the single-process reference's after the same steps
+    (float64 roundoff, as the losses), and config.json sits in the run and the
+    checkpoint."""
+    from plait.train import checkpoint as ckpt, checkpoint_load
+
+    path = ckpt.latest_complete(out)
+    assert ckpt.verify(path) == []
+    manifest, model, _, _ = checkpoint_load.load_full(path)
+    assert manifest["model"]["kind"] == "hf" and manifest["model"]["model_type"] == model_type
+    for where in (out, path):
+        assert json.loads((where / "config.json").read_text())["model_type"] == model_type
+    assert sorted(model) == sorted(reference)
+    worst = max(float((model[name] - reference[name]).abs().max()) for name in reference)
+    assert worst <= TOLERANCE, f"{out}: checkpoint weights off the reference's by {worst:.3g}"
+
+
+@pytest.mark.slow
+def test_pipelines_match_one_process(tmp_path):
+    """On 4 ranks, through the automatic split: dp2 x pp2 of GPT-2 (its tied embedding
+    and head on the first and last stage, their gradients summed) and tp2 x pp2 of the
+    Llama-style model (sharded by its plan, then split): each equals one process."""
+    gpt2 = _write_config(tmp_path / "gpt2", "gpt2")
+    llama = _write_config(tmp_path / "llama", "llama")
+    configs = [_config(tmp_path / "dp2pp2", gpt2, dp=2, pp=2), _config(tmp_path / "tp2pp2", llama, tp=2, pp=2)]
+    run_distributed(_train_each, 4, configs, timeout_s=300)
+    for config, model_type in zip(configs, ("gpt2", "llama")):
+        losses, weights = _reference(config)
+        worst = _worst(_losses(config.out), losses)
+        assert worst <= TOLERANCE, f"{config.out}: max |loss - reference| = {worst:.3g}"
+        _check_checkpoint(Path(config.out), model_type, weights)
 
 
 def test_bad_models_are_refused_by_name(tmp_path):

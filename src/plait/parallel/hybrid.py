@@ -75,7 +75,7 @@ class HybridModel:
         specs = {}
         for name, param in self.names.items():
             spec = getattr(param, "tp_shard", None)
-            specs[name] = None if spec is None else [spec.dim, spec.full_size]
+            specs[name] = None if spec is None else [spec.dim, spec.full_size, *(spec.parts or ())]
         return specs
 
 
@@ -84,21 +84,31 @@ def build_hybrid(model: nn.Module, layers: list[nn.Module], mesh: DeviceMesh, lo
                  timeout_s: float | None = None, tp_rank: int = 0, tp_size: int = 1, recompute: str = "none",
                  recompute_layers: int | None = None, meter=None, precision: str = FP32,
                  grad_reduce_dtype: str = FP32, loss_scaler: LossScaler | None = None,
-                 offload_dir=None) -> HybridModel:
+                 offload_dir=None, layers_are_chunks: bool = False) -> HybridModel:
     """Cut ``model`` (already built at this rank's tp degree; ``layers`` its
     sequential layers sharing its parameters) into the schedule's chunks and keep
     this pipeline rank's. Parameters of chunks this rank does not run are dropped.
     ``recompute`` (none | selective | full) applies to the first ``recompute_layers``
     transformer blocks of each chunk (None: all). ``meter``: a SavedTensorMeter the
-    engine composes with its own saved-tensor hooks (measured activation memory)."""
+    engine composes with its own saved-tensor hooks (measured activation memory).
+    ``layers_are_chunks``: ``layers`` are already the schedule's chunks, one module
+    each, in pipeline order (plait.parallel.pipeline.split's stage modules, which take
+    and return tuples of boundary tensors); they run as they are."""
     pp = mesh.size(PP)
     pipeline = build_schedule(schedule, pp, microbatches, virtual if schedule == INTERLEAVED_1F1B else None)
-    chunks = split_layers(layers, pp, virtual=virtual if schedule == INTERLEAVED_1F1B else 1)
+    if layers_are_chunks:
+        if len(layers) != pipeline.stages:
+            raise ValueError(f"layers_are_chunks: {len(layers)} chunk modules for a schedule of {pipeline.stages} "
+                             "chunks: split the model into pp * virtual stages")
+        chunks = [[index] for index in range(len(layers))]
+    else:
+        chunks = split_layers(layers, pp, virtual=virtual if schedule == INTERLEAVED_1F1B else 1)
     pp_rank = mesh.coords[PP]
     held = pipeline.stages_of(pp_rank)
-    modules = {stage: build_stage(layers, chunks[stage]) for _, stage in held}
+    modules = {stage: layers[stage] if layers_are_chunks else build_stage(layers, chunks[stage]) for _, stage in held}
     for stage, module in modules.items():
-        blocks = [layer.block for layer in module if hasattr(getattr(layer, "block", None), "set_recompute")]
+        blocks = [layer.block for layer in module if hasattr(getattr(layer, "block", None), "set_recompute")] \
+            if isinstance(module, nn.Sequential) else []
         if recompute != "none" and not blocks:
             raise ValueError(f"recompute={recompute!r}: pipeline chunk {stage} has no transformer blocks to recompute "
                              "(recomputation re-runs plait GPT blocks; the MLP and --module models have none): "

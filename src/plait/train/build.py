@@ -5,7 +5,9 @@ function of (seed, step), this dp rank's slice of it)."""
 
 from __future__ import annotations
 
+import sysconfig
 from dataclasses import asdict
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -13,14 +15,20 @@ from torch.nn import functional as F
 
 from plait.models.gpt import GPTConfig
 from plait.models.mlp import MLP
-from plait.train import hf_model
+from plait.train import hf_layout, hf_model
 from plait.train.config import TrainConfig
 from plait.train.data import load_digits, rank_batch
 
 
 def load_data(config: TrainConfig, cache_dir=None):
     """The corpus (GPT, and hf models without a tokenizer; cached under ``cache_dir``,
-    None: not cached, see load_corpus) or the digits (MLP)."""
+    None: not cached, see load_corpus), an hf model's tokenized text (--tokenizer;
+    plait.train.text_data, cached likewise) or the digits (MLP)."""
+    if config.hf_source is not None and config.tokenizer:
+        from plait.train.text_data import load_text_data  # imports tokenizers: only for a tokenizer
+
+        return load_text_data(_text_files(config), tokenizer=config.tokenizer, text_field=config.text_field,
+                              val_fraction=config.val_fraction, cache_dir=cache_dir)
     if config.model == "gpt" or config.hf_source is not None:
         from plait.train.corpus import load_corpus
 
@@ -28,6 +36,23 @@ def load_data(config: TrainConfig, cache_dir=None):
                            cache_dir=cache_dir)
 
     return load_digits(seed=config.seed)
+
+
+def _text_files(config: TrainConfig):
+    """--data for a tokenizer: the path(s) given, or for "stdlib" the standard library's
+    first sources (sorted) up to data_max_bytes, whole files, as the char corpus reads them."""
+    if config.data != "stdlib":
+        return config.data
+    from plait.train.corpus import stdlib_files  # corpus imports numpy: only when asked
+
+    root, chosen, total = Path(sysconfig.get_paths()["stdlib"]), [], 0
+    for relative in stdlib_files():
+        nbytes = (root / relative).stat().st_size
+        if chosen and total + nbytes > config.data_max_bytes:
+            break
+        chosen.append(str(root / relative))
+        total += nbytes
+    return chosen
 
 
 def model_description(config: TrainConfig, data) -> dict:
@@ -74,14 +99,14 @@ def build_model(config: TrainConfig, data, tp_group=None):
 
 
 def build_hf_model(config: TrainConfig, data, tp_group=None):
-    """A Hugging Face causal LM (plait.train.hf_model): built on every rank alike, its
-    blocks recomputed as ``config.recompute`` says; one layer (the whole model) for
-    the pipeline engine at pp=1."""
+    """A Hugging Face causal LM (plait.train.hf_model) built on every rank alike, laid
+    out by plait.train.hf_layout: tp-sharded by its plan, cut into the schedule's
+    chunks at pp > 1 (then the layers are those chunks), its blocks recomputed."""
     model = hf_model.build(config.hf_source, dtype=config.dtype, seed=config.seed)
     hf_model.check_fits(model.config, config.hf_source, data_vocab=data.vocab_size, seq_len=config.seq_len,
-                        what=getattr(data, "tokenizer_description", f"the characters of {data.source}"))
-    hf_model.set_recompute(model, config.recompute, None if config.recompute_layers < 0 else config.recompute_layers)
-    return model, [hf_model.CausalLMLogits(model)], hf_model.loss_fn
+                        what=f"tokenizer {data.tokenizer.source}" if config.tokenizer
+                        else f"the characters of {data.source}")
+    return model, hf_layout.layers(model, config, tp_group), hf_model.loss_fn
 
 
 def make_optimizer(named_params, config: TrainConfig) -> torch.optim.Optimizer:
@@ -99,6 +124,11 @@ def make_optimizer(named_params, config: TrainConfig) -> torch.optim.Optimizer:
 
 def batch(config: TrainConfig, data, step: int, rank: int, world_size: int, *, evaluation: bool = False):
     """Global batch ``step`` (or validation batch ``step``), this dp rank's slice."""
+    if config.hf_source is not None and config.tokenizer:  # plait.train.text_data.TextData: lm_batch's order
+        if evaluation:
+            return data.eval_batch(step, config.global_batch, config.seq_len, rank=rank, world_size=world_size)
+        return data.batch(step, config.global_batch, config.seq_len, seed=config.seed, rank=rank,
+                          world_size=world_size)
     if config.model == "gpt" or config.hf_source is not None:
         from plait.train.corpus import eval_batch, lm_batch
 

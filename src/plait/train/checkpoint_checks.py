@@ -353,7 +353,8 @@ def check_header(payload: dict, where: str) -> None:
 
 def model_parameters(model) -> int | None:
     """Parameters of the model a manifest describes ({"kind": "gpt", GPTConfig's
-    fields} or {"kind": "mlp", "sizes": [...]}); None when it records none.
+    fields}, {"kind": "mlp", "sizes": [...]} or {"kind": "hf", ..., "parameters": N});
+    None when it records none.
     ValueError if it describes no model plait builds."""
     if model is None:
         return None
@@ -370,7 +371,12 @@ def model_parameters(model) -> int | None:
         if not (isinstance(sizes, list) and len(sizes) >= 2 and all(_is_count(size, 1) for size in sizes)):
             raise ValueError(f"manifest model mlp sizes {shown(sizes)} are not >= 2 widths >= 1")
         return sum(fan_in * fan_out + fan_out for fan_in, fan_out in zip(sizes[:-1], sizes[1:]))
-    raise ValueError(f"manifest model kind {shown(kind)} is neither 'gpt' nor 'mlp'")
+    if kind == "hf":  # a Hugging Face model (plait.train.hf_model.description): its count is recorded
+        count = model.get("parameters")
+        if not _is_count(count, 1):
+            raise ValueError(f"manifest model hf parameters {shown(count)} is not a count >= 1")
+        return count
+    raise ValueError(f"manifest model kind {shown(kind)} is neither 'gpt', 'mlp' nor 'hf'")
 
 
 def _tensor_problems(name: str, payload: dict, tp_size: int, full_shapes: dict) -> list[str]:
@@ -385,12 +391,14 @@ def _tensor_problems(name: str, payload: dict, tp_size: int, full_shapes: dict) 
         spec = payload["specs"][key]
         shape = list(tensor.shape)
         if spec is not None:
-            if not (isinstance(spec, (list, tuple)) and len(spec) == 2 and all(type(x) is int for x in spec)
-                    and 0 <= spec[0] < tensor.dim() and spec[1] >= 1):
-                problems.append(f"{where} has spec {shown(spec)}: need None or [dim, full_size], 0 <= dim < "
-                                f"{tensor.dim()}")
+            # [dim, full_size], or [dim, full_size, *parts] for a fused layout (parts summing to full_size)
+            if not (isinstance(spec, (list, tuple)) and len(spec) >= 2 and all(type(x) is int for x in spec)
+                    and 0 <= spec[0] < tensor.dim() and spec[1] >= 1
+                    and (len(spec) == 2 or (sum(spec[2:]) == spec[1] and all(x % tp_size == 0 for x in spec[2:])))):
+                problems.append(f"{where} has spec {shown(spec)}: need None, [dim, full_size] or [dim, full_size, "
+                                f"*parts] (fused parts each divisible by tp_size {tp_size}), 0 <= dim < {tensor.dim()}")
                 continue
-            dim, full_size = spec
+            dim, full_size = spec[:2]
             if shape[dim] != -(-full_size // tp_size):
                 problems.append(f"{where} has shape {tuple(shape)}, but spec {list(spec)} at tp {tp_size} gives "
                                 f"{-(-full_size // tp_size)} along dim {dim}")

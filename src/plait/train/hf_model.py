@@ -116,11 +116,13 @@ def config_json(config) -> str:
 
 def description(config, dtype: str) -> dict:
     """What fixes the parameters, compared with a checkpoint's (flat, as a manifest
-    holds it): the architecture's sizes for the reader, the sha256 of config_json for
+    holds it): the architecture's sizes for the reader, the parameter count (a tied
+    weight once; verify checks the shards against it), the sha256 of config_json for
     the rest, and the dtype."""
     sizes = {name: getattr(config, name, None) for name in ("vocab_size", "hidden_size", "num_hidden_layers",
                                                               "num_attention_heads")}
     return {"kind": "hf", "model_type": config.model_type, **{k: v for k, v in sizes.items() if isinstance(v, int)},
+            "parameters": parameter_count(config),
             "config_sha256": hashlib.sha256(config_json(config).encode()).hexdigest(), "dtype": dtype}
 
 
@@ -234,12 +236,12 @@ def _recomputed_forward(module: nn.Module, name: str, on_recompute):
     return forward
 
 
-def set_recompute(model: nn.Module, mode: str, layers: int | None = None, on_recompute=None) -> None:
-    """``mode`` (none | selective | full, module docstring) for the first ``layers``
-    decoder blocks (None: all). The block's (or its attention's) forward is replaced on
-    that instance only: its class, hooks and parameters stay as they are."""
+def set_recompute(decoder: list[nn.Module], mode: str, layers: int | None = None, on_recompute=None) -> None:
+    """``mode`` (none | selective | full, module docstring) for the first ``layers`` of
+    the decoder blocks ``decoder`` (None: all; ``blocks(model)``, or a pipeline chunk's).
+    The block's (or its attention's) forward is replaced on that instance only: its
+    class, hooks and parameters stay as they are."""
     check_mode(mode)
-    decoder = blocks(model)
     count = len(decoder) if layers is None else min(layers, len(decoder))
     for index, block in enumerate(decoder):
         chosen = mode if index < count else NONE

@@ -22,7 +22,6 @@ import os
 import shutil
 import signal
 import time
-from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -30,62 +29,25 @@ import torch.distributed as dist
 
 from plait import comm
 from plait.parallel.hybrid import build_hybrid, evaluate, HybridModel, train_step
-from plait.names.transports import AUTO, GLOO, NCCL
 from plait.parallel.mesh import DeviceMesh, ParallelDims
 from plait.memory.precision import check_device
 from plait.parallel.zero.optimizer import ShardedOptimizer
-from plait.train import checkpoint as ckpt, checkpoint_load, hf_model, rundir, runlock
+from plait.train import checkpoint as ckpt, checkpoint_load, hf_layout, hf_model, rundir, runlock
 from plait.train.atomic_files import atomic_write
 from plait.train.build import batch, build_model, load_data, make_optimizer, model_description
 from plait.train.checkpoint_write import CheckpointNotWritten, write_manifest, write_shard
 from plait.train.config import TrainConfig
 from plait.train.memory import MemoryMonitor
-from plait.train.metrics import MetricsLog
+from plait.train.checkpoint_dcp import write_dcp
+from plait.train.metrics import AxisCommClock, MetricsLog
+from plait.train.tensorboard_log import TENSORBOARD_DIR
 from plait.train.offload_dirs import prepare_offload_dir, remove_offload_dir
 from plait.train.progress import rate_key, throughput_unit
 from plait.train.flops import gpt_train_flops, measure_peak_flops, mlp_train_flops
 from plait.train.report import summary_lines, write_report
+from plait.train.world import init_distributed, threads_per_process
 
 FAULT_ENV = "PLAIT_FAULT_KILL"  # "RANK:STEP": that rank kills itself before STEP, first attempt only (tests)
-
-
-def init_distributed(timeout_s: float, backend: str = "auto") -> torch.device:
-    """Join the torchrun world (env://) unless already in one. ``backend`` "auto": NCCL
-    with one GPU per local rank when CUDA is available, gloo on CPU otherwise; "gloo" on
-    a GPU machine puts local rank r on GPU r mod (GPUs), so ranks may share a GPU (their
-    messages pass through host memory, plait.comm.transport.stages_through_host)."""
-    use_cuda = torch.cuda.is_available()
-    if backend == NCCL and not use_cuda:
-        raise ValueError("backend='nccl' needs CUDA GPUs and this machine has none: use backend='gloo' or 'auto'")
-    device = torch.device("cpu")
-    if use_cuda:
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        device = torch.device("cuda", local_rank % torch.cuda.device_count() if backend == GLOO else local_rank)
-        torch.cuda.set_device(device)
-    if dist.is_initialized():
-        return device
-    if backend == AUTO:
-        backend = NCCL if use_cuda else GLOO
-    timeout = timedelta(seconds=timeout_s)
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-    if attempt is None or "MASTER_ADDR" not in os.environ:
-        dist.init_process_group(backend, timeout=timeout)
-        return device
-    # Under torchrun the store outlives a restart: the killed attempt's keys (gloo
-    # addresses of dead processes, one set per new_group) would be read by the new
-    # one. Every attempt gets its own key space.
-    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
-                          is_master=not agent_store and rank == 0, timeout=timeout)
-    dist.init_process_group(backend, store=dist.PrefixStore(f"plait/attempt_{attempt}", store), rank=rank,
-                            world_size=world_size, timeout=timeout)
-    return device
-
-
-def _threads_per_process() -> int:
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    return max(1, (os.cpu_count() or 1) // max(local, 1))
 
 
 class Trainer:
@@ -98,7 +60,7 @@ class Trainer:
         self.started_s = float(os.environ.get("PLAIT_LAUNCH_TIME", time.time()))
         self.device = init_distributed(config.timeout_s, config.backend)
         if self.device.type == "cpu" and "LOCAL_WORLD_SIZE" in os.environ:  # under torchrun: share the cores
-            torch.set_num_threads(_threads_per_process())
+            torch.set_num_threads(threads_per_process())
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.dims = ParallelDims(dp=config.dp, tp=config.tp, pp=config.pp, order=config.mesh_order)
         self.mesh = DeviceMesh.create(self.dims)
@@ -122,7 +84,8 @@ class Trainer:
             recompute="none" if hf else config.recompute,
             recompute_layers=None if config.recompute_layers < 0 else config.recompute_layers,
             meter=self.memory.meter, precision=config.precision, grad_reduce_dtype=config.grad_reduce_dtype,
-            offload_dir=self._offload_dir() if config.offload_activations else None)
+            offload_dir=self._offload_dir() if config.offload_activations else None,
+            layers_are_chunks=hf and hf_layout.chunk_count(config) > 1)  # split's stage modules
         for stage in self.hybrid.engine.stages.values():  # only this rank's chunks reach the device
             stage.to(self.device)
         self.hybrid.engine.parameters_moved()  # its autocast and received activations follow them there
@@ -258,6 +221,13 @@ class Trainer:
             payload = torch.load(file, map_location="cpu", weights_only=True)
         return payload.get("extra", {})
 
+    def _saved_names(self) -> list[str]:
+        """What this rank's shard holds: a parameter two pipeline ranks share (an HF
+        model's tied embedding and head, cut apart by the split) on the first only."""
+        shared = self.hybrid.engine.shared_parameters
+        return [name for name in self.hybrid.saved_names
+                if name not in shared or min(shared[name]) == self.coords["pp"]]
+
     def _mesh_info(self) -> dict:
         return {"dp": self.config.dp, "tp": self.config.tp, "pp": self.config.pp, "order": self.config.mesh_order}
 
@@ -277,20 +247,20 @@ class Trainer:
         if isinstance(self.optimizer, ShardedOptimizer):  # every dp rank takes part in gathering the state
             full = self.optimizer.full_state({id(p): name for name, p in self.hybrid.names.items()})
         with self._whole_parameters():  # ZeRO 3: every dp rank takes part in gathering the parameters
-            model = {name: self.hybrid.names[name].detach().cpu().clone() for name in self.hybrid.saved_names} \
+            model = {name: self.hybrid.names[name].detach().cpu().clone() for name in self._saved_names()} \
                 if self.coords["dp"] == 0 else None
         if self.coords["dp"] == 0:
             if isinstance(self.optimizer, ShardedOptimizer):
-                state = {name: full.get(name, {}) for name in self.hybrid.saved_names}
+                state = {name: full.get(name, {}) for name in self._saved_names()}
             else:
                 state = {name: self.optimizer.state.get(self.hybrid.names[name], {})
-                         for name in self.hybrid.saved_names}
+                         for name in self._saved_names()}
             payload = {
                 "format": 1, "tp_rank": self.coords["tp"], "tp_size": self.config.tp,
                 "pp_rank": self.coords["pp"], "pp_size": self.config.pp,
                 "model": model,
                 "specs": {name: spec for name, spec in self.hybrid.named_specs().items()
-                          if name in self.hybrid.saved_names},
+                          if name in self._saved_names()},
                 "optimizer": {name: {key: value.detach().cpu().clone() if torch.is_tensor(value)
                                      else torch.tensor(value) for key, value in entry_state.items()}
                               for name, entry_state in state.items() if entry_state},
@@ -312,6 +282,8 @@ class Trainer:
                         "config_digest": self.config.digest(), "model": self.model_info,
                         "corpus_digest": getattr(self.data, "digest", None), "data_position": step,
                         "created_unix_s": time.time()}
+            if self.config.checkpoint_format == "dcp":  # torch's format too, before the commit point (F)
+                write_dcp(directory, manifest, [e for e in entries if e is not None], self.config)
             write_manifest(directory, manifest, [e for e in entries if e is not None])
             if self.config.keep_checkpoints:  # 0 keeps them all
                 ckpt.prune(self.out, self.config.keep_checkpoints, log=self.log)
@@ -354,7 +326,8 @@ class Trainer:
             atomic_write(self.out / "config.toml", lambda temporary: Path(temporary).write_text(text))
             hf_model.write_config(self.out, self._hf_json())
         metrics = MetricsLog(self.out / "metrics.jsonl", group=self.mesh.group["dp"], dp_size=config.dp,
-                             write=self.rank == 0, interval=config.log_interval, start_step=self.start_step)
+                             write=self.rank == 0, interval=config.log_interval, start_step=self.start_step,
+                             tensorboard_dir=self.out / TENSORBOARD_DIR if config.log == "tensorboard" else None)
         progress = None
         unit = throughput_unit(config.model)  # tokens for the GPT, samples for the MLP
         if self.rank == 0:
@@ -363,6 +336,7 @@ class Trainer:
             progress = Progress(config.steps, start_step=self.start_step, unit=unit)
         items_per_step = config.global_batch * (config.seq_len if unit == "tokens" else 1)
         comm.reset_stats()
+        axis_clock = AxisCommClock(self.mesh.group, {axis: self.mesh.size(axis) for axis in self.mesh.group})
         first_step_s = None
         loop_start_s = time.perf_counter()
         steps_run = 0
@@ -372,6 +346,7 @@ class Trainer:
                 inputs, targets = self._batch(step)
                 self.memory.begin_step(exclude=[*self._parameters, inputs, targets])
                 lr = config.lr_at(step)
+                axis_clock.start()
                 loss, norm, times = train_step(self.hybrid, inputs, targets, self.optimizer, step=step,
                                                grad_clip=config.grad_clip, lr=lr, reduce_loss=False)
                 memory = self.memory.end_step(self.hybrid.engine.history[-1].peak_activation_bytes,
@@ -389,7 +364,7 @@ class Trainer:
                           **({"loss_scale": self.hybrid.scaler.scale, "skipped_steps": self.hybrid.scaler.skipped_steps}
                              if self.hybrid.scaler is not None else {}),
                           "saved_peak_bytes": memory["saved_peak_bytes"],
-                          "resident_peak_bytes": memory["resident_peak_bytes"]}
+                          "resident_peak_bytes": memory["resident_peak_bytes"], **axis_clock.stop()}
                 last = step == end - 1
                 if config.eval_interval and ((step + 1) % config.eval_interval == 0 or last):
                     record["val_loss"] = self.evaluate()

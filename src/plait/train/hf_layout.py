@@ -1,0 +1,69 @@
+"""An HF causal LM laid out for plait's hybrid engine: tensor parallelism through a
+ready plan (``plait.parallel.tensor.plans.plan_for``: HF GPT-2, Llama-style decoders),
+pipeline parallelism through the automatic split (``plait.parallel.pipeline.split``),
+and recomputation on its decoder blocks.
+
+- pp = 1 (and no interleaving): ``parallelize(model, tp, plan_for(model))`` at tp > 1,
+  then the whole model is the one layer (``CausalLMLogits``).
+- pp > 1: the model (at tp > 1 already sharded by its plan, so the stages hold the
+  sharded modules and the model names the same parameters: a tied embedding and
+  head stay one parameter) is traced on one micro-batch of token ids
+  (micro_batch, seq_len) and cut into pp · virtual stages balanced by FLOPs; each
+  stage keeps the model's own modules under their original names, takes and returns
+  the tuples of tensors crossing its boundaries (hidden states, position ids, masks,
+  rotary cos/sin), and the last returns the logits. (Sharding each stage after the
+  split instead would replace the leaf modules a stage holds directly, the embedding
+  and the head, in the stage only: the model would name other parameters.)
+- recompute: the first ``recompute_layers`` decoder blocks of each chunk (-1: all),
+  as plait's GPT counts them.
+
+The loss is the mean token cross-entropy of the whole logits (the plans gather the
+head's output) against the shifted targets the data gives.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from plait.names.schedules import INTERLEAVED_1F1B
+from plait.parallel.pipeline import split
+from plait.parallel.tensor import TensorParallel, parallelize
+from plait.parallel.tensor.plan import ParallelPlan
+from plait.parallel.tensor.plans import plan_for
+from plait.train import hf_model
+from plait.train.config import TrainConfig
+
+
+def tensor_plan(model: nn.Module, config: TrainConfig) -> ParallelPlan:
+    """The ready plan for ``model``'s class; a class none covers refused naming the covered ones."""
+    try:
+        return plan_for(model, sequence_parallel=config.sequence_parallel)
+    except TypeError as error:
+        raise ValueError(f"tp={config.tp} with model={config.model!r}: {error}") from None
+
+
+def chunk_count(config: TrainConfig) -> int:
+    return config.pp * (config.virtual if config.schedule == INTERLEAVED_1F1B else 1)
+
+
+def layers(model: nn.Module, config: TrainConfig, tp_group=None) -> list[nn.Module]:
+    """The layers build_hybrid runs: the whole model, or at chunk_count > 1 the
+    schedule's chunks themselves (build_hybrid(..., layers_are_chunks=True))."""
+    tp = TensorParallel(group=tp_group, algorithm=config.algorithm, sequence_parallel=config.sequence_parallel,
+                        check_args=False)
+    recompute_layers = None if config.recompute_layers < 0 else config.recompute_layers
+    chunks = chunk_count(config)
+    if config.tp > 1:
+        parallelize(model, tp, tensor_plan(model, config))
+    decoder = hf_model.blocks(model)
+    if chunks == 1:
+        hf_model.set_recompute(decoder, config.recompute, recompute_layers)
+        return [hf_model.CausalLMLogits(model)]
+    # traced once on one micro-batch (at tp > 1 every tp rank traces alike, its collectives paired)
+    example = torch.zeros(config.micro_batch, config.seq_len, dtype=torch.int64)
+    stages = split(model, example, stages=chunks, kwargs={"use_cache": False}).modules
+    for stage in stages:
+        held = {id(module) for module in stage.modules()}
+        hf_model.set_recompute([block for block in decoder if id(block) in held], config.recompute, recompute_layers)
+    return list(stages)
