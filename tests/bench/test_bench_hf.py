@@ -21,22 +21,17 @@ TOY = dict(layers=2, hidden=32, heads=4, kv_heads=2, intermediate=64, vocab=64, 
 CURVE_TOLERANCE = 1e-3
 
 
-# plait-tp waits for plait.parallel.tensor.parallelize (helper A, issue 34)
-RUNNABLE = tuple(variant for variant in VARIANTS if variant != "plait-tp")
-RUNNABLE_LAYOUTS = tuple(layout for layout, pair in LAYOUTS.items() if set(pair) <= set(RUNNABLE))
-
-
 def _bench(rank, world_size, config):
     return run_hf_bench(config)
 
 
 @pytest.mark.slow
 def test_every_side_trains_the_same_model_on_the_counted_tokens():
-    config = HfBenchConfig(variants=RUNNABLE, **TOY)
+    config = HfBenchConfig(**TOY)
     rows = run_distributed(_bench, 2, config, timeout_s=240)[0]
-    assert sorted(row["variant"] for row in rows) == sorted(RUNNABLE)
+    assert sorted(row["variant"] for row in rows) == sorted(VARIANTS)
     result = summarize(rows, config)
-    assert [entry["variant"] for entry in result["variants"]] == list(RUNNABLE)
+    assert [entry["variant"] for entry in result["variants"]] == list(VARIANTS)
     for entry in result["variants"]:
         # every rank's targets summed, tp's replicas once: 2 steps x 4 sequences x 16 tokens
         assert entry["tokens_per_window"] == entry["tokens_per_window_expected"] == 2 * 4 * 16, entry
@@ -45,12 +40,12 @@ def test_every_side_trains_the_same_model_on_the_counted_tokens():
     for row in rows:
         assert len(row["losses"]) == config.warmup + config.steps
     assert result["step1_losses_agree"] and result["step1_loss_spread"] <= STEP1_LOSS_TOLERANCE
-    assert [pair["layout"] for pair in result["pairs"]] == list(RUNNABLE_LAYOUTS)
+    assert [pair["layout"] for pair in result["pairs"]] == list(LAYOUTS)
     for pair in result["pairs"]:
         assert len(pair["ratios"]) == config.rounds and pair["min"] <= pair["median"] <= pair["max"]
         assert pair["max_loss_difference"] <= CURVE_TOLERANCE, pair
     text = "\n".join(table_lines(result))
-    for variant in RUNNABLE:
+    for variant in VARIANTS:
         assert variant in text
 
 

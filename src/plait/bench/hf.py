@@ -55,6 +55,8 @@ from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from plait.parallel.data.data_parallel import DataParallel
+from plait.parallel.tensor import parallelize
+from plait.parallel.tensor.llama import llama_plan
 from plait.parallel.zero.module import ZeRO
 
 LAYOUTS = {"dp": ("plait-dp", "torch-ddp"), "zero3": ("plait-zero3", "torch-fsdp2"), "tp": ("plait-tp", "torch-tp")}
@@ -196,9 +198,6 @@ class Side:
             mesh = init_device_mesh("cpu", (world_size,))
             self.wrapped = parallelize_module(model, mesh, torch_tp_plan())
         else:  # plait-tp
-            from plait.parallel.tensor import parallelize  # noqa: F401 - helper A's plan API (issue 34)
-            from plait.parallel.tensor.llama import llama_plan
-
             self.wrapped = parallelize(model, dist.group.WORLD, llama_plan(model))
         self.optimizer = None if self.zero is not None else _adamw(self.wrapped.parameters(), config)
         self.losses: list[torch.Tensor] = []
