@@ -140,3 +140,35 @@ def test_refusals_are_named():
     model.eval()
     with pytest.raises(RuntimeError, match=r"the model was traced in training mode and is now in the other"):
         pieces.modules[0](ids)
+
+
+class _DynamicShape(nn.Module):
+    """A shape read of a boolean-mask selection: the count depends on the values."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.a(x)
+        return self.b(h) * h[h[:, 0] > 0].shape[0]
+
+
+class _Unregistered(nn.Module):
+    """A layer kept in a plain list: torch does not see its parameters."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.hidden = nn.Linear(4, 4), [nn.Linear(4, 4)]
+
+    def forward(self, x):
+        return self.hidden[0](self.a(x))
+
+
+def test_silent_fixings_are_refused():
+    with pytest.raises(TraceError, match=r"the forward of the model reads a tensor's values into Python \(shape of a "
+                                         r"tensor whose shape depends on values\)"):
+        split(_DynamicShape(), torch.randn(3, 4), stages=2)
+    with pytest.raises(TraceError, match=r"an argument of linear in the forward of the model is a parameter \(4, 4\) "
+                                         r"that is not registered in _Unregistered .* a constant that never trains"):
+        split(_Unregistered(), torch.randn(3, 4), stages=2)

@@ -56,6 +56,10 @@ _RANDOM = frozenset({"rand", "randn", "randint", "randperm", "rand_like", "randn
                      "bernoulli_", "multinomial", "normal", "normal_", "uniform_", "exponential_", "geometric_",
                      "cauchy_", "log_normal_", "random_", "dropout", "dropout_", "alpha_dropout", "feature_dropout",
                      "poisson", "empty", "empty_like", "new_empty"})
+# ops whose output shape depends on their input's values, and the reads of a shape
+_DYNAMIC_SHAPE = frozenset({"nonzero", "masked_select", "unique", "unique_consecutive", "argwhere", "bincount",
+                            "repeat_interleave", "nonzero_static", "histc"})
+_SHAPE_READS = frozenset({"size", "shape", "__len__", "numel", "nelement"})
 _PLAIN = (type(None), bool, int, float, complex, str, torch.dtype, torch.device, torch.layout, torch.memory_format,
           torch.Size, slice, type(Ellipsis))
 
@@ -166,10 +170,18 @@ class _Recorder(TorchFunctionMode):
         tainted = name in _RANDOM or any(tracer.is_tainted(item) for item in touched)
         if tainted and name in _VALUE_READS:
             tracer.refuse_value_read(name)
+        # a shape made from values (nonzero, a boolean mask's selection): reading it is a value read too
+        dynamic = any(id(item) in tracer.shape_tainted for item in touched) or tainted and (
+            name in _DYNAMIC_SHAPE or name in ("__getitem__", "index") and
+            any(item.dtype == torch.bool for item in touched[1:]) or name == "where" and len(touched) == 1)
+        if dynamic and name in _SHAPE_READS:
+            tracer.refuse_value_read(f"{name} of a tensor whose shape depends on values")
         result = func(*args, **kwargs)
         holds_tensor = any(isinstance(item, torch.Tensor) for _, item in flatten(result))
         if holds_tensor or (watched and name == "__setitem__"):
             tracer.record_call(func, args, kwargs, result, tainted)
+            if dynamic:
+                tracer.shape_tainted.update(id(item) for _, item in flatten(result) if isinstance(item, torch.Tensor))
         elif tainted and name not in _METADATA and not name.startswith("is_"):
             tracer.refuse_value_read(name)
         return result
@@ -191,6 +203,7 @@ class _Tracer:
         self.constants: dict[str, torch.Tensor] = {}
         self.constant_ids: set[int] = set()
         self.tainted: set[int] = set()
+        self.shape_tainted: set[int] = set()  # tensors whose shape depends on values
         self.flop_counter: FlopCounterMode | None = None
         self.counting = False
 
@@ -232,6 +245,11 @@ class _Tracer:
                     return self.values[id(item)]
                 if id(item) in self.attrs:
                     return Attr(self.attrs[id(item)])
+                if isinstance(item, nn.Parameter):
+                    raise TraceError(f"{what(item)} is a parameter {tuple(item.shape)} that is not registered in "
+                                     f"{type(self.model).__name__} (a module or parameter kept in a plain list, dict "
+                                     "or attribute?): a split stage would hold it as a constant that never trains; "
+                                     "register it (nn.ModuleList, nn.ParameterList, register_parameter)")
                 name = f"_split_constant_{len(self.constants)}"
                 self.constants[name] = item
                 self.constant_ids.add(id(item))
