@@ -16,7 +16,8 @@
 - ``plan`` / ``styles``: ``parallelize(model, tp, plan)``, a plan of module names to
   ColwiseParallel / RowwiseParallel / VocabParallel / SequenceParallel / Replicate,
   applied in place to any model's Linear, HF Conv1D and Embedding (``convert``,
-  ``hooks``, ``native``); ``plans``: ready plans (HF GPT-2, plait's GPT) and ``plan_for``.
+  ``hooks``, ``native``); ``plans``: ready plans (HF GPT-2, plait's GPT) and ``plan_for``;
+  ``llama``: the Llama-style decoders' plan.
 """
 
 from plait.parallel.tensor.cross_entropy import gather_logits, vocab_parallel_cross_entropy
@@ -47,6 +48,7 @@ from plait.parallel.tensor.mappings import (
     scatter_to_sequence,
     sum_grads_in_backward,
 )
+from plait.parallel.tensor.llama import llama_plan
 from plait.parallel.tensor.plan import ParallelPlan, check_plan, parallelize
 from plait.parallel.tensor.plans import gpt2_plan, plait_gpt_plan, plan_for
 from plait.parallel.tensor.sharding import (
@@ -61,7 +63,7 @@ from plait.parallel.tensor.styles import ColwiseParallel, Replicate, RowwisePara
 
 __all__ = [
     "ColwiseParallel", "ParallelPlan", "Replicate", "RowwiseParallel", "SequenceParallel", "VocabParallel",
-    "check_plan", "gpt2_plan", "parallelize", "plait_gpt_plan", "plan_for",
+    "check_plan", "gpt2_plan", "llama_plan", "parallelize", "plait_gpt_plan", "plan_for",
     "ColumnParallelLinear", "ConsistentDropout", "LAYOUT_CHECKS", "LOCAL", "ParallelAttention", "ParallelMLP",
     "REPLICATED", "RowParallelLinear", "SEQUENCE_SHARDED", "SequenceParallelEntry", "SequenceParallelExit",
     "ShardSpec", "TensorParallel", "UNSHARDED", "VocabParallelEmbedding", "check_layout", "check_tp_divides",
