@@ -145,11 +145,17 @@ def clip_mixed_grad_norm_(parameters, max_norm: float):
 
 
 def _worker(args, extra) -> int:
+    """One rank of the torch loop, or (--via trainer) of plait train's Trainer."""
     import torch.distributed as dist
 
     config = _config(args, extra, LAYOUTS[args.layout][1])
     dist.init_process_group("gloo")
     try:
+        if args.via == "trainer":
+            from plait.train.loop import Trainer
+
+            Trainer(config, resume="never", log=lambda _: None).train()
+            return 0
         result = torch_loop(config, LAYOUTS[args.layout][0])
         if result is not None:
             Path(args.result).write_text(json.dumps(result))
@@ -171,7 +177,8 @@ def _config(args, extra, layout_flags):
 
     parser = argparse.ArgumentParser()
     add_config_arguments(parser)
-    flags = parser.parse_args(_train_flags(args, extra, layout_flags))
+    flags = parser.parse_args(_train_flags(args, extra, layout_flags)
+                              + (["--out", str(args.trainer_out)] if args.trainer_out else []))
     flags.micro_batch = args.global_batch // flags.dp
     return config_from_args(flags, None)
 
@@ -188,10 +195,18 @@ def _run(command: list[str], what: str) -> None:
 
 
 def run_plait(args, extra, layout: str, out: Path) -> dict:
-    flags = _train_flags(args, extra, LAYOUTS[layout][1])
-    dp = 1 if layout == "tp" else NPROCS
-    _run([sys.executable, "-m", "plait", "train", *flags, "--micro-batch", str(args.global_batch // dp),
-          "--sample-chars", "0", "--out", str(out), "--resume", "never", "--force-fresh"], f"plait train ({layout})")
+    """`plait train` (--via cli), or its Trainer on torchrun's ranks (--via trainer: what
+    each rank of plait train runs, without the launcher's checks); its per-step records."""
+    if args.via == "cli":
+        flags = _train_flags(args, extra, LAYOUTS[layout][1])
+        dp = 1 if layout == "tp" else NPROCS
+        _run([sys.executable, "-m", "plait", "train", *flags, "--micro-batch", str(args.global_batch // dp),
+              "--sample-chars", "0", "--out", str(out), "--resume", "never", "--force-fresh"],
+             f"plait train ({layout})")
+    else:
+        _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(NPROCS),
+              "--monitor-interval", "1", str(Path(__file__).resolve()), "--worker", "--via", "trainer", "--layout",
+              layout, "--trainer-out", str(out), *_passed_flags(args), "--", *extra], f"plait's Trainer ({layout})")
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return {"losses": [record["loss"] for record in records], "stamps_s": [record["elapsed_s"] for record in records]}
 
@@ -297,7 +312,10 @@ def main(argv=None) -> int:
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=default, help=f"(default {default})")
     parser.add_argument("--busy-loop", choices=("also", "only", "off"), default="also",
                         help="also (default): measure quiet, then with a nice -n 19 busy loop; only; off")
+    parser.add_argument("--via", choices=("cli", "trainer"), default="cli",
+                        help="plait's side: the plait train command (default), or its Trainer on torchrun's ranks")
     parser.add_argument("--out", default="bench-results/hf-train")
+    parser.add_argument("--trainer-out", help=argparse.SUPPRESS)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # one rank of the torch loop
     parser.add_argument("--layout", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
