@@ -6,6 +6,8 @@
     plait plan --cluster local --nprocs 4 --global-batch 16        # plait train's GPT here
     plait plan --model gpt-175b --cluster dgx-h100 --gpus 1024 --global-batch 1536 \\
                --device-profile h100.json     # GPUs priced by a measured device profile
+    plait plan --model hf:config.json --gpus 8 --global-batch 64 --seq 1024   # a HF model, its tp plan priced
+    plait plan --module my_pkg.models:build --tp-plan my_pkg.models:PLAN --gpus 8 --global-batch 64
 
 Without degrees it searches every layout and prints the best ones, the winner's time
 and memory and, per choice, why; any of --tp --pp --dp --micro-batch --schedule
@@ -51,6 +53,9 @@ from plait.plan.device import load_device_profile, measure_device
 from plait.plan.grid import DEFAULT_MAX_LAYOUTS
 from plait.plan.layers import RECOMPUTE_MODES
 from plait.plan.trace import describe_module
+from plait.plan.tp_plan import PlannedModel, plan_lines, plan_model
+
+HF_PREFIX = "hf:"
 
 GIB = 1 << 30
 _TRAIN_DEFAULT = dict(layers=4, hidden=128, heads=4, seq=64)  # plait train's GPT
@@ -75,12 +80,20 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     model = parser.add_argument_group("model")
     model.add_argument("--model", default=None,
-                       help=f"gpt (give the shape below) or a preset: {', '.join(MODEL_PRESETS)} "
-                            "(default: gpt-1.3b, or plait train's GPT with --cluster local)")
+                       help=f"gpt (give the shape below), a preset: {', '.join(MODEL_PRESETS)} "
+                            "(default: gpt-1.3b, or plait train's GPT with --cluster local), or hf:CONFIG, a Hugging "
+                            "Face causal LM from a local config.json or a directory holding one (plait train --model "
+                            "hf:CONFIG's model, built on the meta device: no weights, no memory; --seq: its sequence "
+                            "length, default the config's positions), priced under its tensor-parallel plan")
     model.add_argument("--module", default=None, metavar="PKG.MOD:FUNCTION",
                        help="trace a real nn.Module instead (plait optimize's factory): FUNCTION is a function "
                             "called with no arguments that returns (module, example_inputs): an nn.Module "
                             "instance and one tensor, or a tuple of one, whose first dimension is the batch")
+    model.add_argument("--tp-plan", default=None, metavar="PKG.MOD:NAME",
+                       help="the tensor-parallel plan to price (--module or --model hf:): NAME is a plan dict "
+                            "({'h.*.mlp.c_fc': ColwiseParallel(), ...}, what plait.parallel.tensor.parallelize "
+                            "takes) or a function of the model returning one (default: plan_for(model) when plait "
+                            "has a plan for the model; else --module prices tp=1 only)")
     for flag, help in (("layers", "transformer blocks"), ("hidden", "model width h"), ("heads", "attention heads"),
                        ("seq", "sequence length"), ("vocab", "vocabulary size"),
                        ("ffn-hidden", "MLP width (default 4h)")):
@@ -188,9 +201,10 @@ def _train_vocab() -> int:
                        cache_dir=cache_dir()).vocab_size
 
 
-def _module_model(spec: str):
-    """The ModuleModel of a user's factory (plait.cli.factory, as plait optimize loads it):
-    one example input, its first dimension the batch, traced layer by layer."""
+def _module_model(spec: str, plan_spec: str | None):
+    """The model of a user's factory (plait.cli.factory, as plait optimize loads it): one
+    example input, its first dimension the batch, traced layer by layer; under a
+    tensor-parallel plan (--tp-plan, or plait's plan_for) a PlannedModel."""
     # imported here: the factory needs torch, which plait plan without --module never loads
     from plait.cli.factory import check_forward, describe_tensor, FactoryError, load_factory
 
@@ -202,8 +216,13 @@ def _module_model(spec: str):
                            f"(module, (tensor,)) (wrap a model of several inputs in one that takes one)")
     sample = inputs[0]
     check_forward(spec, module, inputs)
+    plan = _tp_plan(module, plan_spec, required=False)
     try:
+        if plan is not None:
+            return plan_model(module, sample, plan, name=spec)
         layers = describe_module(module, sample)
+    except FactoryError:
+        raise
     except Exception as error:  # it ran eagerly as returned: this is training mode, a layer's output or the backward
         where = "".join(f" ({note})" for note in getattr(error, "__notes__", ()))  # describe_layers: which layer
         raise FactoryError(f"factory {spec!r}: tracing its {type(module).__name__} for the plan (training mode, "
@@ -213,6 +232,71 @@ def _module_model(spec: str):
     element_bytes = dtypes[0].itemsize if dtypes else (sample.element_size() if sample.is_floating_point() else 4)
     return ModuleModel(name=spec, layers=tuple(layers), traced_batch=int(sample.shape[0]),
                        traced_element_bytes=element_bytes)
+
+
+def _tp_plan(module, plan_spec: str | None, *, required: bool):
+    """The plan dict of --tp-plan (a dict, or a function of the model returning one), else
+    plait's own plan for ``module`` (plan_for), else None (``required``: refused by name)."""
+    from plait.cli.factory import FactoryError, import_attribute
+
+    if plan_spec is not None:
+        plan = import_attribute(plan_spec, what="--tp-plan", form="PKG.MOD:NAME", example="my_pkg.models:PLAN")
+        if callable(plan) and not isinstance(plan, dict):
+            try:
+                plan = plan(module)
+            except Exception as error:
+                raise FactoryError(f"--tp-plan {plan_spec!r}: calling it on the {type(module).__name__} raised "
+                                   f"{type(error).__name__}: {error}") from None
+        if not isinstance(plan, dict):
+            raise FactoryError(f"--tp-plan {plan_spec!r} is a {type(plan).__name__}, not a plan dict of module "
+                               "patterns to styles (or a function of the model returning one)")
+        return plan
+    plan_for = _plan_for()
+    if plan_for is not None:
+        try:
+            return plan_for(module)
+        except (ValueError, TypeError) as error:
+            if required:
+                raise ValueError(f"{type(module).__name__}: plait has no tensor-parallel plan for it ({error}); "
+                                 "give one with --tp-plan PKG.MOD:NAME") from None
+    return {} if required else None
+
+
+def _plan_for():
+    """plait's plan_for(model), where plait.parallel.tensor has one (None before it)."""
+    try:
+        from plait.parallel.tensor.plans import plan_for
+    except ImportError:
+        return None
+    return plan_for
+
+
+def _hf_model(source: str, seq_len: int | None, plan_spec: str | None):
+    """The PlannedModel of ``hf:CONFIG`` (plait train --model hf:CONFIG's causal LM), built
+    from its config under torch's FakeTensorMode (no memory, no weights; CPU kernels, so
+    the fused attention keeps what it keeps on a GPU: O(s), not the s² probabilities of
+    the meta device's math path) and traced on ``seq_len`` tokens (default: the config's
+    positions) with HF's own loss."""
+    # imported here: plait plan of a GPT never loads torch or transformers
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from transformers import AutoModelForCausalLM
+
+    from plait.train.hf_model import load_config, positions
+
+    config = load_config(source)
+    seq_len = seq_len or positions(config)
+    if not seq_len:
+        raise ValueError(f"--model hf:{source}: the config names no positions; give --seq N")
+    with FakeTensorMode():
+        module = AutoModelForCausalLM.from_config(config)
+        plan = _tp_plan(module, plan_spec, required=True)
+        ids = torch.zeros(1, seq_len, dtype=torch.long)
+        # use_cache: HF then takes positions from the cache; without one it checks position_ids for packed
+        # sequences with a data-dependent branch, which a fake tensor cannot take (the cache holds k and v,
+        # which the backward keeps anyway: the same saved tensors, FLOPs and bytes)
+        sample = {"input_ids": ids, "labels": ids, "use_cache": True}
+        return plan_model(module, sample, plan, name=f"hf:{source} ({type(module).__name__})")
 
 
 def _model_matmul_shapes(model) -> list[tuple[int, int, int]] | None:
@@ -269,14 +353,18 @@ def _device_text(device) -> str:
 def _check_flag_combinations(args, local: bool) -> None:
     """Refuse flags the chosen cluster or model would silently ignore."""
     problems = []
-    if args.module:
-        shaped = [f"--{flag}" for flag in ("model", "layers", "hidden", "heads", "seq", "vocab", "ffn_hidden")
-                  if getattr(args, flag.replace("-", "_")) is not None]
+    hf = (args.model or "").startswith(HF_PREFIX)
+    if args.module or hf:
+        flags = ("layers", "hidden", "heads", "vocab", "ffn_hidden") + (("model", "seq") if args.module else ())
+        shaped = [f"--{flag}" for flag in flags if getattr(args, flag.replace("-", "_")) is not None]
         shaped += ["--untied-head"] if args.untied_head else []
         shaped += ["--dropout"] if args.dropout is not None else []
         shaped += ["--accounting"] if args.accounting is not None else []
         if shaped:
-            problems.append(f"{', '.join(shaped)} describe a GPT; --module traces its own model: drop them")
+            own = "--module" if args.module else "--model hf:"
+            problems.append(f"{', '.join(shaped)} describe a GPT; {own} traces its own model: drop them")
+    elif args.tp_plan is not None:
+        problems.append("--tp-plan is for --module or --model hf: (plait's GPT has its own tensor parallelism)")
     if local:
         if args.nodes is not None:
             problems.append("--nodes is for DGX clusters; --cluster local is one machine: give --nprocs")
@@ -299,7 +387,9 @@ def run(args) -> int:
     emit = (lambda text: print(text, file=sys.stderr)) if args.json else print
     local = args.cluster == "local"
     precision = args.precision or ("fp32" if local else "bf16-mixed")
-    accounting = args.accounting or ("plait" if local else "megatron")
+    # a Hugging Face model is priced as plait train --model hf: runs it: autocast over fp32 weights
+    hf = (args.model or "").startswith(HF_PREFIX)
+    accounting = args.accounting or ("plait" if local or hf else "megatron")
     _check_flag_combinations(args, local)
     # the request is checked before any work (tracing a module, measuring this machine)
     request = PlanRequest(
@@ -315,7 +405,9 @@ def run(args) -> int:
     device = load_device_profile(args.device_profile) if args.device_profile else None
     cluster = None if local else cluster_preset(args.cluster, gpus=args.gpus, nodes=args.nodes, device=device)
     if args.module:
-        model = _module_model(args.module)
+        model = _module_model(args.module, args.tp_plan)
+    elif (args.model or "").startswith(HF_PREFIX):
+        model = _hf_model(args.model[len(HF_PREFIX):], args.seq, args.tp_plan)
     else:
         model = TransformerModel(_transformer(args))
     if local:
@@ -334,4 +426,7 @@ def run(args) -> int:
     print("\n".join(table(result)))
     print()
     print("\n".join(explain(result)))
+    if isinstance(model, PlannedModel):
+        print()
+        print("\n".join(plan_lines(model, result.best.layout, precision_for(precision, accounting))))
     return 0

@@ -258,5 +258,6 @@ def plan_lines(model: PlannedModel, layout, precision: Precision) -> list[str]:
     if not collectives:
         lines.append("  no tensor-parallel collectives (tp=1)")
     for name, (calls, nbytes) in collectives.items():
-        lines.append(f"  {name} per step: {calls:,} calls, {nbytes / 1e6:,.3f} MB (whole tensors)")
+        lines.append(f"  {name} per step: {calls:,} calls of {nbytes:,.0f} bytes in all ({nbytes / 2**20:,.1f} MiB; "
+                     "each call's whole tensor)")
     return lines
