@@ -230,13 +230,18 @@ def split(model: nn.Module, example_inputs, *, stages: int | None = None, split_
     return _build(traced, calls, bounds)
 
 
+def _mutates(node) -> bool:
+    """A glue call that writes into its first argument (x[i] = v, x += v, x.add_(v))."""
+    name = _name(node.target)
+    return node.kind == "call" and (name in _MUTATING or name.endswith("_") and not name.endswith("__"))
+
+
 def _prune(traced: TracedModel) -> None:
     """Drop glue calls whose results nothing uses (a check's comparison) and that write nothing."""
     used: set[int] = set()
     kept = []
     for node in reversed(traced.nodes):
-        needed = node.kind in ("output", "leaf", "input") or node.index in used or \
-            _name(node.target) in _MUTATING or (node.kind == "call" and _name(node.target).endswith("_"))
+        needed = node.kind in ("output", "leaf", "input") or node.index in used or _mutates(node)
         if needed:
             kept.append(node)
             used.update(ref.node for ref in node.refs)
@@ -253,7 +258,7 @@ def _build(traced: TracedModel, calls: list, bounds: list[int]) -> PipelineSplit
         stage_of[node.index] = stage if node.kind != "input" else 0
     stage_of[traced.nodes[-1].index] = count - 1
     for node in traced.nodes:  # an in-place write belongs with the value it writes (one stage)
-        if _name(node.target) in _MUTATING and node.refs and stage_of[node.refs[0].node] != stage_of[node.index]:
+        if _mutates(node) and node.refs and stage_of[node.refs[0].node] != stage_of[node.index]:
             raise TraceError(f"the glue writes in place into a tensor made in stage {stage_of[node.refs[0].node]} "
                              f"from stage {stage_of[node.index]}: choose split points around it")
     last_use: dict[Ref, int] = {}
