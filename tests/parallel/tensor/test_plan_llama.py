@@ -1,8 +1,9 @@
 """Llama-style Hugging Face decoders under ``parallelize(model, tp, llama_plan(model))``
-(plait.parallel.tensor.llama): LlamaForCausalLM with grouped-query attention, tied and
-untied, at tp 2 and 4 with and without sequence parallelism, Phi-3's fused
-qkv_proj (GQA parts) and gate_up_proj, Mistral and Qwen2 (biased q/k/v) at tp 2,
-against one process running the
+(plait.parallel.tensor.llama): LlamaForCausalLM with grouped-query attention (8 query
+over 4 key/value heads), tied and untied, at tp 2 with and without sequence
+parallelism, at tp 4 untied without and tied with it; Phi-3's fused qkv_proj (GQA
+parts) and gate_up_proj at tp 2 with and without; Mistral (tp 2) and Qwen2 (biased
+q/k/v, tp 2 with SP); all in one world of 4 ranks, against one process running the
 unsharded model on the same data: logits, HF's loss, the gathered gradients and the
 parameters after 2 AdamW steps; the gathered state dict is the original's, key for key
 and bit for bit; a tp not dividing the key/value heads is refused before anything
@@ -124,7 +125,7 @@ def _close(name, got, want, atol):
 
 
 @pytest.mark.slow
-def test_llama_and_phi3_tp_2_and_4_with_and_without_sp_match_one_process():
+def test_llama_style_models_at_tp_2_and_4_with_and_without_sp_match_one_process():
     ranks = run_distributed(_parallel_rank, 4, timeout_s=240)
     references = {(arch, tied): _reference(arch, tied) for arch, tied in
                   (("llama", False), ("llama", True), ("phi3", False), ("mistral", False), ("qwen2", False))}
