@@ -38,6 +38,7 @@ from tests.hf_models import tiny_gpt2, tiny_llama
 
 TP_SIZE = 2
 RELATIVE_ROUNDOFF = 1e-12  # float64: a few ulp (2.2e-16 each) over sums of <= 48 products, with margin
+TRAINED_ROUNDOFF = 1e-10  # float64, a few steps summed in another order (~1e-15 each), as test_train_hf.py states
 
 
 def write_checkpoint(run_dir, step: int, state: dict[str, torch.Tensor], model: dict, tp_size: int = TP_SIZE):
@@ -88,6 +89,11 @@ def load(out_dir):
 
 def tokens(vocab: int) -> torch.Tensor:
     return torch.randint(0, vocab, (3, 16), generator=torch.Generator().manual_seed(7))
+
+
+def close(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """Equal within TRAINED_ROUNDOFF, relative to the largest magnitude of ``want``."""
+    return torch.allclose(got, want, rtol=TRAINED_ROUNDOFF, atol=TRAINED_ROUNDOFF * want.abs().max().item())
 
 
 @pytest.mark.parametrize("build", [tiny_gpt2, tiny_llama, lambda: tiny_llama(tie_word_embeddings=True)],
@@ -164,3 +170,20 @@ def test_what_hf_export_refuses(tmp_path, capsys):
     assert main(["checkpoint", "export", str(tmp_path / "llama"), "--format", "hf", "--out",
                  str(tmp_path / "busy")]) == 2
     assert "holds other files (pytorch_model.bin)" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_a_tp2_run_of_hf_gpt2_exports_as_one_process_trained_it(hf_tp2_run, tmp_path):
+    """plait train --model hf:(GPT-2, tied) --tp 2 (tests/train/test_checkpoint_dcp.py's
+    run), then export --format hf: from_pretrained's logits equal those of the same
+    model trained by one plain torch process (test_train_hf.py's reference); float64,
+    the layouts sum in another order (~1e-15 per step, stated bound 1e-10 as there)."""
+    config, want = hf_tp2_run
+    assert main(["checkpoint", "export", config.out, "--format", "hf", "--out", str(tmp_path / "hf")]) == 0
+    loaded, reference = load(tmp_path / "hf"), load(tmp_path / "hf")
+    reference.load_state_dict(want, strict=False)  # the tied head follows its embedding
+    ids = tokens(loaded.config.vocab_size)
+    with torch.no_grad():
+        got, expected, other = loaded(ids).logits, reference(ids).logits, reference(ids.flip(1)).logits
+    assert close(got, expected)
+    assert not close(got, other)  # the comparison can fail
