@@ -65,7 +65,8 @@ def hf_config(values: dict):
     values = {key: value for key, value in values.items() if key not in _VOLATILE_KEYS}
     model_type = values.pop("model_type", None)
     if not isinstance(model_type, str):
-        raise ValueError("the checkpoint's config.json has no model_type: it was not written by plait train --model hf:")
+        raise ValueError("the checkpoint's config.json has no model_type: it was not written by plait train "
+                         "--model hf:")
     try:
         return AutoConfig.for_model(model_type, **values)
     except (ValueError, KeyError) as error:
@@ -142,7 +143,7 @@ def gpt2_state_dict(model: dict, state: dict[str, torch.Tensor]) -> dict[str, to
         for mine, theirs in (("attention.proj", "attn.c_proj"), ("mlp.fc1", "mlp.c_fc"), ("mlp.fc2", "mlp.c_proj")):
             out[f"{hf}{theirs}.weight"] = state[f"{plait}{mine}.weight"].t()
             out[f"{hf}{theirs}.bias"] = state[f"{plait}{mine}.bias"]
-    assert out[f"transformer.h.0.attn.c_attn.weight"].shape == (hidden, 3 * hidden)
+    assert config.layers == 0 or out["transformer.h.0.attn.c_attn.weight"].shape == (hidden, 3 * hidden)
     return {name: tensor.contiguous() for name, tensor in out.items()}
 
 
