@@ -14,6 +14,7 @@ few steps; the stated bound is 1e-10 on losses of ~4.5.
 from __future__ import annotations
 
 import json
+import sysconfig
 from pathlib import Path
 
 import pytest
@@ -64,16 +65,15 @@ def _reference(config: TrainConfig) -> tuple[list[float], dict]:
     torch and transformers."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from plait.train.build import make_optimizer
-    from plait.train.corpus import lm_batch, load_corpus
+    from plait.train.build import batch, load_data, make_optimizer
 
-    corpus = load_corpus(config.data, max_bytes=config.data_max_bytes, val_fraction=config.val_fraction)
+    data = load_data(config)  # the char corpus, or the tokenized text (plait.train.text_data)
     torch.manual_seed(config.seed)
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(config.hf_source)).double()
     optimizer = make_optimizer(model.named_parameters(), config)
     losses = []
     for step in range(config.steps):
-        inputs, targets = lm_batch(corpus.train, step, config.global_batch, config.seq_len, seed=config.seed)
+        inputs, targets = batch(config, data, step, 0, 1)  # the whole global batch
         logits = model(input_ids=inputs, use_cache=False).logits
         loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
         optimizer.zero_grad()
@@ -148,11 +148,19 @@ def _check_checkpoint(out: Path, model_type: str, reference: dict) -> None:
 @pytest.mark.slow
 def test_pipelines_match_one_process(tmp_path):
     """On 4 ranks, through the automatic split: dp2 x pp2 of GPT-2 (its tied embedding
-    and head on the first and last stage, their gradients summed) and tp2 x pp2 of the
-    Llama-style model (sharded by its plan, then split): each equals one process."""
-    gpt2 = _write_config(tmp_path / "gpt2", "gpt2")
+    and head on the first and last stage, their gradients summed) reading JSONL
+    documents through a byte-level BPE trained on them (--tokenizer train:bpe:300
+    --text-field body), and tp2 x pp2 of the Llama-style model (sharded by its plan,
+    then split): each equals one process."""
+    gpt2 = _write_config(tmp_path / "gpt2", "gpt2", vocab_size=320)
     llama = _write_config(tmp_path / "llama", "llama")
-    configs = [_config(tmp_path / "dp2pp2", gpt2, dp=2, pp=2), _config(tmp_path / "tp2pp2", llama, tp=2, pp=2)]
+    documents = tmp_path / "docs.jsonl"
+    root = Path(sysconfig.get_paths()["stdlib"])
+    documents.write_text("".join(json.dumps({"body": path.read_text()[:4000], "n": index}) + "\n"
+                                 for index, path in enumerate(sorted(root.glob("[a-c]*.py"))[:12])))
+    configs = [_config(tmp_path / "dp2pp2", gpt2, dp=2, pp=2, data=str(documents), tokenizer="train:bpe:300",
+                       text_field="body", val_fraction=0.1),
+               _config(tmp_path / "tp2pp2", llama, tp=2, pp=2)]
     run_distributed(_train_each, 4, configs, timeout_s=300)
     for config, model_type in zip(configs, ("gpt2", "llama")):
         losses, weights = _reference(config)
@@ -179,3 +187,16 @@ def test_bad_models_are_refused_by_name(tmp_path):
     with pytest.raises(ValueError, match=r"vocab_size \(32\) is smaller than the data's vocabulary \(92 ids"):
         build_model(config, load_data(config))
     assert build(str(small), dtype="float64", seed=0).config.vocab_size == 32
+
+    from transformers import GPTNeoXConfig
+
+    from plait.train import hf_layout
+
+    GPTNeoXConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                  vocab_size=VOCAB).save_pretrained(tmp_path / "neox")
+    uncovered = _config(tmp_path / "run", tmp_path / "neox", tp=2)
+    with pytest.raises(ValueError, match=r"no ready tensor-parallel plan for GPTNeoXForCausalLM \(plans exist for "
+                                         r"GPT2LMHeadModel.*Llama.*use tp=1"):
+        hf_layout.tensor_plan(hf_layout.meta_model(uncovered), uncovered)
+    with pytest.raises(ValueError, match="eval_interval=5 with model='hf:.*' and pp=2: .* set eval_interval=0"):
+        _config(tmp_path / "run", small, pp=2, eval_interval=5)

@@ -75,8 +75,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                              "routes to the endpoint)")
     parser.add_argument("--dry-run", action="store_true", help="print the mesh and stage layout, then exit")
     parser.add_argument("--sample-chars", type=int, default=300,
-                        help="characters of text to sample from the trained GPT at the end (0: none)")
-    parser.add_argument("--prompt", default="def ", help="text the sample starts from")
+                        help="characters of text to sample from the trained model at the end (0: none)")
+    parser.add_argument("--prompt", default=None,
+                        help="text the sample starts from (default: the start of the validation text)")
     parser.add_argument("--run-id", default=None, help=argparse.SUPPRESS)  # the launcher's, passed to its ranks
     add_config_arguments(parser)
     parser.set_defaults(run=run)
@@ -105,12 +106,19 @@ def run(args) -> int:
     if not args.dry_run:
         runlock.check_free(out, run_id)  # refuse at once, before minutes of data preparation
     data = prepare_data(config, cache_dir())
-    budget.check_fits(config, data, local_processes=nprocs, gpu_memory_bytes=_gpu_memory_bytes(nprocs, config.backend))
+    if config.hf_source is None:  # plait's own models: their memory from their sizes (an hf model's: not yet)
+        budget.check_fits(config, data, local_processes=nprocs,
+                          gpu_memory_bytes=_gpu_memory_bytes(nprocs, config.backend))
+    else:
+        from plait.train import hf_layout
+
+        hf_layout.check_model(config, data)  # the config read, vocabulary and positions checked, the plan found
     if args.dry_run:  # the resume choice is checked as the launch checks it (it changes nothing)
         check_resume_choice(config, args.resume, data, run_id=run_id, force_fresh=args.force_fresh)
-        print(describe_layout(config, data))
+        print(describe_layout(config, data) if config.hf_source is None else hf_layout.describe(config, data))
         return 0
-    check_output_dir(out, budget.checkpoint_bytes(config, data))
+    check_output_dir(out, budget.checkpoint_bytes(config, data) if config.hf_source is None
+                     else hf_layout.checkpoint_bytes(config))
     with runlock.acquire(out, run_id) as lock:
         check_resume_choice(config, args.resume, data, run_id=run_id, force_fresh=args.force_fresh)
         # several nodes may share --out: each launcher writes its own copy of the config it launches with
@@ -139,15 +147,34 @@ def run(args) -> int:
                    if code < 0 else f"the training processes failed (exit {code})")
             print(f"plait train: {how}. {_resume_hint(out)}", file=sys.stderr)
             return 128 - code if code < 0 else code
-        if config.model == "gpt" and args.sample_chars and _hosts_endpoint(endpoint):
-            from plait.train.generate import model_from_checkpoint, sample
+        if config.model != "mlp" and args.sample_chars and _hosts_endpoint(endpoint):
+            prompt = _sample_prompt(data) if args.prompt is None else args.prompt
+            if config.hf_source is None:
+                from plait.train.generate import model_from_checkpoint, sample
 
-            model, manifest = model_from_checkpoint(out)
-            text = sample(model, data, args.prompt, chars=args.sample_chars, seed=config.seed)
+                model, manifest = model_from_checkpoint(out)
+                text = sample(model, data, prompt, chars=args.sample_chars, seed=config.seed)
+            else:
+                from plait.train.hf_generate import model_from_checkpoint, sample
+
+                model, manifest = model_from_checkpoint(out)
+                text = sample(model, data, prompt, chars=args.sample_chars, seed=config.seed, seq_len=config.seq_len)
             print(f"\nsample from the trained model (step {manifest['step']}, temperature 0.8, "
-                  f"{args.sample_chars} characters after {args.prompt!r}):\n{'-' * 60}\n{text}\n{'-' * 60}")
+                  f"{args.sample_chars} characters after {prompt!r}):\n{'-' * 60}\n{text}\n{'-' * 60}")
         print(f"report: {out / 'report.md'}")
     return 0
+
+
+def _sample_prompt(data) -> str:
+    """The closing sample's default prompt, from the data: the start of the first
+    validation document (text data), or of the validation text's first full line (the
+    char corpus), at most 32 characters."""
+    if hasattr(data, "sample_prompt"):
+        return data.sample_prompt()[:32]
+    text = data.decode(data.val[:256])
+    lines = text.split("\n")
+    line = next((line for line in lines[1:] if line.strip()), lines[0])
+    return line[:32] or "\n"
 
 
 def _run_rank(args, config) -> int:

@@ -308,6 +308,10 @@ def _model_problems(c: TrainConfig, ok) -> list[str]:
         if ok("tied_head") and c.tied_head:
             problems.append(f"tied_head=true with model={c.model!r}: a HF model's tying is its config's "
                             "tie_word_embeddings; leave tied_head=false")
+        if ok("pp", "eval_interval") and c.pp > 1 and c.eval_interval > 0:
+            problems.append(f"eval_interval={c.eval_interval} with model={c.model!r} and pp={c.pp}: the automatic "
+                            "split's stages are traced for the training micro-batch and mode, and evaluation runs "
+                            "the whole batch in eval mode; set eval_interval=0 (or pp=1)")
         return problems
     # ----- gpt -----
     if ok("data") and c.data == "digits":

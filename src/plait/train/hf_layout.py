@@ -29,9 +29,11 @@ from torch import nn
 from plait.names.schedules import INTERLEAVED_1F1B
 from plait.parallel.pipeline import split
 from plait.parallel.tensor import TensorParallel, parallelize
-from plait.parallel.tensor.plan import ParallelPlan
+from plait.parallel.mesh import ParallelDims
+from plait.parallel.tensor.plan import ParallelPlan, check_module, match_plan
 from plait.parallel.tensor.plans import plan_for
 from plait.train import hf_model
+from plait.train.budget import ELEMENT_BYTES, optimizer_states
 from plait.train.config import TrainConfig
 
 
@@ -40,7 +42,8 @@ def tensor_plan(model: nn.Module, config: TrainConfig) -> ParallelPlan:
     try:
         return plan_for(model, sequence_parallel=config.sequence_parallel)
     except TypeError as error:
-        raise ValueError(f"tp={config.tp} with model={config.model!r}: {error}") from None
+        raise ValueError(f"tp={config.tp} with model={config.model!r}: {error}; plait train applies the ready "
+                         "plans only: use tp=1 (dp, ZeRO and pp take any causal LM)") from None
 
 
 def chunk_count(config: TrainConfig) -> int:
@@ -67,3 +70,63 @@ def layers(model: nn.Module, config: TrainConfig, tp_group=None) -> list[nn.Modu
         held = {id(module) for module in stage.modules()}
         hf_model.set_recompute([block for block in decoder if id(block) in held], config.recompute, recompute_layers)
     return list(stages)
+
+
+# ----------------------------------------------------------------------------- before any process starts
+
+def meta_model(config: TrainConfig) -> nn.Module:
+    """The run's model built on the meta device (no memory, no weights): its classes,
+    names and sizes, for the launcher's checks."""
+    from transformers import AutoModelForCausalLM  # the optional hf extra: only for hf runs
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(hf_model.load_config(config.hf_source))
+
+
+def check_model(config: TrainConfig, data) -> None:
+    """What the ranks would refuse, said before they start: the config read (a causal
+    LM), the vocabulary covering the data's and the positions the sequence, and at
+    tp > 1 a ready plan whose modules and adapter take this tp (the checks
+    ``parallelize`` makes before it changes anything)."""
+    model = meta_model(config)
+    what = f"tokenizer {data.tokenizer.source}" if getattr(data, "tokenizer", None) is not None \
+        else f"the characters of {data.source}"
+    hf_model.check_fits(model.config, config.hf_source, data_vocab=data.vocab_size, seq_len=config.seq_len,
+                        what=what)
+    if config.tp > 1:
+        plan = tensor_plan(model, config)
+        matched = match_plan(model, plan.styles)
+        for name, module, style in matched:
+            check_module(name, module, style, config.tp, plan.sequence_parallel)
+        if plan.adapter is not None:
+            plan.adapter.check(model, {name: style for name, _, style in matched}, config.tp)
+
+
+def checkpoint_bytes(config: TrainConfig) -> int:
+    """Bytes of one checkpoint: every parameter once, with its optimizer state."""
+    count = hf_model.parameter_count(hf_model.load_config(config.hf_source))
+    return ELEMENT_BYTES[config.dtype] * count * (1 + optimizer_states(config))
+
+
+def describe(config: TrainConfig, data) -> str:
+    """What --dry-run prints for an hf model: the mesh, the model, how it is cut."""
+    dims = ParallelDims(dp=config.dp, tp=config.tp, pp=config.pp, order=config.mesh_order)
+    model = meta_model(config)
+    count = sum(param.numel() for param in model.parameters())
+    chunks = chunk_count(config)
+    stages = {rank: "the whole model" if chunks == 1 else f"chunk(s) of the automatic split (pp rank {rank})"
+              for rank in range(config.pp)}
+    plan = tensor_plan(model, config) if config.tp > 1 else None
+    lines = [dims.describe(stages, " of the plan's sharded modules" if plan is not None else ""), "",
+             f"model     {config.model}: {type(model).__name__} ({model.config.model_type}), {count:,} parameters, "
+             f"vocab {model.config.vocab_size}, {len(hf_model.blocks(model))} decoder blocks",
+             f"tensor    " + (f"parallelize(model, tp={config.tp}, plan_for(model)): {plan.describe()}"
+                              if plan is not None else "none (tp=1)"),
+             f"pipeline  " + (f"split(model, ids ({config.micro_batch}, {config.seq_len}), stages={chunks}) at "
+                              f"launch, balanced by forward FLOPs" if chunks > 1 else "none (one stage)"),
+             f"schedule  {config.schedule}, {config.microbatches} micro-batches of {config.micro_batch} per dp rank",
+             f"batch     global {config.global_batch} = dp {config.dp} x per-rank {config.per_rank_batch} sequences "
+             f"of {config.seq_len} tokens",
+             f"data      {getattr(data, 'source', config.data)}",
+             f"output    {config.out}"]
+    return "\n".join(lines)

@@ -264,11 +264,17 @@ def parameter_count(config) -> int:
     return sum(param.numel() for param in model.parameters())
 
 
-def write_config(directory, text: str | None) -> None:
+def write_config(directory, text: str | None, data=None) -> None:
     """``directory/config.json``: an hf model's config_json (what ``from_pretrained``
-    reads next to exported weights); nothing for plait's own models (None)."""
-    if text is not None:
-        atomic_write(Path(directory) / CONFIG_NAME, lambda temporary: Path(temporary).write_text(text))
+    reads next to exported weights); nothing for plait's own models (None). With
+    ``data`` read through a tokenizer (plait.train.text_data), its tokenizer.json and
+    tokenizer_config.json too (what ``AutoTokenizer.from_pretrained`` reads)."""
+    if text is None:
+        return
+    atomic_write(Path(directory) / CONFIG_NAME, lambda temporary: Path(temporary).write_text(text))
+    tokenizer = getattr(data, "tokenizer", None)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(directory)
 
 
 def train_flops(config, global_batch: int, seq_len: int) -> float:

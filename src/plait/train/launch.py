@@ -40,8 +40,10 @@ def prepare_data(config: TrainConfig, cache_dir=None):
     ``global_batch`` training windows of seq_len + 1 ids and (with evaluation) one
     validation window."""
 
-    if config.model != "gpt":
+    if config.model == "mlp":
         return load_data(config, cache_dir)
+    if config.hf_source is not None and config.tokenizer:  # tokenized text (plait.train.text_data)
+        return _checked_text_data(config, load_data(config, cache_dir))
     val_windows = 1 if config.eval_interval else 0
     needed = min_characters(config.global_batch, config.seq_len, config.val_fraction, val_windows=val_windows)
     fix = (f"plait train needs at least {needed:,} characters here (global_batch({config.global_batch}) windows of "
@@ -57,6 +59,18 @@ def prepare_data(config: TrainConfig, cache_dir=None):
         (val_windows and windows_per_epoch(data.val, config.seq_len) < 1)
     if short:
         raise ValueError(f"corpus {data.source} has {data.nbytes:,} characters; {fix}")
+    return data
+
+
+def _checked_text_data(config: TrainConfig, data):
+    """Tokenized text holds global_batch training windows of seq_len + 1 ids and (with
+    evaluation) one validation window."""
+    train, val = data.train_windows(config.seq_len), data.val_windows(config.seq_len)
+    if train < config.global_batch or (config.eval_interval and val < 1):
+        raise ValueError(f"data {data.source} gives {train:,} training and {val:,} validation windows of seq_len("
+                         f"{config.seq_len}) + 1 tokens; plait train needs global_batch({config.global_batch}) for "
+                         "training" + (" and one for validation" if config.eval_interval else "") + ": give more "
+                         "text, or lower --global-batch / --seq-len" + (", or raise --val-fraction" if val < 1 else ""))
     return data
 
 

@@ -181,12 +181,13 @@ class Trainer:
         if chosen is None:
             return
         path = Path(chosen)
-        manifest, model_state, optimizer_state, specs = checkpoint_load.load_full(path, check_files=False)  # verified above
+        manifest, model_state, optimizer_state, _ = checkpoint_load.load_full(path, check_files=False)  # verified above
         checkpoint_load.check_compatible(manifest, self.model_info)
         checkpoint_load.check_same_data(manifest, getattr(self.data, "digest", None))
         names = list(self.hybrid.names)
-        model_shard, optimizer_shard = checkpoint_load.reshard(model_state, optimizer_state, specs, self.coords["tp"],
-                                                    self.config.tp, names)
+        # sliced as THIS model shards each tensor (an HF model at tp=1 saves no specs; at tp=2 its plan shards)
+        model_shard, optimizer_shard = checkpoint_load.reshard(model_state, optimizer_state, self.hybrid.named_specs(),
+                                                               self.coords["tp"], self.config.tp, names)
         with torch.no_grad(), self._whole_parameters(write=True):
             for name, param in self.hybrid.names.items():
                 param.copy_(model_shard[name].to(param.device, param.dtype))
@@ -324,7 +325,7 @@ class Trainer:
             self.out.mkdir(parents=True, exist_ok=True)
             text = config.to_toml()  # renamed over config.toml: a link there is replaced, never written through
             atomic_write(self.out / "config.toml", lambda temporary: Path(temporary).write_text(text))
-            hf_model.write_config(self.out, self._hf_json())
+            hf_model.write_config(self.out, self._hf_json(), self.data)  # and its tokenizer (plait's char: none)
         metrics = MetricsLog(self.out / "metrics.jsonl", group=self.mesh.group["dp"], dp_size=config.dp,
                              write=self.rank == 0, interval=config.log_interval, start_step=self.start_step,
                              tensorboard_dir=self.out / TENSORBOARD_DIR if config.log == "tensorboard" else None)
