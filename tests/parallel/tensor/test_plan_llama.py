@@ -105,6 +105,11 @@ def _parallel_rank(rank, world_size):
         record, final = _train(model, lambda m: gather_grads(m, tp), lambda m: gather_state_dict(m, tp))
         if tp.rank == 0:
             results[(tp_size, sp, arch, tied)] = dict(record=record, final=final, state_equal=same)
+    # the bare LlamaModel (no "model." prefix, no head) at tp=2: its last_hidden_state, forward
+    bare, whole = _build("llama", False).model, _build("llama", False).model
+    tp = TensorParallel(group=pairs[rank // 2], sequence_parallel=rank >= 2)
+    parallelize(bare, tp, llama_plan(bare, sequence_parallel=tp.sequence_parallel))
+    bare_error = (bare(_tokens(0)).last_hidden_state - whole(_tokens(0)).last_hidden_state).abs().max().item()
     # the refusal: tiny_llama's 2 key/value heads at tp=4, before anything is converted
     model = tiny_llama()
     before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
@@ -115,7 +120,7 @@ def _parallel_rank(rank, world_size):
         refusal = str(error)
     untouched = type(model.model.layers[0].self_attn.k_proj) is nn.Linear and all(
         torch.equal(before[k], v) for k, v in model.state_dict().items())
-    return dict(results=results, refusal=refusal, untouched=untouched)
+    return dict(results=results, refusal=refusal, untouched=untouched, bare_error=bare_error)
 
 
 def _close(name, got, want, atol):
@@ -149,6 +154,7 @@ def test_llama_style_models_at_tp_2_and_4_with_and_without_sp_match_one_process(
         for name in ref_final:
             _close(f"{where} after {STEPS} steps {name}", got["final"][name], ref_final[name], PARAM_ATOL)
     for rank in ranks:
+        assert rank["bare_error"] <= LOGITS_ATOL, rank["bare_error"]
         assert rank["untouched"], "a refused plan changed the model"
         assert "tp=4 does not divide num_key_value_heads=2" in rank["refusal"], rank["refusal"]
         assert "use tp in 1, 2" in rank["refusal"], rank["refusal"]
