@@ -19,7 +19,7 @@ storage autograd saves, falls in one of three parts:
 - sequence: replicated tensors downstream of a rowwise output or a sequence ``entry``
   (the residual stream, the norms): under sequence parallelism each rank holds 1/t of
   the sequence, except the input a colwise module saves, which it all-gathered
-  (``gathered_bytes``: kept whole).
+  (``gathered_bytes``: kept whole, once per colwise module: each gathers its own copy).
 
 Kernel counts never shrink. Each planned module's run is recorded (``collectives``)
 for ``plait.plan.tp_plan`` to price its collectives. The model is cut into layers a
@@ -86,7 +86,7 @@ class _Tracer:
     def __init__(self, count: int):
         self.sharded: dict = {}
         self.sequence: dict = {}
-        self.layer, self.phase, self.in_colwise = 0, "forward", 0
+        self.layer, self.phase, self.gathering = 0, "forward", []  # colwise modules gathering their input
         self.stats = [{} for _ in range(count)]
         self.saved: dict = {}  # storage key -> [layer, nbytes, part, saved inside colwise, saved elsewhere]
         self.exclude: set = set()
@@ -117,8 +117,11 @@ class _Tracer:
         if key not in self.exclude:
             self.held.append(tensor.untyped_storage())  # no address reuse while tracing
             entry = self.saved.setdefault(key, [self.layer, tensor.untyped_storage().nbytes(),
-                                                self.part_of([tensor]), False, False])
-            entry[3 if self.in_colwise else 4] = True
+                                                self.part_of([tensor]), set(), False])
+            if self.gathering:  # each gathers its own copy of its input, which it saves
+                entry[3].add(self.gathering[-1])
+            else:
+                entry[4] = True
         return tensor.detach()
 
 
@@ -183,7 +186,8 @@ def _install_hooks(model, tracer: _Tracer, matched, blocks, with_ends) -> list:
         gathers_input = kind == "colwise" and "input_replicated" not in flags  # under sequence parallelism
 
         def before(module, args, kwargs):
-            tracer.in_colwise += gathers_input
+            if gathers_input:
+                tracer.gathering.append(id(module))
             x = _first_tensor((args, kwargs))
             if "entry" in flags and x is not None:
                 tracer.mark([x], "sequence")  # split along the sequence as it enters
@@ -192,7 +196,8 @@ def _install_hooks(model, tracer: _Tracer, matched, blocks, with_ends) -> list:
                 x.register_hook(lambda grad: tracer.mark([grad], "sequence" if gathers_input else "replicated"))
 
         def after(module, args, kwargs, out):
-            tracer.in_colwise -= gathers_input
+            if gathers_input:
+                tracer.gathering.pop()
             x, y = _first_tensor((args, kwargs)), _first_tensor(out)
             if y is None:
                 return
@@ -346,7 +351,7 @@ def _collect(tracer, names, owner, sharded_ids, matched, blocks, with_ends, mode
     for layer, nbytes, part, in_colwise, elsewhere in tracer.saved.values():
         activation[layer][part] += nbytes
         if part == "sequence":
-            activation[layer]["colwise"] += nbytes * in_colwise
+            activation[layer]["colwise"] += nbytes * len(in_colwise)
             activation[layer]["elsewhere"] += nbytes * elsewhere
     layers = []
     for index, layer_name in enumerate(names):
