@@ -200,3 +200,9 @@ def test_bad_models_are_refused_by_name(tmp_path):
         hf_layout.tensor_plan(hf_layout.meta_model(uncovered), uncovered)
     with pytest.raises(ValueError, match="eval_interval=5 with model='hf:.*' and pp=2: .* set eval_interval=0"):
         _config(tmp_path / "run", small, pp=2, eval_interval=5)
+    with pytest.raises(ValueError, match="sequence_parallel=true with model='hf:.*' and pp=2"):
+        _config(tmp_path / "run", small, tp=2, pp=2, sequence_parallel=True)
+    # Chimera's two replicas would put both ends of GPT-2's tied embedding/head on one rank (measured: 3e-5 off)
+    chimera = _config(tmp_path / "run", small, pp=2, schedule="chimera")
+    with pytest.raises(ValueError, match=r"schedule='chimera' with model=.*transformer.wte.weight are shared"):
+        hf_layout.layers(build(str(small), dtype="float64", seed=0), chimera)

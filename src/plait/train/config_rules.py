@@ -308,6 +308,11 @@ def _model_problems(c: TrainConfig, ok) -> list[str]:
         if ok("tied_head") and c.tied_head:
             problems.append(f"tied_head=true with model={c.model!r}: a HF model's tying is its config's "
                             "tie_word_embeddings; leave tied_head=false")
+        if ok("pp", "sequence_parallel") and c.pp > 1 and c.sequence_parallel:
+            problems.append(f"sequence_parallel=true with model={c.model!r} and pp={c.pp}: the automatic split "
+                            "traces the model once, and sequence parallelism's scatter and gather run between its "
+                            "calls (they would be fixed into the graph); use sequence_parallel with pp=1, or pp "
+                            "without it")
         if ok("pp", "eval_interval") and c.pp > 1 and c.eval_interval > 0:
             problems.append(f"eval_interval={c.eval_interval} with model={c.model!r} and pp={c.pp}: the automatic "
                             "split's stages are traced for the training micro-batch and mode, and evaluation runs "

@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from plait.names.schedules import INTERLEAVED_1F1B
+from plait.names.schedules import CHIMERA, INTERLEAVED_1F1B
 from plait.parallel.pipeline import split
 from plait.parallel.tensor import TensorParallel, parallelize
 from plait.parallel.mesh import ParallelDims
@@ -53,11 +53,11 @@ def chunk_count(config: TrainConfig) -> int:
 def layers(model: nn.Module, config: TrainConfig, tp_group=None) -> list[nn.Module]:
     """The layers build_hybrid runs: the whole model, or at chunk_count > 1 the
     schedule's chunks themselves (build_hybrid(..., layers_are_chunks=True))."""
-    tp = TensorParallel(group=tp_group, algorithm=config.algorithm, sequence_parallel=config.sequence_parallel,
-                        check_args=False)
     recompute_layers = None if config.recompute_layers < 0 else config.recompute_layers
     chunks = chunk_count(config)
     if config.tp > 1:
+        tp = TensorParallel(group=tp_group, algorithm=config.algorithm, sequence_parallel=config.sequence_parallel,
+                            check_args=False)
         parallelize(model, tp, tensor_plan(model, config))
     decoder = hf_model.blocks(model)
     if chunks == 1:
@@ -65,7 +65,13 @@ def layers(model: nn.Module, config: TrainConfig, tp_group=None) -> list[nn.Modu
         return [hf_model.CausalLMLogits(model)]
     # traced once on one micro-batch (at tp > 1 every tp rank traces alike, its collectives paired)
     example = torch.zeros(config.micro_batch, config.seq_len, dtype=torch.int64)
-    stages = split(model, example, stages=chunks, kwargs={"use_cache": False}).modules
+    pieces = split(model, example, stages=chunks, kwargs={"use_cache": False})
+    if config.schedule == CHIMERA and pieces.shared:
+        raise ValueError(f"schedule='chimera' with model={config.model!r}: its weights "
+                         f"{', '.join(sorted(pieces.shared))} are shared by stages {sorted(pieces.shared.values())} "
+                         "(a tied embedding and head), and Chimera's two replicas would hold both ends on one rank; "
+                         "use another schedule (1f1b, zero_bubble, interleaved_1f1b) or an untied model")
+    stages = pieces.modules
     for stage in stages:
         held = {id(module) for module in stage.modules()}
         hf_model.set_recompute([block for block in decoder if id(block) in held], config.recompute, recompute_layers)
