@@ -28,16 +28,21 @@ STEPS = 3
 VOCAB = 96  # covers the character vocabulary of the stdlib text read (92 at 60 kB)
 
 
-def _write_config(directory: Path, kind: str, **overrides) -> Path:
-    """A tiny model's config.json (no weights), as config.save_pretrained writes it."""
+def _tiny(kind: str, seed: int = 0, **overrides):
+    """tests/hf_models.py's tiny GPT-2 or Llama-style model (float64), vocab VOCAB unless overridden."""
     import sys
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from hf_models import tiny_gpt2, tiny_llama
 
     make = {"gpt2": tiny_gpt2, "llama": tiny_llama}[kind]
+    return make(seed, **{"vocab_size": VOCAB, **overrides})
+
+
+def _write_config(directory: Path, kind: str, **overrides) -> Path:
+    """A tiny model's config.json (no weights), as config.save_pretrained writes it."""
     directory.mkdir(parents=True, exist_ok=True)
-    make(**{"vocab_size": VOCAB, **overrides}).config.save_pretrained(directory)
+    _tiny(kind, **overrides).config.save_pretrained(directory)
     return directory
 
 
@@ -187,6 +192,10 @@ def test_bad_models_are_refused_by_name(tmp_path):
     with pytest.raises(ValueError, match=r"vocab_size \(32\) is smaller than the data's vocabulary \(92 ids"):
         build_model(config, load_data(config))
     assert build(str(small), dtype="float64", seed=0).config.vocab_size == 32
+    saved = _tiny("gpt2", vocab_size=32, seed=7)  # a directory with weights: from_pretrained, not a fresh init
+    saved.save_pretrained(tmp_path / "pretrained")
+    loaded = build(str(tmp_path / "pretrained"), dtype="float64", seed=0)
+    assert all(torch.equal(param, dict(saved.named_parameters())[name]) for name, param in loaded.named_parameters())
 
     from transformers import GPTNeoXConfig
 
@@ -200,6 +209,8 @@ def test_bad_models_are_refused_by_name(tmp_path):
         hf_layout.tensor_plan(hf_layout.meta_model(uncovered), uncovered)
     with pytest.raises(ValueError, match="eval_interval=5 with model='hf:.*' and pp=2: .* set eval_interval=0"):
         _config(tmp_path / "run", small, pp=2, eval_interval=5)
+    with pytest.raises(ValueError, match="layers=8, dropout=0.1 with model='hf:.*': the HF config fixes the arch"):
+        _config(tmp_path / "run", small, layers=8, dropout=0.1)
     with pytest.raises(ValueError, match="sequence_parallel=true with model='hf:.*' and pp=2"):
         _config(tmp_path / "run", small, tp=2, pp=2, sequence_parallel=True)
     # Chimera's two replicas would put both ends of GPT-2's tied embedding/head on one rank (measured: 3e-5 off)

@@ -308,6 +308,12 @@ def _model_problems(c: TrainConfig, ok) -> list[str]:
         if ok("tied_head") and c.tied_head:
             problems.append(f"tied_head=true with model={c.model!r}: a HF model's tying is its config's "
                             "tie_word_embeddings; leave tied_head=false")
+        fixed = [name for name in ("layers", "hidden", "heads", "ffn_hidden", "dropout", "mlp_hidden")
+                 if ok(name) and getattr(c, name) != _default(c, name)]
+        if fixed:
+            problems.append(f"{', '.join(f'{name}={getattr(c, name)!r}' for name in fixed)} with model={c.model!r}: "
+                            "the HF config fixes the architecture (its sizes and dropouts); edit its config.json "
+                            "and leave these at their defaults")
         if ok("pp", "sequence_parallel") and c.pp > 1 and c.sequence_parallel:
             problems.append(f"sequence_parallel=true with model={c.model!r} and pp={c.pp}: the automatic split "
                             "traces the model once, and sequence parallelism's scatter and gather run between its "
