@@ -25,16 +25,19 @@ def gpt2_dir(tmp_path_factory):
 
 
 def test_hf_model_is_priced_under_its_plan(capsys, gpt2_dir):
-    """b=2, s=8, h=32, V=64 at tp=2, bf16-mixed (2 bytes an activation): per micro-batch the
-    embedding's all-reduce, 2 + 2 per block and the head input's (b·s·h·2 = 1,024 bytes
-    each: 10 calls) and the logits' all-gather (b·s·V·2 = 2,048 bytes)."""
+    """b=2, s=8, h=32, V=64 at tp=2, bf16-mixed as plait train runs it (autocast over fp32
+    weights): per micro-batch 10 all-reduces: the two rowwise outputs of each block are
+    bfloat16 (b·s·h·2 = 1,024 bytes, 4 calls), the embedding's output and the gradients
+    of the colwise inputs (the LayerNorm outputs, float32 under autocast: b·s·h·4 =
+    2,048 bytes; 1 + 4 + the head's 1) = 16,384 bytes; the logits' all-gather is
+    bfloat16 (b·s·V·2 = 2,048 bytes)."""
     argv = ["plan", "--model", f"hf:{gpt2_dir}", "--seq", "8", "--gpus", "8", "--global-batch", "8", "--tp", "2",
             "--micro-batch", "2", "--no-sequence-parallel", "--no-recompute", "--top", "1"]
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "(GPT2LMHeadModel): 28,032 parameters, 2 blocks, tp plan of 5 colwise, 4 rowwise, 1 vocab" in out
     assert "tensor-parallel plan (5 colwise, 4 rowwise, 1 vocab, 6 sequence, 1 replicate) at tp=2:" in out
-    assert "all_reduce per step: 10 calls of 10,240 bytes in all" in out
+    assert "all_reduce per step: 10 calls of 16,384 bytes in all" in out
     assert "all_gather per step: 1 calls of 2,048 bytes in all" in out
     assert "best: tp=2 pp=1 dp=4 mb=2 m=1 none" in out
 

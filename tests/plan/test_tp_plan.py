@@ -11,7 +11,9 @@ non-style and tp not dividing the heads are refused by name.
 
 Two ranks (gloo, float32, one forward and backward of b=4, s=8 after a first one that
 checks the layouts; dp: ZeRO stage 1, b=4 per rank): HF GPT-2 at tp=2 with and
-without sequence parallelism, the Llama-style model at tp=2, GPT-2 at dp=2: the
+without sequence parallelism and with it under bf16-mixed (torch.autocast over float32
+weights, as plait train runs it; the plan traced under autocast too), the Llama-style
+model at tp=2, GPT-2 at dp=2: the
 planner's memory per rank against a measured run, and its collectives against
 plait.comm's counts at the transport.
 - Memory: parameters, gradients and AdamW's two moments are counted from the live
@@ -34,6 +36,7 @@ plait.comm's counts at the transport.
   sequence-parallel parameter's gradient.
 """
 
+import contextlib
 import functools
 import sys
 from pathlib import Path
@@ -63,9 +66,10 @@ def _meta(build, **config):
 
 
 @functools.cache
-def _planned(build, plans) -> PlannedModel:
+def _planned(build, plans, autocast: str | None = None) -> PlannedModel:
     """``build``'s model under its plan, as plait plan --model hf: prices it: built from its
-    config under FakeTensorMode (no memory, the CPU's kernels), traced at b = 1 and 2."""
+    config under FakeTensorMode (no memory, the CPU's kernels), traced at b = 1 and 2
+    (under torch.autocast to ``autocast``'s dtype for a mixed precision)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from transformers import AutoModelForCausalLM
 
@@ -73,7 +77,8 @@ def _planned(build, plans) -> PlannedModel:
     with FakeTensorMode():
         model = AutoModelForCausalLM.from_config(config)
         ids = torch.zeros(1, SEQUENCE, dtype=torch.long)
-        return plan_model(model, {"input_ids": ids, "labels": ids, "use_cache": True}, plans(model))
+        return plan_model(model, {"input_ids": ids, "labels": ids, "use_cache": True}, plans(model),
+                          autocast=autocast)
 
 
 def test_plan_shards_parameters_and_flops_as_the_model_counts_them():
@@ -151,13 +156,17 @@ def _measure(rank, world_size, cases):
             run = ZeRO(model, lambda params: torch.optim.AdamW(params, lr=1e-3), stage=1)
             optimizer = run.optimizer
             tokens = tokens.chunk(world_size)[rank].repeat(world_size, 1)  # this rank's micro-batch of BATCH
+        # plait train's --precision bf16-mixed: autocast over float32 weights
+        mixed = torch.autocast("cpu", dtype=torch.bfloat16) if case.get("bf16") else contextlib.nullcontext()
         # a first forward and backward checks the layouts once (small all-gathers): measure the next
-        run(input_ids=tokens, labels=tokens).loss.backward()
+        with mixed:
+            loss = run(input_ids=tokens, labels=tokens).loss
+        loss.backward()
         model.zero_grad(set_to_none=True) if case["tp"] > 1 else run.zero_grad()
         meter = SavedTensorMeter()
         meter.reset(exclude=[*model.parameters(), *model.buffers()])
         comm.reset_stats()
-        with meter.hooks():
+        with meter.hooks(), mixed:
             loss = run(input_ids=tokens, labels=tokens).loss
         loss.backward()
         sent = {name: (entry["calls"], entry["bytes_sent"]) for name, entry in comm.stats().items()}
@@ -172,6 +181,7 @@ def _measure(rank, world_size, cases):
 
 
 CASES = [dict(name="gpt2 tp2", model="gpt2", tp=2, sp=False), dict(name="gpt2 tp2 sp", model="gpt2", tp=2, sp=True),
+         dict(name="gpt2 tp2 sp bf16", model="gpt2", tp=2, sp=True, bf16=True),
          dict(name="llama tp2", model="llama", tp=2, sp=False), dict(name="gpt2 dp2 zero1", model="gpt2", tp=1,
                                                                          sp=False)]
 
@@ -181,13 +191,14 @@ def _prediction(case):
     from plait.parallel.tensor.llama import llama_plan
 
     build, plans = {"gpt2": (tiny_gpt2, gpt2_plan), "llama": (tiny_llama, llama_plan)}[case["model"]]
-    planned = _planned(build, plans)
+    planned = _planned(build, plans, "bfloat16" if case.get("bf16") else None)
+    precision = "bf16-mixed" if case.get("bf16") else "fp32"
     dp = 2 // case["tp"]
     request = PlanRequest(global_batch=BATCH * dp, tp=case["tp"], pp=1, dp=dp, micro_batch=BATCH, recompute="none",
-                          zero_stage=1 if dp > 1 else 0, sequence_parallel=case["sp"], precision="fp32",
+                          zero_stage=1 if dp > 1 else 0, sequence_parallel=case["sp"], precision=precision,
                           accounting="plait", top=1)
     best = search(planned, cluster_preset("dgx-a100", gpus=2), request).best
-    return best, step_collectives(planned, best.layout, precision_for("fp32", "plait"))
+    return best, step_collectives(planned, best.layout, precision_for(precision, "plait"))
 
 
 @pytest.mark.slow

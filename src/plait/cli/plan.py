@@ -48,6 +48,7 @@ from plait.plan import (
 from plait.cost.topology_io import load_topology
 from plait.plan.cluster import check_count, MAX_DEVICES, topology_cluster
 from plait.plan.layout import MESH_ORDERS
+from plait.names.precision import AUTOCAST_DTYPE_NAMES
 from plait.names.schedules import INTERLEAVED_1F1B, NO_PIPELINE, PIPELINE_SCHEDULES
 from plait.plan.device import load_device_profile, measure_device
 from plait.plan.grid import DEFAULT_MAX_LAYOUTS
@@ -201,7 +202,7 @@ def _train_vocab() -> int:
                        cache_dir=cache_dir()).vocab_size
 
 
-def _module_model(spec: str, plan_spec: str | None):
+def _module_model(spec: str, plan_spec: str | None, autocast: str | None):
     """The model of a user's factory (plait.cli.factory, as plait optimize loads it): one
     example input, its first dimension the batch, traced layer by layer; under a
     tensor-parallel plan (--tp-plan, or plait's plan_for) a PlannedModel."""
@@ -219,7 +220,7 @@ def _module_model(spec: str, plan_spec: str | None):
     plan = _tp_plan(module, plan_spec, required=False)
     try:
         if plan is not None:
-            return plan_model(module, sample, plan, name=spec)
+            return plan_model(module, sample, plan, name=spec, autocast=autocast)
         layers = describe_module(module, sample)
     except FactoryError:
         raise
@@ -271,12 +272,13 @@ def _plan_for():
     return plan_for
 
 
-def _hf_model(source: str, seq_len: int | None, plan_spec: str | None):
+def _hf_model(source: str, seq_len: int | None, plan_spec: str | None, autocast: str | None):
     """The PlannedModel of ``hf:CONFIG`` (plait train --model hf:CONFIG's causal LM), built
     from its config under torch's FakeTensorMode (no memory, no weights; CPU kernels, so
     the fused attention keeps what it keeps on a GPU: O(s), not the s² probabilities of
     the meta device's math path) and traced on ``seq_len`` tokens (default: the config's
-    positions) with HF's own loss."""
+    positions) with HF's own loss, under torch.autocast to ``autocast`` (a dtype name) for
+    plait train's mixed precision."""
     # imported here: plait plan of a GPT never loads torch or transformers
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -296,7 +298,7 @@ def _hf_model(source: str, seq_len: int | None, plan_spec: str | None):
         # sequences with a data-dependent branch, which a fake tensor cannot take (the cache holds k and v,
         # which the backward keeps anyway: the same saved tensors, FLOPs and bytes)
         sample = {"input_ids": ids, "labels": ids, "use_cache": True}
-        return plan_model(module, sample, plan, name=f"hf:{source} ({type(module).__name__})")
+        return plan_model(module, sample, plan, name=f"hf:{source} ({type(module).__name__})", autocast=autocast)
 
 
 def _model_matmul_shapes(model) -> list[tuple[int, int, int]] | None:
@@ -404,10 +406,12 @@ def run(args) -> int:
         check_count("nprocs", processes, most=MAX_DEVICES)
     device = load_device_profile(args.device_profile) if args.device_profile else None
     cluster = None if local else cluster_preset(args.cluster, gpus=args.gpus, nodes=args.nodes, device=device)
+    # a traced model under plait's accounting runs as plait train does: autocast over fp32 weights
+    autocast = AUTOCAST_DTYPE_NAMES[precision] if accounting == "plait" else None
     if args.module:
-        model = _module_model(args.module, args.tp_plan)
+        model = _module_model(args.module, args.tp_plan, autocast)
     elif (args.model or "").startswith(HF_PREFIX):
-        model = _hf_model(args.model[len(HF_PREFIX):], args.seq, args.tp_plan)
+        model = _hf_model(args.model[len(HF_PREFIX):], args.seq, args.tp_plan, autocast)
     else:
         model = TransformerModel(_transformer(args))
     if local:

@@ -14,8 +14,9 @@ saved input is its all-gathered copy, kept whole). Given a second trace at b1 > 
 (``plan_model`` makes both), each figure is the straight line through the two, x(b) =
 x(b0) + (b - b0)·(x(b1) - x(b0))/(b1 - b0), so what does not grow with the batch (a
 causal mask, rotary tables, positions) stays put; with one trace x(b) = x(b0)·b/b0.
-Bytes are also scaled by the planned element size over the traced one, as
-``ModuleModel``.
+A trace run under torch.autocast (``plan_model(..., autocast=)``: plait train's mixed
+precision) holds the bytes that precision keeps; otherwise bytes are scaled by the
+planned element size over the traced one, as ``ModuleModel``.
 
 Collectives per micro-batch, from each planned module's run, each call of the whole
 tensor's bytes (DESIGN §6: a colwise/rowwise pair is Megatron's all-reduce forward and
@@ -187,7 +188,8 @@ class PlannedModel:
         if problem:
             raise ValueError(problem)
         scale = micro_batch / self.trace.traced_batch
-        ratio = precision.element_bytes / self.trace.element_bytes
+        # a trace under autocast kept its precision's own mix of 16- and 32-bit tensors
+        ratio = 1.0 if self.trace.autocast else precision.element_bytes / self.trace.element_bytes
         units = []
         larger = self.larger.layers if self.larger is not None else [None] * len(self.trace.layers)
         for layer, layer_larger in zip(self.trace.layers, larger):
@@ -207,11 +209,11 @@ class PlannedModel:
         return groups
 
 
-def plan_model(model, sample, plan, *, name: str | None = None) -> PlannedModel:
+def plan_model(model, sample, plan, *, name: str | None = None, autocast: str | None = None) -> PlannedModel:
     """``model`` under ``plan``, traced on ``sample`` (a tensor or a dict of keyword
     arguments; ``tp_trace.trace_plan``) and on the sample twice over (every tensor with
     the batch's first dimension repeated), so what does not grow with the batch is
-    priced as such (the module docstring)."""
+    priced as such (the module docstring); ``autocast``: see ``tp_trace.trace_plan``."""
     import torch  # imported here: plait.plan loads without torch
 
     def doubled(value, batch):
@@ -221,8 +223,9 @@ def plan_model(model, sample, plan, *, name: str | None = None) -> PlannedModel:
             return torch.cat([value, value])
         return value
 
-    first = trace_plan(model, sample, plan, name=name)
-    return PlannedModel(first, trace_plan(model, doubled(sample, first.traced_batch), plan, name=name))
+    first = trace_plan(model, sample, plan, name=name, autocast=autocast)
+    return PlannedModel(first, trace_plan(model, doubled(sample, first.traced_batch), plan, name=name,
+                                          autocast=autocast))
 
 
 def step_collectives(model: PlannedModel, layout, precision: Precision) -> dict[str, tuple[int, float]]:

@@ -259,6 +259,7 @@ class PlanTrace:
     tied: tuple = ()
     tp_sizes: tuple = ()
     kinds: tuple = ()
+    autocast: str | None = None  # the dtype the forward ran under torch.autocast in (None: none)
 
 
 def _layer_cost(name: str, stats: dict, part: str, params: float, activation_bytes: float) -> LayerCost:
@@ -269,11 +270,16 @@ def _layer_cost(name: str, stats: dict, part: str, params: float, activation_byt
                      activation_bytes=activation_bytes)
 
 
-def trace_plan(model, sample, plan, *, name: str | None = None) -> PlanTrace:
+def trace_plan(model, sample, plan, *, name: str | None = None, autocast: str | None = None) -> PlanTrace:
     """Trace ``model`` (called as ``model(**sample)`` for a dict, else ``model(sample)``)
     forward and backward under ``plan`` (the module docstring); its loss is the output's
     ``.loss`` when it has one, else the first floating output, back-propagated with ones.
-    Restores training flags, grads, buffers and RNG streams afterwards (``trace``)."""
+    ``autocast``: a torch dtype name ("bfloat16"): the forward runs under torch.autocast
+    on the sample's device, as plait train's mixed precision does (what it saves is then
+    the 16-bit copies and float32 tensors autocast keeps). Restores training flags,
+    grads, buffers and RNG streams afterwards (``trace``)."""
+    import contextlib
+
     import torch
 
     matched = match_plan(model, plan)
@@ -305,7 +311,9 @@ def trace_plan(model, sample, plan, *, name: str | None = None) -> PlanTrace:
         snapshot.clear_grads()
         model.train()
         with torch.random.fork_rng(devices=[d for d in devices if d.type == "cuda"]), _mode_type()(tracer):
-            with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(tracer.pack, lambda t: t):
+            mixed = contextlib.nullcontext() if autocast is None else \
+                torch.autocast(_sample_tensor(sample).device.type, dtype=getattr(torch, autocast))
+            with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(tracer.pack, lambda t: t), mixed:
                 out = model(**sample) if isinstance(sample, dict) else model(sample)
             loss = getattr(out, "loss", None)
             loss = _first_tensor(out) if loss is None else loss
@@ -322,8 +330,9 @@ def trace_plan(model, sample, plan, *, name: str | None = None) -> PlanTrace:
         for handle in handles:
             handle.remove()
         snapshot.restore()
-    return _collect(tracer, names, owner, sharded_ids, matched, blocks, with_ends, model, sample,
-                    name or type(model).__name__)
+    trace = _collect(tracer, names, owner, sharded_ids, matched, blocks, with_ends, model, sample,
+                     name or type(model).__name__)
+    return trace if autocast is None else replace(trace, autocast=autocast)
 
 
 def _sample_tensor(sample):
