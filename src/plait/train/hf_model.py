@@ -283,3 +283,17 @@ def train_flops(config, global_batch: int, seq_len: int) -> float:
     use), times global_batch · seq_len tokens."""
     layers, hidden = config.num_hidden_layers, config.hidden_size
     return float(global_batch * seq_len * (6 * parameter_count(config) + 12 * layers * hidden * seq_len))
+
+
+def free_unheld(model: nn.Module, held) -> int:
+    """Release the storage of ``model``'s parameters this rank does not hold (``held``:
+    the parameters of its pipeline chunks); the model object stays (the split's stages
+    read its modes) but only the held parameters keep memory. Returns the elements freed."""
+    kept = {id(param) for param in held}
+    freed = 0
+    with torch.no_grad():
+        for param in model.parameters():
+            if id(param) not in kept and param.numel():
+                freed += param.numel()
+                param.data = param.data.new_empty(0)
+    return freed

@@ -89,6 +89,8 @@ class Trainer:
         for stage in self.hybrid.engine.stages.values():  # only this rank's chunks reach the device
             stage.to(self.device)
         self.hybrid.engine.parameters_moved()  # its autocast and received activations follow them there
+        if hf:  # a pipeline rank keeps only its chunks' parameters (the split's stages share the model's)
+            hf_model.free_unheld(model, self.hybrid.names.values())
         del model, layers
         self.optimizer = make_optimizer(self.hybrid.names.items(), config)
         if config.zero_stage:  # optimizer state (2: and gradients; 3: and parameters) sharded over the dp group
