@@ -32,11 +32,12 @@ output gradient arrived last.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from dataclasses import dataclass, replace
 
 from plait.plan.layers import LayerCost
-from plait.plan.tp_styles import KINDS, SHARDED_KINDS, match_plan, sharded_dims, style_flags
+from plait.plan.tp_styles import KINDS, match_plan, sharded_dims, style_flags
 from plait.plan.trace import _METADATA_OPS, _Snapshot, _addressed_nbytes, _flop_formulas, _storage_key
 
 __all__ = ["PARTS", "TracedLayer", "PlanTrace", "layer_modules", "trace_plan"]
@@ -278,8 +279,6 @@ def trace_plan(model, sample, plan, *, name: str | None = None, autocast: str | 
     on the sample's device, as plait train's mixed precision does (what it saves is then
     the 16-bit copies and float32 tensors autocast keeps). Restores training flags,
     grads, buffers and RNG streams afterwards (``trace``)."""
-    import contextlib
-
     import torch
 
     matched = match_plan(model, plan)
