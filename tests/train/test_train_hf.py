@@ -127,6 +127,15 @@ def test_two_ranks_match_one_process(tmp_path):
     _check_checkpoint(tmp_path / "zero3", "gpt2", references[gpt2][1])
     _check_checkpoint(tmp_path / "tp2", "gpt2", references[gpt2][1])  # the fused c_attn in HF's q|k|v order
 
+    from plait.train.build import load_data
+    from plait.train.hf_generate import model_from_checkpoint, sample
+
+    trained, _ = model_from_checkpoint(tmp_path / "tp2")  # the closing sample's model: HF's, the trained weights
+    assert max(float((param.detach() - references[gpt2][1][name]).abs().max())
+               for name, param in trained.named_parameters()) <= TOLERANCE
+    text = sample(trained, load_data(configs[1]), "def ", chars=8, seq_len=16)
+    assert text.startswith("def ") and len(text) >= 12
+
     odd = _write_config(tmp_path / "odd", "gpt2", n_head=3, n_embd=24)
     messages = run_distributed(_build_error, 2, _config(tmp_path / "odd-run", odd, tp=2), timeout_s=120)
     assert "num_heads=3 is not divisible by tp=2" in messages[0]
