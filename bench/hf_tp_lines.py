@@ -68,7 +68,8 @@ def torch_after_linear_swap(model, group):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
     for block in model.transformer.h:  # HF's Conv1D (in, out) into nn.Linear (out, in), then the local heads
-        for parent, name in ((block.attn, "c_attn"), (block.attn, "c_proj"), (block.mlp, "c_fc"), (block.mlp, "c_proj")):
+        for parent, name in ((block.attn, "c_attn"), (block.attn, "c_proj"),
+                             (block.mlp, "c_fc"), (block.mlp, "c_proj")):
             conv = getattr(parent, name)
             linear = nn.Linear(conv.nx, conv.nf, dtype=conv.weight.dtype)
             linear.weight.data, linear.bias.data = conv.weight.data.t().contiguous(), conv.bias.data

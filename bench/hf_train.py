@@ -46,6 +46,7 @@ import contextlib
 import importlib.util
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -208,7 +209,11 @@ def run_plait(args, extra, layout: str, out: Path) -> dict:
               "--monitor-interval", "1", str(Path(__file__).resolve()), "--worker", "--via", "trainer", "--layout",
               layout, "--trainer-out", str(out), *_passed_flags(args), "--", *extra], f"plait's Trainer ({layout})")
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return {"losses": [record["loss"] for record in records], "stamps_s": [record["elapsed_s"] for record in records]}
+    report = out / "report.json"  # plait's own figure: the mean over every step but the first
+    reported = (json.loads(report.read_text()).get("throughput", {}).get("mean_tokens_per_s")
+                if report.exists() else None)
+    return {"losses": [record["loss"] for record in records], "stamps_s": [record["elapsed_s"] for record in records],
+            "report_tokens_per_s": reported}
 
 
 def run_torch(args, extra, layout: str, out: Path) -> dict:
@@ -260,7 +265,9 @@ def measure(args, extra, out: Path, arithmetic) -> dict:
         summary = arithmetic.compare(rounds, warmup=args.warmup, tokens_per_step=tokens_per_step, block=args.block)
         counted = {entry["plain"]["tokens"] for entry in rounds}
         step1 = max(abs(entry["plait"]["losses"][0] - entry["plain"]["losses"][0]) for entry in rounds)
+        reported = [entry["plait"]["report_tokens_per_s"] for entry in rounds if entry["plait"]["report_tokens_per_s"]]
         summaries[layout] = {**summary, "rounds": rounds, "torch_tokens_counted": sorted(counted),
+                             "plait_report_tokens_per_s": statistics.median(reported) if reported else None,
                              "tokens_expected": tokens_per_step * args.steps, "step1_loss_difference": step1,
                              "step1_losses_agree": step1 <= STEP1_TOLERANCE}
     return summaries
@@ -272,17 +279,22 @@ def render(summaries: dict, args, load: str) -> str:
              f"{NPROCS} gloo processes, global batch {args.global_batch} x seq {args.seq_len}, {args.steps} steps "
              f"({args.warmup} warm-up, outside the window), {args.rounds} rounds; {load}; load average "
              f"{' '.join(f'{value:.2f}' for value in os.getloadavg())}",
-             f"{'layout':<7}{'torch side':<10}{'plait tok/s':>12}{'torch tok/s':>12}{'ratio median [min-max]':>26}"
-             f"{'block ratio [min-max]':>26}{'max |dloss|':>13}{'step-1 dloss':>14}"]
+             f"{'layout':<7}{'torch side':<10}{'plait tok/s':>12}{'(report)':>10}{'torch tok/s':>12}"
+             f"{'ratio median [min-max]':>26}{'block ratio [min-max]':>26}{'max |dloss|':>13}{'step-1 dloss':>14}"]
     for layout, summary in summaries.items():
         medians = summary["median_tokens_per_s"]
         ratio = (f"{summary['median_round_ratio']:.3f} [{summary['round_ratio_min']:.3f}-"
                  f"{summary['round_ratio_max']:.3f}]")
         block = (f"{summary['median_block_round_ratio']:.3f} [{summary['block_round_ratio_min']:.3f}-"
                  f"{summary['block_round_ratio_max']:.3f}]")
-        lines.append(f"{layout:<7}{LAYOUTS[layout][0]:<10}{medians['plait']:>12.0f}{medians['plain']:>12.0f}"
+        reported = summary["plait_report_tokens_per_s"]
+        reported = f"{reported:.0f}" if reported else "-"
+        lines.append(f"{layout:<7}{LAYOUTS[layout][0]:<10}{medians['plait']:>12.0f}{reported:>10}"
+                     f"{medians['plain']:>12.0f}"
                      f"{ratio:>26}{block:>26}{summary['max_loss_difference']:>13.1e}"
                      f"{summary['step1_loss_difference']:>14.1e}")
+    lines.append("tok/s: tokens of the steps after the warm-up over their stamps' span, median over rounds; "
+                 "(report): plait train's report.json mean (every step but the first), median over rounds")
     lines.append("ratio: plait train / torch tokens/s per round (> 1: plait faster); block: over the median "
                  f"{args.block}-step block; torch's tokens counted from its batches: "
                  + ", ".join(f"{layout} {summary['torch_tokens_counted']} (expected {summary['tokens_expected']})"
