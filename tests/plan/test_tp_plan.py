@@ -182,8 +182,8 @@ def _measure(rank, world_size, cases):
 
 CASES = [dict(name="gpt2 tp2", model="gpt2", tp=2, sp=False), dict(name="gpt2 tp2 sp", model="gpt2", tp=2, sp=True),
          dict(name="gpt2 tp2 sp bf16", model="gpt2", tp=2, sp=True, bf16=True),
-         dict(name="llama tp2", model="llama", tp=2, sp=False), dict(name="gpt2 dp2 zero1", model="gpt2", tp=1,
-                                                                         sp=False)]
+         dict(name="llama tp2", model="llama", tp=2, sp=False), dict(name="llama tp2 sp", model="llama", tp=2, sp=True),
+         dict(name="gpt2 dp2 zero1", model="gpt2", tp=1, sp=False)]
 
 
 def _prediction(case):

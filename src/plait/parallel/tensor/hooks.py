@@ -67,7 +67,9 @@ class GatherSequence:
     def __call__(self, module: nn.Module, args, output):
         y = _first_tensor(self.name, "exit", output)
         self.layout_check(y, self.tp)
-        return gather_to_replicated(y.movedim(self.seq_dim, 0), self.tp, self.seq_dim)
+        # contiguous: the gathered (b, s, h) is a movedim view; every projection reading it
+        # would copy it and save its own copy (q, k, v, gate, up: five per block, not one)
+        return gather_to_replicated(y.movedim(self.seq_dim, 0), self.tp, self.seq_dim).contiguous()
 
 
 def add_sequence_hooks(name: str, module: nn.Module, style, tp: TensorParallel, seq_dim: int) -> None:
