@@ -192,6 +192,14 @@ def test_bad_models_are_refused_by_name(tmp_path):
     (tmp_path / "t5" / "config.json").write_text(json.dumps({"model_type": "t5"}))
     with pytest.raises(ValueError, match="'t5' .* is not a causal language model"):
         load_config(str(tmp_path / "t5"))
+    from transformers import BertConfig
+
+    bert = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64, vocab_size=VOCAB)
+    BertConfig(**bert).save_pretrained(tmp_path / "bert")  # a causal-LM class, but attending both ways
+    with pytest.raises(ValueError, match="BertLMHeadModel is not causal"):
+        build(str(tmp_path / "bert"), dtype="float64", seed=0)
+    BertConfig(**bert, is_decoder=True).save_pretrained(tmp_path / "bert-decoder")
+    build(str(tmp_path / "bert-decoder"), dtype="float64", seed=0)
     with pytest.raises(ValueError, match="model='cnn' is not valid: use one of gpt, mlp, or hf:CONFIG"):
         TrainConfig(model="cnn")
     small = _write_config(tmp_path / "small", "gpt2", vocab_size=32)

@@ -102,7 +102,28 @@ def build(source: str, *, dtype: str, seed: int) -> nn.Module:
     else:
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config)
-    return model.to(getattr(torch, dtype)).train()
+    model = model.to(getattr(torch, dtype))
+    check_causal(model, source)
+    return model.train()
+
+
+@torch.no_grad()
+def check_causal(model: nn.Module, source: str) -> None:
+    """Refuse a model whose position 0 sees later tokens (e.g. BertLMHeadModel without
+    is_decoder=True attends both ways: trained on next tokens it would read the answer).
+    Two eval-mode forwards of 2 tokens that differ only in the second: position 0's
+    logits must be equal."""
+    was_training = model.training
+    model.eval()
+    try:
+        first, second = (model(input_ids=torch.tensor([[0, token]]), use_cache=False).logits[0, 0]
+                         for token in (0, min(1, vocab_size(model.config) - 1)))
+    finally:
+        model.train(was_training)
+    if not torch.equal(first, second):
+        raise ValueError(f"--model hf:{source}: {type(model).__name__} is not causal (position 0's logits change with "
+                         "the token after it): it would see the tokens it predicts; use a decoder config (e.g. "
+                         "is_decoder=true for BERT-style LM heads, or a GPT-2 / Llama config)")
 
 
 def config_json(config) -> str:
