@@ -48,7 +48,7 @@ from plait.plan import PlanRequest, cluster_preset, search
 from plait.plan.precision import precision_for
 from plait.plan.tp_plan import PlannedModel, plan_model, step_collectives
 from plait.plan.tp_trace import trace_plan
-from plait.plan.trace import _flop_formulas
+from plait.plan.trace import flop_formulas
 from plait.testing import run_distributed
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for hf_models
@@ -99,7 +99,7 @@ def test_plan_shards_parameters_and_flops_as_the_model_counts_them():
         assert params == whole - sharded + sharded / tp
     ids = torch.zeros(1, SEQUENCE, dtype=torch.long)
     # torch's counter, given the CPU flash-attention kernels it lacks (torch's own sdpa formulas; plait.plan.trace)
-    with FlopCounterMode(display=False, custom_mapping=_flop_formulas()) as counter:
+    with FlopCounterMode(display=False, custom_mapping=flop_formulas()) as counter:
         model(input_ids=ids, labels=ids).loss.backward()
     model.zero_grad()
     assert planned.training_flops(1, "none") == counter.get_total_flops()

@@ -38,7 +38,7 @@ from dataclasses import dataclass, replace
 
 from plait.plan.layers import LayerCost
 from plait.plan.tp_styles import KINDS, match_plan, sharded_dims, style_flags
-from plait.plan.trace import _METADATA_OPS, _Snapshot, _addressed_nbytes, _flop_formulas, _storage_key
+from plait.plan.trace import METADATA_OPS, Snapshot, addressed_nbytes, flop_formulas, storage_key
 
 __all__ = ["PARTS", "TracedLayer", "PlanTrace", "layer_modules", "trace_plan"]
 
@@ -100,21 +100,21 @@ class _Tracer:
         stats[(part, key)] = stats.get((part, key), 0.0) + value
 
     def part_of(self, tensors) -> str:
-        keys = [_storage_key(t) for t in tensors]
+        keys = [storage_key(t) for t in tensors]
         if any(key in self.sharded for key in keys):
             return "sharded"
         return "sequence" if any(key in self.sequence for key in keys) else "replicated"
 
     def mark(self, tensors, part: str) -> None:
         for tensor in tensors:
-            key = _storage_key(tensor)
+            key = storage_key(tensor)
             self.sharded.pop(key, None)
             self.sequence.pop(key, None)
             if part != "replicated":
                 (self.sharded if part == "sharded" else self.sequence)[key] = tensor.untyped_storage()
 
     def pack(self, tensor):
-        key = _storage_key(tensor)
+        key = storage_key(tensor)
         if key not in self.exclude:
             self.held.append(tensor.untyped_storage())  # no address reuse while tracing
             entry = self.saved.setdefault(key, [self.layer, tensor.untyped_storage().nbytes(),
@@ -134,7 +134,7 @@ def _mode_type():
     from torch.utils._pytree import tree_leaves
     from torch.utils.flop_counter import flop_registry, shape_wrapper
 
-    formulas = {**flop_registry, **{op: shape_wrapper(f) for op, f in _flop_formulas().items()}}
+    formulas = {**flop_registry, **{op: shape_wrapper(f) for op, f in flop_formulas().items()}}
 
     class ShardingFlow(TorchDispatchMode):
         def __init__(self, tracer: _Tracer):
@@ -144,7 +144,7 @@ def _mode_type():
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
             out = func(*args, **kwargs)
-            if getattr(func, "is_view", False) or func.name().split(".")[0] in _METADATA_OPS:
+            if getattr(func, "is_view", False) or func.name().split(".")[0] in METADATA_OPS:
                 return out
             tracer = self.tracer
             inputs = [leaf for leaf in tree_leaves((args, kwargs)) if isinstance(leaf, torch.Tensor)]
@@ -156,7 +156,7 @@ def _mode_type():
             if func.overloadpacket in formulas:
                 tracer.add(part, f"{phase}_flops", formulas[func.overloadpacket](*args, **kwargs, out_val=out))
             else:
-                tracer.add(part, f"{phase}_bytes", sum(_addressed_nbytes(t) for t in inputs + outputs))
+                tracer.add(part, f"{phase}_bytes", sum(addressed_nbytes(t) for t in inputs + outputs))
             return out
 
     return ShardingFlow
@@ -289,7 +289,7 @@ def trace_plan(model, sample, plan, *, name: str | None = None, autocast: str | 
     tracer = _Tracer(len(names))
     modules = dict(model.named_modules())
     params, buffers = list(model.parameters()), list(model.buffers())
-    tracer.exclude = {_storage_key(t) for t in params + buffers}
+    tracer.exclude = {storage_key(t) for t in params + buffers}
     sharded = [tensor for module_name, (kind, _) in matched.items() for key, tensor in
                modules[module_name].named_parameters(recurse=False) if kind in ("colwise", "vocab")
                or (kind == "rowwise" and key == "weight")]
@@ -304,7 +304,7 @@ def trace_plan(model, sample, plan, *, name: str | None = None, autocast: str | 
     handles = _install_hooks(model, tracer, matched, blocks, with_ends)
     handles += [module.register_forward_pre_hook(own) for module in model.modules()
                 if next(module.parameters(recurse=False), None) is not None]
-    snapshot = _Snapshot(list(model.modules()), params, buffers)
+    snapshot = Snapshot(list(model.modules()), params, buffers)
     devices = [sample.device] if isinstance(sample, torch.Tensor) else []
     try:
         snapshot.clear_grads()

@@ -12,7 +12,7 @@ and three counters watch it:
   except those that touch no data: ops whose schema says the output aliases an
   input (``OpOverload.is_view``: view, t, transpose, permute, expand, slice,
   select, (un)squeeze, as_strided, alias, detach, split, unbind, ...) and
-  ``_METADATA_OPS`` (``_unsafe_view``, allocations such as ``empty_like``, shape
+  ``METADATA_OPS`` (``_unsafe_view``, allocations such as ``empty_like``, shape
   queries). Copies (``clone``, ``_to_copy``, ``copy_``), fills and scalar reads
   (``_local_scalar_dense``) are kernels. A non-matmul kernel's bytes are the sum
   over its tensor inputs and outputs of itemsize · (elements it addresses: the
@@ -38,7 +38,7 @@ from plait.plan.layers import LayerCost
 __all__ = ["describe_layers", "describe_module", "saved_activation_bytes"]
 
 # Operators that move no data (beyond those whose schema marks them as views).
-_METADATA_OPS = frozenset({
+METADATA_OPS = frozenset({
     "aten::_unsafe_view", "aten::_reshape_alias", "aten::lift_fresh", "aten::empty", "aten::empty_like",
     "aten::empty_strided", "aten::new_empty", "aten::new_empty_strided", "aten::resize_", "aten::set_",
     "aten::is_same_size", "aten::_has_compatible_shallow_copy_type", "aten::size", "aten::sym_size",
@@ -53,7 +53,7 @@ def _tensor_nbytes(tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
-def _addressed_nbytes(tensor) -> int:
+def addressed_nbytes(tensor) -> int:
     """itemsize · prod(size_d over dims with stride_d != 0): the bytes a kernel
     reads or writes for ``tensor`` (an expanded, stride-0 dim is read once)."""
     if tensor.numel() == 0:
@@ -61,7 +61,7 @@ def _addressed_nbytes(tensor) -> int:
     return tensor.element_size() * math.prod(size for size, stride in zip(tensor.shape, tensor.stride()) if stride)
 
 
-def _storage_key(tensor):
+def storage_key(tensor):
     """Identity of ``tensor``'s storage: (device, data pointer); views share it.
     A storage without memory behind it (meta device, torch's FakeTensorMode) falls
     back to the storage object's own address."""
@@ -88,7 +88,7 @@ class _SavedStorages:
         self._hooks = None
 
     def _pack(self, tensor):
-        key = _storage_key(tensor)
+        key = storage_key(tensor)
         if key not in self.exclude_keys and key not in self.nbytes_by_key:
             storage = tensor.untyped_storage()
             self.nbytes_by_key[key] = storage.nbytes()
@@ -144,7 +144,7 @@ def _exclude_keys(tensors) -> frozenset:
     bad = [f"exclude[{i}] is a {type(t).__name__}" for i, t in enumerate(tensors) if not isinstance(t, torch.Tensor)]
     if bad:
         raise TypeError("exclude must hold tensors (e.g. list(model.parameters())): " + ", ".join(bad))
-    return frozenset(_storage_key(tensor) for tensor in tensors)
+    return frozenset(storage_key(tensor) for tensor in tensors)
 
 
 @functools.cache
@@ -156,7 +156,7 @@ def _counter_type():
     from torch.utils._pytree import tree_leaves
     from torch.utils.flop_counter import flop_registry
 
-    matmuls = frozenset(_flop_formulas()) | frozenset(flop_registry)  # op packets: what FlopCounterMode prices
+    matmuls = frozenset(flop_formulas()) | frozenset(flop_registry)  # op packets: what FlopCounterMode prices
 
     class KernelCounter(TorchDispatchMode):
         """kernels += 1 per data-touching op; nbytes += its tensors' addressed
@@ -169,11 +169,11 @@ def _counter_type():
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
             out = func(*args, **kwargs)
-            if self.paused or getattr(func, "is_view", False) or func.name().split(".")[0] in _METADATA_OPS:
+            if self.paused or getattr(func, "is_view", False) or func.name().split(".")[0] in METADATA_OPS:
                 return out
             self.kernels += 1
             if func.overloadpacket not in matmuls:
-                self.nbytes += sum(_addressed_nbytes(leaf) for leaf in tree_leaves((args, kwargs, out))
+                self.nbytes += sum(addressed_nbytes(leaf) for leaf in tree_leaves((args, kwargs, out))
                                    if isinstance(leaf, torch.Tensor))
             return out
 
@@ -181,7 +181,7 @@ def _counter_type():
 
 
 @functools.cache
-def _flop_formulas() -> dict:
+def flop_formulas() -> dict:
     """Matmul-like ops FlopCounterMode (torch 2.13) does not count, as its
     ``custom_mapping``: formulas over input shapes, 2 FLOPs per multiply-add."""
     import torch
@@ -280,7 +280,7 @@ def _named_layers(layers) -> list:
     return named
 
 
-class _Snapshot:
+class Snapshot:
     """What a traced run changes, to put back: training flags, parameters' .grad,
     buffer values, and plait ConsistentDropout streams (modules with an int
     ``calls`` and a ``reseed``: duck-typed so plait.plan need not import
@@ -325,7 +325,7 @@ def _describe(named: list, sample_input, *, training: bool, exclude) -> list[Lay
     buffers = _unique(buffer for module in modules for buffer in module.buffers(recurse=False))
     exclude_keys = _exclude_keys([*params, *buffers, *exclude])
     leaves = [tensor for tensor in (*exclude, sample_input) if tensor.is_leaf and tensor.requires_grad]
-    snapshot = _Snapshot(modules, _unique([*params, *leaves]), buffers)
+    snapshot = Snapshot(modules, _unique([*params, *leaves]), buffers)
     devices = [sample_input.device] if sample_input.device.type == "cuda" else []
     costs, counted = [], set()
     try:
@@ -353,7 +353,7 @@ def _measure(layer, index: int, name: str, x, exclude_keys: frozenset):
     from torch.utils.flop_counter import FlopCounterMode
 
     counter = _counter_type()()
-    with FlopCounterMode(display=False, custom_mapping=_flop_formulas()) as flops, counter:
+    with FlopCounterMode(display=False, custom_mapping=flop_formulas()) as flops, counter:
         with _SavedStorages(exclude_keys) as saved:
             try:
                 output = layer(x)
