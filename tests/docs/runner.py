@@ -18,7 +18,7 @@ import sys
 
 from tests.docs.extract import ROOT, Block, console_commands, with_appended
 
-LINKED = (".venv", "bench", "src", "tests", "pyproject.toml", "docs")
+LINKED = (".venv", "bench", "src", "tests", "pyproject.toml", "constraints.txt", "docs")
 QUICK_TIMEOUT_S = 120
 SLOW_TIMEOUT_S = 600
 
