@@ -8,13 +8,12 @@ directory nobody can write is named on every rank before any step."""
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 
 import pytest
 
 from plait.testing import run_distributed
 from plait.train.config import TrainConfig
+from tests.train import runs
 
 
 def _config(out, **overrides) -> TrainConfig:
@@ -23,17 +22,6 @@ def _config(out, **overrides) -> TrainConfig:
                   checkpoint_interval=0, keep_checkpoints=0, out=str(out), timeout_s=60.0)
     values.update(overrides)
     return TrainConfig(**values)
-
-
-def _losses(out) -> list[float]:
-    return [json.loads(line)["loss"] for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
-
-
-def _train_each(rank, world_size, configs):
-    from plait.train.loop import Trainer
-
-    for config in configs:
-        Trainer(config, resume="never", log=lambda _: None).train()
 
 
 CASES = [("gpipe", "full", {}), ("1f1b", "full", {}), ("1f1b", "selective", {}), ("zero_bubble", "full", {}),
@@ -53,9 +41,9 @@ def test_recomputed_training_equals_stored_activations_bitwise(tmp_path):
         recomputed = plain.replace(out=str(tmp_path / f"{index}-{mode}-treated"), recompute=mode, **extra)
         configs += [plain, recomputed]
         pairs.append((schedule, mode, extra, plain.out, recomputed.out))
-    run_distributed(_train_each, 4, configs, timeout_s=600)
+    run_distributed(runs.train_each, 4, configs, timeout_s=600)
     for schedule, mode, extra, plain_out, recomputed_out in pairs:
-        plain, recomputed = _losses(plain_out), _losses(recomputed_out)
+        plain, recomputed = runs.losses(plain_out), runs.losses(recomputed_out)
         assert len(plain) == len(recomputed) == 3
         assert recomputed == plain, f"{schedule} {mode} {extra}: {recomputed} != {plain}"
 

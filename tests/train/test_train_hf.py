@@ -22,6 +22,7 @@ import torch
 
 from plait.testing import run_distributed
 from plait.train.config import TrainConfig
+from tests.train import runs
 
 TOLERANCE = 1e-10  # float64, a few steps (module docstring)
 STEPS = 3
@@ -52,17 +53,6 @@ def _config(out, model_dir, **overrides) -> TrainConfig:
                   eval_interval=0, checkpoint_interval=0, keep_checkpoints=0, out=str(out), timeout_s=60.0)
     values.update(overrides)
     return TrainConfig(**values)
-
-
-def _losses(out) -> list[float]:
-    return [json.loads(line)["loss"] for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
-
-
-def _train_each(rank, world_size, configs):
-    from plait.train.loop import Trainer
-
-    for config in configs:
-        Trainer(config, resume="never", log=lambda _: None).train()
 
 
 def _reference(config: TrainConfig) -> tuple[list[float], dict]:
@@ -118,11 +108,11 @@ def test_two_ranks_match_one_process(tmp_path):
     configs = [_config(tmp_path / "zero3", gpt2, dp=2, zero_stage=3),
                _config(tmp_path / "tp2", gpt2, tp=2, recompute="selective"),
                _config(tmp_path / "full", llama, dp=2, recompute="full")]
-    run_distributed(_train_each, 2, configs, timeout_s=300)
+    run_distributed(runs.train_each, 2, configs, timeout_s=300)
     references = {gpt2: _reference(configs[0]), llama: _reference(configs[2])}
     assert references[gpt2][0][-1] < references[gpt2][0][0], "the reference must learn"
     for config, model_dir in zip(configs, (gpt2, gpt2, llama)):
-        worst = _worst(_losses(config.out), references[model_dir][0])
+        worst = _worst(runs.losses(config.out), references[model_dir][0])
         assert worst <= TOLERANCE, f"{config.out}: max |loss - reference| = {worst:.3g}"
     _check_checkpoint(tmp_path / "zero3", "gpt2", references[gpt2][1])
     _check_checkpoint(tmp_path / "tp2", "gpt2", references[gpt2][1])  # the fused c_attn in HF's q|k|v order
@@ -175,10 +165,10 @@ def test_pipelines_match_one_process(tmp_path):
     configs = [_config(tmp_path / "dp2pp2", gpt2, dp=2, pp=2, data=str(documents), tokenizer="train:bpe:300",
                        text_field="body", val_fraction=0.1),
                _config(tmp_path / "tp2pp2", llama, tp=2, pp=2)]
-    run_distributed(_train_each, 4, configs, timeout_s=300)
+    run_distributed(runs.train_each, 4, configs, timeout_s=300)
     for config, model_type in zip(configs, ("gpt2", "llama")):
         losses, weights = _reference(config)
-        worst = _worst(_losses(config.out), losses)
+        worst = _worst(runs.losses(config.out), losses)
         assert worst <= TOLERANCE, f"{config.out}: max |loss - reference| = {worst:.3g}"
         _check_checkpoint(Path(config.out), model_type, weights)
 

@@ -34,6 +34,7 @@ import pytest
 
 from plait.testing import run_distributed
 from plait.train.config import TrainConfig
+from tests.train import runs
 
 
 def _config(out, **overrides) -> TrainConfig:
@@ -48,13 +49,6 @@ def _metrics(out) -> list[dict]:
     return [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
 
 
-def _train_each(rank, world_size, configs, resume="never"):
-    from plait.train.loop import Trainer
-
-    for config in configs:
-        Trainer(config, resume=resume, log=lambda _: None).train()
-
-
 def _report_memory(out) -> list[dict]:
     return json.loads((Path(out) / "report.json").read_text())["memory"]
 
@@ -64,7 +58,7 @@ def _report_memory(out) -> list[dict]:
 def test_zero_one_trains_as_plain_data_parallelism(tmp_path, mesh):
     configs = [_config(tmp_path / f"zero{stage}-{clip}", zero_stage=stage, grad_clip=clip, **mesh)
                for stage in (0, 1) for clip in (0.0, 0.05)]
-    run_distributed(_train_each, 4, configs, timeout_s=300)
+    run_distributed(runs.train_each, 4, configs, timeout_s=300)
     plain, plain_clipped, zero, zero_clipped = (_metrics(config.out) for config in configs)
     assert [row["loss"] for row in zero] == [row["loss"] for row in plain]  # bitwise
     assert any(row["grad_norm"] > 0.05 for row in plain_clipped)  # the clipping was active
@@ -82,7 +76,7 @@ def test_zero_two_and_offload_train_as_plain_data_parallelism(tmp_path, mesh):
                  dict(zero_stage=1, offload="optimizer"), dict(zero_stage=1)]
     configs = [_config(tmp_path / f"run{index}", grad_clip=0.05, **mesh, **extra)
                for index, extra in enumerate(overrides)]
-    run_distributed(_train_each, 4, configs, timeout_s=300)
+    run_distributed(runs.train_each, 4, configs, timeout_s=300)
     plain, zero2, zero2_offloaded, zero1_offloaded, zero1 = (_metrics(config.out) for config in configs)
     for got, want in zip(zero2, plain, strict=True):
         assert got["loss"] == pytest.approx(want["loss"], rel=1e-12, abs=0)
@@ -103,7 +97,7 @@ def test_zero_three_trains_as_plain_data_parallelism(tmp_path, mesh):
     overrides = [dict(zero_stage=0), dict(zero_stage=3), dict(zero_stage=3, offload="optimizer")]
     configs = [_config(tmp_path / f"run{index}", grad_clip=0.05, **mesh, **extra)
                for index, extra in enumerate(overrides)]
-    run_distributed(_train_each, 4, configs, timeout_s=300)
+    run_distributed(runs.train_each, 4, configs, timeout_s=300)
     plain, zero3, offloaded = (_metrics(config.out) for config in configs)
     for got, want in zip(zero3, plain, strict=True):
         assert got["loss"] == pytest.approx(want["loss"], rel=1e-12, abs=0)
@@ -130,14 +124,14 @@ def test_zero_checkpoints_resume_bitwise_and_into_another_layout(tmp_path, saved
     same losses to float64 roundoff."""
     whole = _config(tmp_path / "whole", steps=4, **saved)
     first = _config(tmp_path / "resumed", steps=2, checkpoint_interval=2, keep_checkpoints=2, **saved)
-    run_distributed(_train_each, 4, [whole, first], timeout_s=300)
+    run_distributed(runs.train_each, 4, [whole, first], timeout_s=300)
     second = _config(tmp_path / "resumed", steps=4, checkpoint_interval=2, keep_checkpoints=2, **saved)
-    run_distributed(_train_each, 4, [second], "auto", timeout_s=300)
+    run_distributed(runs.train_each, 4, [second], "auto", timeout_s=300)
     want = [row["loss"] for row in _metrics(whole.out)]
     assert [row["loss"] for row in _metrics(second.out)] == want
     checkpoint = sorted((tmp_path / "resumed" / "checkpoints").iterdir())[0]
     other = _config(tmp_path / "other", steps=4, **resumed)
-    run_distributed(_train_each, 2, [other], str(checkpoint), timeout_s=300)
+    run_distributed(runs.train_each, 2, [other], str(checkpoint), timeout_s=300)
     assert [row["loss"] for row in _metrics(other.out)] == pytest.approx(want[2:], rel=1e-12, abs=0)
 
 
