@@ -42,7 +42,6 @@ train_vs_ddp.py; step 1's losses, before any update, agree to float32 round-off)
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib.util
 import json
 import os
@@ -51,6 +50,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from plait.bench.busy import busy_loop
 
 HERE = Path(__file__).resolve().parent
 LAYOUTS = {"dp": ("ddp", ["--dp", "2", "--tp", "1"]),
@@ -232,19 +233,6 @@ def _passed_flags(args) -> list[str]:
 
 
 # ----- the comparison -------------------------------------------------------------------------
-@contextlib.contextmanager
-def busy_loop(enabled: bool):
-    """A process spinning at nice 19 for the block, if ``enabled``; ended by its pid."""
-    if not enabled:
-        yield None
-        return
-    spinner = subprocess.Popen(["nice", "-n", "19", sys.executable, "-c", "while True: pass"],
-                               stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        yield spinner.pid
-    finally:
-        spinner.kill()
-        spinner.wait(timeout=10)
 
 
 def measure(args, extra, out: Path, arithmetic) -> dict:

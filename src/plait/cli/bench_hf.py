@@ -16,11 +16,9 @@ idle time: the OS gives it what the ranks leave), started before the world and e
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
-import subprocess
-import sys
 
+from plait.bench.busy import busy_loop
 from plait.bench.hf import VARIANTS, HfBenchConfig, run_hf_bench, summarize
 from plait.bench.launch import in_torchrun, run_in_fresh_worlds
 from plait.bench.report import write_json_document
@@ -90,21 +88,6 @@ def table_lines(result: dict) -> list[str]:
                  f"{'yes' if result['step1_losses_agree'] else 'NO'}; every side trained (loss moved): "
                  f"{'yes' if result['all_trained'] else 'NO'}")
     return lines
-
-
-@contextlib.contextmanager
-def busy_loop(enabled: bool):
-    """A process spinning at nice 19 for the block, if ``enabled``: ended by its pid."""
-    if not enabled:
-        yield None
-        return
-    spinner = subprocess.Popen(["nice", "-n", "19", sys.executable, "-c", "while True: pass"],
-                               stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        yield spinner.pid
-    finally:
-        spinner.kill()
-        spinner.wait(timeout=10)
 
 
 def run(args) -> int:
