@@ -34,13 +34,14 @@ MAX_DEVICES = 1 << 24
 
 # algorithms priced for each collective: plait's own with a closed form, less the naive
 # direct and star exchanges and the single binary tree (the double binary tree, as NCCL
-# runs it, has the same depth at half the per-link load)
+# runs it, has the same depth at half the per-link load); all_to_all (nbytes: the input
+# buffer of p chunks) is the pairwise exchange, (p-1)a + (p-1)/p n b
 _CANDIDATES = {c: [a for a in closed_form_algorithms(c) if a not in ("direct", "star", "binary_tree")]
-               for c in ("all_reduce", "reduce_scatter", "all_gather")}
+               for c in ("all_reduce", "reduce_scatter", "all_gather", "all_to_all")}
 # on one host (the 'local' cluster, a handful of ranks) plait's tuner also runs the
 # direct and star exchanges, and often picks star: price them there too
 _LOCAL_CANDIDATES = {c: [a for a in closed_form_algorithms(c) if a != "binary_tree"]
-                     for c in ("all_reduce", "reduce_scatter", "all_gather")}
+                     for c in ("all_reduce", "reduce_scatter", "all_gather", "all_to_all")}
 
 
 @dataclass(frozen=True)
