@@ -1,0 +1,135 @@
+"""The work one device does for one operator on its local shards: forward and backward
+kernels, matmul shapes and memory traffic (``Work``, priced by
+``DeviceSpec.time_s``), and the bytes the forward saves for the backward.
+
+Matmul-like kinds are priced by their products (plait.plan.layers' convention: a
+product (m, n, k) costs 2mnk FLOPs, its backward is its input gradient (m, k, n) and its
+weight gradient (k, n, m): 2x the forward; their bytes are left to the FLOP term):
+
+    linear     x (..., in), W (out, in): one gemm (m = prod(x[:-1]), n = out, k = in)
+    matmul     a (..., m, k) @ b (..., k, n): count = prod(batch dims) products (m, n, k)
+    attention  q (..., s, d), k (..., t, d), v (..., t, e): QK^T (s, t, d) and PV (s, e, t),
+               count = prod(batch dims) each
+    conv       x (N, C, *in), W (Cout, C/g, *kernel), y (N, Cout, *out): the implicit gemm
+               m = N prod(out), n = Cout/g, k = C/g prod(kernel), g of them
+
+Memory-bound kinds (norm, softmax, elementwise, reduce, loss, embedding) move, per
+member of a merged chain, the bytes of their inputs, parameters and output in the
+forward (an embedding: the ids and twice its output, the rows read and written) and
+twice that in the backward (read the output gradient and a saved tensor, write the
+input gradient); one kernel per member each way. view, permute, input, constant and
+output cost nothing (views; data already there).
+
+Saved for backward (on this device): linear, conv: x; matmul: a and b; attention: q,
+k, v, the output and the float32 log-sum-exp (batch dims x s) of a fused kernel;
+softmax: its output; norm: its input; loss: its first input (the logits); embedding: the
+ids; elementwise: its floating inputs, unless it is an add/sub (which saves nothing),
+plus the output of every further member of a merged chain; the rest: nothing.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from plait.plan.layers import backward_matmuls, matmul_flops
+
+__all__ = ["Work", "local_work", "saved_bytes", "is_floating"]
+
+# a fused attention kernel keeps one float32 log-sum-exp per query row
+_LSE_ITEMSIZE = 4
+_MATMUL_KINDS = ("linear", "matmul", "attention", "conv")
+_MEMORY_KINDS = ("norm", "softmax", "elementwise", "reduce", "loss", "embedding")
+_ADDITIVE = ("add", "sub", "rsub", "neg")
+
+
+def is_floating(dtype: str) -> bool:
+    return dtype.startswith(("float", "bfloat", "complex"))
+
+
+@dataclass(frozen=True)
+class Work:
+    """One direction (forward or backward) of an operator on one device."""
+
+    flops: float = 0.0
+    nbytes: float = 0.0
+    kernels: float = 0.0
+    matmuls: tuple = ()
+
+    def time_s(self, device, dtype: str) -> float:
+        if not (self.flops or self.nbytes or self.kernels):
+            return 0.0
+        return device.time_s(flops=self.flops, nbytes=self.nbytes, kernels=self.kernels, dtype=dtype,
+                             matmuls=self.matmuls)
+
+
+def _nbytes(shape, itemsize: int) -> int:
+    return math.prod(shape) * itemsize
+
+
+def _products(node, inputs, params, out) -> tuple:
+    """The forward's (kind, count, m, n, k) products of a matmul-like node on local shapes."""
+    if node.kind == "linear":
+        x = inputs[0]
+        weight = next(shape for shape in params if len(shape) >= 2)
+        return (("gemm", 1, math.prod(x[:-1]), weight[0], weight[1]),)
+    if node.kind == "matmul":
+        a, b = inputs[0], inputs[1]
+        if len(a) < 2 or len(b) < 2:  # a vector operand: one product with a unit side
+            m = a[-2] if len(a) >= 2 else 1
+            n = b[-1] if len(b) >= 2 else 1
+            return (("gemm", math.prod(out) // max(m * n, 1), m, n, a[-1]),)
+        count = math.prod(out[:-2])
+        return (("bmm" if count > 1 else "gemm", count, a[-2], b[-1], a[-1]),)
+    if node.kind == "attention":
+        q, k, v = inputs[0], inputs[1], inputs[2]
+        count = math.prod(out[:-2])
+        return (("bmm", count, q[-2], k[-2], q[-1]), ("bmm", count, q[-2], v[-1], k[-2]))
+    # conv
+    x = inputs[0]
+    weight = next(shape for shape in params if len(shape) >= 2)
+    groups = int(node.attr("groups", 1))
+    return (("gemm", groups, x[0] * math.prod(out[2:]), weight[0] // groups, weight[1] * math.prod(weight[2:])),)
+
+
+def local_work(node, inputs, in_itemsizes, params, param_itemsizes, out) -> tuple[Work, Work]:
+    """(forward, backward) of ``node`` on local shapes: ``inputs`` (shapes, in order) with
+    their itemsizes, ``params`` (shapes) with theirs, and the output shape ``out``."""
+    if node.kind in _MATMUL_KINDS:
+        forward = _products(node, inputs, params, out)
+        backward = backward_matmuls(forward)
+        return (Work(flops=matmul_flops(forward), kernels=1, matmuls=forward),
+                Work(flops=matmul_flops(backward), kernels=2, matmuls=backward))
+    if node.kind not in _MEMORY_KINDS:
+        return Work(), Work()
+    members = max(1, len(node.members))
+    out_bytes = _nbytes(out, node.itemsize)
+    if node.kind == "embedding":
+        moved = sum(_nbytes(s, i) for s, i in zip(inputs, in_itemsizes)) + 2 * out_bytes
+    else:
+        moved = (sum(_nbytes(s, i) for s, i in zip(inputs, in_itemsizes))
+                 + sum(_nbytes(s, i) for s, i in zip(params, param_itemsizes)) + out_bytes)
+    return (Work(nbytes=members * moved, kernels=members),
+            Work(nbytes=2 * members * moved, kernels=members))
+
+
+def saved_bytes(node, inputs, in_itemsizes, in_dtypes, out) -> float:
+    """Bytes ``node`` keeps for its backward on one device (local shapes; see the module
+    docstring for what each kind keeps)."""
+    kind = node.kind
+    sizes = [_nbytes(s, i) for s, i in zip(inputs, in_itemsizes)]
+    out_bytes = _nbytes(out, node.itemsize)
+    if kind in ("linear", "conv", "norm", "loss", "embedding"):
+        return float(sizes[0]) if sizes else 0.0
+    if kind == "matmul":
+        return float(sum(sizes[:2]))
+    if kind == "attention":
+        return float(sum(sizes[:3]) + out_bytes + math.prod(out[:-1]) * _LSE_ITEMSIZE)
+    if kind == "softmax":
+        return float(out_bytes)
+    if kind == "elementwise":
+        target = node.target.split(".")[-2] if node.target.count(".") >= 2 else node.target
+        own = 0 if target in _ADDITIVE else sum(
+            size for size, dtype in zip(sizes, in_dtypes) if is_floating(dtype))
+        return float(own + (max(1, len(node.members)) - 1) * out_bytes)
+    return 0.0
