@@ -52,6 +52,7 @@ from plait.names.schedules import INTERLEAVED_1F1B, NO_PIPELINE, PIPELINE_SCHEDU
 from plait.plan.device import load_device_profile, measure_device
 from plait.plan.grid import DEFAULT_MAX_LAYOUTS
 from plait.plan.layers import RECOMPUTE_MODES
+from plait.cli.plan_auto import add_auto_arguments, auto_flags_without_auto, run_auto
 from plait.cli.plan_model import HF_PREFIX, hf_model, module_model
 from plait.plan.tp_plan import PlannedModel, plan_lines
 
@@ -116,7 +117,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     cluster.add_argument("--memory-limit-gib", type=float, default=None,
                          help="usable memory per device (default: the device's)")
     layout = parser.add_argument_group("layout (each fixes that choice; the rest are searched)")
-    layout.add_argument("--global-batch", type=int, required=True, help="sequences (samples) per optimizer step")
+    layout.add_argument("--global-batch", type=int, default=None,
+                        help="sequences (samples) per optimizer step (required; with --auto: default the example "
+                             "inputs' batch)")
     for flag in ("tp", "pp", "dp", "micro-batch", "virtual", "zero-stage"):
         layout.add_argument(f"--{flag}", type=int, default=None)
     layout.add_argument("--mesh-order", default="tp,dp,pp", choices=MESH_ORDERS,
@@ -151,6 +154,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     out = parser.add_argument_group("output")
     out.add_argument("--top", type=int, default=5, help="plans to list")
     out.add_argument("--json", action="store_true", help="print the ranked plans as JSON only")
+    add_auto_arguments(parser)
     parser.set_defaults(run=run)
     return parser
 
@@ -284,6 +288,13 @@ def _check_flag_combinations(args, local: bool) -> None:
 
 
 def run(args) -> int:
+    if args.auto:
+        return run_auto(args, _local_cluster, _check_flag_combinations)
+    without = auto_flags_without_auto(args)
+    if without:
+        raise ValueError(f"{', '.join(without)} are for --auto (automatic sharding): add --auto or drop them")
+    if args.global_batch is None:
+        raise ValueError("--global-batch N is required (sequences per optimizer step)")
     emit = (lambda text: print(text, file=sys.stderr)) if args.json else print
     local = args.cluster == "local"
     precision = args.precision or ("fp32" if local else "bf16-mixed")
