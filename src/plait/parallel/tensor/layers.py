@@ -206,7 +206,9 @@ class VocabParallelEmbedding(nn.Module):
         """This rank's share of the embedding (zero rows for tokens it does not hold)."""
         if tokens.dtype not in (torch.int32, torch.int64):
             raise TypeError(f"tokens must be int32 or int64, got {tokens.dtype}")
-        if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= self.vocab_size):
+        # skipped while torch.export / torch.compile trace (symbolic ids have no value to check)
+        if tokens.numel() and not torch.compiler.is_compiling() and (
+                int(tokens.min()) < 0 or int(tokens.max()) >= self.vocab_size):
             raise ValueError(f"token ids must lie in [0, {self.vocab_size}), got min {int(tokens.min())} "
                              f"and max {int(tokens.max())}")
         local = tokens - self.vocab_start
