@@ -4,6 +4,7 @@
     plait train --tp 2 --pp 2 --dp 1 --steps 100  # any layout whose product is the process count
     plait train --config job.toml --lr 1e-3      # a TOML file, then flags (each flag is one config field)
     plait train --dry-run                         # which rank holds which stage and shard; no training
+    plait train --dp 1 --pp 2 --stage-layers 3,1  # uneven stages: blocks of each pipeline chunk (Megatron-style)
     plait train --nnodes 2 --rdzv-endpoint HOST:PORT ...   # on each of 2 machines (same flags)
 
 Outside a torchrun world it checks everything it can before any process starts (the

@@ -84,7 +84,8 @@ def build_hybrid(model: nn.Module, layers: list[nn.Module], mesh: DeviceMesh, lo
                  timeout_s: float | None = None, tp_rank: int = 0, tp_size: int = 1, recompute: str = "none",
                  recompute_layers: int | None = None, meter=None, precision: str = FP32,
                  grad_reduce_dtype: str = FP32, loss_scaler: LossScaler | None = None,
-                 offload_dir=None, layers_are_chunks: bool = False) -> HybridModel:
+                 offload_dir=None, layers_are_chunks: bool = False,
+                 chunk_layers: list[int] | None = None) -> HybridModel:
     """Cut ``model`` (already built at this rank's tp degree; ``layers`` its
     sequential layers sharing its parameters) into the schedule's chunks and keep
     this pipeline rank's. Parameters of chunks this rank does not run are dropped.
@@ -93,7 +94,9 @@ def build_hybrid(model: nn.Module, layers: list[nn.Module], mesh: DeviceMesh, lo
     engine composes with its own saved-tensor hooks (measured activation memory).
     ``layers_are_chunks``: ``layers`` are already the schedule's chunks, one module
     each, in pipeline order (plait.parallel.pipeline.split's stage modules, which take
-    and return tuples of boundary tensors); they run as they are."""
+    and return tuples of boundary tensors); they run as they are. ``chunk_layers``: the
+    number of ``layers`` in each chunk, in pipeline order (uneven stages; None: balanced
+    by parameters, ``split_layers``)."""
     pp = mesh.size(PP)
     pipeline = build_schedule(schedule, pp, microbatches, virtual if schedule == INTERLEAVED_1F1B else None)
     if layers_are_chunks:
@@ -102,7 +105,8 @@ def build_hybrid(model: nn.Module, layers: list[nn.Module], mesh: DeviceMesh, lo
                              "chunks: split the model into pp * virtual stages")
         chunks = [[index] for index in range(len(layers))]
     else:
-        chunks = split_layers(layers, pp, virtual=virtual if schedule == INTERLEAVED_1F1B else 1)
+        chunks = split_layers(layers, pp, virtual=virtual if schedule == INTERLEAVED_1F1B else 1,
+                              balance="params" if chunk_layers is None else list(chunk_layers))
     pp_rank = mesh.coords[PP]
     held = pipeline.stages_of(pp_rank)
     modules = {stage: layers[stage] if layers_are_chunks else build_stage(layers, chunks[stage]) for _, stage in held}

@@ -95,16 +95,44 @@ def layer_parameters(config: TrainConfig, vocab: int, tp: int = 1) -> list[int]:
     return [embedding] + [block] * config.layers + [head]
 
 
-def chunks_of_ranks(config: TrainConfig, counts: list[int]) -> list[list[int]]:
-    """For each pipeline rank, the layer indices of the chunks it holds (the split
-    plait train makes: balanced by parameters into pp · virtual chunks)."""
+def chunk_layer_counts(config: TrainConfig) -> list[int] | None:
+    """--stage-layers in the model's sequential layers (plait.parallel.pipeline's
+    ``split_layers(balance=...)``): the GPT's layers are [embedding, block 0..l-1, head],
+    so its first chunk takes one more (the embedding) and its last one more (the head);
+    the MLP's are its linears. None: no stage_layers, or one chunk (nothing to choose)."""
+    if len(config.stage_layers) < 2:
+        return None
+    sizes = list(config.stage_layers)
+    if config.model == "gpt":
+        sizes[0], sizes[-1] = sizes[0] + 1, sizes[-1] + 1
+    return sizes
+
+
+def chunk_bounds(config: TrainConfig, counts: list[int]) -> list[int]:
+    """Boundaries [0 = b_0 < ... < b_C = len(counts)] of the C = pp · virtual chunks over
+    the sequential layers whose parameters are ``counts``: --stage-layers' when given,
+    else balanced by parameters (the min-max split, partition.balanced_boundaries)."""
     from plait.parallel.pipeline.partition import balanced_boundaries
 
+    virtual = config.virtual if config.schedule == INTERLEAVED_1F1B else 1
+    sizes = chunk_layer_counts(config)
+    if sizes is None:
+        return balanced_boundaries([float(count) for count in counts], config.pp * virtual)
+    bounds = [0]
+    for size in sizes:
+        bounds.append(bounds[-1] + size)
+    assert bounds[-1] == len(counts), (sizes, len(counts))  # TrainConfig checked the sum
+    return bounds
+
+
+def chunks_of_ranks(config: TrainConfig, counts: list[int]) -> list[list[int]]:
+    """For each pipeline rank, the layer indices of the chunks it holds (the split
+    plait train makes: --stage-layers', or balanced by parameters into pp · virtual chunks)."""
     virtual = config.virtual if config.schedule == INTERLEAVED_1F1B else 1
     # which chunks a rank holds does not depend on the number of micro-batches: build a short schedule
     microbatches = min(config.microbatches, 2 * config.pp)
     schedule = build(config.schedule, config.pp, microbatches, virtual if virtual > 1 else None)
-    bounds = balanced_boundaries([float(count) for count in counts], config.pp * virtual)
+    bounds = chunk_bounds(config, counts)
     return [[index for _, stage in schedule.stages_of(rank) for index in range(bounds[stage], bounds[stage + 1])]
             for rank in range(config.pp)]
 

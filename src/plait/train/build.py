@@ -35,7 +35,7 @@ def load_data(config: TrainConfig, cache_dir=None):
         return load_corpus(config.data, max_bytes=config.data_max_bytes, val_fraction=config.val_fraction,
                            cache_dir=cache_dir)
 
-    return load_digits(seed=config.seed)
+    return load_digits(seed=config.seed, dtype=getattr(torch, config.dtype))  # the model's dtype (float64 too)
 
 
 def _text_files(config: TrainConfig):

@@ -110,6 +110,13 @@ class TrainConfig:
                                                       "a permutation of tp,dp,pp")
     schedule: str = _field(ONE_F_ONE_B, "parallel", "pipeline schedule", SCHEDULES)
     virtual: int = _field(1, "parallel", "model chunks per pipeline rank (interleaved_1f1b only)")
+    stage_layers: tuple[int, ...] = _field((), "parallel", "uneven pipeline stages: the layers of each of the pp * "
+                                                           "virtual chunks in pipeline order, comma list e.g. 3,1 "
+                                                           "(gpt, hf: transformer blocks, the embedding in the first "
+                                                           "chunk and the head in the last, as Megatron-LM's "
+                                                           "--decoder-first/last-pipeline-num-layers; mlp: linear "
+                                                           "layers); empty: balanced (gpt, mlp by parameters, hf by "
+                                                           "FLOPs)")
     sequence_parallel: bool = _field(False, "parallel", "gpt: shard LayerNorm/dropout activations along the "
                                                         "sequence across tp ranks")
     grad_reduce_dtype: str = _field("fp32", "parallel", "dtype of the dp gradient all-reduce: fp32, or the "
@@ -411,7 +418,7 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group(CLI_GROUP_TITLE)
     for spec in FIELDS:
         name, kind, choices = spec.name, FIELD_KINDS[spec.name], FIELD_CHOICES[spec.name]
-        default = ",".join(map(str, spec.default)) if kind == "ints" else spec.default
+        default = (",".join(map(str, spec.default)) or "empty") if kind == "ints" else spec.default
         help_text = f"{FIELD_HELP[name]} (default: {str(default).lower() if kind == 'bool' else default})"
         options = {"dest": name, "default": argparse.SUPPRESS, "help": help_text.replace("%", "%%")}
         if kind == "bool":
@@ -420,7 +427,7 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
         if choices:
             options["metavar"] = "{" + ",".join(choices) + "}"
         elif kind == "ints":
-            options["metavar"] = "W,W,..."
+            options["metavar"] = "N,N,..." if name == "stage_layers" else "W,W,..."
         else:
             options["metavar"] = {"int": "N", "float": "X", "str": "TEXT"}[kind]
         group.add_argument(_flag(name), type={"int": int, "float": float, "str": str, "ints": _int_list}[kind],

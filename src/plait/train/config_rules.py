@@ -235,6 +235,51 @@ def _batch_problems(c: TrainConfig, ok) -> list[str]:
     return problems
 
 
+def example_split(total: int, chunks: int) -> str:
+    """An even split of ``total`` layers into ``chunks`` counts (the earlier ones one larger), as a flag value."""
+    return ",".join(str(total // chunks + (index < total % chunks)) for index in range(chunks))
+
+
+def stage_layer_total(c: TrainConfig, total: int, chunks: int, what: str, source: str) -> list[str]:
+    """stage_layers' count and sum against ``chunks`` = pp · virtual and the model's ``total`` layers."""
+    given = ",".join(map(str, c.stage_layers))
+    fix = f"e.g. stage_layers={example_split(total, chunks)}" if total >= chunks else \
+        f"or fewer chunks ({total} {what} fill at most {total})"
+    problems = []
+    if len(c.stage_layers) != chunks:
+        problems.append(f"stage_layers={given} gives {len(c.stage_layers)} pipeline chunks but pp({c.pp}) * "
+                        f"virtual({c.virtual}) = {chunks}: give one count per chunk, {fix}")
+    elif sum(c.stage_layers) != total:
+        problems.append(f"stage_layers={given} sums to {sum(c.stage_layers)} {what} but {source} has {total}: make "
+                        f"the counts add up to {total}, {fix}")
+    return problems
+
+
+def stage_layers_problems(c: TrainConfig, ok) -> list[str]:
+    """Uneven stages: one count >= 1 per pipeline chunk (pp · virtual), summing to the
+    model's layers (gpt: blocks, mlp: linears; an hf model's blocks are counted when
+    its config is read: plait.train.hf_layout)."""
+    if not ok("stage_layers") or not c.stage_layers:
+        return []
+    given = ",".join(map(str, c.stage_layers))
+    small = [f"stage_layers[{index}]={count}" for index, count in enumerate(c.stage_layers) if count < 1]
+    if small:
+        return [f"stage_layers={given}: {', '.join(small)}; every pipeline chunk needs at least one layer "
+                "(leave stage_layers empty for the balanced split)"]
+    if not ok("pp", "virtual", "model") or min(c.pp, c.virtual) < 1:
+        return []
+    chunks = c.pp * c.virtual
+    if c.model == "gpt" and ok("layers"):
+        return stage_layer_total(c, c.layers, chunks, "transformer blocks", f"layers={c.layers}")
+    if c.model == "mlp" and ok("mlp_hidden"):
+        return stage_layer_total(c, len(c.mlp_hidden) + 1, chunks, "linear layers",
+                                 f"mlp_hidden={','.join(map(str, c.mlp_hidden))}")
+    if len(c.stage_layers) != chunks:  # hf: the sum is checked against its decoder blocks when its config is read
+        return [f"stage_layers={given} gives {len(c.stage_layers)} pipeline chunks but pp({c.pp}) * "
+                f"virtual({c.virtual}) = {chunks}: give one count of decoder blocks per chunk"]
+    return []
+
+
 def _model_problems(c: TrainConfig, ok) -> list[str]:
     """What the chosen model needs of tp, pp and the data."""
     problems = []
@@ -250,6 +295,7 @@ def _model_problems(c: TrainConfig, ok) -> list[str]:
             problems.append(f"mlp_hidden={list(c.mlp_hidden)} gives {linear_layers} linear layers < pp({c.pp}) * "
                             f"virtual({c.virtual}) = {chunks} pipeline chunks: give mlp_hidden >= {chunks - 1} "
                             f"widths or fewer stages")
+    problems += stage_layers_problems(c, ok)
     if ok("precision", "dtype") and c.precision != "fp32" and c.dtype != "float32":
         problems.append(f"precision={c.precision!r} with dtype={c.dtype!r}: mixed precision keeps fp32 master "
                         "weights; set dtype=float32 (the parameters' type) or precision=fp32")

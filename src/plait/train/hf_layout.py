@@ -8,7 +8,8 @@ and recomputation on its decoder blocks.
 - pp > 1: the model (at tp > 1 already sharded by its plan, so the stages hold the
   sharded modules and the model names the same parameters: a tied embedding and
   head stay one parameter) is traced on one micro-batch of token ids
-  (micro_batch, seq_len) and cut into pp · virtual stages balanced by FLOPs; each
+  (micro_batch, seq_len) and cut into pp · virtual stages balanced by FLOPs (or, with
+  --stage-layers, at the decoder blocks that start each chunk: ``split_points``); each
   stage keeps the model's own modules under their original names, takes and returns
   the tuples of tensors crossing its boundaries (hidden states, position ids, masks,
   rotary cos/sin), and the last returns the logits. (Sharding each stage after the
@@ -35,6 +36,7 @@ from plait.parallel.tensor.plans import plan_for
 from plait.train import hf_model
 from plait.train.budget import ELEMENT_BYTES, optimizer_states
 from plait.train.config import TrainConfig
+from plait.train.config_rules import example_split
 
 
 def tensor_plan(model: nn.Module, config: TrainConfig) -> ParallelPlan:
@@ -65,7 +67,10 @@ def layers(model: nn.Module, config: TrainConfig, tp_group=None) -> list[nn.Modu
         return [hf_model.CausalLMLogits(model)]
     # traced once on one micro-batch (at tp > 1 every tp rank traces alike, its collectives paired)
     example = torch.zeros(config.micro_batch, config.seq_len, dtype=torch.int64)
-    pieces = split(model, example, stages=chunks, kwargs={"use_cache": False})
+    if config.stage_layers:  # uneven stages: each chunk after the first starts at its first decoder block
+        pieces = split(model, example, split_points=split_points(model, config), kwargs={"use_cache": False})
+    else:
+        pieces = split(model, example, stages=chunks, kwargs={"use_cache": False})
     if config.schedule == CHIMERA and pieces.shared:
         raise ValueError(f"schedule='chimera' with model={config.model!r}: its weights "
                          f"{', '.join(sorted(pieces.shared))} are shared by stages {sorted(pieces.shared.values())} "
@@ -76,6 +81,27 @@ def layers(model: nn.Module, config: TrainConfig, tp_group=None) -> list[nn.Modu
         held = {id(module) for module in stage.modules()}
         hf_model.set_recompute([block for block in decoder if id(block) in held], config.recompute, recompute_layers)
     return list(stages)
+
+
+def split_points(model: nn.Module, config: TrainConfig) -> list[str]:
+    """--stage-layers as the automatic split's points: the qualified names of the decoder
+    blocks that start chunks 1.. (the embedding and the glue before the first block run
+    in chunk 0, the final norm and head in the last, as Megatron-LM places them)."""
+    decoder = hf_model.blocks(model)
+    check_stage_layers(config, len(decoder))
+    name_of = {id(module): name for name, module in model.named_modules()}
+    starts = [sum(config.stage_layers[:index]) for index in range(1, len(config.stage_layers))]
+    return [name_of[id(decoder[start])] for start in starts]
+
+
+def check_stage_layers(config: TrainConfig, blocks: int) -> None:
+    """--stage-layers counts the model's decoder blocks: its sum must be ``blocks``."""
+    given = ",".join(map(str, config.stage_layers))
+    if config.stage_layers and sum(config.stage_layers) != blocks:
+        fix = f"e.g. stage_layers={example_split(blocks, len(config.stage_layers))}" \
+            if blocks >= len(config.stage_layers) else f"or fewer chunks (pp * virtual <= {blocks})"
+        raise ValueError(f"stage_layers={given} sums to {sum(config.stage_layers)} decoder blocks but {config.model} "
+                         f"has {blocks}: make the counts add up to {blocks}, {fix}")
 
 
 # ----------------------------------------------------------------------------- before any process starts
@@ -99,6 +125,7 @@ def check_model(config: TrainConfig, data) -> None:
         else f"the characters of {data.source}"
     hf_model.check_fits(model.config, config.hf_source, data_vocab=data.vocab_size, seq_len=config.seq_len,
                         what=what)
+    check_stage_layers(config, len(hf_model.blocks(model)))
     if config.tp > 1:
         plan = tensor_plan(model, config)
         matched = match_plan(model, plan.styles)
@@ -128,11 +155,22 @@ def describe(config: TrainConfig, data) -> str:
              f"vocab {model.config.vocab_size}, {len(hf_model.blocks(model))} decoder blocks",
              f"tensor    " + (f"parallelize(model, tp={config.tp}, plan_for(model)): {plan.describe()}"
                               if plan is not None else "none (tp=1)"),
-             f"pipeline  " + (f"split(model, ids ({config.micro_batch}, {config.seq_len}), stages={chunks}) at "
-                              f"launch, balanced by forward FLOPs" if chunks > 1 else "none (one stage)"),
+             f"pipeline  " + _pipeline_line(config, model, chunks),
              f"schedule  {config.schedule}, {config.microbatches} micro-batches of {config.micro_batch} per dp rank",
              f"batch     global {config.global_batch} = dp {config.dp} x per-rank {config.per_rank_batch} sequences "
              f"of {config.seq_len} tokens",
              f"data      {getattr(data, 'source', config.data)}",
              f"output    {config.out}"]
     return "\n".join(lines)
+
+
+def _pipeline_line(config: TrainConfig, model: nn.Module, chunks: int) -> str:
+    """How --dry-run says the hf model is cut into chunks."""
+    if chunks == 1:
+        return "none (one stage)"
+    head = f"split(model, ids ({config.micro_batch}, {config.seq_len}), "
+    if not config.stage_layers:
+        return head + f"stages={chunks}) at launch, balanced by forward FLOPs (--stage-layers chooses)"
+    points = split_points(model, config)
+    return (head + f"split_points={points}): {','.join(map(str, config.stage_layers))} decoder blocks per chunk "
+            "(--stage-layers; the embedding in the first, the final norm and head in the last)")

@@ -22,7 +22,6 @@ from plait.cost.profile import ProfileMismatchWarning, load_profile
 from plait.names.schedules import INTERLEAVED_1F1B
 from plait.parallel.mesh import ParallelDims
 from plait.parallel.pipeline import build
-from plait.parallel.pipeline.partition import balanced_boundaries
 from plait.train import budget, checkpoint as ckpt, checkpoint_load, rundir
 from plait.train.config import TrainConfig
 from plait.train.corpus import CorpusTooSmall, min_characters, windows_per_epoch
@@ -88,7 +87,7 @@ def describe_layout(config: TrainConfig, data) -> str:
         names = ["embedding"] + [f"block {i}" for i in range(config.layers)] + ["head"]
     else:
         names = [f"linear {i}" for i in range(len(counts))]
-    bounds = balanced_boundaries([float(c) for c in counts], config.pp * virtual)
+    bounds = budget.chunk_bounds(config, counts)
     chunk_text = [names[start] if end - start == 1 else f"{names[start]}..{names[end - 1]}"
                   for start, end in zip(bounds, bounds[1:])]
 
@@ -105,6 +104,7 @@ def describe_layout(config: TrainConfig, data) -> str:
              f"vocab={data.vocab_size}: {sum(counts):,} parameters" if config.model == "gpt"
              else f"MLP {[64, *config.mlp_hidden, 10]}: {sum(counts):,} parameters")
     lines += [f"model     {model}",
+              f"pipeline  {config.pp * virtual} chunk(s) of " + _chunk_sizes(config, bounds, names),
               f"schedule  {config.schedule}" + (f" (virtual={virtual})" if virtual > 1 else "")
               + f", {config.microbatches} micro-batches of {config.micro_batch} per dp rank",
               f"batch     global {config.global_batch} = dp {config.dp} x per-rank {config.per_rank_batch}"
@@ -112,6 +112,17 @@ def describe_layout(config: TrainConfig, data) -> str:
               f"data      {getattr(data, 'source', config.data)}",
               f"output    {config.out}"]
     return "\n".join(lines)
+
+
+def _chunk_sizes(config: TrainConfig, bounds: list[int], names: list[str]) -> str:
+    """The layers of each chunk and where the cut came from (--dry-run's pipeline line)."""
+    what = "transformer blocks" if config.model == "gpt" else "linear layers"
+    if config.model == "gpt":  # the embedding and the head are layers of their own: count the blocks
+        sizes = [sum(name.startswith("block") for name in names[start:end]) for start, end in zip(bounds, bounds[1:])]
+    else:
+        sizes = [end - start for start, end in zip(bounds, bounds[1:])]
+    how = "--stage-layers" if config.stage_layers else "balanced by parameters (--stage-layers chooses)"
+    return f"{','.join(map(str, sizes))} {what}, {how}"
 
 
 # ----------------------------------------------------------------------------- output directory

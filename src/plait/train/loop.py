@@ -34,6 +34,7 @@ from plait.memory.precision import check_device
 from plait.parallel.zero.optimizer import ShardedOptimizer
 from plait.train import checkpoint as ckpt, checkpoint_load, hf_layout, hf_model, rundir, runlock
 from plait.train.atomic_files import atomic_write
+from plait.train.budget import chunk_layer_counts
 from plait.train.build import batch, build_model, load_data, make_optimizer, model_description
 from plait.train.checkpoint_write import CheckpointNotWritten, write_manifest, write_shard
 from plait.train.config import TrainConfig
@@ -85,7 +86,8 @@ class Trainer:
             recompute_layers=None if config.recompute_layers < 0 else config.recompute_layers,
             meter=self.memory.meter, precision=config.precision, grad_reduce_dtype=config.grad_reduce_dtype,
             offload_dir=self._offload_dir() if config.offload_activations else None,
-            layers_are_chunks=hf and hf_layout.chunk_count(config) > 1)  # split's stage modules
+            layers_are_chunks=hf and hf_layout.chunk_count(config) > 1,  # split's stage modules
+            chunk_layers=None if hf else chunk_layer_counts(config))  # --stage-layers
         for stage in self.hybrid.engine.stages.values():  # only this rank's chunks reach the device
             stage.to(self.device)
         self.hybrid.engine.parameters_moved()  # its autocast and received activations follow them there
