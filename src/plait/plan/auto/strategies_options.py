@@ -8,7 +8,8 @@ says which replicated inputs/parameters get a *partial* gradient along the axis 
 executor's identity wrap whose backward all-reduces, Megatron's copy_to_region; for a
 parameter under batch sharding it is data parallelism's gradient all-reduce):
 
-    linear     y = x W^T + b, x (..., in), W (out, in)
+    linear     y = x W^T + b, x (..., in), W (out, in) (or (in, out): attrs weight_out_dim 1,
+               HF's Conv1D; "S0"/"S1" below then name W's out/in dim where it lies)
                batch     x S0, W R, y S0              W, b partial
                sequence  x S1, W R, y S1  (3-d x)     W, b partial
                column    x R, W S0, b S0, y S(last)   x partial
@@ -25,11 +26,13 @@ parameter under batch sharding it is data parallelism's gradient all-reduce):
     norm       S<d> of a non-normalised dim d, follows; weight/bias R partial
     softmax    S<d> for d != the softmax dim, follows
     elementwise  S<d> of the output dim d; inputs/params by broadcasting (missing or size
-               1 there: R, partial when it has a gradient)
+               1 there: R, partial when it has a gradient; a parameter read through folded
+               views, attrs param_operands, maps back to its own dim, never through a slice)
     reduce     S<d> of the input: a kept dim follows, a reduced dim gives P
     view       S<d> of the input carried through the reshape when d leads its group of
-               dims and both leading sizes divide by p (same flat ranges)
-    permute    S<d> moves to the output position of d
+               dims (attrs dim_groups) and both leading sizes divide by p (same flat
+               ranges); never through a sliced dim (attrs sliced_dims: split, slice, cat)
+    permute    S<d> moves to the output position of d (attrs perm: out dim j = in dim perm[j])
     loss       batch: the inputs S0, the output P (a scalar) or S0 (reduction "none")
     input      batch S0, sequence S1
     constant, output: replicated only
@@ -106,38 +109,78 @@ def _broadcast(shape, out, out_dim: int) -> str | None:
     return shard(aligned) if shape[aligned] == out[out_dim] else None
 
 
+def _param_operand(node, name: str, shape):
+    """(operand shape, operand_dims, sliced param dims) of parameter ``name`` as the op
+    reads it (A's attrs['param_operands']: folded views of a parameter, e.g.
+    ``position[:s].unsqueeze(1)``); the parameter itself when it is read whole."""
+    for entry in node.attr("param_operands", ()) or ():
+        if entry[0] == name:
+            return tuple(entry[1]), tuple(entry[2]), tuple(entry[3])
+    return tuple(shape), tuple(range(len(shape))), ()
+
+
+def _param_broadcast(node, name: str, shape, out, out_dim: int) -> str | None:
+    """A parameter's placement when the output is sharded on ``out_dim``: its operand's
+    by broadcasting, mapped back to the parameter's own dim (None when that dim is cut
+    by a slice or the shapes do not broadcast)."""
+    operand, dims, sliced = _param_operand(node, name, shape)
+    placement = _broadcast(operand, out, out_dim)
+    if placement is None or placement == REPLICATE:
+        return placement
+    source = dims[int(placement[1:])]
+    return None if source < 0 or source in sliced else shard(source)
+
+
 def _follow(node, shapes: Shapes, p: int, out_dim: int, style: str, output: str | None = None):
     """Shard the output's ``out_dim``; every input and parameter by broadcasting; the
-    replicated ones with a gradient get a partial gradient."""
+    replicated ones with a gradient get a partial gradient. None when an operand cannot
+    follow (shapes that do not broadcast, a shard through a parameter's slice)."""
     inputs = tuple(_broadcast(shape, shapes.out, out_dim) for shape in shapes.inputs)
-    params = tuple(_broadcast(shape, shapes.out, out_dim) for _, shape in shapes.params)
+    params = tuple(_param_broadcast(node, name, shape, shapes.out, out_dim) for name, shape in shapes.params)
     if None in inputs or None in params:
-        raise ValueError(f"node {node.name!r} ({node.kind}): operand shapes {list(shapes.inputs)} / "
-                         f"{[s for _, s in shapes.params]} do not broadcast to its output {shapes.out}")
+        return None
     return AxisOption(style, output or shard(out_dim), inputs, params,
                       partial_inputs=tuple(i for i, placement in enumerate(inputs) if placement == REPLICATE),
                       partial_params=tuple(name for (name, _), placement in zip(shapes.params, params)
                                            if placement == REPLICATE))
 
 
-def _batch_follow(node, shapes: Shapes, p: int, out_dim: int, style: str) -> AxisOption:
+def _batch_follow(node, shapes: Shapes, p: int, out_dim: int, style: str) -> AxisOption | None:
     """Shard batch dim ``out_dim`` of a batched product / attention: the operands' batch
-    dims (all but their last two) broadcast to the output's; parameters (none expected)
-    R with a partial gradient."""
-    batch = _follow(node, Shapes(shapes.out[:-2], tuple(shape[:-2] for shape in shapes.inputs), ()), p, out_dim, style)
-    return AxisOption(style, batch.output, batch.inputs, _param_placements(shapes, {}), batch.partial_inputs,
+    dims (all but their last two) broadcast to the output's (grouped-query attention: a
+    key/value head dim of another size is sharded alike when it divides by ``p``, each
+    rank's query heads reading its own key/value heads); parameters (none expected) R with
+    a partial gradient."""
+    out = shapes.out[:-2]
+    inputs = []
+    for shape in shapes.inputs:
+        placement = _broadcast(shape[:-2], out, out_dim)
+        aligned = out_dim - (len(out) - len(shape[:-2]))
+        if placement is None and node.kind == "attention" and node.attr("enable_gqa", False) \
+                and _divides(shape[aligned], p):
+            placement = shard(aligned)
+        if placement is None:
+            return None
+        inputs.append(placement)
+    return AxisOption(style, shard(out_dim), tuple(inputs), _param_placements(shapes, {}),
+                      tuple(i for i, placement in enumerate(inputs) if placement == REPLICATE),
                       tuple(name for name, _ in shapes.params))
 
 
+def _kept(options) -> list[AxisOption]:
+    return [option for option in options if option is not None]
+
+
 def _elementwise(node, shapes: Shapes, p: int) -> list[AxisOption]:
-    return [_follow(node, shapes, p, d, f"S{d}") for d, size in enumerate(shapes.out) if _divides(size, p)]
+    return _kept(_follow(node, shapes, p, d, f"S{d}") for d, size in enumerate(shapes.out) if _divides(size, p))
 
 
-def _weight_bias(shapes: Shapes):
-    """(weight name, bias name or None) of a linear/conv: the first parameter of >= 2 dims
-    and a 1-d one."""
-    weight = next((name for name, shape in shapes.params if len(shape) >= 2), None)
-    bias = next((name for name, shape in shapes.params if len(shape) == 1), None)
+def _weight_bias(node, shapes: Shapes):
+    """(weight name, bias name or None) of a linear/conv: A's attrs ``weight``/``bias``,
+    else the first parameter of >= 2 dims and a 1-d one."""
+    weight = node.attr("weight") or next((name for name, shape in shapes.params if len(shape) >= 2), None)
+    bias = node.attr("bias") if node.attr("weight") else next(
+        (name for name, shape in shapes.params if len(shape) == 1), None)
     return weight, bias
 
 
@@ -147,11 +190,12 @@ def _param_placements(shapes: Shapes, placed: dict) -> tuple[str, ...]:
 
 def _linear(node, shapes: Shapes, p: int) -> list[AxisOption]:
     x = shapes.inputs[0]
-    weight, bias = _weight_bias(shapes)
+    weight, bias = _weight_bias(node, shapes)
     if weight is None or len(shapes.inputs) != 1 or len(x) < 1:
         raise ValueError(f"node {node.name!r} (linear) needs one input x (..., in) and a 2-d weight parameter; it has "
                          f"inputs {list(shapes.inputs)} and params {list(shapes.params)}")
-    out_features, in_features = dict(shapes.params)[weight]
+    out_dim = int(node.attr("weight_out_dim", 0))  # 1: W stored (in, out), HF's Conv1D
+    out_features, in_features = dict(shapes.params)[weight][out_dim], dict(shapes.params)[weight][1 - out_dim]
     every = tuple(name for name, _ in shapes.params)
     found = []
     if len(x) >= 2 and _divides(x[0], p):
@@ -159,11 +203,11 @@ def _linear(node, shapes: Shapes, p: int) -> list[AxisOption]:
     if len(x) >= 3 and _divides(x[1], p):
         found.append(AxisOption("sequence", shard(1), (shard(1),), _param_placements(shapes, {}), (), every))
     if _divides(out_features, p):
-        placed = {weight: shard(0), **({bias: shard(0)} if bias else {})}
+        placed = {weight: shard(out_dim), **({bias: shard(0)} if bias else {})}
         found.append(AxisOption("column", shard(len(shapes.out) - 1), (REPLICATE,), _param_placements(shapes, placed),
                                 (0,), ()))
     if _divides(in_features, p):
-        found.append(AxisOption("row", PARTIAL, (shard(len(x) - 1),), _param_placements(shapes, {weight: shard(1)})))
+        found.append(AxisOption("row", PARTIAL, (shard(len(x) - 1),), _param_placements(shapes, {weight: shard(1 - out_dim)})))
     return found
 
 
@@ -172,10 +216,13 @@ def _matmul(node, shapes: Shapes, p: int) -> list[AxisOption]:
         return []  # a vector operand (matrix-vector products): replicated only
     a, b = shapes.inputs
     out = shapes.out
+    if a[-1] != b[-2]:
+        raise ValueError(f"node {node.name!r} (matmul): a {a} @ b {b} do not contract (a's last dim must be b's "
+                         "second last)")
     found = []
     for j in range(len(out) - 2):
         if _divides(out[j], p):
-            found.append(_batch_follow(node, shapes, p, j, f"batch{j}"))
+            found += _kept([_batch_follow(node, shapes, p, j, f"batch{j}")])
     if _divides(a[-2], p):
         found.append(AxisOption("m", shard(len(out) - 2), (shard(len(a) - 2), REPLICATE),
                                 _param_placements(shapes, {}), (1,)))
@@ -190,28 +237,31 @@ def _matmul(node, shapes: Shapes, p: int) -> list[AxisOption]:
 def _attention(node, shapes: Shapes, p: int) -> list[AxisOption]:
     out = shapes.out
     names = {0: "batch", 1: "heads"} if len(out) == 4 else {0: "batch"}
-    return [_batch_follow(node, shapes, p, d, style) for d, style in names.items()
-            if d < len(out) - 2 and _divides(out[d], p)]
+    return _kept(_batch_follow(node, shapes, p, d, style) for d, style in names.items()
+                 if d < len(out) - 2 and _divides(out[d], p))
 
 
 def _conv(node, shapes: Shapes, p: int) -> list[AxisOption]:
     x = shapes.inputs[0]
-    weight, bias = _weight_bias(shapes)
+    weight, bias = _weight_bias(node, shapes)
     if weight is None or len(x) < 3:
         raise ValueError(f"node {node.name!r} (conv) needs an input (N, C, ...) and a weight parameter (Cout, Cin/g, "
                          f"...); it has inputs {list(shapes.inputs)} and params {list(shapes.params)}")
     w_shape = dict(shapes.params)[weight]
+    # W is (Cout, Cin/g, ...), or (Cin, Cout/g, ...) for a transposed convolution
+    w_out, w_in = (1, 0) if node.attr("transposed", False) else (0, 1)
     every = tuple(name for name, _ in shapes.params)
     rest = tuple(REPLICATE for _ in shapes.inputs[1:])
     found = []
     if _divides(x[0], p):
         found.append(AxisOption("batch", shard(0), (shard(0),) + rest, _param_placements(shapes, {}), (), every))
     if node.attr("groups", 1) == 1:
-        if _divides(w_shape[0], p):
-            placed = {weight: shard(0), **({bias: shard(0)} if bias else {})}
+        if _divides(w_shape[w_out], p):
+            placed = {weight: shard(w_out), **({bias: shard(0)} if bias else {})}
             found.append(AxisOption("out", shard(1), (REPLICATE,) + rest, _param_placements(shapes, placed), (0,)))
-        if _divides(w_shape[1], p):
-            found.append(AxisOption("in", PARTIAL, (shard(1),) + rest, _param_placements(shapes, {weight: shard(1)})))
+        if _divides(w_shape[w_in], p):
+            found.append(AxisOption("in", PARTIAL, (shard(1),) + rest,
+                                    _param_placements(shapes, {weight: shard(w_in)})))
     return found
 
 
@@ -233,13 +283,13 @@ def _embedding(node, shapes: Shapes, p: int) -> list[AxisOption]:
 
 def _norm(node, shapes: Shapes, p: int) -> list[AxisOption]:
     kept = len(shapes.out) - int(node.attr("normalized_ndim", 1))
-    return [_follow(node, shapes, p, d, f"S{d}") for d in range(kept) if _divides(shapes.out[d], p)]
+    return _kept(_follow(node, shapes, p, d, f"S{d}") for d in range(kept) if _divides(shapes.out[d], p))
 
 
 def _softmax(node, shapes: Shapes, p: int) -> list[AxisOption]:
     dim = _norm_dim(int(node.attr("dim", -1)), len(shapes.out), node, "dim")
-    return [_follow(node, shapes, p, d, f"S{d}") for d, size in enumerate(shapes.out)
-            if d != dim and _divides(size, p)]
+    return _kept(_follow(node, shapes, p, d, f"S{d}") for d, size in enumerate(shapes.out)
+                 if d != dim and _divides(size, p))
 
 
 def _reduce(node, shapes: Shapes, p: int) -> list[AxisOption]:
@@ -285,35 +335,53 @@ def _view_groups(src, dst):
 
 
 def _view(node, shapes: Shapes, p: int) -> list[AxisOption]:
+    """A's attrs ``dim_groups`` ((in dims), (out dims)) and ``sliced_dims`` when traced;
+    hand-built nodes: the groups of equal products (same element count) or, for a piece
+    of a split / slice (same ndim), the dims of unchanged size. Several inputs (cat,
+    stack) are sharded alike on the dim when each has it at the first's size."""
     src, dst = shapes.inputs[0], shapes.out
-    rest = tuple(REPLICATE for _ in shapes.inputs[1:])
+    groups = node.attr("dim_groups")
+    sliced = set(node.attr("sliced_dims", ()) or ())
+    if groups is None:
+        if math.prod(src) == math.prod(dst):
+            groups = _view_groups(src, dst) or ()
+        elif len(src) == len(dst):
+            groups = tuple(((d,), (d,)) for d in range(len(src)))
+            sliced |= {d for d, (a, b) in enumerate(zip(src, dst)) if a != b}
+        else:
+            groups = ()
     found = []
-    if math.prod(src) == math.prod(dst):
-        for gi, gj in _view_groups(src, dst) or ():
-            if gi and gj and _divides(src[gi[0]], p) and _divides(dst[gj[0]], p):
-                found.append(AxisOption(f"S{gi[0]}", shard(gj[0]), (shard(gi[0]),) + rest,
-                                        _param_placements(shapes, {})))
-    elif len(src) == len(dst):  # a piece of a split / a slice: dims of unchanged size carry their shard
-        for d, (a, b) in enumerate(zip(src, dst)):
-            if a == b and _divides(a, p):
-                found.append(AxisOption(f"S{d}", shard(d), (shard(d),) + rest, _param_placements(shapes, {})))
+    for gi, gj in groups:
+        if not gi or not gj:
+            continue
+        i, j = gi[0], gj[0]
+        if i in sliced or not _divides(src[i], p) or not _divides(dst[j], p):
+            continue
+        if any(len(shape) <= i or shape[i] != src[i] for shape in shapes.inputs[1:]):
+            continue
+        found.append(AxisOption(f"S{i}", shard(j), (shard(i),) * len(shapes.inputs), _param_placements(shapes, {})))
     return sorted(found, key=lambda option: int(option.style[1:]))
 
 
 def _permute(node, shapes: Shapes, p: int) -> list[AxisOption]:
+    """attrs ``perm``: output dim j is input dim perm[j] (``dims`` accepted too)."""
     src = shapes.inputs[0]
-    dims = node.attr("dims")
-    if dims is None or sorted(_norm_dim(int(d), len(src), node, "dims") for d in dims) != list(range(len(src))):
-        raise ValueError(f"node {node.name!r} (permute) needs attrs['dims'], a permutation of its input's "
-                         f"{len(src)} dims; it has {dims!r}")
-    order = [_norm_dim(int(d), len(src), node, "dims") for d in dims]
+    perm = node.attr("perm", node.attr("dims"))
+    if perm is None or sorted(_norm_dim(int(d), len(src), node, "perm") for d in perm) != list(range(len(src))):
+        raise ValueError(f"node {node.name!r} (permute) needs attrs['perm'], a permutation of its input's "
+                         f"{len(src)} dims; it has {perm!r}")
+    order = [_norm_dim(int(d), len(src), node, "perm") for d in perm]
     return [AxisOption(f"S{d}", shard(order.index(d)), (shard(d),), _param_placements(shapes, {}))
             for d, size in enumerate(src) if _divides(size, p)]
 
 
 def _loss(node, shapes: Shapes, p: int) -> list[AxisOption]:
+    """Batch: every input with the first's dim 0 is S0 (the rest R); the output P (a
+    reduced loss: the ranks' summands) or S0 (reduction "none"). Not for a classification
+    loss over one unbatched sample (attrs class_dim 0: dim 0 is the classes)."""
     first = shapes.inputs[0]
-    if not first or not _divides(first[0], p):
+    if not first or not _divides(first[0], p) or (node.attr("op") in ("cross_entropy", "nll")
+                                                    and int(node.attr("class_dim", 1)) == 0):
         return []
     inputs = tuple(shard(0) if shape and shape[0] == first[0] else REPLICATE for shape in shapes.inputs)
     output = shard(0) if shapes.out and shapes.out[0] == first[0] else PARTIAL

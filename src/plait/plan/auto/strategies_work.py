@@ -72,7 +72,8 @@ def _products(node, inputs, params, out) -> tuple:
     if node.kind == "linear":
         x = inputs[0]
         weight = next(shape for shape in params if len(shape) >= 2)
-        return (("gemm", 1, math.prod(x[:-1]), weight[0], weight[1]),)
+        out_dim = int(node.attr("weight_out_dim", 0))
+        return (("gemm", 1, math.prod(x[:-1]), weight[out_dim], weight[1 - out_dim]),)
     if node.kind == "matmul":
         a, b = inputs[0], inputs[1]
         if len(a) < 2 or len(b) < 2:  # a vector operand: one product with a unit side
@@ -85,11 +86,14 @@ def _products(node, inputs, params, out) -> tuple:
         q, k, v = inputs[0], inputs[1], inputs[2]
         count = math.prod(out[:-2])
         return (("bmm", count, q[-2], k[-2], q[-1]), ("bmm", count, q[-2], v[-1], k[-2]))
-    # conv
+    # conv: the implicit gemm; W (Cout, Cin/g, *kernel), or (Cin, Cout/g, *kernel) transposed
     x = inputs[0]
     weight = next(shape for shape in params if len(shape) >= 2)
     groups = int(node.attr("groups", 1))
-    return (("gemm", groups, x[0] * math.prod(out[2:]), weight[0] // groups, weight[1] * math.prod(weight[2:])),)
+    kernel = math.prod(weight[2:])
+    if node.attr("transposed", False):
+        return (("gemm", groups, x[0] * math.prod(x[2:]), weight[1] * kernel, weight[0] // groups),)
+    return (("gemm", groups, x[0] * math.prod(out[2:]), weight[0] // groups, weight[1] * kernel),)
 
 
 def local_work(node, inputs, in_itemsizes, params, param_itemsizes, out) -> tuple[Work, Work]:
@@ -128,7 +132,7 @@ def saved_bytes(node, inputs, in_itemsizes, in_dtypes, out) -> float:
     if kind == "softmax":
         return float(out_bytes)
     if kind == "elementwise":
-        target = node.target.split(".")[-2] if node.target.count(".") >= 2 else node.target
+        target = node.attr("op") or (node.target.split(".")[-2] if node.target.count(".") >= 2 else node.target)
         own = 0 if target in _ADDITIVE else sum(
             size for size, dtype in zip(sizes, in_dtypes) if is_floating(dtype))
         return float(own + (max(1, len(node.members)) - 1) * out_bytes)
