@@ -44,6 +44,8 @@ from plait.parallel.auto.execute_views import check_view, shard_for
 from plait.parallel.auto.node_layout import NodeLayout
 from plait.parallel.auto.reshard import AxisComm, partial_from_replicated, reshard_step, wrap_replicated
 from plait.parallel.auto.reshard_steps import reshard_steps
+from plait.parallel.auto.trace import simplify as simplify_graph
+from plait.parallel.auto.trace import trace_graph
 
 __all__ = ["NodeLayout", "AutoParallelModule", "auto_parallelize", "mesh_axis_groups"]
 
@@ -344,10 +346,6 @@ def auto_parallelize(model: nn.Module, example_inputs, layouts: dict, mesh: Auto
     """Trace ``model`` (whose forward returns the loss) on ``example_inputs`` with
     plait.parallel.auto.trace, simplify the graph as the planner does, and run it under
     ``layouts`` on ``mesh`` (see AutoParallelModule)."""
-    # imported here: the tracer imports torch.export, which only this entry point needs
-    from plait.parallel.auto.trace import simplify as simplify_graph
-    from plait.parallel.auto.trace import trace_graph
-
     traced = trace_graph(model, tuple(example_inputs))
     graph = simplify_graph(traced.graph) if simplify else traced.graph
     return AutoParallelModule(traced, layouts, mesh, group=group, graph=graph, **options)

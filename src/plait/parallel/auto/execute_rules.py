@@ -66,7 +66,8 @@ def _linear(node, axis, inputs, shapes, params, param_shapes):
     out_dim = node.attr("weight_out_dim", 0)
     last = len(shapes[0]) - 1
     w_out, w_in = shard(out_dim), shard(1 - out_dim)
-    if x == REPLICATE and weight == w_out and bias in (shard(0), REPLICATE) and (bias != REPLICATE or not node.attr("bias")):
+    column_bias = bias == shard(0) or not node.attr("bias")
+    if x == REPLICATE and weight == w_out and column_bias:
         return shard(last)
     if is_shard(x) and shard_dim(x) < last and weight == REPLICATE and bias == REPLICATE:
         return x

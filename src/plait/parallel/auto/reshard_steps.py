@@ -66,8 +66,9 @@ def reshard_steps(src, dst) -> tuple[tuple[int, str, str], ...]:
     for _ in range(4):  # each pass settles at least one axis; two axes need at most a few passes
         if current == list(dst):
             return tuple(steps)
-        axes_down = [a for a in reversed(range(len(current))) if current[a] != dst[a] and dst[a] in (REPLICATE, PARTIAL)]
-        axes_up = [a for a in range(len(current)) if current[a] != dst[a] and dst[a] not in (REPLICATE, PARTIAL)]
+        changing = [a for a in range(len(current)) if current[a] != dst[a]]
+        axes_down = [a for a in reversed(changing) if dst[a] in (REPLICATE, PARTIAL)]
+        axes_up = [a for a in changing if dst[a] not in (REPLICATE, PARTIAL)]
         progressed = False
         for axis in axes_down + axes_up:
             if current[axis] == dst[axis]:

@@ -1,0 +1,180 @@
+"""Auto-parallel plans executed on real gloo ranks against one process (float64).
+
+A 2-layer MLP on (batch 6, sequence 6, features 6) -> hidden 12 -> 6 classes with a
+cross-entropy over every position, under hand-written plans: pure batch (= data
+parallelism), Megatron column -> row, row-first (a P output reduce-scattered into a
+batch shard), column then gathered (all-gather, then a slice of a tensor with a gradient),
+sequence then batch (an all-to-all), on 1-D meshes of 2 and 3 ranks, and
+on a 2x2 mesh (batch on axis 0, column/row on axis 1). Every rank builds the
+one-process model from the same seed as its oracle and compares the loss, this rank's
+shard of every parameter's gradient (its own local gradient, no gather), and after two
+optimizer steps (SGD, then Adam) the gathered parameters (full_state_dict).
+
+Tolerances: a sharded matmul sums the same products in another association (p partial
+sums added by the all-reduce; a mean split into local sums over a global count), so
+values of order 1 built from ~100 products differ by a few ulps: LOSS_GRAD_ATOL = 1e-12
+(float64's ulp at 1 is 2.2e-16). After two SGD steps the parameters differ by lr times
+that: PARAMS_SGD_ATOL = 1e-12. Adam's step m/(sqrt(v)+eps) divides by sqrt(v) ~ |g|, so
+a gradient of size ~1e-4 with a 1e-16 error moves the step by ~1e-12 relative; lr 1e-2:
+PARAMS_ADAM_ATOL = 1e-10.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from plait.testing import run_distributed
+
+LOSS_GRAD_ATOL, PARAMS_SGD_ATOL, PARAMS_ADAM_ATOL = 1e-12, 1e-12, 1e-10
+BATCH, SEQ, FEATURES, HIDDEN, CLASSES = 6, 6, 6, 12, 6
+ONE_D_PLANS = ("batch", "megatron", "row_first", "column_gather", "sequence_then_batch")
+
+
+class MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(FEATURES, HIDDEN)
+        self.fc2 = nn.Linear(HIDDEN, CLASSES)
+
+    def forward(self, x, y):
+        out = self.fc2(F.gelu(self.fc1(x)))
+        return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+
+
+def _mlp(seed: int = 0) -> MLP:
+    torch.manual_seed(seed)
+    return MLP().double()
+
+
+def _batch(step: int):
+    generator = torch.Generator().manual_seed(50 + step)
+    x = torch.randn(BATCH, SEQ, FEATURES, dtype=torch.float64, generator=generator)
+    y = torch.randint(0, CLASSES, (BATCH, SEQ), generator=generator)
+    return x, y
+
+
+def _layouts(plan: dict, ndim: int):
+    """{node: (inputs, output, params)} in text ("S0", "R,S1") -> NodeLayouts."""
+    from plait.names.placements import parse_layout
+    from plait.parallel.auto.execute import NodeLayout
+
+    def lay(text):
+        return parse_layout(text) if ndim > 1 else (text,)
+
+    return {name: NodeLayout(tuple(lay(t) for t in inputs), lay(output), tuple((n, lay(t)) for n, t in params))
+            for name, (inputs, output, params) in plan.items()}
+
+
+def mlp_plans(ndim: int) -> dict[str, dict]:
+    """Hand-written plans for the MLP graph (node names from the tracer)."""
+    w1, b1, w2, b2 = "fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"
+    if ndim == 2:  # batch on axis 0, Megatron column -> row on axis 1
+        return {"batch_x_megatron": {
+            "x": ((), "S0,R", ()), "y": ((), "S0,R", ()),
+            "linear": (("S0,R",), "S0,S2", ((w1, "R,S0"), (b1, "R,S0"))),
+            "gelu": (("S0,S2",), "S0,S2", ()),
+            "linear_1": (("S0,S2",), "S0,P", ((w2, "R,S1"), (b2, "R,R"))),
+            "reshape": (("S0,R",), "S0,R", ()), "reshape_1": (("S0,R",), "S0,R", ()),
+            "cross_entropy_loss": (("S0,R", "S0,R"), "P,R", ())}}
+    return {
+        "batch": {"x": ((), "S0", ()), "y": ((), "S0", ()),
+                  "linear": (("S0",), "S0", ((w1, "R"), (b1, "R"))), "gelu": (("S0",), "S0", ()),
+                  "linear_1": (("S0",), "S0", ((w2, "R"), (b2, "R"))),
+                  "reshape": (("S0",), "S0", ()), "reshape_1": (("S0",), "S0", ()),
+                  "cross_entropy_loss": (("S0", "S0"), "P", ())},
+        "megatron": {"x": ((), "R", ()), "y": ((), "R", ()),
+                     "linear": (("R",), "S2", ((w1, "S0"), (b1, "S0"))), "gelu": (("S2",), "S2", ()),
+                     "linear_1": (("S2",), "P", ((w2, "S1"), (b2, "R"))),
+                     "reshape": (("R",), "R", ()), "reshape_1": (("R",), "R", ()),
+                     "cross_entropy_loss": (("R", "R"), "R", ())},
+        "row_first": {"x": ((), "R", ()), "y": ((), "S0", ()),
+                      "linear": (("S2",), "P", ((w1, "S1"), (b1, "R"))), "gelu": (("S0",), "S0", ()),
+                      "linear_1": (("S0",), "S0", ((w2, "R"), (b2, "R"))),
+                      "reshape": (("S0",), "S0", ()), "reshape_1": (("S0",), "S0", ()),
+                      "cross_entropy_loss": (("S0", "S0"), "P", ())},
+        "column_gather": {"x": ((), "R", ()), "y": ((), "S0", ()),
+                          "linear": (("R",), "S2", ((w1, "S0"), (b1, "S0"))), "gelu": (("S2",), "S2", ()),
+                          "linear_1": (("R",), "R", ((w2, "R"), (b2, "R"))),
+                          "reshape": (("S0",), "S0", ()), "reshape_1": (("S0",), "S0", ()),
+                          "cross_entropy_loss": (("S0", "S0"), "P", ())},
+        "sequence_then_batch": {"x": ((), "S1", ()), "y": ((), "S0", ()),
+                                "linear": (("S1",), "S1", ((w1, "R"), (b1, "R"))), "gelu": (("S1",), "S1", ()),
+                                "linear_1": (("S1",), "S1", ((w2, "R"), (b2, "R"))),
+                                "reshape": (("S0",), "S0", ()), "reshape_1": (("S0",), "S0", ()),
+                                "cross_entropy_loss": (("S0", "S0"), "P", ())},
+    }
+
+
+def parity(model_fn, batch_fn, plans: dict, mesh_shape, adam: tuple = ()) -> dict:
+    """Each plan ({name: layouts}) on this rank, traced once: the errors against the
+    one-process model after steps of SGD (and of Adam for the plans in ``adam``), and
+    the bytes its axis communicators sent in the first step."""
+    from plait.parallel.auto.device_mesh import AutoMesh
+    from plait.parallel.auto.execute import AutoParallelModule
+    from plait.parallel.auto.trace import trace_graph
+
+    traced = trace_graph(model_fn(), batch_fn(0))
+    results = {}
+    for plan_name, layouts in plans.items():
+        errors = results[plan_name] = {}
+        for optimizer_name in ("sgd", "adam") if plan_name in adam else ("sgd",):
+            reference = model_fn()
+            auto = AutoParallelModule(traced, layouts, AutoMesh(tuple(mesh_shape)))
+            make = (lambda params: torch.optim.SGD(params, lr=0.1)) if optimizer_name == "sgd" else \
+                (lambda params: torch.optim.Adam(params, lr=1e-2))
+            optimizers = [make(auto.parameters()), make(reference.parameters())]
+            ref_params = dict(reference.named_parameters())
+            for step in range(2):
+                inputs = batch_fn(step)
+                auto.reset_comm_stats()
+                loss, ref_loss = auto(*inputs), reference(*inputs)
+                for optimizer in optimizers:
+                    optimizer.zero_grad()
+                loss.backward()
+                ref_loss.backward()
+                if step == 0 and optimizer_name == "sgd":
+                    errors["bytes_sent"] = sum(entry["bytes_sent"] for entry in auto.comm_stats().values())
+                errors[f"{optimizer_name}_loss_{step}"] = abs(float(loss.detach() - ref_loss.detach()))
+                errors[f"{optimizer_name}_grads_{step}"] = max(
+                    float((param.grad - auto.reference_shard(ref_params[name].grad, name)).abs().max())
+                    for name, param in auto.named_parameters())
+                for optimizer in optimizers:
+                    optimizer.step()
+            full = auto.full_state_dict()
+            errors[f"{optimizer_name}_params"] = max(float((full[name] - value).abs().max())
+                                                     for name, value in reference.state_dict().items())
+    return results
+
+
+def _mlp_worker(rank: int, world_size: int, mesh_shape, plan_names, adam=()) -> dict:
+    plans = mlp_plans(len(mesh_shape))
+    return parity(_mlp, _batch, {name: _layouts(plans[name], len(mesh_shape)) for name in plan_names}, mesh_shape,
+                  adam)
+
+
+def _check(results: list[dict]) -> None:
+    for rank, plans in enumerate(results):
+        for plan, errors in plans.items():
+            for key, value in errors.items():
+                if key == "bytes_sent":
+                    continue
+                limit = PARAMS_ADAM_ATOL if key == "adam_params" else (
+                    PARAMS_SGD_ATOL if key.endswith("params") else LOSS_GRAD_ATOL)
+                assert value <= limit, f"rank {rank} plan {plan}: {key} = {value:.3e} > {limit:.0e}"
+
+
+@pytest.mark.slow
+def test_mlp_plans_two_ranks():
+    """Batch, Megatron, row-first and sequence->batch on 2 ranks equal one process."""
+    results = run_distributed(_mlp_worker, 2, (2,), ONE_D_PLANS,
+                              adam=("megatron",))
+    _check(results)
+    assert all(plans["batch"]["bytes_sent"] > 0 for plans in results)
+
+
+@pytest.mark.slow
+def test_mlp_plans_three_ranks_and_2x2():
+    """The same plans on 3 ranks, and batch x Megatron on a 2x2 mesh, equal one process."""
+    _check(run_distributed(_mlp_worker, 3, (3,), ONE_D_PLANS))
+    _check(run_distributed(_mlp_worker, 4, (2, 2), ("batch_x_megatron",), adam=("batch_x_megatron",)))
