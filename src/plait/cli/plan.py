@@ -292,7 +292,7 @@ def run(args) -> int:
         return run_auto(args, _local_cluster, _check_flag_combinations)
     without = auto_flags_without_auto(args)
     if without:
-        raise ValueError(f"{', '.join(without)} are for --auto (automatic sharding): add --auto or drop them")
+        raise ValueError(f"{', '.join(without)}: only with --auto (automatic sharding): add --auto or drop them")
     if args.global_batch is None:
         raise ValueError("--global-batch N is required (sequences per optimizer step)")
     emit = (lambda text: print(text, file=sys.stderr)) if args.json else print

@@ -27,6 +27,10 @@ import sys
 from pathlib import Path
 
 from plait.cli.plan_model import HF_PREFIX
+from plait.plan import cluster_preset
+from plait.plan.auto.plan_file import plan_json, save_plan
+from plait.plan.auto.report import plan_dot, plan_svg, report_lines
+from plait.plan.device import load_device_profile
 
 __all__ = ["add_auto_arguments", "run_auto", "parse_mesh", "auto_flags_without_auto"]
 
@@ -91,7 +95,7 @@ def _refused(args) -> list[str]:
 
 def _resize_batch(inputs, batch: int):
     """The inputs with dim 0 (the batch) repeated or cut to ``batch`` rows (row i = row i mod B)."""
-    import torch  # only when a plan runs: plait --help stays torch-free
+    import torch  # only when a plan runs
 
     first = inputs[0].shape[0]
     rows = torch.arange(batch) % first
@@ -126,7 +130,6 @@ def hf_train_step(source: str, seq_len: int | None, global_batch: int):
     float32, training mode) returning its mean next-token cross-entropy
     (``plait.train.hf_model.loss_fn``); its parameters are ``lm.<the HF name>``."""
     import torch  # only for --model hf:
-    from torch import nn
 
     from plait.train.hf_model import CausalLMLogits, build, load_config, loss_fn, positions
 
@@ -142,7 +145,6 @@ def hf_train_step(source: str, seq_len: int | None, global_batch: int):
     model = CausalLMStep(build(source, dtype="float32", seed=0))
     generator = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, int(config.vocab_size), (global_batch, seq_len + 1), generator=generator)
-    assert isinstance(model, nn.Module)
     return model, (tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
 
 
@@ -161,12 +163,8 @@ def run_auto(args, local_cluster, check_flags) -> int:
         raise ValueError("--auto --model hf: needs --global-batch N (sequences per step)")
     if args.time_limit_s <= 0:
         raise ValueError(f"--time-limit-s {args.time_limit_s} must be > 0 (seconds per mesh)")
-    # imported here: the planner traces with torch, which plait plan without --auto never loads
-    from plait.plan import cluster_preset
-    from plait.plan.auto.plan_file import save_plan, plan_json
+    # imported here: the planner traces with torch.export, which plait plan without --auto never loads
     from plait.plan.auto.planner import auto_plan
-    from plait.plan.auto.report import plan_dot, plan_svg, report_lines
-    from plait.plan.device import load_device_profile
 
     if hf:
         model, inputs = hf_train_step(args.model[len(HF_PREFIX):], args.seq, args.global_batch)

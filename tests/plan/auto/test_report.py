@@ -66,7 +66,7 @@ def test_the_table_names_each_groups_choice_and_sums_its_costs():
     text = "\n".join(lines)
     assert "predicted step 14 us per device: compute 8 us, collectives 1 us, reshards 5 us" in text
     assert "all replicated" in text and "(1.14x)" in text  # 16 us / 14 us
-    assert "h.0.mlp: fc column@0; next batch@0 +2 us (re-solved)" in text
+    assert "h.0.mlp: c_fc column@0; next batch@0 +2 us (re-solved)" in text
 
 
 def test_svg_colours_nodes_by_output_layout_and_labels_the_reshard():

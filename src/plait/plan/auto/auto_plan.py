@@ -115,7 +115,7 @@ class RunnerUp:
 class AutoPlan:
     """The planner's answer: ``mesh`` and per node of ``graph`` the chosen ``Strategy``
     (``choice``) and the layouts the executor takes (``layouts``: node name ->
-    ``plait.parallel.auto.execute.NodeLayout``), the predicted ``cost``, the solver's
+    ``plait.parallel.auto.node_layout.NodeLayout``), the predicted ``cost``, the solver's
     ``solve_s``, ``gap`` and ``status`` on the chosen mesh, and the alternatives:
     ``meshes`` (the best plan on every mesh shape tried), ``baselines`` and
     ``runner_ups``; ``edges``: every edge's reshard. ``simplified``: whether ``graph`` is

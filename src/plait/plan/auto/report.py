@@ -134,11 +134,11 @@ def why_lines(plan: AutoPlan) -> list[str]:
     if plan.runner_ups:
         lines.append("runner-up per group (the best plan without the group's choice)")
         for runner in plan.runner_ups:
+            name = _short_name(plan.graph.node(runner.node), runner.group)
             if runner.runner_up is None:
-                lines.append(f"  {runner.group}: {runner.node} {runner.chosen}; no other strategy fits "
-                             f"({runner.method})")
+                lines.append(f"  {runner.group}: {name} {runner.chosen}; no other strategy fits ({runner.method})")
                 continue
-            lines.append(f"  {runner.group}: {runner.node} {runner.chosen}; next {runner.runner_up} "
+            lines.append(f"  {runner.group}: {name} {runner.chosen}; next {runner.runner_up} "
                          f"+{_seconds(runner.delta_s)} ({runner.method})")
     return lines
 
@@ -219,7 +219,7 @@ def plan_svg(plan: AutoPlan) -> str:
     widest = max(widths.values(), default=1)
     row_count = 1 + max((row for row, _ in positions.values()), default=0)
     colours = layout_colours(plan)
-    width_px = max(2 * MARGIN + widest * COL_W, 2 * MARGIN + 150 * (len(colours) + 1))
+    width_px = max(2 * MARGIN + widest * COL_W + COL_W / 2, 2 * MARGIN + 150 * (len(colours) + 1))  # + the arcs
     height_px = 2 * MARGIN + LEGEND_H + row_count * ROW_H
 
     def centre(name: str) -> tuple[float, float]:
@@ -245,7 +245,9 @@ def plan_svg(plan: AutoPlan) -> str:
         y0, y1 = y0 + BOX_H / 2, y1 - BOX_H / 2
         colour = RESHARD_COLOUR if edge.collectives else PLAIN_EDGE_COLOUR
         skip = positions[edge.target][0] - positions[edge.source][0] > 1
-        bend = ROW_H * 0.6 if skip else 0.0  # an arc around the boxes of the rows it skips
+        # an arc around the boxes of the rows it skips: a quadratic curve bulges half its control
+        # point's offset, so 1.2 box widths clear the half box (0.5) with room to spare
+        bend = 1.2 * BOX_W if skip else 0.0
         cx, cy = (x0 + x1) / 2 + bend, (y0 + y1) / 2
         out.append(f'<path d="M {x0:.1f} {y0:.1f} Q {cx:.1f} {cy:.1f} {x1:.1f} {y1:.1f}" fill="none" '
                    f'stroke="{colour}" stroke-width="{1.5 if edge.collectives else 0.8}" marker-end="url(#arrow)"/>')
