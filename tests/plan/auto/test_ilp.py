@@ -56,6 +56,8 @@ def _random_case(seed: int, shape: str, mesh: AutoMesh):
         inputs = [(), ("n0",), ("n0",), ("n1", "n2"), ("n3",), ("n3",), ("n4", "n5")]
     tied = rng.sample(range(1, len(names)), 2)
     params = [("w",) if i in tied else (f"p{i}",) if rng.random() < 0.4 else () for i in range(len(names))]
+    # views and permutes hold no memory: the solver eliminates those with one input and one consumer
+    weightless = [not params[i] and rng.random() < 0.5 for i in range(len(names))]
     nodes = [_node(name, ins, ps) for name, ins, ps in zip(names, inputs, params)]
     placements = ["R", "S0", "S1", "P"]
     replicated = ("R",) * mesh.ndim
@@ -64,14 +66,14 @@ def _random_case(seed: int, shape: str, mesh: AutoMesh):
         return tuple(rng.choice(placements if allow_partial else placements[:3]) for _ in range(mesh.ndim))
 
     strategies = {}
-    for node in nodes:
+    for node, light in zip(nodes, weightless):
         options = [Strategy("replicated", replicated, (replicated,) * len(node.inputs),
                             tuple((p, replicated) for p in node.params), rng.uniform(4e-5, 1.5e-4), 0.0,
-                            rng.uniform(1, 4) * 1e6)]
+                            0 if light else rng.randint(1_000_000, 4_000_000))]
         for k in range(rng.randint(0, 3)):
             options.append(Strategy(f"s{k}", layout(), tuple(layout(False) for _ in node.inputs),
                                     tuple((p, layout(False)) for p in node.params), rng.uniform(0, 6e-5),
-                                    rng.uniform(0, 3e-5), rng.uniform(0.2, 2) * 1e6))
+                                    rng.uniform(0, 3e-5), 0 if light else rng.randint(200_000, 2_000_000)))
         strategies[node.name] = options
     return _graph(nodes, sorted({p for ps in params for p in ps})), strategies
 
@@ -81,7 +83,7 @@ def _random_case(seed: int, shape: str, mesh: AutoMesh):
 def test_the_ilp_finds_the_exhaustive_optimum_on_small_graphs(shape, mesh_shape):
     mesh = AutoMesh(mesh_shape)
     cluster = _cluster(mesh.size)
-    resharded = bound = 0
+    resharded = bound = eliminated = 0
     for seed in range(6):
         graph, strategies = _random_case(seed, shape, mesh)
         best = ilp.exhaustive(graph, strategies, mesh, cluster)
@@ -89,6 +91,7 @@ def test_the_ilp_finds_the_exhaustive_optimum_on_small_graphs(shape, mesh_shape)
         assert found.objective_s == pytest.approx(best.objective_s, rel=1e-12), (seed, found.choice, best.choice)
         assert found.status == "optimal" and found.gap <= 1e-6
         resharded += found.reshard_s > 0
+        eliminated += found.eliminated
         # a memory limit between the smallest and the unconstrained plan's memory binds
         limit = 0.5 * (best.memory_bytes + _smallest_memory(graph, strategies, mesh, cluster))
         unlimited, best = best, ilp.exhaustive(graph, strategies, mesh, cluster, memory_limit_bytes=limit)
@@ -101,7 +104,7 @@ def test_the_ilp_finds_the_exhaustive_optimum_on_small_graphs(shape, mesh_shape)
             reshard_time_s(found.choice[u].output, found.choice[v].inputs[k], SHAPE, F64, mesh, cluster)
             for u, v, k in graph.edges())
         assert found.objective_s == pytest.approx(again, rel=1e-12)
-    assert resharded >= 3 and bound >= 3  # the cases exercise edges and the limit
+    assert resharded >= 3 and bound >= 3 and eliminated >= 3  # the cases exercise edges, the limit, elimination
 
 
 def _smallest_memory(graph, strategies, mesh, cluster) -> float:

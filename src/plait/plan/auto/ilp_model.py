@@ -8,6 +8,7 @@ import math
 
 import numpy as np
 
+from plait.plan.auto.ilp_edges import EdgeTable, edge_tables, eliminate, recover
 from plait.plan.auto.reshard_cost import reshard_time_s
 from plait.plan.auto.strategy import Strategy
 
@@ -98,12 +99,16 @@ class IlpModel:
         self.constant_s = 0.0
         self.broken: list[tuple[str, str, int]] = []  # edges with an impossible reshard for some pair
         self.s: dict[str, list[int]] = {}
+        tables, self.eliminated = eliminate(graph, strategies, edge_tables(graph, strategies, prices))
+        gone = {record.node for record in self.eliminated}
         for node in graph.nodes:
+            if node.name in gone:
+                continue
             columns = [self._column(o.compute_s + o.comm_s, 1, o.memory_bytes) for o in strategies[node.name]]
             self.s[node.name] = columns
             self.rows.append(({column: 1.0 for column in columns}, 1.0, 1.0))
-        for edge in graph.edges():
-            self._edge(graph, edge, prices)
+        for table in tables:
+            self._edge(table)
         for name, readers in _readers(graph).items():
             first = readers[0]
             for other in readers[1:]:
@@ -134,14 +139,15 @@ class IlpModel:
             else:
                 self.cost_s[column] += seconds
 
-    def _edge(self, graph, edge, prices: ReshardPrices) -> None:
-        source, target, position = edge
-        producer = graph.node(source)
-        outs = _groups(self.strategies[source], lambda option: option.output)
-        ins = _groups(self.strategies[target], lambda option: option.inputs[position])
-        price = {(out, want): prices.time_s(out, want, producer) for out in outs for want in ins}
+    def _edge(self, table: EdgeTable) -> None:
+        source, target, position = table.source, table.target, table.position
+        outs = {layout: [i for i, o in enumerate(self.strategies[source]) if o.output == layout] for layout in table.rows}
+        ins = {layout: [i for i, o in enumerate(self.strategies[target]) if o.inputs[position] == layout]
+               for layout in table.columns}
+        price = {(out, want): float(table.matrix[r, c]) for r, out in enumerate(table.rows)
+                 for c, want in enumerate(table.columns)}
         if any(math.isinf(seconds) for seconds in price.values()):
-            self.broken.append(edge)
+            self.broken.append((source, target, position))
         if len(outs) == 1 or len(ins) == 1:  # fold into the other side's strategies
             if len(outs) == 1 and len(ins) == 1:
                 seconds = next(iter(price.values()))
@@ -178,8 +184,11 @@ class IlpModel:
         return [max(columns, key=lambda column: x[column]) for columns in self.s.values()]
 
     def choice(self, x) -> dict[str, Strategy]:
-        return {name: self.strategies[name][int(np.argmax([x[c] for c in columns]))]
+        """Every node's strategy: the kept ones' from HiGHS's ``x``, the eliminated ones'
+        best replies to those."""
+        kept = {name: self.strategies[name][int(np.argmax([x[c] for c in columns]))]
                 for name, columns in self.s.items()}
+        return recover(kept, self.strategies, self.eliminated)
 
     def disconnected(self) -> str:
         return ", ".join(f"{source} -> {target} (input {position})" for source, target, position in self.broken) \
