@@ -306,3 +306,40 @@ def test_refusals_name_the_problem():
     with pytest.raises(ValueError, match="permute.*perm"):
         node_strategies(nodes[1], _graph(nodes), AutoMesh((2,)), _cluster())
     assert math.isfinite(node_strategies(g.node("fc"), g, AutoMesh((1,)), _cluster())[0].compute_s)
+
+
+def test_no_partial_output_through_a_non_linear_chain_or_a_max():
+    # a linear with a merged gelu (A's simplify: partial_ok False) may not output P: no row
+    nodes = [_node("x", "input", (), (4, 8)),
+             _node("fc", "linear", ("x",), (4, 8), ("w",), attrs=(("partial_ok", False),)),
+             _node("top", "reduce", ("fc",), (4,), attrs=(("op", "amax"), ("dims", (1,)))),
+             _node("total", "reduce", ("fc",), (4,), attrs=(("op", "sum"), ("dims", (1,))))]
+    g = _graph(nodes, [("w", (8, 8))])
+    assert set(_layouts(g, "fc", (2,))) == {"replicated", "batch@0", "column@0"}
+    assert set(_layouts(g, "top", (2,))) == {"replicated", "S0@0"}  # a max over a split dim is no sum
+    assert _layouts(g, "total", (2,))["S1@0"][0] == ("P",)
+
+
+def test_matmul_with_a_parameter_operand_read_through_a_transpose():
+    # experts: x (E=4, T=6, H=8) @ w.transpose(1, 2), w stored (E, F=12, H): operand (E, H, F), dims (0, 2, 1)
+    nodes = [_node("x", "input", (), (4, 6, 8)), _node("h", "elementwise", ("x",), (4, 6, 8), ("scale",)),
+             _node("bmm", "matmul", ("h",), (4, 6, 12), ("w",),
+                   attrs=(("param_side", 1), ("param_operands", (("w", (4, 8, 12), (0, 2, 1), ()),))))]
+    g = _graph(nodes, [("scale", (8,)), ("w", (4, 12, 8))])
+    found = _layouts(g, "bmm", (2,))
+    assert found == {"replicated": (("R",), (("R",),), (("w", ("R",)),)),
+                     "batch0@0": (("S0",), (("S0",),), (("w", ("S0",)),)),
+                     "m@0": (("S1",), (("S1",),), (("w", ("R",)),)),
+                     "n@0": (("S2",), (("R",),), (("w", ("S1",)),)),  # the operand's F is the parameter's dim 1
+                     "k@0": (("P",), (("S2",),), (("w", ("S2",)),))}
+    cluster = _cluster()
+    by = {s.name: s for s in node_strategies(g.node("bmm"), g, AutoMesh((2,)), cluster)}
+    bmm = (("bmm", 4, 6, 6, 8),)  # n: each rank multiplies (6, 8) by (8, 6) for the 4 experts
+    hand = (DEVICE.time_s(flops=2 * 4 * 6 * 6 * 8, nbytes=0, kernels=1, dtype="float64", matmuls=bmm)
+            + DEVICE.time_s(flops=4 * 4 * 6 * 6 * 8, nbytes=0, kernels=2, dtype="float64",
+                            matmuls=backward_matmuls(bmm)))
+    assert by["n@0"].compute_s == pytest.approx(hand, rel=1e-12)
+    all_reduce = lambda nbytes: cluster.collective_time_s("all_reduce", nbytes, 2, 1)[0]  # noqa: E731
+    assert by["n@0"].comm_s == pytest.approx(all_reduce(4 * 6 * 8 * 8), rel=1e-12)  # h's gradient is partial
+    assert by["m@0"].comm_s == pytest.approx(all_reduce(4 * 12 * 8 * 8), rel=1e-12)  # w's gradient is partial
+    assert by["batch0@0"].comm_s == 0 and by["k@0"].comm_s == 0

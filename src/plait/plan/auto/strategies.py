@@ -34,6 +34,7 @@ import itertools
 import math
 
 from plait.names.placements import local_shape
+from plait.plan.auto.strategies_axis import local_operand
 from plait.plan.auto.strategies_options import REPLICATED_STYLE, Shapes, axis_options
 from plait.plan.auto.strategies_work import is_floating, local_work, saved_bytes
 from plait.plan.auto.strategy import Strategy
@@ -117,8 +118,11 @@ def node_strategies(node, graph, mesh, cluster, *, dtype: str | None = None,
         seen.add(key)
         name = ",".join(f"{option.style}@{axis}" for axis, option in enumerate(combo)
                         if option.style != REPLICATED_STYLE) or REPLICATED_STYLE
-        forward, backward = local_work(node, in_local, [p.itemsize for p in producers], param_local,
-                                       [p.itemsize for p in params], out_local)
+        in_work, in_sizes = list(in_local), [p.itemsize for p in producers]
+        if node.kind == "matmul" and node.attr("param_side") is not None:  # the parameter is an operand
+            in_work.insert(node.attr("param_side"), local_operand(node, params[0].name, params[0].shape, param_local[0]))
+            in_sizes.insert(node.attr("param_side"), params[0].itemsize)
+        forward, backward = local_work(node, in_work, in_sizes, param_local, [p.itemsize for p in params], out_local)
         compute_s = forward.time_s(cluster.device, compute_dtype) + backward.time_s(cluster.device, compute_dtype)
         comm_s = _gradient_all_reduce_s(node, combo, producers, in_local, params, param_local, grads, mesh, cluster)
         memory = saved_bytes(node, in_local, [p.itemsize for p in producers], [p.dtype for p in producers], out_local)

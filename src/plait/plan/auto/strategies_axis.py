@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from plait.names.placements import REPLICATE, shard
 
 __all__ = ["AxisOption", "Shapes", "REPLICATED_STYLE", "divides", "norm_dim", "broadcast", "param_operand",
-           "param_broadcast", "follow", "batch_follow", "kept", "weight_bias", "param_placements"]
+           "param_broadcast", "operand_to_param", "local_operand", "follow", "batch_follow", "kept", "weight_bias", "param_placements"]
 
 REPLICATED_STYLE = "replicated"
 
@@ -70,16 +70,28 @@ def param_operand(node, name: str, shape):
     return tuple(shape), tuple(range(len(shape))), ()
 
 
+def operand_to_param(placement: str | None, dims, sliced) -> str | None:
+    """An operand's placement as its parameter's: S(j) -> S(dims[j]); None when operand
+    dim j is inserted (dims[j] < 0) or comes from a sliced parameter dim."""
+    if placement is None or placement == REPLICATE:
+        return placement
+    source = dims[int(placement[1:])]
+    return None if source < 0 or source in sliced else shard(source)
+
+
+def local_operand(node, name: str, global_shape, local_shape) -> tuple[int, ...]:
+    """The local shape of parameter ``name``'s operand (its folded views applied) when the
+    parameter is held as ``local_shape``."""
+    operand, dims, _ = param_operand(node, name, global_shape)
+    return tuple(size // (global_shape[d] // local_shape[d]) if d >= 0 else size for size, d in zip(operand, dims))
+
+
 def param_broadcast(node, name: str, shape, out, out_dim: int) -> str | None:
     """A parameter's placement when the output is sharded on ``out_dim``: its operand's
     by broadcasting, mapped back to the parameter's own dim (None when that dim is cut
     by a slice or the shapes do not broadcast)."""
     operand, dims, sliced = param_operand(node, name, shape)
-    placement = broadcast(operand, out, out_dim)
-    if placement is None or placement == REPLICATE:
-        return placement
-    source = dims[int(placement[1:])]
-    return None if source < 0 or source in sliced else shard(source)
+    return operand_to_param(broadcast(operand, out, out_dim), dims, sliced)
 
 
 def follow(node, shapes: Shapes, p: int, out_dim: int, style: str, output: str | None = None):

@@ -28,7 +28,7 @@ parameter under batch sharding it is data parallelism's gradient all-reduce):
     elementwise  S<d> of the output dim d; inputs/params by broadcasting (missing or size
                1 there: R, partial when it has a gradient; a parameter read through folded
                views, attrs param_operands, maps back to its own dim, never through a slice)
-    reduce     S<d> of the input: a kept dim follows, a reduced dim gives P
+    reduce     S<d> of the input: a kept dim follows, a reduced dim gives P (sum, mean only)
     view       S<d> of the input carried through the reshape when d leads its group of
                dims (attrs dim_groups) and both leading sizes divide by p (same flat
                ranges); never through a sliced dim (attrs sliced_dims: split, slice, cat)
@@ -38,7 +38,8 @@ parameter under batch sharding it is data parallelism's gradient all-reduce):
     constant, output: replicated only
 
 Every kind has the all-replicated option ("replicated") first. An option never shards a
-dim whose size does not divide by ``p``.
+dim whose size does not divide by ``p``, and never gives a P output on a merged chain
+that is not linear in its head's value (A's attrs partial_ok False: a linear + gelu).
 """
 
 from __future__ import annotations
@@ -53,6 +54,10 @@ from plait.plan.auto.strategies_products import (attention_options, conv_options
 
 __all__ = ["AxisOption", "Shapes", "axis_options", "REPLICATED_STYLE"]
 
+# reductions whose result over a split dim is the sum of the ranks' partial results (a
+# mean's summands are the local sums over the global count)
+_SUMS = ("sum", "mean")
+
 
 def axis_options(node, shapes: Shapes, p: int) -> list[AxisOption]:
     """The 1-D options of ``node`` on an axis of ``p`` ranks, the replicated one first."""
@@ -62,6 +67,8 @@ def axis_options(node, shapes: Shapes, p: int) -> list[AxisOption]:
         return [replicated]
     builder = _BUILDERS.get(node.kind)
     found = builder(node, shapes, p) if builder is not None else []
+    if node.attr("partial_ok", True) is False:  # a merged non-linear chain (gelu): gelu(a) + gelu(b) != gelu(a + b)
+        found = [option for option in found if option.output != PARTIAL]
     return [replicated] + found
 
 
@@ -91,6 +98,8 @@ def _reduce(node, shapes: Shapes, p: int) -> list[AxisOption]:
         if not divides(size, p):
             continue
         if d in reduced:
+            if node.attr("op", "sum") not in _SUMS:
+                continue  # a max / top-k over a split dim is no sum of the ranks' parts
             output = PARTIAL
         else:
             output = shard(d if keepdim else d - sum(1 for r in reduced if r < d))

@@ -4,8 +4,8 @@ embedding): see ``strategies_options``' table."""
 from __future__ import annotations
 
 from plait.names.placements import PARTIAL, REPLICATE, shard
-from plait.plan.auto.strategies_axis import (AxisOption, Shapes, batch_follow, divides, kept, param_placements,
-                                             weight_bias)
+from plait.plan.auto.strategies_axis import (AxisOption, Shapes, batch_follow, broadcast, divides, kept,
+                                             operand_to_param, param_operand, param_placements, weight_bias)
 
 __all__ = ["linear_options", "matmul_options", "attention_options", "conv_options", "embedding_options"]
 
@@ -34,25 +34,50 @@ def linear_options(node, shapes: Shapes, p: int) -> list[AxisOption]:
 
 
 def matmul_options(node, shapes: Shapes, p: int) -> list[AxisOption]:
-    if len(shapes.inputs) != 2 or min(len(shapes.inputs[0]), len(shapes.inputs[1])) < 2:
+    """a (..., m, k) @ b (..., k, n): batch<j>, m, n, k. One operand may be a parameter
+    (A's attrs param_side 0: a, 1: b; read through param_operands): its placement maps
+    back to the parameter's own dim, and it takes a partial gradient where it is R."""
+    side = node.attr("param_side")
+    if side is not None:
+        name, shape = shapes.params[0]
+        operand, dims, sliced = param_operand(node, name, shape)
+        a, b = (operand, shapes.inputs[0]) if side == 0 else (shapes.inputs[0], operand)
+    elif len(shapes.inputs) == 2:
+        a, b = shapes.inputs
+    else:
+        return []
+    if min(len(a), len(b)) < 2:
         return []  # a vector operand (matrix-vector products): replicated only
-    a, b = shapes.inputs
     out = shapes.out
     if a[-1] != b[-2]:
         raise ValueError(f"node {node.name!r} (matmul): a {a} @ b {b} do not contract (a's last dim must be b's "
                          "second last)")
-    found = []
+    pairs = []  # (style, output, a's placement, b's placement)
     for j in range(len(out) - 2):
         if divides(out[j], p):
-            found += kept([batch_follow(node, shapes, p, j, f"batch{j}")])
+            pairs.append((f"batch{j}", shard(j), broadcast(a[:-2], out[:-2], j), broadcast(b[:-2], out[:-2], j)))
     if divides(a[-2], p):
-        found.append(AxisOption("m", shard(len(out) - 2), (shard(len(a) - 2), REPLICATE),
-                                param_placements(shapes, {}), (1,)))
+        pairs.append(("m", shard(len(out) - 2), shard(len(a) - 2), REPLICATE))
     if divides(b[-1], p):
-        found.append(AxisOption("n", shard(len(out) - 1), (REPLICATE, shard(len(b) - 1)),
-                                param_placements(shapes, {}), (0,)))
+        pairs.append(("n", shard(len(out) - 1), REPLICATE, shard(len(b) - 1)))
     if divides(a[-1], p):
-        found.append(AxisOption("k", PARTIAL, (shard(len(a) - 1), shard(len(b) - 2)), param_placements(shapes, {})))
+        pairs.append(("k", PARTIAL, shard(len(a) - 1), shard(len(b) - 2)))
+    found = []
+    for style, output, on_a, on_b in pairs:
+        if on_a is None or on_b is None:
+            continue
+        if side is None:
+            found.append(AxisOption(style, output, (on_a, on_b), param_placements(shapes, {}),
+                                    tuple(i for i, pl in enumerate((on_a, on_b)) if pl == REPLICATE),
+                                    tuple(n for n, _ in shapes.params)))
+            continue
+        on_param, on_input = (on_a, on_b) if side == 0 else (on_b, on_a)
+        on_param = operand_to_param(on_param, dims, sliced)
+        if on_param is None:
+            continue
+        found.append(AxisOption(style, output, (on_input,), param_placements(shapes, {name: on_param}),
+                                (0,) if on_input == REPLICATE else (),
+                                tuple(n for n, _ in shapes.params if n != name or on_param == REPLICATE)))
     return found
 
 
@@ -60,7 +85,7 @@ def attention_options(node, shapes: Shapes, p: int) -> list[AxisOption]:
     out = shapes.out
     names = {0: "batch", 1: "heads"} if len(out) == 4 else {0: "batch"}
     return kept(batch_follow(node, shapes, p, d, style) for d, style in names.items()
-                 if d < len(out) - 2 and divides(out[d], p))
+                if d < len(out) - 2 and divides(out[d], p))
 
 
 def conv_options(node, shapes: Shapes, p: int) -> list[AxisOption]:
