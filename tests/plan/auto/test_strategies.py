@@ -343,3 +343,25 @@ def test_matmul_with_a_parameter_operand_read_through_a_transpose():
     assert by["n@0"].comm_s == pytest.approx(all_reduce(4 * 6 * 8 * 8), rel=1e-12)  # h's gradient is partial
     assert by["m@0"].comm_s == pytest.approx(all_reduce(4 * 12 * 8 * 8), rel=1e-12)  # w's gradient is partial
     assert by["batch0@0"].comm_s == 0 and by["k@0"].comm_s == 0
+
+
+def _fused_graph(starts=(0, 8, 16), extra_reader=False):
+    nodes = [_node("x", "input", (), (4, 6, 8)), _node("qkv", "linear", ("x",), (4, 6, 24), ("w",))]
+    for i, start in enumerate(starts):
+        attrs = (("op", "slice"), ("sliced_dims", (2,)), ("dim_groups", (((0,), (0,)), ((1,), (1,)), ((2,), (2,)))),
+                 ("start", start), ("end", start + 8), ("step", 1))
+        nodes.append(_node(f"part{i}", "view", ("qkv",), (4, 6, 8), attrs=attrs))
+    if extra_reader:
+        nodes.append(_node("act", "elementwise", ("qkv",), (4, 6, 24)))
+    nodes.append(_node("sum", "elementwise", tuple(f"part{i}" for i in range(len(starts))), (4, 6, 8)))
+    return _graph(nodes, [("w", (24, 8))])
+
+
+def test_fused_parts_of_a_linear_keep_its_column_shard():
+    g = _fused_graph()
+    assert _layouts(g, "part1", (4,)) == {"replicated": (("R",), (("R",),), ()), "S0@0": (("S0",), (("S0",),), ()),
+                                          "fused@0": (("S2",), (("S2",),), ())}
+    assert "fused@0,fused@1" in _layouts(g, "part0", (2, 2))
+    assert "fused@0" not in _layouts(g, "part0", (3,))  # 8 per part does not divide by 3
+    for broken in (_fused_graph(starts=(0, 8, 8)), _fused_graph(extra_reader=True), _fused_graph(starts=(0, 8))):
+        assert "fused@0" not in _layouts(broken, "part0", (4,))

@@ -39,7 +39,9 @@ from plait.plan.auto.strategies_options import REPLICATED_STYLE, Shapes, axis_op
 from plait.plan.auto.strategies_work import is_floating, local_work, saved_bytes
 from plait.plan.auto.strategy import Strategy
 
-__all__ = ["node_strategies", "graph_strategies", "grad_nodes"]
+__all__ = ["node_strategies", "graph_strategies", "grad_nodes", "fused_part_dim"]
+
+_SLICES = ("slice", "narrow")
 
 
 def grad_nodes(graph) -> frozenset[str]:
@@ -52,6 +54,29 @@ def grad_nodes(graph) -> frozenset[str]:
         if node.params or any(name in found for name in node.inputs):
             found.add(node.name)
     return frozenset(found)
+
+
+def fused_part_dim(node, graph) -> int | None:
+    """The dim d when ``node`` is one of k slices (attrs start, step 1) of equal length L
+    along the last dim d of a linear's output that tile it ([0, L), [L, 2L), ...) and
+    are all that linear's consumers (HF GPT-2's q, k, v split of c_attn); else None."""
+    if node.kind != "view" or node.attr("op") not in _SLICES or len(node.inputs) != 1:
+        return None
+    producer = graph.node(node.inputs[0])
+    d = len(producer.shape) - 1
+    if producer.kind != "linear" or len(node.shape) != len(producer.shape):
+        return None
+    parts = graph.consumers(producer.name)
+    if any(part.kind != "view" or part.attr("op") not in _SLICES or tuple(part.attr("sliced_dims", ()) or ()) != (d,)
+           or part.attr("start") is None or part.attr("step", 1) != 1 or len(part.shape) != len(node.shape)
+           or part.shape[:d] != node.shape[:d] for part in parts):
+        return None
+    length = node.shape[d]
+    starts = sorted(int(part.attr("start")) for part in parts)
+    if any(part.shape[d] != length for part in parts) or starts != [i * length for i in range(len(parts))] \
+            or len(parts) * length != producer.shape[d] or len(parts) < 2:
+        return None
+    return d
 
 
 def graph_strategies(graph, mesh, cluster, *, dtype: str | None = None,
@@ -98,7 +123,8 @@ def node_strategies(node, graph, mesh, cluster, *, dtype: str | None = None,
     producers = [graph.node(name) for name in node.inputs]
     params = [graph.param(name) for name in node.params]
     shapes = Shapes(out=tuple(node.shape), inputs=tuple(tuple(p.shape) for p in producers),
-                    params=tuple((param.name, tuple(param.shape)) for param in params))
+                    params=tuple((param.name, tuple(param.shape)) for param in params),
+                    fused_dim=fused_part_dim(node, graph))
     per_axis = [axis_options(node, shapes, mesh.axis_size(axis)) for axis in range(mesh.ndim)]
     compute_dtype = _compute_dtype(node, graph, cluster, dtype)
     found, seen = [], set()

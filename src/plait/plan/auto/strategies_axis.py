@@ -33,11 +33,14 @@ class AxisOption:
 @dataclass(frozen=True)
 class Shapes:
     """Global shapes the options are built from: the node's output, its inputs (in
-    order) and its parameters (name, shape) in order."""
+    order) and its parameters (name, shape) in order; ``fused_dim`` the dim of a slice
+    that is one of the equal parts of a linear's output (``strategies.fused_part_dim``),
+    else None."""
 
     out: tuple[int, ...]
     inputs: tuple[tuple[int, ...], ...]
     params: tuple[tuple[str, tuple[int, ...]], ...]
+    fused_dim: int | None = None
 
 
 def divides(size: int, p: int) -> bool:

@@ -31,7 +31,11 @@ parameter under batch sharding it is data parallelism's gradient all-reduce):
     reduce     S<d> of the input: a kept dim follows, a reduced dim gives P (sum, mean only)
     view       S<d> of the input carried through the reshape when d leads its group of
                dims (attrs dim_groups) and both leading sizes divide by p (same flat
-               ranges); never through a sliced dim (attrs sliced_dims: split, slice, cat)
+               ranges); never through a sliced dim (attrs sliced_dims: split, slice, cat),
+               except "fused": a slice that is one of k equal parts (attrs start, step 1)
+               tiling the last dim of a linear read only by such slices keeps S<d> on
+               both sides: the linear's S<d> is then BLOCKED (rank r holds its 1/p of
+               each part: the executor shards W/b per part, ColwiseParallel(fused=k))
     permute    S<d> moves to the output position of d (attrs perm: out dim j = in dim perm[j])
     loss       batch: the inputs S0, the output P (a scalar) or S0 (reduction "none")
     input      batch S0, sequence S1
@@ -52,7 +56,9 @@ from plait.plan.auto.strategies_axis import (REPLICATED_STYLE, AxisOption, Shape
 from plait.plan.auto.strategies_products import (attention_options, conv_options, embedding_options, linear_options,
                                                  matmul_options)
 
-__all__ = ["AxisOption", "Shapes", "axis_options", "REPLICATED_STYLE"]
+__all__ = ["AxisOption", "Shapes", "axis_options", "REPLICATED_STYLE", "FUSED_STYLE"]
+
+FUSED_STYLE = "fused"
 
 # reductions whose result over a split dim is the sum of the ranks' partial results (a
 # mean's summands are the local sums over the global count)
@@ -157,7 +163,13 @@ def _view(node, shapes: Shapes, p: int) -> list[AxisOption]:
         if any(len(shape) <= i or shape[i] != src[i] for shape in shapes.inputs[1:]):
             continue
         found.append(AxisOption(f"S{i}", shard(j), (shard(i),) * len(shapes.inputs), param_placements(shapes, {})))
-    return sorted(found, key=lambda option: int(option.style[1:]))
+    found.sort(key=lambda option: int(option.style[1:]))
+    d = shapes.fused_dim
+    if d is not None and divides(dst[d], p):
+        # a part of a fused linear output (q, k, v of one product): the producer's S<d> read as
+        # BLOCKED, rank r holding its 1/p of every part (Megatron's fused QKV, ColwiseParallel(fused=k))
+        found.append(AxisOption(FUSED_STYLE, shard(d), (shard(d),), param_placements(shapes, {})))
+    return found
 
 
 def _permute(node, shapes: Shapes, p: int) -> list[AxisOption]:
