@@ -14,15 +14,19 @@ import math
 import random
 
 import pytest
+import torch
 
 from plait.cost import LinkModel
 from plait.parallel.auto.device_mesh import AutoMesh
 from plait.parallel.auto.opgraph import OpGraph, OpNode, ParamMeta
+from plait.parallel.auto.trace import simplify, trace_graph
 from plait.plan import device_preset
 from plait.plan.auto import ilp
 from plait.plan.auto.reshard_cost import reshard_time_s
+from plait.plan.auto.strategies import graph_strategies
 from plait.plan.auto.strategy import Strategy
 from plait.plan.cluster import Cluster
+from plait.plan.device_spec import DeviceSpec
 
 SHAPE = (8, 16)
 F64 = 8
@@ -176,3 +180,40 @@ def test_unconnectable_strategies_and_bad_inputs_are_refused_by_name():
         wide = _graph([_node(f"n{i}", kind="input") for i in range(6)])
         ilp.exhaustive(wide, {f"n{i}": many for i in range(6)}, mesh, cluster)
     assert math.isinf(reshard_time_s(r, p, SHAPE, F64, mesh, cluster))
+
+
+class _Mlp(torch.nn.Module):
+    """16 -> 64 -> 8 with GELU, its MSE loss inside (the train step)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(16, 64), torch.nn.Linear(64, 8)
+
+    def forward(self, x, y):
+        return torch.nn.functional.mse_loss(self.down(torch.nn.functional.gelu(self.up(x))), y)
+
+
+def test_the_ilp_finds_the_exhaustive_optimum_on_a_traced_model():
+    """A traced MLP with B's strategies on (4,) and (2, 2) (216 and 46,656 combinations):
+    the ILP's plan costs what the exhaustive one does, unlimited (Megatron's
+    column-then-row pair, also the least memory here) and with the memory limit at
+    exactly the smallest plan's (the memory row holding at equality)."""
+    torch.manual_seed(0)
+    inputs = (torch.randn(32, 16, dtype=torch.float64), torch.randn(32, 8, dtype=torch.float64))
+    graph = simplify(trace_graph(_Mlp().double(), inputs).graph)
+    device = DeviceSpec(name="unit", peak_flops_per_s=(("float64", 1e9),), memory_bytes=1e12,
+                        memory_bandwidth_bytes_per_s=1e9, kernel_overhead_s=1e-6)
+    for shape in ((4,), (2, 2)):
+        mesh = AutoMesh(shape)
+        link = LinkModel(1e-6, 1e-9)
+        cluster = Cluster(name="test", nodes=1, devices_per_node=mesh.size, device=device, intra_link=link,
+                          inter_link=link)
+        strategies = graph_strategies(graph, mesh, cluster)
+        best = ilp.exhaustive(graph, strategies, mesh, cluster)
+        found = ilp.solve(graph, strategies, mesh, cluster, mip_rel_gap=0.0)
+        assert found.objective_s == pytest.approx(best.objective_s, rel=1e-12)
+        assert [found.choice[n.name].name.split("@")[0] for n in graph.nodes if n.kind == "linear"] == ["column", "row"]
+        limit = 0.5 * (best.memory_bytes + _smallest_memory(graph, strategies, mesh, cluster))
+        best = ilp.exhaustive(graph, strategies, mesh, cluster, memory_limit_bytes=limit)
+        found = ilp.solve(graph, strategies, mesh, cluster, memory_limit_bytes=limit, mip_rel_gap=0.0)
+        assert found.objective_s == pytest.approx(best.objective_s, rel=1e-12) and found.memory_bytes <= limit

@@ -31,9 +31,10 @@ collective over axis a's groups only when no axis inner to a (b > a) shards d at
 moment; P->R is always exact, and slicing or all-reducing a partial sum is linear, so
 P may stay on other axes. Among the paths made of such steps through layouts that
 split evenly, :func:`reshard_path` takes the cheapest (forward + backward; Dijkstra
-over the <= 3^axes layouts with each axis at its source placement, R or its target; ties: fewer steps, then axis 0 first), e.g.
-(P, R) -> (R, S0) slices on axis 1 first and then all-reduces half the bytes on axis
-0. The executor runs that path, so the price and the run agree step by step.
+over the <= 3^axes layouts with each axis at its source placement, R or its target;
+ties: fewer steps, then axis 0 first), e.g. (P, R) -> (R, S0) slices on axis 1 first
+and then all-reduces half the bytes on axis 0. The executor runs that path, so the
+price and the run agree step by step.
 """
 
 from __future__ import annotations
