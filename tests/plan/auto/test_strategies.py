@@ -1,19 +1,25 @@
 """Strategy enumeration per operator kind (plait.plan.auto.strategies): the layouts each
 kind may take on meshes (4,), (3,) and (2, 2) against hand lists, no non-dividing dim
-ever sharded, and the costs of batch / column / row linears against hand formulas from
-the Cluster's collectives and the DeviceSpec's time (floats compared at 1e-12 relative:
-the same products summed in another order)."""
+ever sharded, no P output where it would be wrong, parameter operands and fused parts,
+the costs of batch / column / row linears and of a parameter matmul against hand
+formulas from the Cluster's collectives and the DeviceSpec's time, and a traced model
+whose every node is priced, its products' FLOPs equal to the tracer's (floats compared
+at 1e-12 relative: the same products summed in another order)."""
 
 from __future__ import annotations
 
 import math
 
 import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
 
 from plait.cost import LinkModel
 from plait.names.placements import local_shape
 from plait.parallel.auto.device_mesh import AutoMesh
 from plait.parallel.auto.opgraph import OpGraph, OpNode, ParamMeta
+from plait.parallel.auto.trace import simplify, trace_graph
 from plait.plan.auto.strategies import graph_strategies, grad_nodes, node_strategies
 from plait.plan.cluster import Cluster
 from plait.plan.device_spec import DeviceSpec
@@ -365,3 +371,52 @@ def test_fused_parts_of_a_linear_keep_its_column_shard():
     assert "fused@0" not in _layouts(g, "part0", (3,))  # 8 per part does not divide by 3
     for broken in (_fused_graph(starts=(0, 8, 8)), _fused_graph(extra_reader=True), _fused_graph(starts=(0, 8))):
         assert "fused@0" not in _layouts(broken, "part0", (4,))
+
+
+class _Block(nn.Module):
+    """ids -> embedding -> layer norm -> qkv linear -> heads -> sdpa -> linear -> conv1d over
+    the sequence -> mean -> cross-entropy: every product kind the tracer gives."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(16, 8, dtype=torch.float64)
+        self.ln = nn.LayerNorm(8, dtype=torch.float64)
+        self.qkv = nn.Linear(8, 24, dtype=torch.float64)
+        self.proj = nn.Linear(8, 8, dtype=torch.float64)
+        self.conv = nn.Conv1d(8, 4, 3, padding=1, dtype=torch.float64)
+
+    def forward(self, ids, y):
+        h = self.ln(self.emb(ids))
+        b, s, _ = h.shape
+        q, k, v = self.qkv(h).view(b, s, 3, 2, 4).permute(2, 0, 3, 1, 4)
+        a = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, s, 8)
+        logits = self.conv(torch.softmax(self.proj(a), dim=-1).transpose(1, 2)).mean(dim=2)
+        return F.cross_entropy(logits, y)
+
+
+def test_traced_model_every_node_priced_and_products_match_the_tracer_flops():
+    torch.manual_seed(0)
+    graph = simplify(trace_graph(_Block(), (torch.randint(0, 16, (4, 6)), torch.randint(0, 4, (4,)))).graph)
+    # a pure FLOP counter: 1 FLOP/s at full efficiency, free kernels and bytes
+    counter = DeviceSpec(name="flops", peak_flops_per_s=(("float64", 1.0),), memory_bytes=1e30,
+                         memory_bandwidth_bytes_per_s=1e30, matmul_efficiency=1.0, memory_efficiency=1.0,
+                         kernel_overhead_s=0.0)
+    products = 0
+    for mesh_shape in ((4,), (2, 2)):
+        table = graph_strategies(graph, AutoMesh(mesh_shape), _cluster(counter))
+        for node in graph.nodes:
+            strategies = table[node.name]
+            assert strategies[0].name == "replicated", node.name
+            for s in strategies:
+                local_shape(node.shape, s.output, mesh_shape)
+                for source, layout in zip(node.inputs, s.inputs):
+                    local_shape(graph.node(source).shape, layout, mesh_shape)
+            if node.kind in ("linear", "matmul", "attention", "conv"):
+                products += 1  # forward + backward = 3x the tracer's forward FLOPs, replicated
+                assert strategies[0].compute_s == pytest.approx(3 * node.flops, rel=1e-12), node.name
+    kinds = {node.kind for node in graph.nodes}
+    assert {"embedding", "norm", "linear", "attention", "conv", "softmax", "reduce", "loss"} <= kinds
+    assert products == 2 * 4  # qkv, proj, sdpa, conv on each mesh
+    names = {s.name for s in graph_strategies(graph, AutoMesh((2,)), _cluster())[
+        next(n.name for n in graph.nodes if n.kind == "attention")]}
+    assert names == {"replicated", "batch@0", "heads@0"}
