@@ -105,7 +105,8 @@ def _module_kind(node: OpNode, strategy, graph: OpGraph) -> str | None:
     if dim == out_dim and strategy.output == (f"S{last}",) and (
             bias is None or strategy.param_layout(bias) == ("S0",)):
         return COLWISE
-    if dim == in_dim and strategy.output == (PARTIAL,) and (bias is None or strategy.param_layout(bias) == (REPLICATE,)):
+    if dim == in_dim and strategy.output == (PARTIAL,) and (
+            bias is None or strategy.param_layout(bias) == (REPLICATE,)):
         return ROWWISE
     raise _Refused(node.name, f"node {node.name!r} (linear in {node.module!r}) chose {strategy.name!r} (weight "
                               f"{placement}, output {layout_text(strategy.output)}): neither column-parallel "
@@ -127,8 +128,9 @@ def _styled_modules(graph: OpGraph, choice: dict) -> dict[str, tuple[str, OpNode
             raise _Refused(node.name, f"node {node.name!r} ({node.kind}) runs in the model's own forward, not in a "
                                       "submodule: a style shards a whole module")
         if node.module in modules:
-            raise _Refused(node.name, f"module {node.module!r} runs two sharded operators ({modules[node.module][1].name!r}"
-                                      f" and {node.name!r}): a style shards a module of one linear or embedding")
+            first = modules[node.module][1].name
+            raise _Refused(node.name, f"module {node.module!r} runs two sharded operators ({first!r} and "
+                                      f"{node.name!r}): a style shards a module of one linear or embedding")
         owner = next((module for module in modules if _inside(node, module)), None)
         if owner is not None:
             raise _Refused(node.name, f"node {node.name!r} runs inside styled module {owner!r}")
@@ -148,18 +150,22 @@ def _boundary(graph: OpGraph, module: str):
     return entering, leaving
 
 
-def _fused_parts(graph: OpGraph, leaving, last: int):
-    """The parts when every edge leaving a column module goes into a getitem of one
-    split of its last dim (HF's fused q|k|v: rank r then keeps its 1/p of each part,
-    ColwiseParallel(fused=...)): k for k equal parts, else the sizes; None: no split."""
+def _fused_parts(graph: OpGraph, leaving, last: int, width: int):
+    """The parts when the edges leaving a column module all go into slices of its last
+    dim that tile it (``width`` wide; HF's fused q|k|v split into getitems, which the
+    tracer writes as slices): rank r then keeps its 1/p of each part,
+    ColwiseParallel(fused=k) for k equal parts, else the part sizes. None: not so read."""
     readers = [graph.node(target) for _, target, _ in leaving]
-    splits = {tuple(reader.attr("split_sizes") or ()) for reader in readers}
-    if len(splits) != 1 or any(reader.attr("split_dim") != last for reader in readers):
+    if any(reader.kind != "view" or reader.attr("op") != "slice" or tuple(reader.attr("sliced_dims", ())) != (last,)
+           or reader.attr("start") is None or reader.attr("step", 1) != 1 for reader in readers):
         return None
-    (sizes,) = splits
-    if len(sizes) < 2:
+    pieces = sorted({(int(reader.attr("start")), int(reader.shape[last])) for reader in readers})
+    ends = [start + size for start, size in pieces]
+    if len(pieces) < 2 or pieces[0][0] != 0 or ends[-1] != width or any(
+            start != end for (start, _), end in zip(pieces[1:], ends)):
         return None
-    return len(sizes) if len(set(sizes)) == 1 else tuple(int(size) for size in sizes)
+    sizes = [size for _, size in pieces]
+    return len(sizes) if len(set(sizes)) == 1 else tuple(sizes)
 
 
 def _style(graph: OpGraph, choice: dict, module: str, kind: str, node: OpNode):
@@ -172,8 +178,9 @@ def _style(graph: OpGraph, choice: dict, module: str, kind: str, node: OpNode):
         raise _Refused(node.name, f"{where}: nothing reads its output")
     if kind == VOCAB:
         if sources - {(REPLICATE,)} or arrivals != {(REPLICATE,)}:
-            raise _Refused(node.name, f"{where}: VocabParallel takes replicated ids and all-reduces; the plan feeds "
-                                      f"{sorted(map(layout_text, sources))} and reads {sorted(map(layout_text, arrivals))}")
+            raise _Refused(node.name, f"{where}: VocabParallel takes replicated ids and all-reduces; the plan "
+                                      f"feeds {sorted(map(layout_text, sources))} and reads "
+                                      f"{sorted(map(layout_text, arrivals))}")
         return VocabParallel()
     last_in = len(graph.node(entering[0][0]).shape) - 1 if entering else 0
     last_out = len(graph.node(leaving[0][0]).shape) - 1
@@ -184,7 +191,8 @@ def _style(graph: OpGraph, choice: dict, module: str, kind: str, node: OpNode):
         if arrivals == {(REPLICATE,)}:
             return ColwiseParallel(gather_output=True)
         if arrivals == {(f"S{last_out}",)}:
-            return ColwiseParallel(fused=_fused_parts(graph, leaving, last_out))
+            width = graph.node(leaving[0][0]).shape[-1]
+            return ColwiseParallel(fused=_fused_parts(graph, leaving, last_out, width))
         raise _Refused(node.name, f"{where}: its output is read as {sorted(map(layout_text, arrivals))}; a "
                                   f"column-parallel module gives S{last_out} (or R, gathered) to every reader")
     if arrivals != {(REPLICATE,)}:
