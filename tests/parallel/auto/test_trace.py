@@ -172,6 +172,39 @@ def test_simplify_does_not_merge_a_value_read_elsewhere():
     assert merged.node("linear").members == ("linear",)
 
 
+def test_param_views_fold_into_their_reader_and_topk_is_a_reduce():
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.scale = nn.Parameter(torch.randn(4, 3, dtype=torch.float64))
+
+        def forward(self, x):  # x (b, 3, 2)
+            h = x * self.scale[1:3].t().unsqueeze(0)  # the parameter sliced, transposed, unsqueezed: (1, 3, 2)
+            return h.topk(1, dim=1).values.sum()
+
+    traced = trace_graph(Scaled(), (torch.randn(5, 3, 2, dtype=torch.float64),))
+    mul = next(node for node in traced.graph.nodes if node.params)
+    assert mul.kind == "elementwise" and mul.params == ("scale",) and mul.inputs == ("x",) and len(mul.members) == 4
+    # operand dim 0 is new, dim 1 is the parameter's dim 1, dim 2 its (sliced) dim 0
+    assert mul.attr("param_operands") == (("scale", (1, 3, 2), (-1, 1, 0), (0,)),)
+    topk = next(node for node in traced.graph.nodes if node.kind == "reduce" and node.attr("op") == "topk")
+    assert topk.attr("dims") == (1,) and topk.attr("k") == 1 and topk.shape == (5, 1, 2) and topk.inputs == (mul.name,)
+    assert all(traced.graph.consumers(node.name) for node in traced.graph.nodes if node.kind != "output")
+
+
+def test_reshaped_parameter_refused():
+    class Reshapes(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(2, 3, 4, dtype=torch.float64))
+
+        def forward(self, x):
+            return (x @ self.w.reshape(6, 4)).sum()
+
+    with pytest.raises(ValueError, match=r"reshape of parameter 'w' from \(2, 3, 4\) to \(6, 4\).*store the parameter"):
+        trace_graph(Reshapes(), (torch.randn(5, 6, dtype=torch.float64),))
+
+
 @pytest.mark.parametrize("op, fix", [(torch.sort, "sorting"), (torch.cumsum, "prefix sums")])
 def test_refused_op_names_itself(op, fix):
     class Sorts(nn.Module):

@@ -124,6 +124,7 @@ def _build(module, model, param_reads) -> tuple[OpGraph, tuple[str, ...]]:
     folds = {}  # fx name -> (param name, operand dims, sliced param dims, fx names folded in)
     op_nodes = set()
     output = None
+    order = {fx_node.name: position for position, fx_node in enumerate(module.graph.nodes)}
     for node in module.graph.nodes:
         if _is_tensor(node):
             shapes[node.name] = _shape(node)
@@ -178,7 +179,7 @@ def _build(module, model, param_reads) -> tuple[OpGraph, tuple[str, ...]]:
                               f"parameter in the shape it is used in")
             folds[node.name] = (param, folded[0], folded[1], chain + (node.name,))
             continue
-        nodes.append(_classified(node, tensor_args, shapes, folds, op_nodes))
+        nodes.append(_classified(node, tensor_args, shapes, folds, op_nodes, order))
         op_nodes.add(node.name)
     params = tuple(ParamMeta(name, tuple(param.shape), str(param.dtype).removeprefix("torch."), param.element_size())
                    for name, param in model.named_parameters())
@@ -209,7 +210,7 @@ def _random(node) -> bool:
     return isinstance(node.target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in node.target.tags
 
 
-def _classified(node, tensor_args, shapes, folds, op_nodes) -> OpNode:
+def _classified(node, tensor_args, shapes, folds, op_nodes, order) -> OpNode:
     operands, in_shapes, inputs, params, members, param_operands = [], [], [], [], [], []
     for arg in tensor_args:
         if arg.name in folds:
@@ -232,7 +233,6 @@ def _classified(node, tensor_args, shapes, folds, op_nodes) -> OpNode:
         raise refusal(node, module, str(error)) from None
     if param_operands:
         attrs["param_operands"] = tuple(param_operands)
-    order = {name: position for position, name in enumerate(n.name for n in node.graph.nodes)}
     source = _selection_source(node)
     members = [node.name] + sorted(dict.fromkeys(members + ([source.name] if source else [])), key=order.__getitem__)
     return _op(node, kind, tuple(inputs), tuple(params), flops, attrs, tuple(members), module)
