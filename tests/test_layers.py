@@ -38,6 +38,11 @@ LAYER_EXCEPTIONS = {
 
 # (module, imported module prefix): why this import stays inside a function
 LOCAL_ALLOWED = {
+    # plait plan --auto (issue 35): `plait plan --help` and a refused flag load no torch
+    ("plait.cli.plan_auto", "torch"): "only when --auto plans (the factory's inputs, --model hf:)",
+    ("plait.cli.plan_auto", "plait.cli.factory"): "a --module factory loads torch; only when --auto plans one",
+    ("plait.cli.plan_auto", "plait.train"): "hf_model loads torch and transformers; only for --auto --model hf:",
+    ("plait.cli.plan_auto", "plait.plan.auto.planner"): "traces with torch.export; only when --auto plans",
     ("plait.plan.trace", "torch"): "keeps torch out of plait.plan's import path (plan runs anywhere, fast)",
     ("plait.plan.trace", "plait.models.gpt_layers"): "loads torch; keeps it out of plait.plan's import path",
     ("plait.plan.device", "torch"): "keeps torch out of plait.plan's import path",
