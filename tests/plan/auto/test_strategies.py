@@ -420,3 +420,18 @@ def test_traced_model_every_node_priced_and_products_match_the_tracer_flops():
     names = {s.name for s in graph_strategies(graph, AutoMesh((2,)), _cluster())[
         next(n.name for n in graph.nodes if n.kind == "attention")]}
     assert names == {"replicated", "batch@0", "heads@0"}
+
+
+def test_a_merged_chain_adds_its_kernels_bytes_and_saved_outputs():
+    plain = _linear_graph()
+    chain = _graph([_node("x", "input", (), (4, 6, 8)),
+                    _node("fc", "linear", ("x",), (4, 6, 16), ("fc.weight", "fc.bias"),
+                          attrs=(("merged_ops", ("gelu", "dropout")), ("partial_ok", False)))],
+                   [("fc.weight", (16, 8)), ("fc.bias", (16,))])
+    one, two = (node_strategies(g.node("fc"), g, AutoMesh((4,)), _cluster())[2] for g in (plain, chain))
+    assert one.name == two.name == "column@0"
+    out_bytes = 4 * 6 * 16 // 4 * 8  # the local output: a quarter of the columns
+    extra = (DEVICE.time_s(flops=0, nbytes=2 * 2 * out_bytes, kernels=2, dtype="float64")
+             + DEVICE.time_s(flops=0, nbytes=4 * 2 * out_bytes, kernels=2, dtype="float64"))
+    assert two.compute_s - one.compute_s == pytest.approx(extra, rel=1e-9)
+    assert two.memory_bytes - one.memory_bytes == 2 * out_bytes

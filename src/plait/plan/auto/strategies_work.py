@@ -13,18 +13,19 @@ weight gradient (k, n, m): 2x the forward; their bytes are left to the FLOP term
     conv       x (N, C, *in), W (Cout, C/g, *kernel), y (N, Cout, *out): the implicit gemm
                m = N prod(out), n = Cout/g, k = C/g prod(kernel), g of them
 
-Memory-bound kinds (norm, softmax, elementwise, reduce, loss, embedding) move, per
-member of a merged chain, the bytes of their inputs, parameters and output in the
-forward (an embedding: the ids and twice its output, the rows read and written) and
-twice that in the backward (read the output gradient and a saved tensor, write the
-input gradient); one kernel per member each way. view, permute, input, constant and
-output cost nothing (views; data already there).
+Memory-bound kinds (norm, softmax, elementwise, reduce, loss, embedding) move the
+bytes of their inputs, parameters and output in the forward (an embedding: the ids and
+twice its output, the rows read and written) and twice that in the backward (read the
+output gradient and a saved tensor, write the input gradient); one kernel each way.
+view, permute, input, constant and output cost nothing (views; data already there).
+Every elementwise op Alpa's simplify merged into a node (attrs merged_ops) adds a
+kernel moving twice the output's bytes forward and four times backward.
 
 Saved for backward (on this device): linear, conv: x; matmul: a and b; attention: q,
 k, v, the output and the float32 log-sum-exp (batch dims x s) of a fused kernel;
 softmax: its output; norm: its input; loss: its first input (the logits); embedding: the
-ids; elementwise: its floating inputs, unless it is an add/sub (which saves nothing),
-plus the output of every further member of a merged chain; the rest: nothing.
+ids; elementwise: its floating inputs, unless it is an add/sub (which saves nothing);
+the rest: nothing; plus one output-sized tensor per merged op.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from dataclasses import dataclass
 
 from plait.plan.layers import backward_matmuls, matmul_flops
 
-__all__ = ["Work", "local_work", "saved_bytes", "is_floating"]
+__all__ = ["Work", "local_work", "saved_bytes", "is_floating", "merged_ops"]
 
 # a fused attention kernel keeps one float32 log-sum-exp per query row
 _LSE_ITEMSIZE = 4
@@ -96,9 +97,14 @@ def _products(node, inputs, params, out) -> tuple:
     return (("gemm", groups, x[0] * math.prod(out[2:]), weight[0] // groups, weight[1] * kernel),)
 
 
-def local_work(node, inputs, in_itemsizes, params, param_itemsizes, out) -> tuple[Work, Work]:
-    """(forward, backward) of ``node`` on local shapes: ``inputs`` (shapes, in order) with
-    their itemsizes, ``params`` (shapes) with theirs, and the output shape ``out``."""
+def merged_ops(node) -> int:
+    """How many elementwise ops Alpa's simplify merged into ``node`` (A's attrs
+    merged_ops; other members, folded parameter views and a linear's flattening views,
+    move no data)."""
+    return len(node.attr("merged_ops", ()) or ())
+
+
+def _own_work(node, inputs, in_itemsizes, params, param_itemsizes, out) -> tuple[Work, Work]:
     if node.kind in _MATMUL_KINDS:
         forward = _products(node, inputs, params, out)
         backward = backward_matmuls(forward)
@@ -106,20 +112,36 @@ def local_work(node, inputs, in_itemsizes, params, param_itemsizes, out) -> tupl
                 Work(flops=matmul_flops(backward), kernels=2, matmuls=backward))
     if node.kind not in _MEMORY_KINDS:
         return Work(), Work()
-    members = max(1, len(node.members))
     out_bytes = _nbytes(out, node.itemsize)
     if node.kind == "embedding":
         moved = sum(_nbytes(s, i) for s, i in zip(inputs, in_itemsizes)) + 2 * out_bytes
     else:
         moved = (sum(_nbytes(s, i) for s, i in zip(inputs, in_itemsizes))
                  + sum(_nbytes(s, i) for s, i in zip(params, param_itemsizes)) + out_bytes)
-    return (Work(nbytes=members * moved, kernels=members),
-            Work(nbytes=2 * members * moved, kernels=members))
+    return Work(nbytes=moved, kernels=1), Work(nbytes=2 * moved, kernels=1)
+
+
+def local_work(node, inputs, in_itemsizes, params, param_itemsizes, out) -> tuple[Work, Work]:
+    """(forward, backward) of ``node`` on local shapes: ``inputs`` (shapes, in order) with
+    their itemsizes, ``params`` (shapes) with theirs, and the output shape ``out``; plus
+    each merged elementwise op: a kernel reading and writing the output's bytes forward,
+    twice that backward."""
+    forward, backward = _own_work(node, inputs, in_itemsizes, params, param_itemsizes, out)
+    chain = merged_ops(node)
+    if not chain:
+        return forward, backward
+    moved = 2.0 * chain * _nbytes(out, node.itemsize)
+    return (Work(forward.flops, forward.nbytes + moved, forward.kernels + chain, forward.matmuls),
+            Work(backward.flops, backward.nbytes + 2 * moved, backward.kernels + chain, backward.matmuls))
 
 
 def saved_bytes(node, inputs, in_itemsizes, in_dtypes, out) -> float:
     """Bytes ``node`` keeps for its backward on one device (local shapes; see the module
-    docstring for what each kind keeps)."""
+    docstring for what each kind keeps), plus one output-sized tensor per merged op."""
+    return _own_saved(node, inputs, in_itemsizes, in_dtypes, out) + merged_ops(node) * _nbytes(out, node.itemsize)
+
+
+def _own_saved(node, inputs, in_itemsizes, in_dtypes, out) -> float:
     kind = node.kind
     sizes = [_nbytes(s, i) for s, i in zip(inputs, in_itemsizes)]
     out_bytes = _nbytes(out, node.itemsize)
@@ -133,7 +155,6 @@ def saved_bytes(node, inputs, in_itemsizes, in_dtypes, out) -> float:
         return float(out_bytes)
     if kind == "elementwise":
         target = node.attr("op") or (node.target.split(".")[-2] if node.target.count(".") >= 2 else node.target)
-        own = 0 if target in _ADDITIVE else sum(
-            size for size, dtype in zip(sizes, in_dtypes) if is_floating(dtype))
-        return float(own + (max(1, len(node.members)) - 1) * out_bytes)
+        return float(0 if target in _ADDITIVE else sum(size for size, dtype in zip(sizes, in_dtypes)
+                                                       if is_floating(dtype)))
     return 0.0
