@@ -106,21 +106,23 @@ def mlp_plans(ndim: int) -> dict[str, dict]:
     }
 
 
-def parity(model_fn, batch_fn, plans: dict, mesh_shape, adam: tuple = ()) -> dict:
+def parity(model_fn, batch_fn, plans: dict, mesh_shape, adam: tuple = (), simplified: bool = False) -> dict:
     """Each plan ({name: layouts}) on this rank, traced once: the errors against the
     one-process model after steps of SGD (and of Adam for the plans in ``adam``), and
-    the bytes its axis communicators sent in the first step."""
+    the bytes its axis communicators sent in the first step. ``simplified``: the plans
+    name the nodes of the simplified graph (as the planner's do)."""
     from plait.parallel.auto.device_mesh import AutoMesh
     from plait.parallel.auto.execute import AutoParallelModule
-    from plait.parallel.auto.trace import trace_graph
+    from plait.parallel.auto.trace import simplify, trace_graph
 
     traced = trace_graph(model_fn(), batch_fn(0))
+    graph = simplify(traced.graph) if simplified else traced.graph
     results = {}
     for plan_name, layouts in plans.items():
         errors = results[plan_name] = {}
         for optimizer_name in ("sgd", "adam") if plan_name in adam else ("sgd",):
             reference = model_fn()
-            auto = AutoParallelModule(traced, layouts, AutoMesh(tuple(mesh_shape)))
+            auto = AutoParallelModule(traced, layouts, AutoMesh(tuple(mesh_shape)), graph=graph)
             make = (lambda params: torch.optim.SGD(params, lr=0.1)) if optimizer_name == "sgd" else \
                 (lambda params: torch.optim.Adam(params, lr=1e-2))
             optimizers = [make(auto.parameters()), make(reference.parameters())]

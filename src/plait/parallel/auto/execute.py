@@ -188,6 +188,9 @@ class AutoParallelModule(nn.Module):
         """Each parameter's shard of its stored layout as an nn.Parameter at the model's
         qualified name; buffers whole."""
         whole_params = dict(module.named_parameters(remove_duplicate=False))
+        canonical = {id(whole_params[name]): name for name in self._stored if name in whole_params}
+        self._aliases = {alias: canonical[id(param)] for alias, param in whole_params.items()
+                         if alias not in self._stored and id(param) in canonical}  # tied: lm_head -> wte
         for name, layout in self._stored.items():
             whole = whole_params[name] if name in whole_params else module.get_parameter(name)
             shard = shard_for(whole.detach(), layout, self._coords, self._mesh.shape).clone()
@@ -238,14 +241,17 @@ class AutoParallelModule(nn.Module):
                 tensor = wrap_replicated(tensor, self._axes[axis])
         return tensor
 
-    def _run_node(self, node, values, user_inputs):
+    def _run_node(self, node, values, user_inputs, wholes):
         layout = self._layouts.get(node.name)
         if node.kind == "input":
             index = node.attr("index", self._graph.inputs.index(node.name))
             return self._reshard(user_inputs[index], replicated(self._mesh.ndim), layout.output, node.shape)
-        if node.kind == "constant":
+        if node.kind == "constant":  # whole, from whole constants (a constant reads no input, no parameter)
             ctx = NodeContext(node, layout, self._fx, self._order, self._coords, self._mesh.shape, self._axes)
-            whole = run_members(ctx, self._buffer_lookup, whole=True)
+            earlier = {self._value[p]: wholes[p] for p in node.inputs}
+            whole = run_members(ctx, lambda fx: earlier[fx.name] if fx.name in earlier else self._buffer_lookup(fx),
+                                whole=True)
+            wholes[node.name] = whole
             return self._reshard(whole.detach(), replicated(self._mesh.ndim), layout.output, node.shape)
         splits = [any(p[axis] != REPLICATE for p in (*layout.inputs, layout.output, *(l for _, l in layout.params)))
                   for axis in range(self._mesh.ndim)]
@@ -295,17 +301,19 @@ class AutoParallelModule(nn.Module):
         if len(inputs) != len(self._graph.inputs):
             raise TypeError(f"the traced step takes {len(self._graph.inputs)} inputs, got {len(inputs)}")
         values: dict[str, tuple] = {}
+        wholes: dict[str, torch.Tensor] = {}  # constants' whole values
         for node in self._graph.nodes:
             if node.kind == "output":
                 tensor, have = values[node.inputs[0]]
                 return self._reshard(tensor, have, replicated(self._mesh.ndim), self._graph.node(node.inputs[0]).shape)
-            values[node.name] = (self._run_node(node, values, inputs), self._layouts[node.name].output)
+            values[node.name] = (self._run_node(node, values, inputs, wholes), self._layouts[node.name].output)
         raise ValueError("the traced graph has no output node")
 
     # ----- inspection ------------------------------------------------------------------------
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter whole (gathered from its shards) and every buffer, under the
-        model's names. Collective: every rank of the mesh calls it."""
+        model's names (a tied parameter under each of its names, as the model's
+        state_dict has it). Collective: every rank of the mesh calls it."""
         full = {}
         with torch.no_grad():
             for name, tensor in self.named_parameters(remove_duplicate=False):
@@ -314,6 +322,8 @@ class AutoParallelModule(nn.Module):
                                            self._graph.param(name).shape).clone()
             for name, buffer in self.named_buffers():
                 full[name] = buffer.detach().clone()
+        for alias, name in self._aliases.items():
+            full[alias] = full[name]
         return full
 
     def stored_layout(self, name: str) -> tuple:

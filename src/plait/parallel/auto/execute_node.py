@@ -115,8 +115,8 @@ def _generic(ctx: NodeContext, fx_node, read, *, is_value: bool):
     args = list(map_arg(fx_node.args, read))
     kwargs = dict(map_arg(fx_node.kwargs, read))
     op = _op_name(fx_node)
-    if op in _SHAPE_OPS and is_value:
-        args[1] = ctx.local_target(fx_node)
+    if op in _SHAPE_OPS and (is_value or tuple(fx_node.meta["val"].shape) == tuple(ctx.node.shape)):
+        args[1] = ctx.local_target(fx_node)  # the node's value, or a shape-preserving chain (alias, to) follows
     elif op in _SHAPE_OPS and fx_node.args[0].op != "get_attr" and not _is_param_view(fx_node, set(ctx.node.members)):
         source_shape = tuple(fx_node.args[0].meta["val"].shape)
         if tuple(args[0].shape) != source_shape:
