@@ -153,6 +153,36 @@ def test_simplify_merges_gelu_chain_keeps_residual_adds(gpt2):
     assert consumers <= {node.name for node in merged.nodes}
 
 
+def test_cnn_conv_flops_norm_and_shape_only_constants():
+    class CNN(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(3, 4, 3, padding=1, dtype=torch.float64)
+            self.norm = nn.GroupNorm(2, 4, dtype=torch.float64)
+            self.act = nn.ReLU(inplace=True)
+            self.head = nn.Linear(4, 2, dtype=torch.float64)
+
+        def forward(self, images, target):
+            h = self.act(self.norm(self.conv(images)))
+            h = h + torch.zeros_like(h)  # reads h's shape only: a constant
+            return F.mse_loss(self.head(h.mean(dim=(2, 3))), target)
+
+    model = CNN()
+    inputs = (torch.randn(2, 3, 5, 5, dtype=torch.float64), torch.randn(2, 2, dtype=torch.float64))
+    traced = trace_graph(model, inputs)
+    kinds = _kinds(traced.graph)
+    assert kinds["conv"] == 1 and kinds["norm"] == 1 and kinds["constant"] == 1 and kinds["reduce"] == 1
+    conv = next(node for node in traced.graph.nodes if node.kind == "conv")
+    # 2 * batch * out channels * output pixels * (in channels * kernel area)
+    assert conv.flops == 2 * 2 * 4 * 25 * 3 * 9 and conv.params == ("conv.weight", "conv.bias")
+    assert conv.attr("groups") == 1 and conv.attr("spatial_ndim") == 2 and conv.attr("transposed") is False
+    norm = next(node for node in traced.graph.nodes if node.kind == "norm")
+    assert norm.attr("op") == "group_norm" and norm.attr("groups") == 2 and norm.attr("normalized_ndim") == 3
+    mean = next(node for node in traced.graph.nodes if node.kind == "reduce")
+    assert mean.attr("dims") == (2, 3) and mean.attr("keepdim") is False and mean.shape == (2, 4)
+    assert _close(traced.module(*inputs).detach(), model(*inputs).detach())
+
+
 def test_simplify_does_not_merge_a_value_read_elsewhere():
     class Branch(nn.Module):
         def __init__(self):

@@ -12,7 +12,9 @@ one fused kernel versus two):
 - ``linears``: a product with a parameter matrix becomes ``aten.linear(x, W, b)``
   (W as (out, in), through a folded ``t`` where the parameter is stored (in, out)):
   ``mm(x, W)``, ``matmul(x, W)``, ``addmm(b, x, W)`` (HF's Conv1D) and the flatten
-  view -> mm/addmm -> unflatten view around them (so the linear sees (..., in)).
+  view -> mm/addmm -> unflatten view around them (so the linear sees (..., in));
+- ``shape_only``: ``zeros_like(x)``, ``new_ones(x, size)``, ... become ``aten.full`` of
+  the global shape (constants: they never read x's values).
 """
 
 from __future__ import annotations
@@ -24,9 +26,11 @@ import torch
 from plait.parallel.auto.trace_kinds import op_name
 from plait.parallel.auto.trace_views import FOLDABLE
 
-__all__ = ["drop_checks", "canonical_params", "split_getitems", "linears", "param_root"]
+__all__ = ["drop_checks", "canonical_params", "split_getitems", "shape_only", "linears", "param_root"]
 
 aten = torch.ops.aten
+FILLS = {"zeros_like": 0, "ones_like": 1, "empty_like": 0, "full_like": None, "new_zeros": 0, "new_ones": 1,
+         "new_empty": 0, "new_full": None}
 SPLITS = frozenset({"split", "split_with_sizes", "unsafe_split", "unsafe_split_with_sizes", "chunk",
                     "tensor_split"})
 
@@ -117,6 +121,26 @@ def split_getitems(module: torch.fx.GraphModule) -> None:
             graph.erase_node(getter)
         if not source.users:
             graph.erase_node(source)
+
+
+def shape_only(module: torch.fx.GraphModule) -> None:
+    """``zeros_like(x)`` / ``new_ones(x, size)`` / ... read only x's shape, dtype and device:
+    each becomes ``aten.full(global shape, value)``, a constant that runs whole."""
+    graph = module.graph
+    for node in list(graph.nodes):
+        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+            continue
+        name = op_name(node.target)
+        if name not in FILLS:
+            continue
+        value = node.meta["val"]
+        fill = node.args[1] if name in ("full_like", "new_full") else FILLS[name]
+        with graph.inserting_before(node):
+            full = graph.call_function(aten.full.default, (list(value.shape), fill),
+                                       {"dtype": value.dtype, "device": value.device})
+        full.meta.update(node.meta)
+        node.replace_all_uses_with(full)
+        graph.erase_node(node)
 
 
 def param_root(node, params: dict) -> str | None:
