@@ -113,6 +113,11 @@ def test_gpt2_kinds_against_hand_counts(gpt2):
     attention = next(node for node in traced.graph.nodes if node.kind == "attention")
     assert attention.shape == (2, 4, 8, 8) and attention.flops == 4 * 2 * 4 * 8 * 8 * 8
     assert traced.graph.node(attention.inputs[3]).kind == "constant"  # the causal mask
+    # c_attn's split(32, dim=2) into q, k, v: three slices of its (2, 8, 96) output
+    c_attn = nodes["model.transformer.h.0.attn.c_attn"]
+    parts = sorted((node.attr("start"), node.attr("end"), node.attr("step"), node.attr("sliced_dims"))
+                   for node in traced.graph.consumers(c_attn.name))
+    assert parts == [(0, 32, 1, (2,)), (32, 64, 1, (2,)), (64, 96, 1, (2,))]
     # every get_attr names a parameter of the model by its canonical name; the tied head reads wte
     names = {name for name, _ in traced.module.named_parameters()}
     reads = {node.target for node in traced.module.graph.nodes if node.op == "get_attr"}

@@ -196,7 +196,9 @@ def classify(node, shapes: dict, in_shapes: list, operands: list) -> tuple[str, 
         cut = (dim,) if name == "select" or in_shapes[0][dim] != out[dim] else ()
         groups = tuple(((d,), () if (name == "select" and d == dim) else (d - (name == "select" and d > dim),))
                        for d in range(ndim))
-        return "view", dict(op=name, dim_groups=groups, sliced_dims=cut, expanded_dims=()), 0.0
+        attrs = dict(op=name, dim_groups=groups, sliced_dims=cut, expanded_dims=(), dim=dim)
+        attrs.update(_bounds(name, args, in_shapes[0][dim]))
+        return "view", attrs, 0.0
     if name in ("cat", "stack"):
         ndim = len(in_shapes[0])
         dim = int(args["dim"]) % (ndim + (name == "stack"))
@@ -236,6 +238,21 @@ def _selection(node, in_shape, out) -> tuple[str, dict, float]:
     if name == "topk":
         attrs["k"] = int(args["k"])
     return "reduce", attrs, float(math.prod(in_shape))
+
+
+def _bounds(name: str, args: dict, size: int) -> dict:
+    """slice / narrow: start, end (normalised to [0, size]) and step; select: index (>= 0)."""
+    if name == "select":
+        return dict(index=int(args["index"]) % size)
+    if name == "narrow":
+        start = int(args["start"]) % size if size else 0
+        return dict(start=start, end=start + int(args["length"]), step=1)
+    start, end = args.get("start"), args.get("end")
+    start = 0 if start is None else int(start)
+    end = size if end is None else int(end)
+    start = min(max(start + size if start < 0 else start, 0), size)
+    end = min(max(end + size if end < 0 else end, 0), size)
+    return dict(start=start, end=end, step=int(args.get("step", 1)))
 
 
 def _perm(name: str, args: dict, ndim: int) -> tuple[int, ...]:
