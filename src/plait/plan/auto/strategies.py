@@ -1,12 +1,14 @@
 """Every sharding strategy of an operator on a 1-D or 2-D mesh, with its costs (the
 choices the intra-operator ILP picks from, Alpa's sharding specs).
 
-Per mesh axis an operator has 1-D options (``plait.plan.auto.strategies_options``:
-replicated, batch, sequence, column, row, ... per kind); a strategy is one option per
-axis, the cartesian product over axes, less the combinations that shard one tensor dim
-on both axes when it does not divide by the product of their sizes, and less duplicate
-layouts. The all-replicated strategy ("replicated") always exists and comes first, so a
-plan always exists.
+Per mesh axis an operator has 1-D options (``strategies_options`` has the table per
+kind: replicated, batch, sequence, column, row, ...; ``strategies_products`` builds
+those of linear, matmul, attention, conv and embedding, ``strategies_axis`` holds the
+shared vocabulary); a strategy is one option per axis, the cartesian product over
+axes, less the combinations that shard one tensor dim on both axes when it does not
+divide by the product of their sizes (such a dim is split axis 0 outer, axis 1 inner,
+as DTensor does), and less duplicate layouts. The all-replicated strategy
+("replicated") always exists and comes first, so a plan always exists.
 
 Names: ``"<style>@<axis>"`` for every axis not replicated, joined by "," in axis order:
 "column@0" on a 1-D mesh, "batch@0,column@1" on a 2-D one, "replicated" when no axis
