@@ -185,14 +185,15 @@ def _permute(node, shapes: Shapes, p: int) -> list[AxisOption]:
 
 
 def _loss(node, shapes: Shapes, p: int) -> list[AxisOption]:
-    """Batch: every input with the first's dim 0 is S0 (the rest R); the output P (a
+    """Batch: the input and a target with its dim 0 are S0 (anything else R); the output P (a
     reduced loss: the ranks' summands) or S0 (reduction "none"). Not for a classification
     loss over one unbatched sample (attrs class_dim 0: dim 0 is the classes)."""
     first = shapes.inputs[0]
     if not first or not divides(first[0], p) or (node.attr("op") in ("cross_entropy", "nll")
                                                     and int(node.attr("class_dim", 1)) == 0):
         return []
-    inputs = tuple(shard(0) if shape and shape[0] == first[0] else REPLICATE for shape in shapes.inputs)
+    inputs = tuple(shard(0) if position < 2 and shape and shape[0] == first[0] else REPLICATE
+                   for position, shape in enumerate(shapes.inputs))  # (input, target); a class weight stays R
     output = shard(0) if shapes.out and shapes.out[0] == first[0] else PARTIAL
     return [AxisOption("batch", output, inputs, param_placements(shapes, {}),
                        tuple(i for i, placement in enumerate(inputs) if placement == REPLICATE),
