@@ -45,7 +45,7 @@ from typing import NamedTuple
 
 from plait.names.placements import PARTIAL, REPLICATE, check_placement, is_shard, local_shape, shard_dim
 
-__all__ = ["ReshardStep", "reshard_time_s", "reshard_steps", "reshard_path"]
+__all__ = ["ReshardStep", "reshard_time_s", "reshard_steps", "reshard_path", "FORWARD", "BACKWARD", "SLICE"]
 
 FORWARD = "forward"
 BACKWARD = "backward"
