@@ -188,6 +188,27 @@ def test_cnn_conv_flops_norm_and_shape_only_constants():
     assert _close(traced.module(*inputs).detach(), model(*inputs).detach())
 
 
+def test_unbind_chunk_and_fills_become_single_views_and_constants():
+    class Pieces(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(4, 6, dtype=torch.float64)
+
+        def forward(self, x):
+            h = self.a(x)  # (3, 6)
+            filled = torch.full_like(h, 3.0) + h.new_full((3, 6), 2.0)
+            return h.unbind(1)[2].sum() + h.chunk(2, dim=1)[1].sum() + (h * filled).sum()
+
+    model = Pieces()
+    x = torch.randn(3, 4, dtype=torch.float64)
+    traced = trace_graph(model, (x,))
+    views = {node.attr("op"): node for node in traced.graph.nodes if node.kind == "view"}
+    assert views["select"].attr("dim") == 1 and views["select"].attr("index") == 2 and views["select"].shape == (3,)
+    assert (views["slice"].attr("start"), views["slice"].attr("end")) == (3, 6) and views["slice"].shape == (3, 3)
+    assert _kinds(traced.graph)["constant"] == 3  # two aten.full and their sum
+    assert _close(traced.module(x).detach(), model(x).detach())
+
+
 def test_simplify_does_not_merge_a_value_read_elsewhere():
     class Branch(nn.Module):
         def __init__(self):

@@ -124,7 +124,7 @@ def classify(node, shapes: dict, in_shapes: list, operands: list) -> tuple[str, 
         return _selection(node, in_shapes[0], out)
     if name in LINEAR_OPS:
         kinds = [entry[0] for entry in operands]
-        if kinds[:2] != ["input", "param"] or (len(kinds) > 2 and kinds[2] != "param"):
+        if kinds[:2] != ["input", "param"] or (len(kinds) > 2 and kinds[2] != "param") or len(in_shapes[1]) != 2:
             raise Unsupported("F.linear whose weight is not a parameter: write torch.matmul(x, w.transpose(-1, -2))")
         weight_dims = operands[1][2]
         in_features, out_features = in_shapes[1][1], in_shapes[1][0]
@@ -135,7 +135,7 @@ def classify(node, shapes: dict, in_shapes: list, operands: list) -> tuple[str, 
         a, b = in_shapes[0], in_shapes[1]
         m, k = (a[-2] if len(a) > 1 else 1), a[-1]
         n = b[-1] if len(b) > 1 else 1
-        batch = math.prod(out) / (m * n if len(a) > 1 and len(b) > 1 else max(m * n, 1))
+        batch = math.prod(out) // (m * n)  # out is (*batch, m, n) without the 1-d operands' dim
         sides = [position for position, entry in enumerate(operands[:2]) if entry[0] == "param"]
         if len(sides) > 1:
             raise Unsupported("a product of two parameters is unsupported: precompute it")

@@ -23,7 +23,7 @@ import operator
 
 import torch
 
-from plait.parallel.auto.trace_kinds import op_name
+from plait.parallel.auto.trace_kinds import bind, op_name
 from plait.parallel.auto.trace_views import FOLDABLE
 
 __all__ = ["drop_checks", "canonical_params", "split_getitems", "shape_only", "linears", "param_root"]
@@ -110,7 +110,7 @@ def split_getitems(module: torch.fx.GraphModule) -> None:
                 new = _insert(graph, getter, aten.expand.default, (origin, list(pieces[index].shape)), getter)
             else:
                 x = source.args[0]
-                dim = (source.args[2] if len(source.args) > 2 else source.kwargs.get("dim", 0)) % x.meta["val"].dim()
+                dim = int(bind(source).get("dim", 0)) % x.meta["val"].dim()
                 if name == "unbind":
                     new = _insert(graph, getter, aten.select.int, (x, dim, index), getter)
                 else:
@@ -134,7 +134,7 @@ def shape_only(module: torch.fx.GraphModule) -> None:
         if name not in FILLS:
             continue
         value = node.meta["val"]
-        fill = node.args[1] if name in ("full_like", "new_full") else FILLS[name]
+        fill = bind(node)["fill_value"] if FILLS[name] is None else FILLS[name]
         with graph.inserting_before(node):
             full = graph.call_function(aten.full.default, (list(value.shape), fill),
                                        {"dtype": value.dtype, "device": value.device})
