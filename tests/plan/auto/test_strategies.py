@@ -312,6 +312,12 @@ def test_refusals_name_the_problem():
     with pytest.raises(ValueError, match="permute.*perm"):
         node_strategies(nodes[1], _graph(nodes), AutoMesh((2,)), _cluster())
     assert math.isfinite(node_strategies(g.node("fc"), g, AutoMesh((1,)), _cluster())[0].compute_s)
+    single = DeviceSpec(name="fp32 only", peak_flops_per_s=(("float32", 1e9),), memory_bytes=1e12,
+                        memory_bandwidth_bytes_per_s=1e9, kernel_overhead_s=1e-6)
+    with pytest.raises(ValueError, match="node 'fc' computes in float64.*pass dtype="):
+        node_strategies(g.node("fc"), g, AutoMesh((4,)), _cluster(single))
+    as_fp32 = node_strategies(g.node("fc"), g, AutoMesh((4,)), _cluster(single), dtype="float32")
+    assert as_fp32[0].compute_s == pytest.approx(_linear_time(DEVICE, 24, 16, 8), rel=1e-12)  # same peak, as if fp32
 
 
 def test_no_partial_output_through_a_non_linear_chain_or_a_max():

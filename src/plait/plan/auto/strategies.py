@@ -105,12 +105,16 @@ def _compute_dtype(node, graph, cluster, dtype: str | None) -> str:
     """The dtype compute is priced at: ``dtype`` when given, else the node's when it is
     floating, else the graph's first floating parameter's, else the device's first
     (an integer op moves bytes only)."""
-    if dtype is not None:
-        return dtype
-    if is_floating(node.dtype):
-        return node.dtype
-    floating = [param.dtype for param in graph.params if is_floating(param.dtype)]
-    return floating[0] if floating else cluster.device.peak_flops_per_s[0][0]
+    peaks = dict(cluster.device.peak_flops_per_s)
+    if dtype is None and not is_floating(node.dtype):
+        floating = [param.dtype for param in graph.params if is_floating(param.dtype)]
+        dtype = floating[0] if floating else cluster.device.peak_flops_per_s[0][0]
+    chosen = node.dtype if dtype is None else dtype
+    if chosen not in peaks:
+        raise ValueError(f"node {node.name!r} computes in {chosen}, which device {cluster.device.name!r} has no peak "
+                         f"for (it has {', '.join(peaks)}): pass dtype= one of those to price the model as if in it, "
+                         "or use a device profile measured in that dtype")
+    return chosen
 
 
 def node_strategies(node, graph, mesh, cluster, *, dtype: str | None = None,
