@@ -106,11 +106,13 @@ def mlp_plans(ndim: int) -> dict[str, dict]:
     }
 
 
-def parity(model_fn, batch_fn, plans: dict, mesh_shape, adam: tuple = (), simplified: bool = False) -> dict:
+def parity(model_fn, batch_fn, plans: dict, mesh_shape, adam: tuple = (), simplified: bool = False,
+           reshard_path=None) -> dict:
     """Each plan ({name: layouts}) on this rank, traced once: the errors against the
     one-process model after steps of SGD (and of Adam for the plans in ``adam``), and
     the bytes its axis communicators sent in the first step. ``simplified``: the plans
-    name the nodes of the simplified graph (as the planner's do)."""
+    name the nodes of the simplified graph (as the planner's do); ``reshard_path``: the
+    executor's path of layout changes (None: its default order)."""
     from plait.parallel.auto.device_mesh import AutoMesh
     from plait.parallel.auto.execute import AutoParallelModule
     from plait.parallel.auto.trace import simplify, trace_graph
@@ -122,7 +124,8 @@ def parity(model_fn, batch_fn, plans: dict, mesh_shape, adam: tuple = (), simpli
         errors = results[plan_name] = {}
         for optimizer_name in ("sgd", "adam") if plan_name in adam else ("sgd",):
             reference = model_fn()
-            auto = AutoParallelModule(traced, layouts, AutoMesh(tuple(mesh_shape)), graph=graph)
+            auto = AutoParallelModule(traced, layouts, AutoMesh(tuple(mesh_shape)), graph=graph,
+                                      reshard_path=reshard_path)
             make = (lambda params: torch.optim.SGD(params, lr=0.1)) if optimizer_name == "sgd" else \
                 (lambda params: torch.optim.Adam(params, lr=1e-2))
             optimizers = [make(auto.parameters()), make(reference.parameters())]
@@ -149,10 +152,21 @@ def parity(model_fn, batch_fn, plans: dict, mesh_shape, adam: tuple = (), simpli
     return results
 
 
-def _mlp_worker(rank: int, world_size: int, mesh_shape, plan_names, adam=()) -> dict:
+def _mlp_worker(rank: int, world_size: int, mesh_shape, plan_names, adam=(), priced: bool = False) -> dict:
     plans = mlp_plans(len(mesh_shape))
-    return parity(_mlp, _batch, {name: _layouts(plans[name], len(mesh_shape)) for name in plan_names}, mesh_shape,
-                  adam)
+    results = parity(_mlp, _batch, {name: _layouts(plans[name], len(mesh_shape)) for name in plan_names}, mesh_shape,
+                     adam)
+    if priced:  # the same plans through the planner's cheapest reshard paths (plait.plan.auto.reshard_cost)
+        from plait.parallel.auto.device_mesh import AutoMesh
+        from plait.plan.auto.reshard_cost import reshard_path
+        from plait.plan.cluster import cluster_preset
+
+        mesh, cluster = AutoMesh(tuple(mesh_shape)), cluster_preset("dgx-a100", gpus=world_size)
+        priced_plans = parity(_mlp, _batch, {f"{name}_priced": _layouts(plans[name], len(mesh_shape))
+                                             for name in plan_names}, mesh_shape,
+                              reshard_path=lambda s, d, shape, size: reshard_path(s, d, shape, size, mesh, cluster))
+        results.update(priced_plans)
+    return results
 
 
 def _check(results: list[dict]) -> None:
@@ -172,11 +186,48 @@ def test_mlp_plans_two_ranks():
     results = run_distributed(_mlp_worker, 2, (2,), ONE_D_PLANS,
                               adam=("megatron",))
     _check(results)
-    assert all(plans["batch"]["bytes_sent"] > 0 for plans in results)
+    # bytes at the transport, per rank, on 2 ranks (every all-reduce algorithm sends n per rank at p = 2):
+    # batch: the gradient all-reduce of all 162 parameters + the loss's target count + the loss (8 bytes each);
+    # Megatron: one all-reduce of the row-parallel output (6, 6, 6) (x needs no gradient, so f's is not run)
+    params = FEATURES * HIDDEN + HIDDEN + HIDDEN * CLASSES + CLASSES
+    assert [plans["batch"]["bytes_sent"] for plans in results] == [(params + 2) * 8] * 2
+    assert [plans["megatron"]["bytes_sent"] for plans in results] == [BATCH * SEQ * CLASSES * 8] * 2
 
 
 @pytest.mark.slow
 def test_mlp_plans_three_ranks_and_2x2():
     """The same plans on 3 ranks, and batch x Megatron on a 2x2 mesh, equal one process."""
     _check(run_distributed(_mlp_worker, 3, (3,), ONE_D_PLANS))
-    _check(run_distributed(_mlp_worker, 4, (2, 2), ("batch_x_megatron",), adam=("batch_x_megatron",)))
+    _check(run_distributed(_mlp_worker, 4, (2, 2), ("batch_x_megatron",), adam=("batch_x_megatron",), priced=True))
+
+
+def _traced_mlp():
+    from plait.parallel.auto.trace import trace_graph
+
+    return trace_graph(_mlp(), _batch(0))
+
+
+@pytest.mark.parametrize("change, named", [
+    ({"gelu": None}, "no NodeLayout for nodes ['gelu']"),
+    ({"gelu": (("P",), "P", ())}, "node 'gelu' (elementwise, aten.gelu.default) on mesh axis 0: elementwise gelu is not "
+                                  "linear"),
+    ({"reshape": (("S1",), "S0", ())}, "node 'reshape' (view, aten.reshape.default): inputs [('S1',)] -> output "
+                                       "('S0',) moves the wrong elements"),
+    ({"linear_1": (("S2",), "P", (("fc2.weight", "S1"), ("fc2.bias", "S0")))}, "node 'linear_1' (linear"),
+    ({"linear": (("R",), "S2", (("fc1.weight", "S0"),))}, "lays out parameters ['fc1.weight'], but the node reads"),
+])
+def test_refused_layouts_are_named_before_any_group(change, named):
+    """A plan the executor cannot run exactly is refused naming the node, before any
+    process group is made (here there is none)."""
+    from plait.parallel.auto.device_mesh import AutoMesh
+    from plait.parallel.auto.execute import AutoParallelModule
+
+    plan = dict(mlp_plans(1)["megatron"])
+    for name, value in change.items():
+        if value is None:
+            del plan[name]
+        else:
+            plan[name] = value
+    with pytest.raises(ValueError) as error:
+        AutoParallelModule(_traced_mlp(), _layouts(plan, 1), AutoMesh((2,)))
+    assert named in str(error.value)

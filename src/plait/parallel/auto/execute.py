@@ -123,6 +123,8 @@ class AutoParallelModule(nn.Module):
         self._order = {name: index for index, name in enumerate(self._fx)}
         self._value = {node.name: max(node.members or (node.name,), key=self._order.__getitem__)
                        for node in graph.nodes}
+        self._stored = self._stored_layouts()
+        self._check_nodes()  # before any group is made: a refused plan fails alike on every rank, with no traffic
         groups = mesh_axis_groups(mesh, group) if axis_groups is None else list(axis_groups)
         if len(groups) != mesh.ndim:
             raise ValueError(f"axis_groups has {len(groups)} groups for a {mesh.ndim}-axis mesh")
@@ -135,8 +137,6 @@ class AutoParallelModule(nn.Module):
         self._coords = tuple(coords)
         self._axes = [AxisComm(g, mesh.shape[a], self._coords[a], algorithm) for a, g in enumerate(groups)]
         self._reshard_path = reshard_path
-        self._stored = self._stored_layouts()
-        self._check_nodes()
         self._hold_shards(traced.module)
 
     # ----- construction ----------------------------------------------------------------------
