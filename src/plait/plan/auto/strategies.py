@@ -104,7 +104,7 @@ def _check(mesh, cluster, optimizer_state_bytes_per_param) -> None:
 def _compute_dtype(node, graph, cluster, dtype: str | None) -> str:
     """The dtype compute is priced at: ``dtype`` when given, else the node's when it is
     floating, else the graph's first floating parameter's, else the device's first
-    (an integer op moves bytes only)."""
+    (an integer op moves bytes only); refused by name when the device has no peak for it."""
     peaks = dict(cluster.device.peak_flops_per_s)
     if dtype is None and not is_floating(node.dtype):
         floating = [param.dtype for param in graph.params if is_floating(param.dtype)]
