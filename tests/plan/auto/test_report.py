@@ -9,7 +9,8 @@ from plait.parallel.auto.device_mesh import AutoMesh
 from plait.parallel.auto.opgraph import OpGraph, OpNode, ParamMeta
 from plait.plan.auto.auto_plan import AutoPlan, Baseline, EdgeReshard, MeshOutcome, operator_groups, PlanCost, \
     RunnerUp
-from plait.plan.auto.report import layout_colours, node_rows, plan_dot, plan_svg, plan_table, report_lines
+from plait.plan.auto.report import collapse_repeats, layout_colours, node_rows, plan_dot, plan_svg, plan_table, \
+    report_lines
 from plait.plan.auto.strategy import Strategy
 
 SVG = "{http://www.w3.org/2000/svg}"
@@ -89,3 +90,20 @@ def test_dot_has_every_node_and_the_labelled_reshard_edge():
     assert dot.count("[label=") == 6
     assert '"proj" -> "loss" [color="#cb181d", fontcolor="#cb181d", label="all_reduce@0"];' in dot
     assert '"x" -> "fc";' in dot
+
+
+def test_repeated_blocks_are_shown_once_with_their_range():
+    """12 blocks of (ln, attn, mlp) rows equal up to numbers collapse into 3 rows; a row that
+    differs in a cost (the last mlp) ends the run there."""
+    def block(index, mlp_compute="3 us"):
+        return [(f"h.{index}", f"ln_{index} S0@0", "S0", "1 us", "0 us", "0 us", "1 KiB"),
+                (f"h.{index}.attn", f"sdpa_{index} heads@0", "P", "2 us", "1 us", "0 us", "2 KiB"),
+                (f"h.{index}.mlp", "c_fc column@0, c_proj row@0", "P", mlp_compute, "1 us", "1 us", "3 KiB")]
+    head, tail = ("(model)", "x batch@0", "S0", "0 us", "0 us", "0 us", "0 B"), ("lm", "head", "R", "", "", "", "")
+    rows = [head] + [row for index in range(11) for row in block(index)] + block(11, mlp_compute="4 us") + [tail]
+    assert collapse_repeats(rows) == [
+        head,
+        ("h.{0..10} (x11)", "ln_0 S0@0", "S0", "1 us", "0 us", "0 us", "1 KiB"),
+        ("h.{0..10}.attn (x11)", "sdpa_0 heads@0", "P", "2 us", "1 us", "0 us", "2 KiB"),
+        ("h.{0..10}.mlp (x11)", "c_fc column@0, c_proj row@0", "P", "3 us", "1 us", "1 us", "3 KiB"),
+        *block(11, mlp_compute="4 us"), tail]

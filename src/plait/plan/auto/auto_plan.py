@@ -18,6 +18,7 @@ form one group.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from plait.parallel.auto.device_mesh import AutoMesh
@@ -73,7 +74,7 @@ class MeshOutcome:
 
     def as_json(self) -> dict:
         return {"mesh": list(self.mesh_shape), "cost": None if self.cost is None else self.cost.as_json(),
-                "solve_s": self.solve_s, "gap": self.gap, "status": self.status}
+                "solve_s": self.solve_s, "gap": self.gap if math.isfinite(self.gap) else None, "status": self.status}
 
 
 @dataclass(frozen=True)
@@ -97,7 +98,9 @@ class RunnerUp:
     does not choose it (``runner_up``: that node's strategy there) and how much slower
     that plan is (``delta_s`` >= 0). ``method``: "re-solved" (the solver re-run with the
     chosen strategy removed) or "others held" (only this node changed, the rest as
-    chosen: an upper bound of the re-solved delta)."""
+    chosen: an upper bound of the re-solved delta). ``alike``: later groups of the same
+    name up to numbers (h.1.mlp after h.0.mlp) whose deciding node chose the same
+    strategy, not priced again."""
 
     group: str
     node: str
@@ -105,10 +108,11 @@ class RunnerUp:
     runner_up: str | None
     delta_s: float | None
     method: str
+    alike: int = 0
 
     def as_json(self) -> dict:
         return {"group": self.group, "node": self.node, "chosen": self.chosen, "runner_up": self.runner_up,
-                "delta_s": self.delta_s, "method": self.method}
+                "delta_s": self.delta_s, "method": self.method, "alike": self.alike}
 
 
 @dataclass(frozen=True)

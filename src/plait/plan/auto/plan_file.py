@@ -93,16 +93,21 @@ def plan_json(plan: AutoPlan, *, source: str | None = None, input_shapes=()) -> 
             "stages": None if plan.stages is None else _stages_json(plan.stages)}
 
 
-def _stages_json(stages) -> object:
-    as_json = getattr(stages, "as_json", None)
-    return as_json() if callable(as_json) else repr(stages)
+def _stages_json(search) -> dict:
+    """The inter-operator plan (plait.plan.auto.stages.StageSearch) as JSON."""
+    return {"latency_s": search.latency_s, "microbatches": search.microbatches,
+            "single_stage_latency_s": search.single_stage_latency_s, "stage_layers": list(search.stage_layers),
+            "stages": [{"start": stage.start, "end": stage.end, "layer_names": list(stage.layer_names),
+                        "devices": stage.devices, "mesh": list(stage.mesh_shape), "time_s": stage.time_s,
+                        "memory_bytes": stage.memory_bytes} for stage in search.stages]}
 
 
 def save_plan(plan: AutoPlan, path: str | Path, *, source: str | None = None, input_shapes=()) -> Path:
     """Write ``plan`` as JSON at ``path`` (parent directories created); returns the path."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(plan_json(plan, source=source, input_shapes=input_shapes), indent=1) + "\n")
+    path.write_text(json.dumps(plan_json(plan, source=source, input_shapes=input_shapes), indent=1,
+                               allow_nan=False) + "\n")
     return path
 
 

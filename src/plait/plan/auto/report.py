@@ -5,8 +5,8 @@ SVG laid out here (graphviz need not be installed). Torch-free: it reads an Auto
 
 The picture follows ``plait.graph.drawing``'s layout: a node's row is its depth (the
 longest path from a graph input), the nodes of one row side by side in graph order,
-each row centred, edges straight between adjacent rows and arcs where they skip rows
-(a residual). A node's fill is its output layout's colour (legend on top); an edge that
+each row centred, edges straight between adjacent rows and arcs bowing out to the right
+of the boxes where they skip rows (a residual). A node's fill is its output layout's colour (legend on top); an edge that
 reshards is red and labelled with its forward collectives (``all_gather@1``: over mesh
 axis 1), the steps ``plait.plan.auto.reshard_cost.reshard_steps`` prices and the
 executor runs.
@@ -14,12 +14,13 @@ executor runs.
 
 from __future__ import annotations
 
+import re
 from html import escape
 
 from plait.names.placements import layout_text
 from plait.plan.auto.auto_plan import AutoPlan, operator_groups, TOP_GROUP
 
-__all__ = ["plan_table", "summary_lines", "why_lines", "report_lines", "layout_colours", "node_rows", "plan_dot",
+__all__ = ["plan_table", "collapse_repeats", "summary_lines", "why_lines", "report_lines", "layout_colours", "node_rows", "plan_dot",
            "plan_svg", "HEAVY_KINDS"]
 
 HEAVY_KINDS = ("linear", "matmul", "attention", "conv", "embedding")  # the operators a group's row names
@@ -31,6 +32,7 @@ PLAIN_EDGE_COLOUR = "#555555"
 MIB = 1 << 20
 # SVG geometry in pixels: a box, a row's height, a column's width, the margin, the legend's height
 BOX_W, BOX_H, ROW_H, COL_W, MARGIN, LEGEND_H = 176, 44, 88, 196, 16, 30
+SKIP_BULGE_PX = 28  # how far an edge that skips rows bows out to the right of the boxes
 _LABEL_CHARS = 27
 
 
@@ -63,15 +65,13 @@ def _short_name(node, group: str) -> str:
     return node.name
 
 
-def plan_table(plan: AutoPlan) -> list[str]:
-    """One row per operator group: its name, the chosen strategy of its heavy nodes (else
-    of its last node before the graph's output), its output layout, and per device per step its compute,
-    its own collectives, the reshards into it and its memory."""
+def _group_rows(plan: AutoPlan) -> list[tuple[str, ...]]:
+    """(group, chosen sharding, out, compute, comm, reshard, memory) per operator group."""
     graph = plan.graph
     reshard_into: dict[str, float] = {}
     for edge in plan.edges:
         reshard_into[edge.target] = reshard_into.get(edge.target, 0.0) + edge.time_s
-    rows = [("group", "chosen sharding", "out", "compute", "comm", "reshard", "memory")]
+    rows = []
     for group, names in operator_groups(graph):
         nodes = [graph.node(name) for name in names]
         heavy = ([node for node in nodes if node.kind in HEAVY_KINDS]
@@ -82,6 +82,57 @@ def plan_table(plan: AutoPlan) -> list[str]:
                      _seconds(sum(s.compute_s for s in strategies)), _seconds(sum(s.comm_s for s in strategies)),
                      _seconds(sum(reshard_into.get(name, 0.0) for name in names)),
                      _mib(sum(s.memory_bytes for s in strategies))))
+    return rows
+
+
+def _signature(row: tuple[str, ...]) -> tuple[str, ...]:
+    """A row with every number in its names taken out (h.3.mlp ~ h.4.mlp, add_7 ~ add_11)."""
+    return (re.sub(r"\d+", "#", row[0]), re.sub(r"\d+", "#", row[1]), *row[2:])
+
+
+def _ranged(first: str, last: str) -> str:
+    """``h.0.mlp``, ``h.11.mlp`` -> ``h.{0..11}.mlp`` (numbers that differ become ranges)."""
+    head, tail = re.split(r"(\d+)", first), re.split(r"(\d+)", last)
+    if len(head) != len(tail):
+        return first
+    return "".join(f"{{{a}..{b}}}" if index % 2 and a != b else a for index, (a, b) in enumerate(zip(head, tail)))
+
+
+def collapse_repeats(rows: list[tuple[str, ...]], max_period: int = 12) -> list[tuple[str, ...]]:
+    """Runs of k rows repeated r >= 2 times (identical up to the numbers in their names:
+    a model's identical blocks) shown once, each group named with its number range and
+    ``(xr)``; the costs are one repeat's. The longest run starting at a row wins."""
+    signatures = [_signature(row) for row in rows]
+    out, index = [], 0
+    while index < len(rows):
+        best_period, best_repeats = 1, 1
+        for period in range(1, max_period + 1):
+            repeats = 1
+            while signatures[index + repeats * period: index + (repeats + 1) * period] == \
+                    signatures[index: index + period] and index + (repeats + 1) * period <= len(rows):
+                repeats += 1
+            if repeats >= 2 and period * repeats > best_period * best_repeats:
+                best_period, best_repeats = period, repeats
+        if best_repeats == 1:
+            out.append(rows[index])
+            index += 1
+            continue
+        last = index + (best_repeats - 1) * best_period
+        for offset in range(best_period):
+            first_row, last_row = rows[index + offset], rows[last + offset]
+            out.append((f"{_ranged(first_row[0], last_row[0])} (x{best_repeats})", *first_row[1:]))
+        index += best_repeats * best_period
+    return out
+
+
+def plan_table(plan: AutoPlan, *, collapse: bool = True) -> list[str]:
+    """One row per operator group: its name, the chosen strategy of its heavy nodes (else
+    of its last node before the graph's output), its output layout, and per device per
+    step its compute, its own collectives, the reshards into it and its memory. With
+    ``collapse``, repeated blocks are shown once (``collapse_repeats``)."""
+    rows = _group_rows(plan)
+    rows = [("group", "chosen sharding", "out", "compute", "comm", "reshard", "memory")] + (
+        collapse_repeats(rows) if collapse else rows)
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = []
     for index, row in enumerate(rows):
@@ -138,17 +189,26 @@ def why_lines(plan: AutoPlan) -> list[str]:
             if runner.runner_up is None:
                 lines.append(f"  {runner.group}: {name} {runner.chosen}; no other strategy fits ({runner.method})")
                 continue
+            alike = f"; {runner.alike} more group(s) alike" if runner.alike else ""
             lines.append(f"  {runner.group}: {name} {runner.chosen}; next {runner.runner_up} "
-                         f"+{_seconds(runner.delta_s)} ({runner.method})")
+                         f"+{_seconds(runner.delta_s)} ({runner.method}{alike})")
     return lines
 
 
 def stage_lines(plan: AutoPlan) -> list[str]:
-    """The inter-operator plan, when there is one (its own lines, apart from the intra-op plan)."""
-    if plan.stages is None:
+    """The inter-operator plan (Alpa's stages on sub-meshes), when one was searched: its
+    own section, apart from the intra-operator plan whose layouts are executed."""
+    search = plan.stages
+    if search is None:
         return []
-    lines_of = getattr(plan.stages, "lines", None)
-    return ["inter-operator stages (sub-meshes)"] + (list(lines_of()) if callable(lines_of) else [repr(plan.stages)])
+    lines = ["inter-operator plan (Alpa's stage / sub-mesh pass over the ILP's per-stage optima; not in the "
+             "executed layouts)"]
+    lines += [f"  {line}" for line in search.describe().splitlines()]
+    lines.append(f"  pipelined {_seconds(search.latency_s)} per step ({search.microbatches} micro-batches) vs "
+                 f"{_seconds(plan.step_time_s)} for the intra-operator plan above "
+                 f"({search.latency_s / plan.step_time_s:.2f}x); layers per stage "
+                 f"{','.join(map(str, search.stage_layers))}")
+    return lines
 
 
 def report_lines(plan: AutoPlan) -> list[str]:
@@ -219,7 +279,7 @@ def plan_svg(plan: AutoPlan) -> str:
     widest = max(widths.values(), default=1)
     row_count = 1 + max((row for row, _ in positions.values()), default=0)
     colours = layout_colours(plan)
-    width_px = max(2 * MARGIN + widest * COL_W + COL_W / 2, 2 * MARGIN + 150 * (len(colours) + 1))  # + the arcs
+    width_px = max(2 * MARGIN + widest * COL_W + SKIP_BULGE_PX, 2 * MARGIN + 150 * (len(colours) + 1))  # + arcs
     height_px = 2 * MARGIN + LEGEND_H + row_count * ROW_H
 
     def centre(name: str) -> tuple[float, float]:
@@ -242,13 +302,15 @@ def plan_svg(plan: AutoPlan) -> str:
                f'stroke-width="1.5"/><text x="{x + 24}" y="{MARGIN + 26}">reshard</text>')
     for edge in plan.edges:
         (x0, y0), (x1, y1) = centre(edge.source), centre(edge.target)
-        y0, y1 = y0 + BOX_H / 2, y1 - BOX_H / 2
         colour = RESHARD_COLOUR if edge.collectives else PLAIN_EDGE_COLOUR
-        skip = positions[edge.target][0] - positions[edge.source][0] > 1
-        # an arc around the boxes of the rows it skips: a quadratic curve bulges half its control
-        # point's offset, so 1.2 box widths clear the half box (0.5) with room to spare
-        bend = 1.2 * BOX_W if skip else 0.0
-        cx, cy = (x0 + x1) / 2 + bend, (y0 + y1) / 2
+        if positions[edge.target][0] - positions[edge.source][0] > 1:
+            # skips rows (a residual): from the right side of one box to the right side of the
+            # other, bulging right (a quadratic curve reaches half its control point's offset)
+            x0, x1 = x0 + BOX_W / 2, x1 + BOX_W / 2
+            cx, cy = max(x0, x1) + SKIP_BULGE_PX * 2, (y0 + y1) / 2
+        else:  # adjacent rows: bottom centre to top centre
+            y0, y1 = y0 + BOX_H / 2, y1 - BOX_H / 2
+            cx, cy = (x0 + x1) / 2, (y0 + y1) / 2
         out.append(f'<path d="M {x0:.1f} {y0:.1f} Q {cx:.1f} {cy:.1f} {x1:.1f} {y1:.1f}" fill="none" '
                    f'stroke="{colour}" stroke-width="{1.5 if edge.collectives else 0.8}" marker-end="url(#arrow)"/>')
         if edge.collectives:
