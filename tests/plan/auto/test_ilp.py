@@ -217,3 +217,28 @@ def test_the_ilp_finds_the_exhaustive_optimum_on_a_traced_model():
         best = ilp.exhaustive(graph, strategies, mesh, cluster, memory_limit_bytes=limit)
         found = ilp.solve(graph, strategies, mesh, cluster, memory_limit_bytes=limit, mip_rel_gap=0.0)
         assert found.objective_s == pytest.approx(best.objective_s, rel=1e-12) and found.memory_bytes <= limit
+
+
+def test_edges_routed_as_flows_through_the_layout_graph_keep_the_optimum():
+    """Operators taking all 16 layouts of a 2-d tensor on a 2x2 mesh (two nodes: axis 0
+    slow): the edges are routed as flows over single-axis steps, fewer variables than
+    one per (output, input) layout pair, and the optimum is exhaustive search's."""
+    mesh = AutoMesh((2, 2))
+    cluster = Cluster(name="test", nodes=2, devices_per_node=2, device=device_preset("a100-80gb"),
+                      intra_link=LinkModel(1e-6, 1e-10), inter_link=LinkModel(1e-5, 1e-9))
+    layouts = [(a, b) for a in ("R", "S0", "S1", "P") for b in ("R", "S0", "S1", "P")]
+    graph = _graph([_node("x", kind="input"), _node("a", ["x"]), _node("b", ["a"]), _node("c", ["b"])])
+    for seed in range(3):
+        rng = random.Random(seed)
+        strategies = {node.name: [Strategy(f"s{k}", out, tuple(rng.choice([m for m in layouts if "P" not in m])
+                                                               for _ in node.inputs), (),
+                                           rng.uniform(0, 2e-5), 0.0, rng.randint(1, 10) * 1000)
+                                  for k, out in enumerate(layouts)] for node in graph.nodes}
+        pairs = sum(math.isfinite(reshard_time_s(out, want, SHAPE, F64, mesh, cluster))
+                    for u, v, k in graph.edges() for out in {o.output for o in strategies[u]}
+                    for want in {o.inputs[k] for o in strategies[v]})
+        for limit in (None, 20_000):
+            best = ilp.exhaustive(graph, strategies, mesh, cluster, memory_limit_bytes=limit)
+            found = ilp.solve(graph, strategies, mesh, cluster, memory_limit_bytes=limit, mip_rel_gap=0.0)
+            assert found.objective_s == pytest.approx(best.objective_s, rel=1e-12), (seed, limit)
+            assert found.variables < 4 * len(layouts) + pairs

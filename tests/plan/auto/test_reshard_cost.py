@@ -15,7 +15,7 @@ import pytest
 
 from plait.cost import LinkModel
 from plait.plan import device_preset
-from plait.plan.auto.reshard_cost import ReshardStep, reshard_path, reshard_steps, reshard_time_s
+from plait.plan.auto.reshard_cost import ReshardStep, layout_graph, reshard_path, reshard_steps, reshard_time_s
 from plait.plan.cluster import Cluster
 from plait.parallel.auto.device_mesh import AutoMesh
 
@@ -109,17 +109,23 @@ def test_two_axes_gather_the_slow_axis_while_the_tensor_is_small():
         ("S0", "S1"), ("R", "S1"), ("R", "R")]
 
 
-def test_nested_shards_unshard_the_inner_axis_first():
-    """(S0, S0) -> (R, R): dim 0 is split axis 0 outer, axis 1 inner, so axis 1 must be
-    gathered first, (1/2)(n/2) b_intra, then axis 0, (1/2) n b_inter, although the
-    other order would be cheaper."""
+def test_nested_shards_never_gather_the_outer_axis_first():
+    """(S0, S0) -> (R, R): dim 0 is split axis 0 outer, axis 1 inner, so axis 0 may not
+    gather while axis 1 still splits dim 0 (that order would cost n/4 b_inter + n/2
+    b_intra). The cheapest exact path moves the inner split to dim 1 by an all_to_all
+    on the fast axis (both ways: 2 (1/2)(n/4) b_intra), gathers the slow axis while the
+    tensor is small ((1/2)(n/2) b_inter), then axis 1 ((1/2) n b_intra): 3n/4 b_intra +
+    n/4 b_inter, below gathering the inner axis first (n/4 b_intra + n/2 b_inter)."""
     cluster, mesh = _two_by_two()
     shape, n = (8, 8), 64 * F64
     _close(reshard_time_s(("S0", "S0"), ("R", "R"), shape, F64, mesh, cluster),
-           n / 4 * BETA_INTRA + n / 2 * BETA_INTER)
+           3 * n / 4 * BETA_INTRA + n / 4 * BETA_INTER)
+    assert reshard_path(("S0", "S0"), ("R", "R"), shape, F64, mesh, cluster) == [
+        ("S0", "S0"), ("S0", "S1"), ("R", "S1"), ("R", "R")]
     assert reshard_steps(("S0", "S0"), ("R", "R"), shape, F64, mesh, cluster) == [
-        ReshardStep("all_gather", 1, n // 2, "forward"), ReshardStep("all_gather", 0, n, "forward"),
-        ReshardStep("slice", 0, n // 2, "backward"), ReshardStep("slice", 1, n // 4, "backward")]
+        ReshardStep("all_to_all", 1, n // 4, "forward"), ReshardStep("all_gather", 0, n // 2, "forward"),
+        ReshardStep("all_gather", 1, n, "forward"), ReshardStep("slice", 1, n // 2, "backward"),
+        ReshardStep("slice", 0, n // 4, "backward"), ReshardStep("all_to_all", 1, n // 4, "backward")]
 
 
 def test_a_partial_sum_is_reduced_after_slicing_the_other_axis():
@@ -135,3 +141,24 @@ def test_a_partial_sum_is_reduced_after_slicing_the_other_axis():
     assert reshard_time_s(("P", "R"), ("P", "S1"), shape, F64, mesh, cluster) == pytest.approx(
         n / 2 * BETA_INTRA, rel=1e-12)  # P stays: slice axis 1, all_gather n in backward
     assert reshard_time_s(("P", "R"), ("R", "P"), shape, F64, mesh, cluster) == math.inf
+
+
+def test_the_layout_graph_s_shortest_paths_are_the_reshard_costs():
+    """The ILP may route a reshard as a flow over layout_graph's steps: its shortest
+    paths (Floyd-Warshall here) must be reshard_time_s for every pair of layouts of a
+    (4, 6, 8) tensor on a 2x2 mesh over two nodes (the same step costs summed in
+    another order: 1e-12)."""
+    cluster, mesh = _two_by_two()
+    shape = (4, 6, 8)
+    layouts, arcs = layout_graph(shape, F64, mesh, cluster)
+    assert len(layouts) == 24 and ("P", "S2") in layouts and ("S1", "S1") not in layouts  # 6 rows over 4 ranks
+    distance = {(a, b): 0.0 if a == b else math.inf for a in range(len(layouts)) for b in range(len(layouts))}
+    for start, end, seconds in arcs:
+        distance[start, end] = min(distance[start, end], seconds)
+    for middle in range(len(layouts)):
+        for start in range(len(layouts)):
+            for end in range(len(layouts)):
+                distance[start, end] = min(distance[start, end], distance[start, middle] + distance[middle, end])
+    for (start, end), seconds in distance.items():
+        expected = reshard_time_s(layouts[start], layouts[end], shape, F64, mesh, cluster)
+        assert seconds == expected or seconds == pytest.approx(expected, rel=1e-12), (layouts[start], layouts[end])

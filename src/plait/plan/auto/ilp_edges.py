@@ -39,7 +39,8 @@ def distinct(values) -> tuple:
 @dataclass(frozen=True)
 class EdgeTable:
     """Seconds ``matrix[r, c]`` to turn ``source``'s output layout ``rows[r]`` into the
-    layout ``columns[c]`` that ``target`` wants for its argument ``position``."""
+    layout ``columns[c]`` that ``target`` wants for its argument ``position``; a graph
+    edge's ``tensor`` lets the ILP route it as a flow (plait.plan.auto.ilp_flow)."""
 
     source: str
     target: str
@@ -47,17 +48,18 @@ class EdgeTable:
     rows: tuple
     columns: tuple
     matrix: np.ndarray
+    tensor: tuple | None = None  # (shape, itemsize) of a graph edge's tensor; None once merged
 
 
 def edge_tables(graph, strategies: dict[str, tuple[Strategy, ...]], prices) -> list[EdgeTable]:
-    """One table per edge of ``graph``, priced by ``prices.time_s`` (reshard_time_s)."""
+    """One table per edge of ``graph``, priced by ``prices.table`` (reshard_time_s)."""
     tables = []
     for source, target, position in graph.edges():
         producer = graph.node(source)
         rows = distinct(option.output for option in strategies[source])
         columns = distinct(option.inputs[position] for option in strategies[target])
-        matrix = np.array([[prices.time_s(out, want, producer) for want in columns] for out in rows], dtype=float)
-        tables.append(EdgeTable(source, target, position, rows, columns, matrix))
+        matrix = prices.table(rows, columns, producer)
+        tables.append(EdgeTable(source, target, position, rows, columns, matrix, (producer.shape, producer.itemsize)))
     return tables
 
 

@@ -9,6 +9,7 @@ import math
 import numpy as np
 
 from plait.plan.auto.ilp_edges import EdgeTable, edge_tables, eliminate, recover
+from plait.plan.auto.ilp_flow import LayoutFlows
 from plait.plan.auto.reshard_cost import reshard_time_s
 from plait.plan.auto.strategy import Strategy
 
@@ -19,15 +20,33 @@ EXHAUSTIVE_LIMIT = 10 ** 6
 
 
 class ReshardPrices:
-    """reshard_time_s on one mesh and cluster, remembered per (src, dst, shape,
-    itemsize) for one solve: a 48-layer graph repeats a dozen shapes."""
+    """reshard_time_s on one mesh and cluster for one solve: read off each tensor
+    shape's all-pairs shortest paths in the layout graph (``flows``; a 48-layer graph
+    repeats a dozen shapes), else computed and remembered per (src, dst, shape,
+    itemsize)."""
 
     def __init__(self, mesh, cluster) -> None:
         self.mesh, self.cluster = mesh, cluster
+        self.flows = LayoutFlows(mesh, cluster)
         self._seconds: dict = {}
 
+    def table(self, rows, columns, producer) -> np.ndarray:
+        """time_s of every (row, column) pair: (len(rows), len(columns)) seconds,
+        remembered per (tensor, rows, columns): the layers of a model repeat them."""
+        key = ("table", producer.shape, producer.itemsize, rows, columns)
+        matrix = self._seconds.get(key)
+        if matrix is None:
+            matrix = np.array([[self.time_s(out, want, producer) for want in columns] for out in rows], dtype=float)
+            matrix.setflags(write=False)
+            self._seconds[key] = matrix
+        return matrix
+
     def time_s(self, src, dst, producer) -> float:
-        key = (src, dst, producer.shape, producer.itemsize)
+        tensor = (producer.shape, producer.itemsize)
+        seconds = self.flows.distance_s(src, dst, tensor)
+        if seconds is not None:
+            return seconds
+        key = (src, dst, tensor)
         seconds = self._seconds.get(key)
         if seconds is None:
             seconds = reshard_time_s(src, dst, producer.shape, producer.itemsize, self.mesh, self.cluster)
@@ -99,6 +118,7 @@ class IlpModel:
         self.constant_s = 0.0
         self.broken: list[tuple[str, str, int]] = []  # edges with an impossible reshard for some pair
         self.s: dict[str, list[int]] = {}
+        self.flows = prices.flows
         tables, self.eliminated = eliminate(graph, strategies, edge_tables(graph, strategies, prices))
         gone = {record.node for record in self.eliminated}
         for node in graph.nodes:
@@ -161,6 +181,11 @@ class IlpModel:
                 seconds = next(s for pair, s in price.items() if pair[at] == layout)
                 self._forbid_or_add([self.s[side][i] for i in indices], seconds)
             return
+        finite = sum(not math.isinf(seconds) for seconds in price.values())
+        arcs = None if table.tensor is None else self.flows.arcs(table.tensor, table.rows, table.columns)
+        if arcs is not None and len(arcs) < finite:
+            self._flow(table, outs, ins, arcs)
+            return
         pair_column = {pair: self._column(seconds, 0) for pair, seconds in price.items() if not math.isinf(seconds)}
         for out, indices in outs.items():
             row = {column: 1.0 for pair, column in pair_column.items() if pair[0] == out}
@@ -169,6 +194,18 @@ class IlpModel:
         for want, indices in ins.items():
             row = {column: 1.0 for pair, column in pair_column.items() if pair[1] == want}
             row.update({self.s[target][i]: -1.0 for i in indices})
+            self.rows.append((row, 0.0, 0.0))
+
+    def _flow(self, table: EdgeTable, outs: dict, ins: dict, arcs) -> None:
+        """The edge as a flow over ``arcs`` (plait.plan.auto.ilp_flow): at every layout X,
+        inflow - outflow + y[X] - z[X] = 0."""
+        arc_columns = [(start, end, self._column(seconds, 0)) for start, end, seconds in arcs]
+        layouts = dict.fromkeys([*table.rows, *table.columns, *(a[0] for a in arcs), *(a[1] for a in arcs)])
+        for layout in layouts:
+            row = {column: 1.0 for _, end, column in arc_columns if end == layout}
+            row.update({column: -1.0 for start, _, column in arc_columns if start == layout})
+            row.update({self.s[table.source][i]: 1.0 for i in outs.get(layout, [])})
+            row.update({self.s[table.target][j]: -1.0 for j in ins.get(layout, [])})
             self.rows.append((row, 0.0, 0.0))
 
     def _tie(self, name: str, first: str, other: str) -> None:

@@ -31,8 +31,8 @@ collective over axis a's groups only when no axis inner to a (b > a) shards d at
 moment; P->R is always exact, and slicing or all-reducing a partial sum is linear, so
 P may stay on other axes. Among the paths made of such steps through layouts that
 split evenly, :func:`reshard_path` takes the cheapest (forward + backward; Dijkstra
-over the <= 3^axes layouts with each axis at its source placement, R or its target;
-ties: fewer steps, then axis 0 first), e.g. (P, R) -> (R, S0) slices on axis 1 first
+over every layout that splits evenly, :func:`layout_graph`; ties: fewer steps, then
+axis 0 first), e.g. (P, R) -> (R, S0) slices on axis 1 first
 and then all-reduces half the bytes on axis 0. The executor runs that path, so the
 price and the run agree step by step.
 """
@@ -40,12 +40,13 @@ price and the run agree step by step.
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 from typing import NamedTuple
 
-from plait.names.placements import PARTIAL, REPLICATE, check_placement, is_shard, local_shape, shard_dim
+from plait.names.placements import PARTIAL, REPLICATE, check_placement, is_shard, local_shape, shard, shard_dim
 
-__all__ = ["ReshardStep", "reshard_time_s", "reshard_steps", "reshard_path", "FORWARD", "BACKWARD", "SLICE"]
+__all__ = ["ReshardStep", "reshard_time_s", "reshard_steps", "reshard_path", "layout_graph", "FORWARD", "BACKWARD", "SLICE"]
 
 FORWARD = "forward"
 BACKWARD = "backward"
@@ -100,9 +101,55 @@ def _normalise(layout, shape, mesh) -> tuple[str, ...]:
     return tuple(REPLICATE if mesh.axis_size(axis) == 1 else placement for axis, placement in enumerate(layout))
 
 
+def _moves(layout, shape, itemsize: int, mesh):
+    """(next layout, its steps) of every exact single-axis step from ``layout``: an axis
+    of more than one rank goes to R or to any S(d) (never to P), where the nesting
+    rule allows and the result splits evenly."""
+    n_before = _local_nbytes(shape, layout, mesh.shape, itemsize)
+    for axis in range(mesh.ndim):
+        if mesh.axis_size(axis) == 1:
+            continue
+        before = layout[axis]
+        for after in (REPLICATE, *(shard(dim) for dim in range(len(shape)))):
+            if after == before:
+                continue
+            dims = {shard_dim(p) for p in (before, after) if is_shard(p)}
+            if dims and not _exact_on_axis(layout, axis, dims):
+                continue
+            nxt = layout[:axis] + (after,) + layout[axis + 1:]
+            n_after = _local_nbytes(shape, nxt, mesh.shape, itemsize)
+            if n_after is None:
+                continue
+            fwd, bwd = _step_collectives(before, after, n_before, n_after)
+            yield nxt, tuple(ReshardStep(name, axis, nbytes, FORWARD) for name, nbytes in fwd) + tuple(
+                ReshardStep(name, axis, nbytes, BACKWARD) for name, nbytes in bwd)
+
+
+def _steps_time_s(steps, mesh, cluster) -> float:
+    return sum(cluster.collective_time_s(name, nbytes, mesh.axis_size(axis), mesh.axis_stride(axis))[0]
+               for name, axis, nbytes, _ in steps if name != SLICE)
+
+
+def layout_graph(shape, itemsize: int, mesh, cluster) -> tuple[tuple, tuple]:
+    """(layouts, arcs): every layout of a ``shape`` tensor that splits evenly on
+    ``mesh`` (axes of one rank read R) and every exact single-axis step between them
+    as (from index, to index, seconds forward + backward). reshard_time_s is the
+    shortest path in this graph, so the ILP may route an edge's reshard through it
+    as a flow (plait.plan.auto.ilp_edges)."""
+    shape = tuple(shape)
+    placements = (REPLICATE, PARTIAL, *(shard(dim) for dim in range(len(shape))))
+    layouts = tuple(dict.fromkeys(
+        _normalise(layout, shape, mesh) for layout in itertools.product(placements, repeat=mesh.ndim)
+        if _local_nbytes(shape, layout, mesh.shape, itemsize) is not None))
+    index = {layout: position for position, layout in enumerate(layouts)}
+    arcs = tuple((index[layout], index[nxt], _steps_time_s(steps, mesh, cluster))
+                 for layout in layouts for nxt, steps in _moves(layout, shape, itemsize, mesh))
+    return layouts, arcs
+
+
 def _search(src, dst, shape, itemsize: int, mesh, cluster):
     """(seconds, layouts, steps) of the cheapest exact single-axis path, or
-    (math.inf, None, None) when none exists."""
+    (math.inf, None, None) when none exists (Dijkstra over :func:`_moves`)."""
     shape = tuple(shape)
     src, dst = _normalise(src, shape, mesh), _normalise(dst, shape, mesh)
     if _local_nbytes(shape, src, mesh.shape, itemsize) is None or _local_nbytes(shape, dst, mesh.shape, itemsize) is None:
@@ -111,14 +158,6 @@ def _search(src, dst, shape, itemsize: int, mesh, cluster):
         return math.inf, None, None  # a partial sum is never created by a reshard
     if src == dst:
         return 0.0, [src], []
-    # each axis moves only to R or to its end placement (a detour through another
-    # shard was never cheaper on any pair of 2x2-mesh layouts of a 3-d tensor tried)
-    options = [sorted({REPLICATE, dst[axis]}) for axis in range(mesh.ndim)]
-
-    def price(steps) -> float:
-        return sum(cluster.collective_time_s(name, nbytes, mesh.axis_size(axis), mesh.axis_stride(axis))[0]
-                   for name, axis, nbytes, _ in steps if name != SLICE)
-
     best = {src: (0.0, 0)}
     # (seconds, hops, tie-break counter, layout, path of layouts, ((hop, step), ...))
     frontier = [(0.0, 0, 0, src, (src,), ())]
@@ -133,27 +172,12 @@ def _search(src, dst, shape, itemsize: int, mesh, cluster):
             return seconds, list(path), forward + backward
         if (seconds, hops) > best[layout]:
             continue
-        n_before = _local_nbytes(shape, layout, mesh.shape, itemsize)
-        for axis in range(mesh.ndim):
-            before = layout[axis]
-            for after in options[axis]:
-                if after == before or after == PARTIAL:
-                    continue
-                dims = {shard_dim(p) for p in (before, after) if is_shard(p)}
-                if dims and not _exact_on_axis(layout, axis, dims):
-                    continue
-                nxt = layout[:axis] + (after,) + layout[axis + 1:]
-                n_after = _local_nbytes(shape, nxt, mesh.shape, itemsize)
-                if n_after is None:
-                    continue
-                fwd, bwd = _step_collectives(before, after, n_before, n_after)
-                new = tuple((hops, ReshardStep(name, axis, nbytes, FORWARD)) for name, nbytes in fwd) + tuple(
-                    (hops, ReshardStep(name, axis, nbytes, BACKWARD)) for name, nbytes in bwd)
-                key = (seconds + price(step for _, step in new), hops + 1)
-                if key < best.get(nxt, (math.inf, 0)):
-                    best[nxt] = key
-                    heapq.heappush(frontier, (*key, pushed, nxt, path + (nxt,), steps + new))
-                    pushed += 1
+        for nxt, new in _moves(layout, shape, itemsize, mesh):
+            key = (seconds + _steps_time_s(new, mesh, cluster), hops + 1)
+            if key < best.get(nxt, (math.inf, 0)):
+                best[nxt] = key
+                heapq.heappush(frontier, (*key, pushed, nxt, path + (nxt,), steps + tuple((hops, s) for s in new)))
+                pushed += 1
     return math.inf, None, None
 
 
