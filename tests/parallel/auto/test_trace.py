@@ -118,6 +118,11 @@ def test_gpt2_kinds_against_hand_counts(gpt2):
     parts = sorted((node.attr("start"), node.attr("end"), node.attr("step"), node.attr("sliced_dims"))
                    for node in traced.graph.consumers(c_attn.name))
     assert parts == [(0, 32, 1, (2,)), (32, 64, 1, (2,)), (64, 96, 1, (2,))]
+    # the reshape after sdpa to the shape it has is gone (its readers read sdpa)
+    graph = traced.graph
+    assert not [node.name for node in graph.nodes if node.kind == "view" and node.attr("op") in ("view", "reshape")
+                and node.shape == graph.node(node.inputs[0]).shape]
+    assert kinds["view"] == 2 * 7 + 2  # 3 slices, 3 head views, 1 merge of heads per block; logits, targets
     # every get_attr names a parameter of the model by its canonical name; the tied head reads wte
     names = {name for name, _ in traced.module.named_parameters()}
     reads = {node.target for node in traced.module.graph.nodes if node.op == "get_attr"}

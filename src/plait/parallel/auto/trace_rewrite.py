@@ -13,6 +13,7 @@ one fused kernel versus two):
   (W as (out, in), through a folded ``t`` where the parameter is stored (in, out)):
   ``mm(x, W)``, ``matmul(x, W)``, ``addmm(b, x, W)`` (HF's Conv1D) and the flatten
   view -> mm/addmm -> unflatten view around them (so the linear sees (..., in));
+- ``identity_views``: a view / reshape / expand / alias to the shape it already has goes;
 - ``shape_only``: ``zeros_like(x)``, ``new_ones(x, size)``, ... become ``aten.full`` of
   the global shape (constants: they never read x's values).
 """
@@ -26,11 +27,14 @@ import torch
 from plait.parallel.auto.trace_kinds import bind, op_name
 from plait.parallel.auto.trace_views import FOLDABLE
 
-__all__ = ["drop_checks", "canonical_params", "split_getitems", "shape_only", "linears", "param_root"]
+__all__ = ["drop_checks", "canonical_params", "split_getitems", "shape_only", "identity_views", "linears",
+           "param_root"]
 
 aten = torch.ops.aten
 FILLS = {"zeros_like": 0, "ones_like": 1, "empty_like": 0, "full_like": None, "new_zeros": 0, "new_ones": 1,
          "new_empty": 0, "new_full": None}
+IDENTITY_VIEWS = frozenset({aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default,
+                            aten.alias.default})
 SPLITS = frozenset({"split", "split_with_sizes", "unsafe_split", "unsafe_split_with_sizes", "chunk",
                     "tensor_split"})
 
@@ -141,6 +145,20 @@ def shape_only(module: torch.fx.GraphModule) -> None:
         full.meta.update(node.meta)
         node.replace_all_uses_with(full)
         graph.erase_node(node)
+
+
+def identity_views(module: torch.fx.GraphModule) -> None:
+    """A view / reshape / expand / alias whose output has its input's shape is its input:
+    its readers read the input instead (the same values, the same gradient)."""
+    graph = module.graph
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target not in IDENTITY_VIEWS:
+            continue
+        source = node.args[0]
+        if isinstance(source, torch.fx.Node) and isinstance(source.meta.get("val"), torch.Tensor) and \
+                tuple(source.meta["val"].shape) == tuple(node.meta["val"].shape):
+            node.replace_all_uses_with(source)
+            graph.erase_node(node)
 
 
 def param_root(node, params: dict) -> str | None:
