@@ -1,6 +1,32 @@
 """Which OpNode kind an aten op of torch.export's training IR is, with its attrs and
-forward FLOPs (``plait.parallel.auto.opgraph`` lists the kinds; /work/notes-level
-conventions are in the ``classify`` docstring).
+forward FLOPs (``plait.parallel.auto.opgraph`` lists the kinds). ``inputs`` are the
+producers of the tensor arguments in schema order, ``params`` the parameters read
+(directly or through folded views). Attrs per kind (dims normalised to >= 0):
+
+    linear     weight, bias (name or None), weight_out_dim (0: W stored (out, in) as
+               nn.Linear; 1: stored (in, out) as HF's Conv1D), in_features, out_features
+    matmul     m, k, n (a (..., m, k) @ b (..., k, n)), param_side (None, or which operand
+               is a parameter: MoE's stacked expert weights)
+    attention  is_causal, scale, has_mask (the mask is inputs[3]), enable_gqa, dropout_p
+    conv       weight, bias, stride, padding, dilation, groups, transposed, spatial_ndim
+    embedding  weight, padding_idx
+    norm       op (layer_norm | group_norm | rms_norm), normalized_ndim (trailing dims;
+               group_norm: all but the batch dim, and groups), eps
+    softmax    op (softmax | log_softmax), dim
+    elementwise  op (the aten name, an in-place '_' stripped), p for dropout
+    reduce     op, dims, keepdim; topk / max.dim / ... read through getitem: also index
+               (0 values, 1 indices) and k
+    view       op, dim_groups (trace_views.dim_groups), sliced_dims (input dims a shard
+               cannot cross: cut by slice / select / narrow, or the dim of a cat),
+               expanded_dims (output dims broadcast by expand); slice / narrow: dim, start,
+               end, step; select: dim, index; cat / stack: dim
+    permute    perm (output dim j is input dim perm[j])
+    loss       op (cross_entropy | nll | mse | ...), reduction (none | mean | sum),
+               class_dim, ignore_index, label_smoothing where the op has them
+
+and every node reading a parameter: param_operands = ((param, operand shape, operand
+dims: the parameter dim each operand dim comes from, -1 when new, sliced parameter
+dims), ...).
 
 FLOPs: matmuls, linears and attention count 2·m·n·k per product (attention: QKᵀ and
 P·V, 4·b·h·s_q·s_k·d), convolutions as torch.utils.flop_counter counts them; the
