@@ -15,6 +15,7 @@ Training benchmarks, each with its own flags (e.g. plait bench dp --help):
     plait bench zero  ZeRO stages 1-3 against DataParallel, torch DDP and FSDP2
     plait bench fold  FoldedCNN: throughput of f = 2, 3, 4 vs the unfolded CNN, batch 1-1024
     plait bench hf    a Llama-style HF model: plait vs torch DDP, FSDP2 and parallelize_module (tokens/s)
+    plait bench auto  the auto-parallel plan vs data parallel, single-strategy and knob-search plans, measured
 """
 
 from __future__ import annotations
@@ -103,10 +104,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "bench", help="benchmark a collective (nccl-tests format), torch vs plait algorithms; "
                       "bench dp, bench tp, bench pp: data, tensor and pipeline parallel training; "
                       "bench memory: recomputation, precision and offload; bench zero: ZeRO against DDP and FSDP2; "
-                      "bench fold: FoldedCNN throughput; bench hf: a Hugging Face Llama vs DDP, FSDP2, torch TP",
+                      "bench fold: FoldedCNN throughput; bench hf: a Hugging Face Llama vs DDP, FSDP2, torch TP; "
+                      "bench auto: auto-parallel plans vs data parallel and the knob search, measured",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("collective", type=parse_collective, metavar="COLLECTIVE",
-                        help=f"one of: {', '.join(COLLECTIVES)}; or dp, tp, pp, memory, zero, fold, hf for the "
+                        help=f"one of: {', '.join(COLLECTIVES)}; or dp, tp, pp, memory, zero, fold, hf, auto for the "
                              "training benchmarks below (plait bench dp --help)")
     parser.add_argument("--nprocs", "-n", type=_positive_int, default=None,
                         help="spawn this many local processes (default: the torchrun world "

@@ -21,8 +21,8 @@ from plait.errors import PlaitError
 EXIT_BROKEN_PIPE = 141
 
 SUBCOMMANDS = ("train", "bench", "bench_dp", "bench_tp", "bench_pp", "bench_memory", "bench_zero", "bench_fold",
-               "bench_hf", "schedule", "cost", "tune", "calibrate", "simulate", "checkpoint", "plan", "testbed",
-               "optimize")
+               "bench_hf", "bench_auto", "schedule", "cost", "tune", "calibrate", "simulate", "checkpoint", "plan",
+               "testbed", "optimize")
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
@@ -62,7 +62,7 @@ def _run_command(argv: list[str] | None) -> int:
     if argv[:2] == ["bench", "dp"]:  # `plait bench dp` has its own flags (plait.cli.bench_dp)
         argv = ["bench-dp"] + argv[2:]
     elif argv[:2] in (["bench", "tp"], ["bench", "pp"], ["bench", "memory"], ["bench", "zero"],
-                      ["bench", "fold"], ["bench", "hf"]):  # and these
+                      ["bench", "fold"], ["bench", "hf"], ["bench", "auto"]):  # and these
         argv = [f"bench-{argv[1]}"] + argv[2:]
     environment_error = _comm_environment_error()
     if environment_error is not None:  # before anything else, --help included: nothing runs on bad settings
