@@ -22,6 +22,13 @@ Variables and constraints (Alpa, OSDI '22, section 4.2):
 - a parameter read by several operators (tied embeddings) takes one layout: for each
   further reader r and layout Q, ``sum_{i: Q} s[first,i] = sum_{j: Q} s[r,j]``.
 
+Two exact reductions keep a 48-layer transformer small (plait.plan.auto.ilp_edges,
+ilp_flow): operators that only pass a tensor on (one input, one consumer, no
+parameters, no memory: views, permutes) are solved in closed form, their edges merged;
+and where it needs fewer variables an edge's e[L, M] are replaced by a flow over the
+single-axis reshard steps (reshard_time_s is a shortest path of them), with the same
+optimum and the same LP bound.
+
 The costs are scaled to the largest coefficient before HiGHS sees them (its absolute
 tolerances are ~1e-6: seconds of 1e-6 would drown in them); the reported costs are
 recomputed from the chosen strategies (:func:`plan_objective`), the optimality gap
@@ -96,10 +103,11 @@ def _result(graph, choice, mesh, cluster, prices, **fields) -> IlpResult:
                      reshard_s=reshard_s, memory_bytes=memory_bytes, **fields)
 
 
-def _memory_error(limit_bytes: float, smallest_bytes: float) -> ValueError:
+def _memory_error(limit_bytes: float, smallest_bytes: float, proven: bool = True) -> ValueError:
+    found = "" if proven else "; the smallest HiGHS found within the time limit, not proven least"
     return ValueError(f"memory limit {limit_bytes / _GIB:.4g} GiB ({limit_bytes:,.0f} bytes) is below the smallest "
-                      f"plan's {smallest_bytes / _GIB:.4g} GiB ({smallest_bytes:,.0f} bytes, the sum over operators): "
-                      "raise --memory-limit-gib or use more devices")
+                      f"plan's {smallest_bytes / _GIB:.4g} GiB ({smallest_bytes:,.0f} bytes, the sum over "
+                      f"operators{found}): raise --memory-limit-gib or use more devices")
 
 
 def _run(model: IlpModel, objective, *, with_memory: bool, time_limit_s: float, mip_rel_gap: float):
@@ -154,7 +162,8 @@ def _explain_failure(model: IlpModel, result, memory_limit_bytes, time_limit_s) 
         smallest, _ = _run(model, np.array(model.memory_bytes) / max(1.0, max(model.memory_bytes)),
                            with_memory=False, time_limit_s=time_limit_s, mip_rel_gap=1e-9)
         if smallest.x is not None:
-            raise _memory_error(memory_limit_bytes, sum(model.memory_bytes[c] for c in model.chosen_columns(smallest.x)))
+            raise _memory_error(memory_limit_bytes, sum(model.memory_bytes[c] for c in model.chosen_columns(smallest.x)),
+                                proven=smallest.status == 0)
     raise ValueError(f"no combination of the strategies connects: {model.disconnected()} (every reshard on the "
                      f"edges there is impossible); HiGHS: {str(result.message).split('. (')[0]}")
 
