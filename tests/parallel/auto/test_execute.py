@@ -231,3 +231,33 @@ def test_refused_layouts_are_named_before_any_group(change, named):
     with pytest.raises(ValueError) as error:
         AutoParallelModule(_traced_mlp(), _layouts(plan, 1), AutoMesh((2,)))
     assert named in str(error.value)
+
+
+def _planned(mesh_shape, memory_fraction: float) -> dict:
+    """The planner's layouts for the MLP on ``mesh_shape`` (priced on DGX-A100s in float32)
+    under a memory limit of ``memory_fraction`` of the replicated plan's, which forces
+    sharded parameters."""
+    from plait.plan.auto.planner import auto_plan
+    from plait.plan.cluster import cluster_preset
+
+    cluster = cluster_preset("dgx-a100", gpus=int(torch.Size(mesh_shape).numel()))
+    whole = auto_plan(_mlp(), _batch(0), cluster, mesh_shapes=[tuple(mesh_shape)], dtype="float32")
+    plan = auto_plan(_mlp(), _batch(0), cluster, mesh_shapes=[tuple(mesh_shape)], dtype="float32",
+                     memory_limit_bytes=whole.cost.memory_bytes * memory_fraction)
+    return {name: layout for name, layout in plan.layouts.items() if plan.graph.node(name).kind != "output"}
+
+
+def _planned_worker(rank: int, world_size: int, mesh_shape, plans: dict) -> dict:
+    return parity(_mlp, _batch, plans, mesh_shape, simplified=True)
+
+
+@pytest.mark.slow
+def test_planner_plans_run_exactly():
+    """The planner's own plans (F's auto_plan on the simplified graph, sharded by a memory
+    limit: Megatron-like on 2 ranks; on 2x2 weights sharded over both axes, nested S2
+    and partial sums on both axes) run equal to one process."""
+    for mesh_shape, fractions in (((2,), (0.6,)), ((2, 2), (0.6, 0.4))):
+        plans = {f"planned_{fraction}": _planned(mesh_shape, fraction) for fraction in fractions}
+        for plan in plans.values():  # the memory limit shards the first linear's weight
+            assert "R" not in dict(plan["linear"].params)["fc1.weight"], plan["linear"]
+        _check(run_distributed(_planned_worker, int(torch.Size(mesh_shape).numel()), mesh_shape, plans))
