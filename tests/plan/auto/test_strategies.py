@@ -196,7 +196,8 @@ def _kind_graph():
         _node("logits", "linear", ("ln",), (B, S, V), ("head.weight",)),
         _node("flat", "view", ("logits",), (B * S, V)),
         _node("labels", "input", (), (B * S,), dtype=("int64", 8)),
-        _node("loss", "loss", ("flat", "labels"), (), attrs=(("op", "cross_entropy"), ("class_dim", 1))),
+        _node("loss", "loss", ("flat", "labels"), (),
+              attrs=(("op", "cross_entropy"), ("class_dim", 1), ("reduction", "mean"))),
     ]
     params = [("emb.weight", (V, E)), ("ln.weight", (E,)), ("ln.bias", (E,)), ("head.weight", (V, E))]
     return _graph(nodes, params, inputs=["ids", "labels"])
@@ -262,6 +263,11 @@ def test_layouts_per_kind_on_3():
         "loss": {"replicated", "batch@0"}}
     emb = _layouts(g, "emb", (3,))
     assert emb["vocab@0"] == (("P",), (("R",),), (("emb.weight", ("S0",)),))
+    # a mean cross-entropy split over the batch all-reduces its target count (8 bytes): the only comm
+    cluster = _cluster()
+    loss = {s.name: s for s in node_strategies(g.node("loss"), g, AutoMesh((3,)), cluster)}
+    assert loss["batch@0"].comm_s == cluster.collective_time_s("all_reduce", 8, 3, 1)[0] > 0
+    assert loss["replicated"].comm_s == 0
 
 
 def test_layouts_per_kind_on_2x2_and_nothing_non_dividing_sharded():

@@ -22,7 +22,8 @@ Costs per device and per training step (forward + backward):
   option on a makes partial (and that have a gradient: parameters always, activations
   downstream of a parameter), of ``cluster.collective_time_s("all_reduce", local grad
   bytes, size(a), stride(a))`` (the backward all-reduce of Megatron's copy_to_region,
-  or data parallelism's gradient all-reduce for a parameter);
+  or data parallelism's gradient all-reduce for a parameter), plus, for a mean
+  cross-entropy / nll split over the batch, the all-reduce of its 8-byte target count;
 - ``memory_bytes`` = Σ local parameter elements x (2 itemsize (parameter + gradient) +
   ``optimizer_state_bytes_per_param``, by default Adam's two states in the parameter's
   dtype: 2 itemsize) + the bytes saved for backward on this device (``strategies_work``).
@@ -35,7 +36,7 @@ from __future__ import annotations
 import itertools
 import math
 
-from plait.names.placements import local_shape
+from plait.names.placements import PARTIAL, local_shape
 from plait.plan.auto.strategies_axis import local_operand
 from plait.plan.auto.strategies_options import REPLICATED_STYLE, Shapes, axis_options
 from plait.plan.auto.strategies_work import is_floating, local_work, saved_bytes
@@ -44,6 +45,8 @@ from plait.plan.auto.strategy import Strategy
 __all__ = ["node_strategies", "graph_strategies", "grad_nodes", "fused_part_dim"]
 
 _SLICES = ("slice", "narrow")
+# the executor's all-reduced target count of a batch-split mean classification loss (one int64)
+_COUNT_BYTES = 8
 
 
 def grad_nodes(graph) -> frozenset[str]:
@@ -184,4 +187,12 @@ def _gradient_all_reduce_s(node, combo, producers, in_local, params, param_local
                     for name in option.partial_params]
         for shape, itemsize in tensors:
             seconds += cluster.collective_time_s("all_reduce", math.prod(shape) * itemsize, size, stride)[0]
+        if _counts_targets(node) and option.output == PARTIAL:
+            seconds += cluster.collective_time_s("all_reduce", _COUNT_BYTES, size, stride)[0]
     return seconds
+
+
+def _counts_targets(node) -> bool:
+    """A classification loss averaged over its targets: split over the batch, the ranks
+    first all-reduce how many targets count (ignore_index excluded) to divide by it."""
+    return node.kind == "loss" and node.attr("op") in ("cross_entropy", "nll") and node.attr("reduction") == "mean"
