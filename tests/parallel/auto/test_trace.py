@@ -161,6 +161,7 @@ def test_simplify_merges_gelu_chain_keeps_residual_adds(gpt2):
     assert len(residual) == 4  # two residual adds per block stay nodes
     consumers = {name for node in merged.nodes for name in node.inputs}
     assert consumers <= {node.name for node in merged.nodes}
+    assert simplify(merged) == merged  # nothing left to merge
 
 
 def test_cnn_conv_flops_norm_and_shape_only_constants():

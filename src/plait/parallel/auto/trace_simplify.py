@@ -124,9 +124,14 @@ def _chain(members: list[OpNode], head_of: dict) -> OpNode:
     head, rest = members[0], members[1:]
     ops = tuple(str(node.attr("op", node.target)) for node in rest)
     attrs = dict(head.attrs)
-    linear = all(op in LINEAR_IN_VALUE and len(node.inputs) == 1 for op, node in zip(ops, rest))
-    attrs.update(merged_ops=ops, member_flops=sum(node.flops for node in rest),
-                 partial_ok=linear and head.attr("partial_ok", True))
+    linear = all(op in LINEAR_IN_VALUE and len(node.inputs) == 1 and node.attr("partial_ok", True)
+                 for op, node in zip(ops, rest))
+    # a node merged before (simplify run twice) brings its own merged ops along
+    merged_ops = head.attr("merged_ops", ()) + tuple(
+        op for own, node in zip(ops, rest) for op in (own, *node.attr("merged_ops", ())))
+    attrs.update(merged_ops=merged_ops, partial_ok=linear and head.attr("partial_ok", True),
+                 member_flops=head.attr("member_flops", 0.0) + sum(
+                     node.flops + node.attr("member_flops", 0.0) for node in rest))
     names = list(head.members) + [name for node in rest for name in node.members]
     value = rest[-1]
     return replace(head, dtype=value.dtype, itemsize=value.itemsize, attrs=tuple(attrs.items()),
