@@ -101,8 +101,9 @@ def _groups(options, layout_of) -> dict:
 
 
 class IlpModel:
-    """Columns (s per strategy, then e per edge layout pair), their cost in seconds,
-    integrality and upper bounds; rows as (coefficients by column, lower, upper)."""
+    """Columns (s per strategy, then per edge e per layout pair or f per flow arc),
+    their cost in seconds, integrality and upper bounds; rows as (coefficients by
+    column, lower, upper)."""
 
     def __init__(self, graph, strategies: dict[str, tuple[Strategy, ...]], prices: ReshardPrices,
                  memory_limit_bytes: float | None) -> None:
