@@ -143,6 +143,25 @@ def test_plait_gpt_kinds_and_folded_position(plait_gpt):
     assert scores.shape == (2, 2, 8, 8) and scores.flops == 2 * 4 * 8 * 8 * 8 and scores.attr("param_side") is None
 
 
+def test_random_ops_are_listed():
+    # nn.Dropout draws in the op; plait's ConsistentDropout draws a whole mask (a constant) from a seeded generator
+    class Drops(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = nn.Linear(4, 4, dtype=torch.float64)
+            self.drop = nn.Dropout(0.25)
+
+        def forward(self, x):
+            return self.drop(self.inner(x)).sum()
+
+    assert trace_graph(Drops(), (torch.randn(3, 4, dtype=torch.float64),)).random_ops == ("dropout",)
+    config = GPTConfig(layers=1, hidden=16, heads=2, seq_len=8, vocab=32, dropout=0.1, dtype="float64")
+    ids = torch.randint(0, 32, (2, 8))
+    traced = trace_graph(GPTLoss(GPT(config)), (ids, ids))
+    assert len(traced.random_ops) == 4  # embedding, attention probabilities, attention out, MLP out
+    assert all(traced.fx_node(name).target == torch.ops.aten.rand.generator for name in traced.random_ops)
+
+
 def test_simplify_merges_gelu_chain_keeps_residual_adds(gpt2):
     _, _, traced = gpt2
     merged = simplify(traced.graph)

@@ -162,12 +162,12 @@ def _build(module, model, param_reads) -> tuple[OpGraph, tuple[str, ...]]:
                     op_name(node.target) not in SELECTIONS:
                 raise refusal(node, _module_path(node), "")
             continue
+        if _random(node):  # a dropout mask drawn as a constant (plait's ConsistentDropout) counts too
+            random_ops.append(node.name)
         if node.name not in depends_input and node.name not in depends_param:
             nodes.append(_op(node, "constant", _node_args(node, op_nodes), (), 0.0, {}))
             op_nodes.add(node.name)
             continue
-        if _random(node):
-            random_ops.append(node.name)
         source = _selection_source(node)
         tensor_args = [arg for arg in _tensor_args(source or node) if _is_tensor(arg)]
         name = op_name(node.target)
