@@ -107,3 +107,10 @@ def test_repeated_blocks_are_shown_once_with_their_range():
         ("h.{0..10}.attn (x11)", "sdpa_0 heads@0", "P", "2 us", "1 us", "0 us", "2 KiB"),
         ("h.{0..10}.mlp (x11)", "c_fc column@0, c_proj row@0", "P", "3 us", "1 us", "1 us", "3 KiB"),
         *block(11, mlp_compute="4 us"), tail]
+
+
+def test_rows_differing_in_a_strategys_axis_are_not_collapsed():
+    rows = [(f"h.{index}.mlp", f"c_fc_{index} column@{index % 2}", "S1", "1 us", "0 us", "0 us", "1 KiB")
+            for index in range(4)]
+    assert collapse_repeats(rows) == [("h.{0..2..2}.mlp (x2)", "c_fc_0 column@0", "S1", "1 us", "0 us", "0 us", "1 KiB"),
+                                      ("h.{1..3..2}.mlp (x2)", "c_fc_1 column@1", "S1", "1 us", "0 us", "0 us", "1 KiB")]

@@ -19,15 +19,24 @@ form one group.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 
 from plait.parallel.auto.device_mesh import AutoMesh
 from plait.parallel.auto.opgraph import OpGraph
 from plait.plan.auto.strategy import Strategy
 
-__all__ = ["PlanCost", "EdgeReshard", "MeshOutcome", "Baseline", "RunnerUp", "AutoPlan", "operator_groups", "TOP_GROUP"]
+__all__ = ["name_pattern", "PlanCost", "EdgeReshard", "MeshOutcome", "Baseline", "RunnerUp", "AutoPlan", "operator_groups", "TOP_GROUP"]
 
 TOP_GROUP = "(model)"  # the group of nodes run at the model's top level (inputs, a functional loss)
+_NUMBERS = re.compile(r"_\d+(?=\W|$)|\d+")  # fx's "_7" suffixes and layer indices
+
+
+def name_pattern(text: str) -> str:
+    """``text`` without its numbers: a module path's layer indices and fx's name suffixes
+    (``h.3.attn`` -> ``h..attn``; ``add_7`` and ``add`` -> ``add``), so repeated blocks
+    of a model read alike."""
+    return _NUMBERS.sub("", text)
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ import re
 from html import escape
 
 from plait.names.placements import layout_text
-from plait.plan.auto.auto_plan import AutoPlan, operator_groups, TOP_GROUP
+from plait.plan.auto.auto_plan import AutoPlan, name_pattern, operator_groups, TOP_GROUP
 
 __all__ = ["plan_table", "collapse_repeats", "summary_lines", "why_lines", "report_lines", "layout_colours", "node_rows", "plan_dot",
            "plan_svg", "HEAVY_KINDS"]
@@ -86,16 +86,32 @@ def _group_rows(plan: AutoPlan) -> list[tuple[str, ...]]:
 
 
 def _signature(row: tuple[str, ...]) -> tuple[str, ...]:
-    """A row with every number in its names taken out (h.3.mlp ~ h.4.mlp, add_7 ~ add_11)."""
-    return (re.sub(r"\d+", "#", row[0]), re.sub(r"\d+", "#", row[1]), *row[2:])
+    """A row with the numbers of its group's and nodes' names taken out (h.3.mlp ~ h.4.mlp,
+    add_7 ~ add_11), the strategies kept whole (column@0 is not column@1)."""
+    chosen = tuple(name_pattern(entry.partition(" ")[0]) + " " + entry.partition(" ")[2]
+                   for entry in row[1].split(", "))  # "name strategy, ...": only the names lose numbers
+    return (name_pattern(row[0]), chosen, *row[2:])
 
 
-def _ranged(first: str, last: str) -> str:
-    """``h.0.mlp``, ``h.11.mlp`` -> ``h.{0..11}.mlp`` (numbers that differ become ranges)."""
-    head, tail = re.split(r"(\d+)", first), re.split(r"(\d+)", last)
-    if len(head) != len(tail):
-        return first
-    return "".join(f"{{{a}..{b}}}" if index % 2 and a != b else a for index, (a, b) in enumerate(zip(head, tail)))
+def _ranged(names: list[str]) -> str:
+    """The names of one group across the repeats as one, the numbers that change as bash
+    ranges: h.0.mlp .. h.11.mlp -> ``h.{0..11}.mlp``; every second one: ``{0..10..2}``."""
+    parts = [re.split(r"(\d+)", name) for name in names]
+    if len({len(part) for part in parts}) != 1:
+        return names[0]
+    out = []
+    for index, values in enumerate(zip(*parts)):
+        if index % 2 == 0 or len(set(values)) == 1:
+            out.append(values[0])
+            continue
+        numbers = [int(value) for value in values]
+        steps = {b - a for a, b in zip(numbers, numbers[1:])}
+        if len(steps) != 1:
+            out.append("{" + ",".join(values) + "}")
+        else:
+            step = steps.pop()
+            out.append(f"{{{numbers[0]}..{numbers[-1]}{'' if step == 1 else f'..{step}'}}}")
+    return "".join(out)
 
 
 def collapse_repeats(rows: list[tuple[str, ...]], max_period: int = 12) -> list[tuple[str, ...]]:
@@ -117,10 +133,9 @@ def collapse_repeats(rows: list[tuple[str, ...]], max_period: int = 12) -> list[
             out.append(rows[index])
             index += 1
             continue
-        last = index + (best_repeats - 1) * best_period
         for offset in range(best_period):
-            first_row, last_row = rows[index + offset], rows[last + offset]
-            out.append((f"{_ranged(first_row[0], last_row[0])} (x{best_repeats})", *first_row[1:]))
+            names = [rows[index + repeat * best_period + offset][0] for repeat in range(best_repeats)]
+            out.append((f"{_ranged(names)} (x{best_repeats})", *rows[index + offset][1:]))
         index += best_repeats * best_period
     return out
 
