@@ -63,7 +63,7 @@ TEST_DEVICE = DeviceSpec(name="test cpu", peak_flops_per_s=(("float32", 5e10), (
                          memory_bytes=8e9, memory_bandwidth_bytes_per_s=2e10, matmul_efficiency=1.0,
                          memory_efficiency=1.0, kernel_overhead_s=5e-6)
 COLUMNS = ("busy", "nprocs", "model", "plan", "kind", "runner", "mesh", "predicted_ms", "measured_ms", "min_ms",
-           "max_ms", "error_pct", "rounds", "losses_agree", "detail", "breakdown")
+           "max_ms", "error_pct", "rounds", "losses_agree", "refused", "detail", "breakdown")
 
 
 def test_zoo_models_trace_and_the_auto_plan_is_no_slower_than_the_plans_inside_its_search():
@@ -112,6 +112,7 @@ def test_the_bench_runs_every_plan_of_every_model_and_reports_every_column():
     for row in table:
         assert set(COLUMNS) <= set(row), row
         assert row["predicted_ms"] > 0, row
+        assert row["refused"] is None, row
         if row["runner"] is not None:
             assert row["rounds"] == config.rounds and 0 < row["min_ms"] <= row["measured_ms"] <= row["max_ms"], row
             assert row["error_pct"] == pytest.approx((row["predicted_ms"] / row["measured_ms"] - 1) * 100)

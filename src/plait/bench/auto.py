@@ -178,6 +178,23 @@ class Runner:
             self.first_loss = _global_loss(total, self.side.runner)
 
 
+def _built(side: PlannedSide, config: AutoBenchConfig):
+    """(Runner, None), or (None, the refusal's first line) when the executor refuses the
+    plan on any rank (it checks a plan before any traffic, alike on every rank; the
+    ranks agree on the outcome before going on, so none waits on a side the others
+    skipped)."""
+    runner, refusal = None, ""
+    try:
+        runner = Runner(side, config)
+    except (ValueError, TypeError, NotImplementedError) as error:
+        refusal = f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0]}"
+    built = torch.tensor([1.0 if runner is not None else 0.0])
+    dist.all_reduce(built, op=dist.ReduceOp.MIN)
+    if float(built) < 1.0:
+        return None, refusal or "refused on another rank"
+    return runner, None
+
+
 def _global_loss(local: float, runner: str) -> float:
     """The batch's mean loss: DataParallel's ranks hold equal shares (averaged); the
     auto executor's loss is already the global one (replicated)."""
@@ -196,15 +213,26 @@ def _max_over_ranks(value_s: float) -> float:
 
 def run_auto_bench(job: WorldJob, *, device=None, emit=None) -> list[dict]:
     """Every executed side of every model, ``rounds`` rounds, order rotated per round;
-    rank 0 emits ("row", dict) per side per round and returns the rows."""
+    rank 0 emits ("row", dict) per side per round (or once, with "refused", for a side
+    the executor refused) and returns the rows."""
     del device  # CPU / gloo here
     torch.set_num_threads(1)
     config, rows = job.config, []
     for name in config.models:
-        runners = [Runner(side, config) for side in job.sides if side.model == name and side.runner is not None]
+        runners = []
+        for side in job.sides:
+            if side.model == name and side.runner is not None:
+                runner, refusal = _built(side, config)
+                if runner is None:
+                    row = {"nprocs": job.nprocs, "model": name, "side": side.name, "refused": refusal}
+                    rows.append(row)
+                    if emit is not None:
+                        emit("row", row)
+                else:
+                    runners.append(runner)
         for runner in runners:  # step 1 on the same weights and batch: the loss check
             runner.step()
-        for round_index in range(config.rounds):
+        for round_index in range(config.rounds if runners else 0):
             shift = round_index % len(runners)
             for runner in runners[shift:] + runners[:shift]:
                 for _ in range(config.warmup):
@@ -229,10 +257,13 @@ def summarize(job: WorldJob, rows: list[dict], *, busy: bool) -> list[dict]:
     table = []
     for name in job.config.models:
         mine = [side for side in job.sides if side.model == name]
-        losses = [row["first_loss"] for row in rows if row["model"] == name]
+        losses = [row["first_loss"] for row in rows if row["model"] == name and "first_loss" in row]
         agree = bool(losses) and max(losses) - min(losses) <= LOSS_TOLERANCE
         for side in mine:
-            times = [row["step_s"] for row in rows if row["model"] == name and row["side"] == side.name]
+            times = [row["step_s"] for row in rows if row["model"] == name and row["side"] == side.name
+                     and "step_s" in row]
+            refusals = [row["refused"] for row in rows if row["model"] == name and row["side"] == side.name
+                        and "refused" in row]
             measured = statistics.median(times) if times else None
             table.append({"busy": busy, "nprocs": job.nprocs, "model": name, "plan": side.name, "kind": side.plan,
                           "runner": side.runner, "mesh": "x".join(map(str, side.mesh_shape)),
@@ -241,5 +272,6 @@ def summarize(job: WorldJob, rows: list[dict], *, busy: bool) -> list[dict]:
                           "min_ms": min(times) * 1e3 if times else None, "max_ms": max(times) * 1e3 if times else None,
                           "error_pct": None if measured is None else (side.predicted_s - measured) / measured * 100,
                           "rounds": len(times), "losses_agree": agree, "detail": side.detail,
+                          "refused": refusals[0] if refusals else None,
                           "breakdown": side.breakdown})
     return table

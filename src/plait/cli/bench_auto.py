@@ -103,7 +103,7 @@ def table_lines(table: list[dict]) -> list[str]:
              f"{'[min-max]':>18}{'error %':>9}  run by"]
     for row in table:
         if row["measured_ms"] is None:
-            measured, spread, error = "-", "(not run)", "-"
+            measured, spread, error = "-", "(refused)" if row["refused"] else "(not run)", "-"
         else:
             measured = f"{row['measured_ms']:.2f}"
             spread = f"[{row['min_ms']:.2f}-{row['max_ms']:.2f}]"
@@ -115,7 +115,8 @@ def table_lines(table: list[dict]) -> list[str]:
 
 def verdict_lines(table: list[dict]) -> list[str]:
     """Per model and world: the fastest measured side, auto's measured ratio to each other."""
-    lines = []
+    lines = [f"# {row['model']} p={row['nprocs']} {row['plan']}: refused by the executor: {row['refused']}"
+             for row in table if row["refused"]]
     for key in dict.fromkeys((row["model"], row["nprocs"]) for row in table):
         mine = [row for row in table if (row["model"], row["nprocs"]) == key and row["measured_ms"] is not None]
         auto = next((row for row in mine if row["plan"] == "auto"), None)
@@ -161,13 +162,17 @@ def run(args) -> int:
                 print(line, flush=True)
             tables += table
             document["measurements"].append({"nprocs": nprocs, "busy_loop": busy, "rows": rows, "table": table})
-            status = status or (0 if all(row["losses_agree"] for row in table) else 1)
+            # a side the executor refused or whose step-1 loss differs is a failure (shown, then exit 1)
+            good = all((row["losses_agree"] or row["measured_ms"] is None) and not row["refused"] for row in table)
+            status = status or (0 if good else 1)
     if args.json:
         write_json_document(document, args.json)
     return status
 
 
 def _print_row(kind, row) -> None:
-    if kind == "row":
+    if kind == "row" and "refused" in row:
+        print(f"  {row['model']:<9} {row['side']:<16} refused by the executor: {row['refused']}", flush=True)
+    elif kind == "row":
         print(f"  round {row['round']} {row['model']:<9} {row['side']:<16} {row['step_s'] * 1e3:8.2f} ms "
               f"(step-1 loss {row['first_loss']:.6f})", flush=True)
