@@ -302,6 +302,36 @@ def test_refused_op_names_itself(op, fix):
         trace_graph(Sorts(), (torch.randn(3, 4, dtype=torch.float64),))
 
 
+class _NonZero(nn.Module):
+    def forward(self, x):
+        return x[torch.nonzero(x > 0)[:, 0]].sum()
+
+
+class _Branches(nn.Module):
+    def forward(self, x):
+        return x.sum() if x.sum() > 0 else -x.sum()
+
+
+class _Pair(nn.Module):
+    def forward(self, x):
+        return x * 2, x.sum()
+
+
+class _Logits(nn.Module):
+    def forward(self, x):
+        return x * 2
+
+
+@pytest.mark.parametrize("model, message", [
+    (_NonZero, r"aten\.nonzero.*module '<top>'.*shape \(u0, 2\) depends on the data"),
+    (_Branches, r"torch\.export\(strict=False\) could not trace _Branches: GuardOnDataDependentSymNode"),
+    (_Pair, r"must return one tensor, the loss; it returns 2 graph values"),
+    (_Logits, r"returns a tensor of shape \(3, 4\), not a scalar loss")])
+def test_untraceable_models_are_refused_by_name(model, message):
+    with pytest.raises(ValueError, match=message):
+        trace_graph(model(), (torch.randn(3, 4, dtype=torch.float64),))
+
+
 def test_batch_norm_refused_with_fix():
     model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
     with pytest.raises(ValueError, match=r"batch_norm.*module '1'.*GroupNorm or LayerNorm"):

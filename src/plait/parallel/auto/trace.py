@@ -93,11 +93,10 @@ def trace_graph(model: torch.nn.Module, example_inputs) -> TracedGraph:
 
 def _shape(node) -> tuple[int, ...]:
     value = node.meta["val"]
-    try:
-        return tuple(int(size) for size in value.shape)
-    except (TypeError, ValueError) as error:
-        raise ValueError(f"node {node.name!r} ({node.target}) has a data-dependent shape {tuple(value.shape)}: "
-                         f"auto-parallel needs static shapes") from error
+    if not all(isinstance(size, int) for size in value.shape):  # a torch.SymInt: unknown until the data is seen
+        raise refusal(node, _module_path(node), f"its output shape {tuple(value.shape)} depends on the data; "
+                                                f"auto-parallel needs static shapes")
+    return tuple(value.shape)
 
 
 def _is_tensor(node) -> bool:
