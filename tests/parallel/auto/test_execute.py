@@ -107,12 +107,13 @@ def mlp_plans(ndim: int) -> dict[str, dict]:
 
 
 def parity(model_fn, batch_fn, plans: dict, mesh_shape, adam: tuple = (), simplified: bool = False,
-           reshard_path=None) -> dict:
+           reshard_path=None, group=None) -> dict:
     """Each plan ({name: layouts}) on this rank, traced once: the errors against the
     one-process model after steps of SGD (and of Adam for the plans in ``adam``), and
     the bytes its axis communicators sent in the first step. ``simplified``: the plans
     name the nodes of the simplified graph (as the planner's do); ``reshard_path``: the
-    executor's path of layout changes (None: its default order)."""
+    executor's path of layout changes (None: its default order); ``group``: the ranks the
+    mesh lies on (None: the world)."""
     from plait.parallel.auto.device_mesh import AutoMesh
     from plait.parallel.auto.execute import AutoParallelModule
     from plait.parallel.auto.trace import simplify, trace_graph
@@ -125,7 +126,7 @@ def parity(model_fn, batch_fn, plans: dict, mesh_shape, adam: tuple = (), simpli
         for optimizer_name in ("sgd", "adam") if plan_name in adam else ("sgd",):
             reference = model_fn()
             auto = AutoParallelModule(traced, layouts, AutoMesh(tuple(mesh_shape)), graph=graph,
-                                      reshard_path=reshard_path)
+                                      reshard_path=reshard_path, group=group)
             make = (lambda params: torch.optim.SGD(params, lr=0.1)) if optimizer_name == "sgd" else \
                 (lambda params: torch.optim.Adam(params, lr=1e-2))
             optimizers = [make(auto.parameters()), make(reference.parameters())]
@@ -152,10 +153,18 @@ def parity(model_fn, batch_fn, plans: dict, mesh_shape, adam: tuple = (), simpli
     return results
 
 
-def _mlp_worker(rank: int, world_size: int, mesh_shape, plan_names, adam=(), priced: bool = False) -> dict:
+def _mlp_worker(rank: int, world_size: int, mesh_shape, plan_names, adam=(), priced: bool = False,
+                halves: bool = False) -> dict:
+    """``halves``: the world of 4 as two meshes of ``mesh_shape`` (ranks 0-1 and 2-3),
+    each given as a process group."""
+    import torch.distributed as dist
+
+    group = None
+    if halves:
+        group = [dist.new_group([0, 1]), dist.new_group([2, 3])][rank // 2]
     plans = mlp_plans(len(mesh_shape))
     results = parity(_mlp, _batch, {name: _layouts(plans[name], len(mesh_shape)) for name in plan_names}, mesh_shape,
-                     adam)
+                     adam, group=group)
     if priced:  # the same plans through the planner's cheapest reshard paths (plait.plan.auto.reshard_cost)
         from plait.parallel.auto.device_mesh import AutoMesh
         from plait.plan.auto.reshard_cost import reshard_path
@@ -196,9 +205,12 @@ def test_mlp_plans_two_ranks():
 
 @pytest.mark.slow
 def test_mlp_plans_three_ranks_and_2x2():
-    """The same plans on 3 ranks, and batch x Megatron on a 2x2 mesh, equal one process."""
+    """The same plans on 3 ranks, batch x Megatron on a 2x2 mesh (also through the
+    planner's priced reshard paths), and two 1-D meshes of 2 side by side in a world of 4
+    (group=), equal one process."""
     _check(run_distributed(_mlp_worker, 3, (3,), ONE_D_PLANS))
     _check(run_distributed(_mlp_worker, 4, (2, 2), ("batch_x_megatron",), adam=("batch_x_megatron",), priced=True))
+    _check(run_distributed(_mlp_worker, 4, (2,), ("megatron", "sequence_then_batch"), halves=True))
 
 
 def _traced_mlp():
