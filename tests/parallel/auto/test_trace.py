@@ -40,6 +40,14 @@ class HFLoss(nn.Module):
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
+class HFCachedLoss(HFLoss):
+    """The same with HF's default use_cache=True: a key/value cache, empty at this first step."""
+
+    def forward(self, ids, targets):
+        logits = self.model(input_ids=ids).logits
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
 class GPTLoss(nn.Module):
     def __init__(self, model):
         super().__init__()
@@ -127,6 +135,16 @@ def test_gpt2_kinds_against_hand_counts(gpt2):
     names = {name for name, _ in traced.module.named_parameters()}
     reads = {node.target for node in traced.module.graph.nodes if node.op == "get_attr"}
     assert reads <= names and "model.lm_head.weight" not in reads
+
+
+def test_gpt2_with_its_empty_cache_traces_the_same(gpt2):
+    model, inputs, traced = gpt2
+    cached = trace_graph(HFCachedLoss(model.model), inputs)
+    # cat(empty cache, k) is k: no cat, the same operators as without the cache
+    assert not [node for node in cached.module.graph.nodes if node.target is torch.ops.aten.cat.default]
+    plain = {kind: count for kind, count in _kinds(traced.graph).items() if kind != "constant"}
+    assert {kind: count for kind, count in _kinds(cached.graph).items() if kind != "constant"} == plain
+    assert _close(cached.module(*inputs).detach(), model(*inputs).detach())
 
 
 def test_plait_gpt_kinds_and_folded_position(plait_gpt):

@@ -30,8 +30,8 @@ import torch
 
 from plait.parallel.auto.opgraph import OpGraph, OpNode, ParamMeta
 from plait.parallel.auto.trace_kinds import SELECTIONS, Unsupported, bind, classify, op_name, refusal
-from plait.parallel.auto.trace_rewrite import (canonical_params, drop_checks, identity_views, linears, shape_only,
-                                              split_getitems)
+from plait.parallel.auto.trace_rewrite import (canonical_params, drop_checks, empty_cats, identity_views, linears,
+                                              shape_only, split_getitems)
 from plait.parallel.auto.trace_simplify import simplify
 from plait.parallel.auto.trace_views import FOLDABLE, dim_groups, fold_dims
 
@@ -83,6 +83,7 @@ def trace_graph(model: torch.nn.Module, example_inputs) -> TracedGraph:
     param_reads = canonical_params(module, model)
     split_getitems(module)
     shape_only(module)
+    empty_cats(module)
     identity_views(module)
     linears(module, param_reads)
     module.graph.lint()

@@ -13,6 +13,7 @@ one fused kernel versus two):
   (W as (out, in), through a folded ``t`` where the parameter is stored (in, out)):
   ``mm(x, W)``, ``matmul(x, W)``, ``addmm(b, x, W)`` (HF's Conv1D) and the flatten
   view -> mm/addmm -> unflatten view around them (so the linear sees (..., in));
+- ``empty_cats``: a cat of one tensor and empty ones (HF's key/value cache) is that tensor;
 - ``identity_views``: a view / reshape / expand / alias to the shape it already has goes;
 - ``shape_only``: ``zeros_like(x)``, ``new_ones(x, size)``, ... become ``aten.full`` of
   the global shape (constants: they never read x's values).
@@ -27,7 +28,7 @@ import torch
 from plait.parallel.auto.trace_kinds import bind, op_name
 from plait.parallel.auto.trace_views import FOLDABLE
 
-__all__ = ["drop_checks", "canonical_params", "split_getitems", "shape_only", "identity_views", "linears",
+__all__ = ["drop_checks", "canonical_params", "split_getitems", "shape_only", "empty_cats", "identity_views", "linears",
            "param_root"]
 
 aten = torch.ops.aten
@@ -145,6 +146,28 @@ def shape_only(module: torch.fx.GraphModule) -> None:
         full.meta.update(node.meta)
         node.replace_all_uses_with(full)
         graph.erase_node(node)
+
+
+def empty_cats(module: torch.fx.GraphModule) -> None:
+    """``cat([empty, x])`` (HF's key/value cache, empty at the first step) is x; the empty
+    constants it read go with it."""
+    graph = module.graph
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not aten.cat.default:
+            continue
+        full = [piece for piece in node.args[0] if piece.meta["val"].numel() > 0]
+        if len(full) == 1 and tuple(full[0].meta["val"].shape) == tuple(node.meta["val"].shape):
+            node.replace_all_uses_with(full[0])
+            graph.erase_node(node)
+    graph.eliminate_dead_code(is_impure_node=_impure)
+
+
+def _impure(node) -> bool:
+    """fx's rule, except an in-place detach of a fresh copy (HF's cache tensors), which no
+    one can observe."""
+    if node.target is aten.detach_.default and node.args[0].target is aten.lift_fresh_copy.default:
+        return False
+    return node.is_impure()
 
 
 def identity_views(module: torch.fx.GraphModule) -> None:
