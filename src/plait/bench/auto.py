@@ -38,7 +38,7 @@ from plait.parallel.auto.device_mesh import AutoMesh
 from plait.parallel.auto.execute import auto_parallelize
 from plait.parallel.auto.trace import trace_graph
 from plait.parallel.data.data_parallel import DataParallel
-from plait.plan.cluster import cluster_preset
+from plait.plan.cluster import cluster_preset, topology_cluster
 from plait.plan.device import measure_device
 
 __all__ = ["AutoBenchConfig", "WorldJob", "SIZES", "LOSS_TOLERANCE", "local_cluster", "plan_world", "run_auto_bench",
@@ -112,26 +112,31 @@ class WorldJob:
         return self.config.timeout_s
 
 
-def local_cluster(nprocs: int, link, *, call_overhead_s: float, link_source: str, shapes, dtype: str, device=None):
+def local_cluster(nprocs: int, link, *, call_overhead_s: float, link_source: str, shapes, dtype: str, device=None,
+                  topology=None):
     """Cluster("local") of ``nprocs`` processes: ``device``, by default this CPU measured
-    at ``shapes`` (m, n, k) with ``nprocs`` processes sharing its cores, and ``link``."""
+    at ``shapes`` (m, n, k) with ``nprocs`` processes sharing its cores, and ``link``
+    (within a host of ``topology`` when given: a testbed's, its hosts' link between)."""
     if device is None:
         device = measure_device(dtype=dtype, processes=nprocs, matmul_shapes=shapes)
+    if topology is not None:
+        return topology_cluster(topology, nprocs=nprocs, device=device, local_link=link,
+                                call_overhead_s=call_overhead_s, link_source=link_source)
     return cluster_preset("local", nprocs=nprocs, device=device, local_link=link, call_overhead_s=call_overhead_s,
                           link_source=link_source)
 
 
 def plan_world(config: AutoBenchConfig, nprocs: int, link, *, call_overhead_s: float, link_source: str,
-               emit=print, device=None) -> WorldJob:
+               emit=print, device=None, topology=None) -> WorldJob:
     """Every model's sides for a world of ``nprocs``, this CPU measured per model (or
-    priced as ``device``, a DeviceSpec, when given)."""
+    priced as ``device``, a DeviceSpec, when given), on ``topology``'s hosts if given."""
     sides = []
     for name in config.models:
         model, inputs = config.model(name)
         traced = trace_graph(model, inputs)
         cluster = local_cluster(nprocs, link, call_overhead_s=call_overhead_s, link_source=link_source,
                                 shapes=matmul_shapes(traced.graph, nprocs) if config.model_shapes else None,
-                                dtype=config.dtype, device=device)
+                                dtype=config.dtype, device=device, topology=topology)
         started_s = time.perf_counter()
         mine = plan_sides(name, model, inputs, cluster, time_limit_s=config.time_limit_s, traced=traced)
         emit(f"# {name} on {nprocs} processes: planned in {time.perf_counter() - started_s:.1f} s; "
