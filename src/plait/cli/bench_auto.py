@@ -61,6 +61,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--lr", type=float, default=d.lr, help=f"SGD's learning rate (default {d.lr})")
     parser.add_argument("--time-limit", type=float, default=d.time_limit_s, metavar="SECONDS",
                         help=f"each ILP solve's limit (default {d.time_limit_s:g})")
+    parser.add_argument("--model-shapes", action="store_true",
+                        help="measure this CPU at the model's own matmul shapes (default: squares 32..512)")
     parser.add_argument("--profile", default=None, metavar="PATH",
                         help="plait calibrate's profile for the link (default: the saved one)")
     parser.add_argument("--busy-loop", choices=BUSY_LOOP_MODES, default="also",
@@ -73,7 +75,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 def config_from_args(args) -> AutoBenchConfig:
     return AutoBenchConfig(models=args.models, nprocs=args.nprocs, size=args.size, dtype=args.dtype, lr=args.lr,
-                           time_limit_s=args.time_limit, **{name: getattr(args, name) for name in _INT_FLAGS})
+                           time_limit_s=args.time_limit, model_shapes=args.model_shapes, **{name: getattr(args, name) for name in _INT_FLAGS})
 
 
 def _link(profile_path: str | None):
