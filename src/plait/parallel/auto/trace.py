@@ -121,6 +121,8 @@ def _tensor_args(node) -> list:
 
 
 def _build(module, model, param_reads) -> tuple[OpGraph, tuple[str, ...]]:
+    """One pass over the canonical module in graph order (the module docstring's rules):
+    the OpGraph and the random ops. ``param_reads``: {get_attr node: parameter name}."""
     nodes, inputs, random_ops = [], [], []
     shapes = {}
     depends_input, depends_param = set(), set()
