@@ -35,10 +35,10 @@ from plait.plan.device import load_device_profile
 __all__ = ["add_auto_arguments", "run_auto", "parse_mesh", "auto_flags_without_auto"]
 
 # the plan flags --auto takes (dests); any other plan flag given with --auto is refused by name
-AUTO_DESTS = frozenset({"auto", "mesh", "save", "svg", "dot", "time_limit_s", "module", "model", "seq", "cluster",
+AUTO_DESTS = frozenset({"auto", "mesh", "save", "svg", "dot", "time_limit_s", "microbatches", "module", "model", "seq", "cluster",
                         "gpus", "nodes", "nprocs", "profile", "topology", "device_profile", "memory_limit_gib",
                         "global_batch", "json", "help", "plan_defaults"})
-_OWN_FLAGS = ("mesh", "save", "svg", "dot", "time_limit_s")
+_OWN_FLAGS = ("mesh", "save", "svg", "dot", "microbatches", "time_limit_s")
 
 
 def add_auto_arguments(parser: argparse.ArgumentParser) -> None:
@@ -56,6 +56,10 @@ def add_auto_arguments(parser: argparse.ArgumentParser) -> None:
                             "and memory, and why")
     group.add_argument("--mesh", default=None, metavar="AxB",
                        help="--auto: the device mesh, e.g. 8 or 2x4 (default: every 1-D and 2-D mesh of the cluster)")
+    group.add_argument("--microbatches", type=int, default=None, metavar="M",
+                       help="--auto: also search pipeline stages on sub-meshes (Alpa's inter-operator pass, each "
+                            "stage priced by the ILP) for M micro-batches per step; shown apart from the "
+                            "intra-operator plan")
     group.add_argument("--time-limit-s", type=float, default=60.0, help="--auto: the ILP's time limit per mesh")
     group.add_argument("--save", default=None, metavar="FILE", help="--auto: write the plan (JSON) for plait train "
                                                                    "--plan FILE")
@@ -179,7 +183,7 @@ def run_auto(args, local_cluster, check_flags) -> int:
         cluster = cluster_preset(args.cluster, gpus=args.gpus, nodes=args.nodes, device=device)
     limit = None if args.memory_limit_gib is None else args.memory_limit_gib * (1 << 30)
     plan = auto_plan(model, inputs, cluster, mesh_shapes=mesh_shapes, memory_limit_bytes=limit,
-                     time_limit_s=args.time_limit_s)
+                     time_limit_s=args.time_limit_s, microbatches=args.microbatches)
     shapes = [tuple(tensor.shape) for tensor in inputs]
     written = []
     if args.save:
@@ -190,7 +194,7 @@ def run_auto(args, local_cluster, check_flags) -> int:
             Path(path).write_text(text_of(plan))
             written.append(f"{what}: {path}")
     if args.json:
-        print(json.dumps(plan_json(plan, source=source, input_shapes=shapes), indent=1))
+        print(json.dumps(plan_json(plan, source=source, input_shapes=shapes), indent=1, allow_nan=False))
     else:
         print("\n".join(report_lines(plan)))
     for line in written:

@@ -34,9 +34,9 @@ _SHOWN_NAMES = 6  # node names a mismatch message lists per side
 
 @dataclass(frozen=True)
 class SavedPlan:
-    """A plan read back: its ``mesh``, per node the executor's ``layouts`` and the
-    strategy ``strategy_names``, the merged ``members`` of each node, whether the graph
-    was ``simplified``, the model ``source`` (factory spec or hf:CONFIG, or None),
+    """A plan read back: its ``mesh``, per node the executor's ``layouts``, the
+    ``strategy_names``, the merged ``members`` and the ``kinds``, whether the graph was
+    ``simplified``, the model ``source`` (factory spec or hf:CONFIG, or None),
     ``input_shapes`` and the recorded ``prediction`` (a dict, as saved)."""
 
     path: str
@@ -44,6 +44,7 @@ class SavedPlan:
     layouts: dict[str, NodeLayout]
     strategy_names: dict[str, str]
     members: dict[str, tuple[str, ...]]
+    kinds: dict[str, str]
     simplified: bool
     source: str | None
     input_shapes: tuple[tuple[int, ...], ...]
@@ -51,9 +52,15 @@ class SavedPlan:
 
     def check_graph(self, graph: OpGraph) -> None:
         """Refuse (ValueError) unless ``graph`` (the model re-traced, simplified as the plan
-        was) has exactly the plan's node names."""
+        was) has exactly the plan's node names, each of the kind it had."""
         planned, traced = set(self.layouts), {node.name for node in graph.nodes}
         if planned == traced:
+            changed = [f"{node.name} ({self.kinds[node.name]} -> {node.kind})" for node in graph.nodes
+                       if self.kinds.get(node.name, node.kind) != node.kind]
+            if changed:
+                raise ValueError(f"plan {self.path} does not match the model's trace: nodes of another kind now: "
+                                 f"{', '.join(changed[:_SHOWN_NAMES])}: the model changed since it was planned; "
+                                 "plan it again (plait plan --auto ... --save FILE)")
             return
         only_plan = [name for name in self.layouts if name not in traced]
         only_model = [node.name for node in graph.nodes if node.name not in planned]
@@ -129,7 +136,7 @@ def read_plan(document: dict, where: str = "plan") -> SavedPlan:
         raise ValueError(f"{where} is plan version {document.get('version')!r}; this plait reads version {VERSION}: "
                          "plan the model again (plait plan --auto ... --save FILE)")
     mesh = AutoMesh(tuple(_field(document, "mesh", list, where)))
-    layouts, names, members = {}, {}, {}
+    layouts, names, members, kinds = {}, {}, {}, {}
     for entry in _field(document, "nodes", list, where):
         try:
             name = entry["name"]
@@ -144,8 +151,10 @@ def read_plan(document: dict, where: str = "plan") -> SavedPlan:
                                  f"{mesh.ndim}-axis mesh {mesh.text()}")
         layouts[name], names[name] = layout, entry.get("strategy", "")
         members[name] = tuple(entry.get("members") or (name,))
+        if "kind" in entry:
+            kinds[name] = entry["kind"]
     model = document.get("model") or {}
-    return SavedPlan(path=where, mesh=mesh, layouts=layouts, strategy_names=names, members=members,
+    return SavedPlan(path=where, mesh=mesh, layouts=layouts, strategy_names=names, members=members, kinds=kinds,
                      simplified=bool(document.get("simplified", True)), source=model.get("source"),
                      input_shapes=tuple(tuple(shape) for shape in model.get("input_shapes") or ()),
                      prediction=dict(document.get("prediction") or {}))
