@@ -115,3 +115,20 @@ def test_gpt2_megatron_and_batch_plans_equal_one_process():
             for key, value in errors.items():
                 limit = PARAMS_SGD_ATOL if key.endswith("params") else LOSS_GRAD_ATOL
                 assert key == "bytes_sent" or value <= limit, f"rank {rank} {plan}: {key} = {value:.3e}"
+
+
+def test_fused_slices_are_refused_by_name():
+    """The planner's 'fused' option (c_attn column with its q/k/v slices keeping S2) is a
+    blocked shard this executor does not run: refused naming the slice and the way out."""
+    from plait.parallel.auto.device_mesh import AutoMesh
+    from plait.parallel.auto.execute import AutoParallelModule, NodeLayout
+    from plait.parallel.auto.trace import simplify, trace_graph
+
+    traced = trace_graph(GPT2Step(), _ids(0))
+    graph = simplify(traced.graph)
+    layouts = _plan(graph, "megatron")
+    first_slice = next(node for node in graph.nodes if node.kind == "view" and node.attr("op") == "slice"
+                       and "c_attn" in (graph.node(node.inputs[0]).attr("weight") or ""))
+    layouts[first_slice.name] = NodeLayout((("S2",),), ("S2",), ())
+    with pytest.raises(ValueError, match=f"node '{first_slice.name}' .* 'fused' \\(blocked\\) shard .*to_styles"):
+        AutoParallelModule(traced, layouts, AutoMesh((2,)), graph=graph)

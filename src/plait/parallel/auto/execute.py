@@ -36,7 +36,7 @@ from torch import nn
 from plait import comm
 from plait.comm.communicator import group_ranks, process_group
 from plait.comm.engine import merge_stats
-from plait.names.placements import PARTIAL, REPLICATE, local_shape, replicated
+from plait.names.placements import PARTIAL, REPLICATE, local_shape, replicated, shard_dim
 from plait.parallel.auto.device_mesh import AutoMesh
 from plait.parallel.auto.execute_node import NodeContext, run_members
 from plait.parallel.auto.execute_rules import ADDITIVE, LayoutRefused, expected_output
@@ -170,6 +170,15 @@ class AutoParallelModule(nn.Module):
             for shape, placements in zip(shapes, layout.inputs):
                 local_shape(shape, placements, mesh_shape)
             local_shape(node.shape, layout.output, mesh_shape)
+            if node.kind == "view" and node.attr("op") in ("slice", "narrow"):
+                fused = [axis for axis, placement in enumerate(layout.inputs[0])
+                         if shard_dim(placement) == node.attr("dim") and layout.output[axis] == placement]
+                if fused:
+                    raise LayoutRefused(f"node {node.name!r} (view, {node.target}) on mesh axis {fused[0]}: a slice "
+                                        f"keeping {layout.inputs[0][fused[0]]} on the dim it cuts is the planner's "
+                                        f"'fused' (blocked) shard of {node.inputs[0]!r}, which this executor does not "
+                                        "run: compile the plan with plait.plan.auto.to_styles (ColwiseParallel(fused=k)"
+                                        ") or gather the producer's output before the slices")
             if node.kind in ("view", "permute"):
                 check_view(node, layout, shapes, self._fx, self._order, mesh_shape, self._positions(node))
                 continue

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from plait.names.placements import PARTIAL, REPLICATE, is_shard, shard, shard_dim
 
-__all__ = ["ADDITIVE", "MULTIPLICATIVE", "LINEAR_UNARY", "LayoutRefused", "expected_output"]
+__all__ = ["ADDITIVE", "MULTIPLICATIVE", "LINEAR_UNARY", "LayoutRefused", "expected_output", "param_operands"]
 
 ADDITIVE = ("add", "sub")
 MULTIPLICATIVE = ("mul", "div")
@@ -53,10 +53,41 @@ def expected_output(node, axis: int, inputs: list[str], input_shapes, params: di
     placements = list(inputs) + list(params.values())
     if all(p == REPLICATE for p in placements):
         return REPLICATE
+    if node.kind in ("matmul", "elementwise"):  # parameters as the operands they are read as
+        operands = param_operands(node, axis, params, dict(zip(params, param_shapes)))
+        if node.kind == "matmul" and node.attr("param_side") is not None:
+            (placement, shape), = operands.values()
+            index = node.attr("param_side")
+            inputs, input_shapes = list(inputs), list(input_shapes)
+            inputs.insert(index, placement)
+            input_shapes.insert(index, shape)
+            return _matmul(node, axis, inputs, input_shapes, {}, [])
+        params = {name: placement for name, (placement, _) in operands.items()}
+        param_shapes = [shape for _, shape in operands.values()]
     rule = _RULES.get(node.kind)
     if rule is None:
         _refuse(node, axis, f"a {node.kind} node runs replicated only (got inputs {inputs}, params {params})")
     return rule(node, axis, inputs, input_shapes, params, param_shapes)
+
+
+def param_operands(node, axis, params: dict, shapes: dict) -> dict:
+    """{param: (placement, shape)} of each parameter as the operand the op reads (through
+    folded views: attrs param_operands' operand shape and dims; a shard of parameter dim
+    i is a shard of the operand dim that comes from i)."""
+    views = {entry[0]: entry[1:] for entry in node.attr("param_operands", ())}
+    out = {}
+    for name, placement in params.items():
+        if name not in views:
+            out[name] = (placement, tuple(shapes[name]))
+            continue
+        operand_shape, operand_dims, sliced = views[name][0], views[name][1], views[name][2]
+        if is_shard(placement):
+            if shard_dim(placement) in sliced or shard_dim(placement) not in operand_dims:
+                _refuse(node, axis, f"parameter {name} is sharded on its dim {shard_dim(placement)}, which the op "
+                                    "slices or drops: replicate it")
+            placement = shard(list(operand_dims).index(shard_dim(placement)))
+        out[name] = (placement, tuple(operand_shape))
+    return out
 
 
 def _linear(node, axis, inputs, shapes, params, param_shapes):
