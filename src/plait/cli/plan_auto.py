@@ -35,9 +35,9 @@ from plait.plan.device import load_device_profile
 __all__ = ["add_auto_arguments", "run_auto", "parse_mesh", "auto_flags_without_auto"]
 
 # the plan flags --auto takes (dests); any other plan flag given with --auto is refused by name
-AUTO_DESTS = frozenset({"auto", "mesh", "save", "svg", "dot", "time_limit_s", "microbatches", "module", "model", "seq", "cluster",
-                        "gpus", "nodes", "nprocs", "profile", "topology", "device_profile", "memory_limit_gib",
-                        "global_batch", "json", "help", "plan_defaults"})
+AUTO_DESTS = frozenset({"auto", "mesh", "save", "svg", "dot", "time_limit_s", "microbatches", "module", "model",
+                        "seq", "cluster", "gpus", "nodes", "nprocs", "profile", "topology", "device_profile",
+                        "memory_limit_gib", "global_batch", "json", "help", "plan_defaults"})
 _OWN_FLAGS = ("mesh", "save", "svg", "dot", "microbatches", "time_limit_s")
 
 
@@ -165,6 +165,10 @@ def run_auto(args, local_cluster, check_flags) -> int:
     hf = (args.model or "").startswith(HF_PREFIX)
     if hf and args.global_batch is None:
         raise ValueError("--auto --model hf: needs --global-batch N (sequences per step)")
+    if args.global_batch is not None and args.global_batch < 1:
+        raise ValueError(f"--global-batch {args.global_batch} must be >= 1 (samples per step)")
+    if args.microbatches is not None and args.microbatches < 1:
+        raise ValueError(f"--microbatches {args.microbatches} must be >= 1")
     if args.time_limit_s <= 0:
         raise ValueError(f"--time-limit-s {args.time_limit_s} must be > 0 (seconds per mesh)")
     # imported here: the planner traces with torch.export, which plait plan without --auto never loads

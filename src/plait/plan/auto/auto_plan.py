@@ -26,7 +26,8 @@ from plait.parallel.auto.device_mesh import AutoMesh
 from plait.parallel.auto.opgraph import OpGraph
 from plait.plan.auto.strategy import Strategy
 
-__all__ = ["name_pattern", "PlanCost", "EdgeReshard", "MeshOutcome", "Baseline", "RunnerUp", "AutoPlan", "operator_groups", "TOP_GROUP"]
+__all__ = ["name_pattern", "PlanCost", "EdgeReshard", "MeshOutcome", "Baseline", "RunnerUp", "AutoPlan",
+           "operator_groups", "group_key", "TOP_GROUP"]
 
 TOP_GROUP = "(model)"  # the group of nodes run at the model's top level (inputs, a functional loss)
 _NUMBERS = re.compile(r"_\d+(?=\W|$)|\d+")  # fx's "_7" suffixes and layer indices

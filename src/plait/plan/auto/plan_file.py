@@ -121,8 +121,8 @@ def save_plan(plan: AutoPlan, path: str | Path, *, source: str | None = None, in
 def _field(document: dict, key: str, kind, where: str):
     value = document.get(key)
     if not isinstance(value, kind):
-        raise ValueError(f"{where}: field {key!r} is {value!r}; a plait plan file has a {getattr(kind, '__name__', kind)} "
-                         "there (write it with plait plan --auto --save FILE)")
+        raise ValueError(f"{where}: field {key!r} is {value!r}; a plait plan file has a {kind.__name__} there "
+                         "(write it with plait plan --auto --save FILE)")
     return value
 
 

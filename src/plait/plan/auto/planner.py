@@ -44,7 +44,8 @@ from plait.plan.auto.stages import auto_stages
 from plait.plan.auto.strategies import graph_strategies
 from plait.plan.auto.strategy import Strategy
 
-__all__ = ["auto_plan", "micro_batch", "plan_cost", "edge_reshards", "default_mesh_shapes", "node_layouts", "ALL_REPLICATED", "DATA_PARALLEL"]
+__all__ = ["auto_plan", "micro_batch", "plan_cost", "edge_reshards", "default_mesh_shapes", "node_layouts",
+           "ALL_REPLICATED", "DATA_PARALLEL"]
 
 ALL_REPLICATED = "all replicated"
 DATA_PARALLEL = "data parallel"
@@ -136,8 +137,8 @@ def _baselines(graph, cluster, time_limit_s: float, pricing: dict) -> tuple[Base
                           plan_cost(graph, replicated, mesh, cluster))]
     dp_strategies = {name: [s for s in options if _params_replicated(s)] for name, options in strategies.items()}
     result = solve(graph, dp_strategies, mesh, cluster, memory_limit_bytes=None, time_limit_s=time_limit_s)
-    baselines.append(Baseline(DATA_PARALLEL, "every parameter replicated, the best activation layouts on the "
-                                             f"{mesh.text()} mesh", mesh.shape, _solved_cost(graph, result, mesh, cluster)))
+    description = f"every parameter replicated, the best activation layouts on the {mesh.text()} mesh"
+    baselines.append(Baseline(DATA_PARALLEL, description, mesh.shape, _solved_cost(graph, result, mesh, cluster)))
     return tuple(baselines)
 
 

@@ -6,10 +6,10 @@ SVG laid out here (graphviz need not be installed). Torch-free: it reads an Auto
 The picture follows ``plait.graph.drawing``'s layout: a node's row is its depth (the
 longest path from a graph input), the nodes of one row side by side in graph order,
 each row centred, edges straight between adjacent rows and arcs bowing out to the right
-of the boxes where they skip rows (a residual). A node's fill is its output layout's colour (legend on top); an edge that
-reshards is red and labelled with its forward collectives (``all_gather@1``: over mesh
-axis 1), the steps ``plait.plan.auto.reshard_cost.reshard_steps`` prices and the
-executor runs.
+of the boxes where they skip rows (a residual). A node's fill is its output layout's
+colour (legend on top); an edge that reshards is red and labelled with its forward
+collectives (``all_gather@1``: over mesh axis 1), the steps
+``plait.plan.auto.reshard_cost.reshard_steps`` prices and the executor runs.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from html import escape
 from plait.names.placements import layout_text
 from plait.plan.auto.auto_plan import AutoPlan, name_pattern, operator_groups, TOP_GROUP
 
-__all__ = ["plan_table", "collapse_repeats", "summary_lines", "why_lines", "report_lines", "layout_colours", "node_rows", "plan_dot",
-           "plan_svg", "HEAVY_KINDS"]
+__all__ = ["plan_table", "collapse_repeats", "summary_lines", "why_lines", "stage_lines", "report_lines",
+           "layout_colours", "node_rows", "plan_dot", "plan_svg", "HEAVY_KINDS"]
 
 HEAVY_KINDS = ("linear", "matmul", "attention", "conv", "embedding")  # the operators a group's row names
 # fills for output layouts, in order of first appearance (ColorBrewer Set3: black text reads on each)
