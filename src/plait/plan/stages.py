@@ -245,21 +245,27 @@ def _stage_count_range(num_layers: int, devices: int, sizes: tuple[int, ...],
     return 1, most
 
 
-def _stage_time_table(num_layers: int, sizes: tuple[int, ...],
-                      stage_time_s: Callable[[int, int, int], float]) -> np.ndarray:
-    """times[i, j, a] = stage_time_s(i, j, sizes[a]) for i < j (one call each), inf elsewhere."""
-    times = np.full((num_layers, num_layers + 1, len(sizes)), math.inf)
-    for start in range(num_layers):
-        for end in range(start + 1, num_layers + 1):
-            for index, size in enumerate(sizes):
-                value = stage_time_s(start, end, size)
-                if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
-                    raise TypeError(f"stage_time_s({start}, {end}, {size}) returned {value!r}; return seconds "
-                                    "as a float (math.inf when the slice cannot run on that submesh)")
-                if math.isnan(value) or value < 0:
-                    raise ValueError(f"stage_time_s({start}, {end}, {size}) = {value!r} must be >= 0 seconds "
-                                     "(math.inf when the slice cannot run on that submesh)")
-                times[start, end, index] = value
+def _stage_time_table(num_layers: int, sizes: tuple[int, ...], stage_time_s: Callable[..., float],
+                      depths: int | None) -> np.ndarray:
+    """times[0, i, j, a] = stage_time_s(i, j, sizes[a]) for i < j (one call each), inf
+    elsewhere; with ``depths``, times[s, i, j, a] = stage_time_s(i, j, sizes[a], s) for
+    s = 1..depths (level 0 inf)."""
+    levels = (0,) if depths is None else range(1, depths + 1)
+    times = np.full((1 if depths is None else depths + 1, num_layers, num_layers + 1, len(sizes)), math.inf)
+    for level in levels:
+        for start in range(num_layers):
+            for end in range(start + 1, num_layers + 1):
+                for index, size in enumerate(sizes):
+                    args = (start, end, size) if depths is None else (start, end, size, level)
+                    value = stage_time_s(*args)
+                    call = f"stage_time_s{args}"
+                    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+                        raise TypeError(f"{call} returned {value!r}; return seconds as a float (math.inf when the "
+                                        "slice cannot run on that submesh)")
+                    if math.isnan(value) or value < 0:
+                        raise ValueError(f"{call} = {value!r} must be >= 0 seconds (math.inf when the slice cannot "
+                                         "run on that submesh)")
+                    times[level, start, end, index] = value
     return times
 
 
@@ -267,7 +273,9 @@ def _dp_tables(capped_s: np.ndarray, sizes: tuple[int, ...], devices: int,
                stage_limit: int | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Alpa's DP at one cap: least sums of stage times and the choices that give them.
 
-    capped_s[k, j, a] is t(k, j, sizes[a]), or inf above the cap. Without a stage
+    capped_s[0, k, j, a] is t(k, j, sizes[a]), or inf above the cap (with one level per
+    depth, capped_s[s, k, j, a] is the time of a stage that is s-th from the end, and
+    F[s, ...] below reads it). Without a stage
     limit F[0, k, d] = min over j > k, a of capped_s[k, j, a] + F[0, j, d - sizes[a]]
     (layers k..L-1 on d devices, F[0, L, 0] = 0); with one, F[s, k, d] counts stages
     exactly and reads F[s - 1, j, ...]. The first minimum in (j, a) order wins: the
@@ -275,7 +283,8 @@ def _dp_tables(capped_s: np.ndarray, sizes: tuple[int, ...], devices: int,
     end layer and size index per (s, k, d). Cost O(L² · |sizes| · D) (· S with a limit),
     vectorised over (j, size, d): L numpy passes.
     """
-    num_layers, count = capped_s.shape[0], len(sizes)
+    num_layers, count = capped_s.shape[1], len(sizes)
+    by_depth = capped_s.shape[0] > 1
     pad = max(sizes)  # d - n < 0 reads the inf columns left of d = 0
     levels = 1 if stage_limit is None else stage_limit + 1
     sums_s = np.full((levels, num_layers + 1, pad + devices + 1), math.inf)
@@ -285,9 +294,9 @@ def _dp_tables(capped_s: np.ndarray, sizes: tuple[int, ...], devices: int,
     columns = pad - np.asarray(sizes)[:, None] + np.arange(devices + 1)[None, :]  # (|sizes|, D + 1)
     source, target = (slice(None), slice(None)) if stage_limit is None else (slice(0, -1), slice(1, None))
     for start in range(num_layers - 1, -1, -1):
-        allowed_s = capped_s[start, start + 1:, :]                                  # (L - k, |sizes|)
+        allowed_s = capped_s[1:, start, start + 1:, :] if by_depth else capped_s[:1, start, start + 1:, :]
         rest_s = sums_s[source, start + 1:, :][:, :, columns]                       # (S', L - k, |sizes|, D + 1)
-        totals_s = (allowed_s[None, :, :, None] + rest_s).reshape(rest_s.shape[0], -1, devices + 1)
+        totals_s = (allowed_s[:, :, :, None] + rest_s).reshape(rest_s.shape[0], -1, devices + 1)
         pick = totals_s.argmin(axis=1)                                              # (S', D + 1)
         sums_s[target, start, pad:] = totals_s.min(axis=1)
         end_choice[target, start] = start + 1 + pick // count
@@ -296,8 +305,8 @@ def _dp_tables(capped_s: np.ndarray, sizes: tuple[int, ...], devices: int,
 
 
 def alpa_partition(num_layers: int, devices: int, submesh_sizes: Sequence[int], microbatches: int,
-                   stage_time_s: Callable[[int, int, int], float], *, stages: int | None = None,
-                   max_stages: int | None = None) -> StagePlan:
+                   stage_time_s: Callable[..., float], *, stages: int | None = None,
+                   max_stages: int | None = None, by_depth: bool = False) -> StagePlan:
     """Alpa's inter-operator DP: layer slices and submesh sizes minimising pipeline latency.
 
     Choose contiguous slices [i, j) covering 0..L-1 and a submesh size n per slice
@@ -319,6 +328,13 @@ def alpa_partition(num_layers: int, devices: int, submesh_sizes: Sequence[int], 
     min(L, devices // min(sizes))). stage_time_s is called once per (i, j, n) with
     n <= devices: L(L+1)/2 · |sizes| calls. Worst case O(#caps · L² · |sizes| · D), times
     the stage count when limited; in practice tens of DPs (~5-15 ms for L = 24, D = 16).
+
+    ``by_depth``: the stage time also depends on the stage's depth s, the number of
+    stages from it to the last (1 for the last): stage_time_s(i, j, n, s), as Alpa's
+    t_intra((i, j), mesh, s) does, since under 1F1B that stage keeps min(s, m)
+    micro-batches of activations in flight (its memory limit). The DP then counts
+    stages (F[s, k, d], the limited form above) and calls stage_time_s once per
+    (i, j, n, s): times the largest stage count.
 
     Ties: the first plan found wins (caps are visited from the largest down, so among
     equally fast plans it tends to have the smaller sum of stage times); within a DP
@@ -345,8 +361,8 @@ def alpa_partition(num_layers: int, devices: int, submesh_sizes: Sequence[int], 
         raise ValueError(f"devices={devices} is not a sum of {low}..{high} submesh sizes from {usable} "
                          f"(every device must be used; num_layers={num_layers} caps the stage count); "
                          "add a size such as 1 or change devices")
-    limited = (low, high) != (1, min(num_layers, devices // usable[0]))
-    times = _stage_time_table(num_layers, usable, stage_time_s)
+    limited = by_depth or (low, high) != (1, min(num_layers, devices // usable[0]))
+    times = _stage_time_table(num_layers, usable, stage_time_s, high if by_depth else None)
     caps_s = np.unique(times[np.isfinite(times)]).tolist()
 
     def best_plan(cap_s: float) -> StagePlan | None:
@@ -361,7 +377,7 @@ def alpa_partition(num_layers: int, devices: int, submesh_sizes: Sequence[int], 
             end, index = int(end_choice[level, start, left]), int(size_choice[level, start, left])
             slices.append((start, end))
             chosen.append(usable[index])
-            stage_times_s.append(float(times[start, end, index]))
+            stage_times_s.append(float(times[level if by_depth else 0, start, end, index]))
             start, left, level = end, left - usable[index], level - (1 if limited else 0)
         assert left == 0 and level == 0, (left, level, slices, chosen)
         latency_s = sum(stage_times_s) + (microbatches - 1) * max(stage_times_s)
@@ -370,10 +386,13 @@ def alpa_partition(num_layers: int, devices: int, submesh_sizes: Sequence[int], 
 
     top = best = best_plan(caps_s[-1]) if caps_s else None
     if top is None:
-        inf_options = int(np.isinf(times[np.triu_indices(num_layers, 1, num_layers + 1)]).sum())
+        rows, columns = np.triu_indices(num_layers, 1, num_layers + 1)
+        listed_s = times[1:] if by_depth else times
+        inf_options = int(np.isinf(listed_s[:, rows, columns]).sum())
         raise ValueError(f"no feasible plan for num_layers={num_layers}, devices={devices}, submesh sizes {usable}, "
                          f"stages {low}..{high}: every such plan has a stage with stage_time_s = inf ({inf_options} "
-                         f"of {num_layers * (num_layers + 1) // 2 * len(usable)} (slice, submesh) options are inf); "
+                         f"of {listed_s[:, rows, columns].size} (slice, submesh{', depth' if by_depth else ''}) "
+                         "options are inf); "
                          "allow more devices, smaller stages or a lighter configuration")
     floor_s = sum(top.stage_times_s)  # F(inf): no plan has a smaller sum
     first, last = 0, len(caps_s) - 1  # the smallest feasible cap: feasibility is monotone in the cap
