@@ -245,21 +245,49 @@ def test_refused_layouts_are_named_before_any_group(change, named):
     assert named in str(error.value)
 
 
-def _planned(mesh_shape, memory_fraction: float) -> dict:
-    """The planner's layouts for the MLP on ``mesh_shape`` (priced on DGX-A100s in float32)
-    under a memory limit of ``memory_fraction`` of the replicated plan's, which forces
-    sharded parameters."""
+def _planned(mesh_shape, memory_fraction: float, zoo: str = "") -> dict:
+    """The planner's layouts for the MLP (or plait.models.auto_zoo's ``zoo`` model, its
+    TINY sizes) on ``mesh_shape`` (priced on DGX-A100s in float32) under a memory limit
+    of ``memory_fraction`` of the replicated plan's, which forces sharded parameters."""
     from plait.plan.auto.planner import auto_plan
     from plait.plan.cluster import cluster_preset
 
+    model, inputs = (_zoo(zoo), _zoo_batch(zoo, 0)) if zoo else (_mlp(), _batch(0))
     cluster = cluster_preset("dgx-a100", gpus=int(torch.Size(mesh_shape).numel()))
-    whole = auto_plan(_mlp(), _batch(0), cluster, mesh_shapes=[tuple(mesh_shape)], dtype="float32")
-    plan = auto_plan(_mlp(), _batch(0), cluster, mesh_shapes=[tuple(mesh_shape)], dtype="float32",
+    whole = auto_plan(model, inputs, cluster, mesh_shapes=[tuple(mesh_shape)], dtype="float32")
+    plan = auto_plan(model, inputs, cluster, mesh_shapes=[tuple(mesh_shape)], dtype="float32",
                      memory_limit_bytes=whole.cost.memory_bytes * memory_fraction)
     return {name: layout for name, layout in plan.layouts.items() if plan.graph.node(name).kind != "output"}
 
 
-def _planned_worker(rank: int, world_size: int, mesh_shape, plans: dict) -> dict:
+def _zoo(name: str):
+    from plait.models.auto_zoo import TINY, build
+
+    return build(name, **TINY[name], dtype=torch.float64)[0]
+
+
+def _zoo_batch(name: str, step: int):
+    from plait.models.auto_zoo import TINY, build
+
+    return build(name, **TINY[name], dtype=torch.float64, seed=step)[1]
+
+
+class _Zoo:
+    """Picklable model and batch factories of a zoo model (parity's model_fn, batch_fn)."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def model(self):
+        return _zoo(self.name)
+
+    def batch(self, step: int):
+        return _zoo_batch(self.name, step)
+
+
+def _planned_worker(rank: int, world_size: int, mesh_shape, plans: dict, zoo: str = "") -> dict:
+    if zoo:
+        return parity(_Zoo(zoo).model, _Zoo(zoo).batch, plans, mesh_shape, simplified=True)
     return parity(_mlp, _batch, plans, mesh_shape, simplified=True)
 
 
@@ -267,9 +295,14 @@ def _planned_worker(rank: int, world_size: int, mesh_shape, plans: dict) -> dict
 def test_planner_plans_run_exactly():
     """The planner's own plans (F's auto_plan on the simplified graph, sharded by a memory
     limit: Megatron-like on 2 ranks; on 2x2 weights sharded over both axes, nested S2
-    and partial sums on both axes) run equal to one process."""
+    and partial sums on both axes; the zoo's mixture of experts (a matmul with stacked
+    expert weights as its parameter operand) and MLP-Mixer) run equal to one process."""
     for mesh_shape, fractions in (((2,), (0.6,)), ((2, 2), (0.6, 0.4))):
         plans = {f"planned_{fraction}": _planned(mesh_shape, fraction) for fraction in fractions}
         for plan in plans.values():  # the memory limit shards the first linear's weight
             assert "R" not in dict(plan["linear"].params)["fc1.weight"], plan["linear"]
         _check(run_distributed(_planned_worker, int(torch.Size(mesh_shape).numel()), mesh_shape, plans))
+    for zoo, mesh_shape in (("moe", (2,)), ("mixer", (2, 2))):
+        plans = {f"{zoo}_planned": _planned(mesh_shape, 0.5, zoo)}
+        assert any("S" in str(layout.params) for layout in plans[f"{zoo}_planned"].values())
+        _check(run_distributed(_planned_worker, int(torch.Size(mesh_shape).numel()), mesh_shape, plans, zoo))
