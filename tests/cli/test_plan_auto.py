@@ -70,3 +70,20 @@ def test_what_does_not_apply_is_refused_by_name(argv, message, capsys):
     assert main(["plan", "--cluster", "dgx-a100", "--gpus", "8", *argv]) == 2
     assert message in capsys.readouterr().err
 
+
+
+def test_an_hf_model_is_planned_with_its_loss(tmp_path, capsys):
+    """--model hf:CONFIG: the causal LM and its next-token loss on --global-batch sequences
+    of --seq tokens, its parameters named lm.<HF name>."""
+    from transformers import GPT2Config
+
+    GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32, n_positions=8).save_pretrained(tmp_path)
+    assert main(["plan", "--auto", "--model", f"hf:{tmp_path}", "--seq", "8", "--global-batch", "4",
+                 "--cluster", "dgx-a100", "--gpus", "2", "--mesh", "2", "--json"]) == 0
+    document = json.loads(capsys.readouterr().out)
+    assert document["model"]["source"] == f"hf:{tmp_path}"
+    assert document["model"]["input_shapes"] == [[4, 8], [4, 8]]
+    params = {name for node in document["nodes"] for name in node["params"]}
+    assert {"lm.transformer.wte.weight", "lm.transformer.h.0.mlp.c_fc.weight"} <= params
+    assert main(["plan", "--auto", "--model", f"hf:{tmp_path}", "--gpus", "2"]) == 2
+    assert "--auto --model hf: needs --global-batch N" in capsys.readouterr().err
