@@ -87,3 +87,18 @@ def test_an_hf_model_is_planned_with_its_loss(tmp_path, capsys):
     assert {"lm.transformer.wte.weight", "lm.transformer.h.0.mlp.c_fc.weight"} <= params
     assert main(["plan", "--auto", "--model", f"hf:{tmp_path}", "--gpus", "2"]) == 2
     assert "--auto --model hf: needs --global-batch N" in capsys.readouterr().err
+
+
+def float64_step():
+    """A float64 factory (plait's parity tests train such models on this CPU)."""
+    torch.manual_seed(0)
+    return MLPStep().double(), (torch.randn(8, 512, dtype=torch.float64), torch.randn(8, 512, dtype=torch.float64))
+
+
+def test_the_local_cluster_is_measured_in_the_models_dtype(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("PLAIT_CACHE_DIR", str(tmp_path / "cache"))  # not the user's saved calibration
+    assert main(["plan", "--auto", "--module", "tests.cli.test_plan_auto:float64_step", "--cluster", "local",
+                 "--nprocs", "2", "--mesh", "2", "--json"]) == 0
+    captured = capsys.readouterr()
+    assert "peak TFLOP/s float64" in captured.err  # the measured device line
+    assert json.loads(captured.out)["mesh"] == [2]

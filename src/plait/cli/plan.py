@@ -218,11 +218,11 @@ def _model_matmul_shapes(model) -> list[tuple[int, int, int]] | None:
     return shapes
 
 
-def _local_cluster(args, precision_name: str, emit, model=None):
+def _local_cluster(args, precision_name: str, emit, model=None, dtype: str | None = None):
     nprocs = args.nprocs or args.gpus
     if nprocs is None:
         raise ValueError("--cluster local needs --nprocs N (processes on this machine)")
-    dtype = precision_for(precision_name, "plait").dtype
+    dtype = dtype or precision_for(precision_name, "plait").dtype  # --auto: the traced model's own dtype
     started = time.perf_counter()
     device = measure_device(dtype=dtype, processes=nprocs, matmul_shapes=_model_matmul_shapes(model))
     emit(f"measured this machine in {time.perf_counter() - started:.1f} s: {device.describe()} "

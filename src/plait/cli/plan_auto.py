@@ -35,10 +35,10 @@ from plait.plan.device import load_device_profile
 __all__ = ["add_auto_arguments", "run_auto", "parse_mesh", "auto_flags_without_auto"]
 
 # the plan flags --auto takes (dests); any other plan flag given with --auto is refused by name
-AUTO_DESTS = frozenset({"auto", "mesh", "save", "svg", "dot", "time_limit_s", "microbatches", "module", "model",
-                        "seq", "cluster", "gpus", "nodes", "nprocs", "profile", "topology", "device_profile",
+AUTO_DESTS = frozenset({"auto", "mesh", "save", "svg", "dot", "time_limit_s", "microbatches", "dtype", "module",
+                        "model", "seq", "cluster", "gpus", "nodes", "nprocs", "profile", "topology", "device_profile",
                         "memory_limit_gib", "global_batch", "json", "help", "plan_defaults"})
-_OWN_FLAGS = ("mesh", "save", "svg", "dot", "microbatches", "time_limit_s")
+_OWN_FLAGS = ("mesh", "save", "svg", "dot", "microbatches", "dtype", "time_limit_s")
 
 
 def add_auto_arguments(parser: argparse.ArgumentParser) -> None:
@@ -60,6 +60,10 @@ def add_auto_arguments(parser: argparse.ArgumentParser) -> None:
                        help="--auto: also search pipeline stages on sub-meshes (Alpa's inter-operator pass, each "
                             "stage priced by the ILP) for M micro-batches per step; shown apart from the "
                             "intra-operator plan")
+    group.add_argument("--dtype", default=None, metavar="DTYPE",
+                       help="--auto: price the operators' compute as if in DTYPE (e.g. bfloat16 for a float32 model "
+                            "trained under autocast on GPUs; default: each operator's own dtype; --cluster local "
+                            "measures this machine in it)")
     group.add_argument("--time-limit-s", type=float, default=60.0, help="--auto: the ILP's time limit per mesh")
     group.add_argument("--save", default=None, metavar="FILE", help="--auto: write the plan (JSON) for plait train "
                                                                    "--plan FILE")
@@ -152,10 +156,17 @@ def hf_train_step(source: str, seq_len: int | None, global_batch: int):
     return model, (tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
 
 
+def _float_dtype(model, inputs) -> str:
+    """The name of the model's floating dtype (its first floating parameter's, else its
+    first floating input's, else float32): what a measured --cluster local is timed in."""
+    tensors = [*model.parameters(), *inputs]
+    return next((str(t.dtype).removeprefix("torch.") for t in tensors if t.is_floating_point()), "float32")
+
+
 def run_auto(args, local_cluster, check_flags) -> int:
     """Plan, print and write (see the module doc). ``local_cluster(args, precision, emit,
-    model)`` is plait plan's builder of the measured --cluster local, ``check_flags(args,
-    local)`` its check of the cluster flags."""
+    model, dtype=)`` is plait plan's builder of the measured --cluster local,
+    ``check_flags(args, local)`` its check of the cluster flags."""
     problems = _refused(args)
     if problems:
         raise ValueError("with --auto these do not apply: " + "; ".join(problems) + ": drop them")
@@ -180,14 +191,14 @@ def run_auto(args, local_cluster, check_flags) -> int:
     else:
         model, inputs = module_train_step(args.module, args.global_batch)
         source = args.module
-    if args.cluster == "local":
-        cluster = local_cluster(args, "fp32", emit, None)
+    if args.cluster == "local":  # measured in the dtype the operators are priced in
+        cluster = local_cluster(args, "fp32", emit, None, dtype=args.dtype or _float_dtype(model, inputs))
     else:
         device = load_device_profile(args.device_profile) if args.device_profile else None
         cluster = cluster_preset(args.cluster, gpus=args.gpus, nodes=args.nodes, device=device)
     limit = None if args.memory_limit_gib is None else args.memory_limit_gib * (1 << 30)
     plan = auto_plan(model, inputs, cluster, mesh_shapes=mesh_shapes, memory_limit_bytes=limit,
-                     time_limit_s=args.time_limit_s, microbatches=args.microbatches)
+                     time_limit_s=args.time_limit_s, microbatches=args.microbatches, dtype=args.dtype)
     shapes = [tuple(tensor.shape) for tensor in inputs]
     written = []
     if args.save:
