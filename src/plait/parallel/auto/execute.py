@@ -36,8 +36,9 @@ from torch import nn
 from plait import comm
 from plait.comm.communicator import group_ranks, process_group
 from plait.comm.engine import merge_stats
-from plait.names.placements import PARTIAL, REPLICATE, local_shape, replicated, shard_dim
+from plait.names.placements import PARTIAL, REPLICATE, local_shape, replicated
 from plait.parallel.auto.device_mesh import AutoMesh
+from plait.parallel.auto.execute_fused import blocked_shard, find_fused, unblock
 from plait.parallel.auto.execute_node import NodeContext, run_members
 from plait.parallel.auto.execute_rules import ADDITIVE, LayoutRefused, expected_output
 from plait.parallel.auto.execute_views import check_view, shard_for
@@ -124,6 +125,7 @@ class AutoParallelModule(nn.Module):
         self._value = {node.name: max(node.members or (node.name,), key=self._order.__getitem__)
                        for node in graph.nodes}
         self._stored = self._stored_layouts()
+        self._fused = find_fused(graph, self._layouts, mesh.shape)
         self._check_nodes()  # before any group is made: a refused plan fails alike on every rank, with no traffic
         groups = mesh_axis_groups(mesh, group) if axis_groups is None else list(axis_groups)
         if len(groups) != mesh.ndim:
@@ -170,15 +172,8 @@ class AutoParallelModule(nn.Module):
             for shape, placements in zip(shapes, layout.inputs):
                 local_shape(shape, placements, mesh_shape)
             local_shape(node.shape, layout.output, mesh_shape)
-            if node.kind == "view" and node.attr("op") in ("slice", "narrow"):
-                fused = [axis for axis, placement in enumerate(layout.inputs[0])
-                         if shard_dim(placement) == node.attr("dim") and layout.output[axis] == placement]
-                if fused:
-                    raise LayoutRefused(f"node {node.name!r} (view, {node.target}) on mesh axis {fused[0]}: a slice "
-                                        f"keeping {layout.inputs[0][fused[0]]} on the dim it cuts is the planner's "
-                                        f"'fused' (blocked) shard of {node.inputs[0]!r}, which this executor does not "
-                                        "run: compile the plan with plait.plan.auto.to_styles (ColwiseParallel(fused=k)"
-                                        ") or gather the producer's output before the slices")
+            if node.name in self._fused.slices:
+                continue  # a fused slice of a blocked shard: find_fused checked it
             if node.kind in ("view", "permute"):
                 check_view(node, layout, shapes, self._fx, self._order, mesh_shape, self._positions(node))
                 continue
@@ -202,7 +197,7 @@ class AutoParallelModule(nn.Module):
                          if alias not in self._stored and id(param) in canonical}  # tied: lm_head -> wte
         for name, layout in self._stored.items():
             whole = whole_params[name] if name in whole_params else module.get_parameter(name)
-            shard = shard_for(whole.detach(), layout, self._coords, self._mesh.shape).clone()
+            shard = self.reference_shard(whole.detach(), name).clone()
             self._register(name, nn.Parameter(shard, requires_grad=whole.requires_grad))
         for name, buffer in module.named_buffers():
             self._register(name, buffer, buffer=True)
@@ -277,7 +272,8 @@ class AutoParallelModule(nn.Module):
             tensor = self._reshard(self.get_parameter(name), self._stored[name], wanted, self._graph.param(name).shape)
             params[name] = self._prepare(tensor, wanted, node, layout, splits, summand=additive or name == bias)
         ctx = NodeContext(node, layout, self._fx, self._order, self._coords, self._mesh.shape, self._axes,
-                          inputs=inputs, input_shapes=shapes, params=params)
+                          inputs=inputs, input_shapes=shapes, params=params,
+                          fused_divisor=self._fused.divisor(node.name))
         positions = self._positions(node)
 
         def lookup(fx_node):
@@ -329,6 +325,10 @@ class AutoParallelModule(nn.Module):
                 layout = self._stored[name]
                 full[name] = self._reshard(tensor.detach(), layout, replicated(self._mesh.ndim),
                                            self._graph.param(name).shape).clone()
+                if name in self._fused.params:  # gathered in rank order: put each part's blocks back together
+                    dim, blocked = self._fused.params[name]
+                    (axis, parts), = blocked.items()
+                    full[name] = unblock(full[name], dim, parts, self._mesh.shape[axis])
             for name, buffer in self.named_buffers():
                 full[name] = buffer.detach().clone()
         for alias, name in self._aliases.items():
@@ -343,6 +343,10 @@ class AutoParallelModule(nn.Module):
         """This rank's shard of ``whole`` (a full tensor shaped like parameter ``name``,
         e.g. a one-process gradient) under the parameter's stored layout: what its
         local shard or local gradient must equal. No communication."""
+        if name in self._fused.params:
+            dim, blocked = self._fused.params[name]
+            (axis, parts), = blocked.items()
+            return blocked_shard(whole, dim, parts, self._mesh.shape[axis], self._coords[axis])
         return shard_for(whole, self._stored[name], self._coords, self._mesh.shape)
 
     def comm_stats(self) -> dict[str, dict]:

@@ -60,13 +60,14 @@ class NodeContext:
     their order, this rank's mesh coordinates and per-axis AxisComms."""
 
     def __init__(self, node, layout, fx_nodes, order, coords, mesh_shape, axes, *, inputs=(), input_shapes=(),
-                 params=None):
+                 params=None, fused_divisor: int = 1):
         self.node, self.layout = node, layout
         self.fx_nodes, self.order = fx_nodes, order
         self.coords, self.mesh_shape, self.axes = coords, mesh_shape, axes
         self.inputs = list(inputs)  # local tensors, one per node.inputs entry (resharded, wrapped)
         self.input_shapes = list(input_shapes)  # their global shapes
         self.params = dict(params or {})  # name -> local tensor as this node reads it
+        self.fused_divisor = fused_divisor  # a fused slice of a blocked shard: its bounds divided by this
 
     def local_target(self, fx_node) -> list[int]:
         return list(local_shape(tuple(fx_node.meta["val"].shape), self.layout.output, self.mesh_shape))
@@ -122,6 +123,10 @@ def _generic(ctx: NodeContext, fx_node, read, *, is_value: bool):
         if tuple(args[0].shape) != source_shape:
             raise ValueError(f"node {ctx.node.name!r}: member {fx_node.name} ({op}) reshapes a sharded intermediate; "
                              "only the node's value may be reshaped (split the node)")
+    if op in ("slice", "narrow") and ctx.fused_divisor > 1 and fx_node.name == ctx.node.name:
+        start, end = ctx.node.attr("start"), ctx.node.attr("end")  # part j of the blocked local output
+        args[2] = start // ctx.fused_divisor
+        args[3] = (end if op == "slice" else end - start) // ctx.fused_divisor
     if op in ("add", "sub") and PARTIAL in _placements(ctx.layout.output):
         numbers = [a for a in args if isinstance(a, (int, float)) and not isinstance(a, bool) and a != 0]
         if numbers:
