@@ -58,7 +58,7 @@ from plait.plan.stages import StagePlan, alpa_partition
 __all__ = ["Stage", "StageSearch", "submesh_options", "logical_shapes", "stage_search", "auto_stages",
            "EXACT_LAYERS"]
 
-EXACT_LAYERS = 12  # above this many layers a slice is priced as the sum of its layers (module docstring)
+EXACT_LAYERS = 8  # above this many layers a slice is priced as the sum of its layers (module docstring)
 
 
 @dataclass(frozen=True)
@@ -185,13 +185,18 @@ class _SlicePricer:
         self.time_limit_s, self.dtype = time_limit_s, dtype
         self.grads = grad_nodes(graph)
         self.cache: dict[tuple, tuple[float, float]] = {}
+        self.signatures: dict[tuple[int, int], int] = {}  # slice -> the id of its signature (hashed once)
+        self.signature_ids: dict[tuple, int] = {}
         self.boundaries = [boundary_bytes(graph, layers, cut, self.grads) for cut in range(len(layers) + 1)]
         self.solves = 0
 
     def ilp(self, start: int, end: int, shape: tuple[int, ...], in_flight: int) -> tuple[float, float]:
         """(seconds, memory bytes) of the slice's best plan on ``shape`` with activations
         counted ``in_flight`` times, or (inf, inf) when none fits the memory limit."""
-        key = (slice_signature(self.graph, self.layers, start, end, self.grads), shape, in_flight)
+        if (start, end) not in self.signatures:
+            signature = slice_signature(self.graph, self.layers, start, end, self.grads)
+            self.signatures[start, end] = self.signature_ids.setdefault(signature, len(self.signature_ids))
+        key = (self.signatures[start, end], shape, in_flight)
         if key not in self.cache:
             self.cache[key] = self._solve(start, end, shape, in_flight)
         return self.cache[key]
