@@ -99,8 +99,7 @@ def _bench(rank, world_size, job):
 
 @pytest.mark.slow
 def test_the_bench_runs_every_plan_of_every_model_and_reports_every_column():
-    config = AutoBenchConfig(models=("wide_mlp",), size="tiny", dtype="float64", nprocs=(2,), rounds=1, warmup=0,
-                             steps=1)
+    config = AutoBenchConfig(size="tiny", dtype="float64", nprocs=(2,), rounds=1, warmup=0, steps=1)
     job = plan_world(config, 2, PLACEHOLDER_LOCAL_LINK, call_overhead_s=0.0, link_source="test", emit=lambda _: None,
                      device=TEST_DEVICE)
     for name in config.models:
