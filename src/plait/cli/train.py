@@ -79,6 +79,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         help="characters of text to sample from the trained model at the end (0: none)")
     parser.add_argument("--prompt", default=None,
                         help="text the sample starts from (default: the start of the validation text)")
+    parser.add_argument("--plan", default=None, metavar="FILE",
+                        help="train the model of a plan saved by plait plan --auto --module PKG.MOD:FUNCTION ... "
+                             "--save FILE, sharded as the plan says, on its mesh's processes, with synthetic "
+                             "batches shaped like the factory's inputs (the optimizer, lr and run flags apply)")
     parser.add_argument("--run-id", default=None, help=argparse.SUPPRESS)  # the launcher's, passed to its ranks
     add_config_arguments(parser)
     parser.set_defaults(run=run)
@@ -92,6 +96,8 @@ def in_torchrun_world() -> bool:
 
 def run(args) -> int:
     config = config_from_args(args, args.config)
+    if args.plan is not None:
+        return _run_plan(args, config)
     if in_torchrun_world():
         return _run_rank(args, config)
     from plait.train.launch import check_comm_profile, check_output_dir, check_output_path, check_resume_choice, \
@@ -122,32 +128,10 @@ def run(args) -> int:
                      else hf_layout.checkpoint_bytes(config))
     with runlock.acquire(out, run_id) as lock:
         check_resume_choice(config, args.resume, data, run_id=run_id, force_fresh=args.force_fresh)
-        # several nodes may share --out: each launcher writes its own copy of the config it launches with
-        launch_config = out / ("launch-config.toml" if args.nnodes == 1
-                               else f"launch-config.{socket.gethostname()}.{os.getpid()}.toml")
-        atomic_write(launch_config, lambda temporary: Path(temporary).write_text(config.to_toml()))  # a link: replaced
-        command = [sys.executable, "-m", "plait.train.agent", "--parent-pid", str(os.getpid()),
-                   "--nnodes", str(args.nnodes), "--nproc-per-node", str(nprocs),
-                   "--rdzv-backend", "plait-c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", run_id,
-                   "--local-addr", local_addr, "--max-restarts", str(args.max_restarts), "--monitor-interval", "1",
-                   "-m", "plait", "train", "--config", str(launch_config), "--resume", args.resume,
-                   "--run-id", run_id] + (["--force-fresh"] if args.force_fresh else [])
-        env = {**os.environ, "PLAIT_LAUNCH_TIME": repr(time.time()), "PYTHONUNBUFFERED": "1",
-               **_socket_env(local_addr)}
-        env.setdefault("OMP_NUM_THREADS", "1")
-        print(f"plait train: {nprocs} processes (dp={config.dp} x tp={config.tp} x pp={config.pp}"
-              + (f", node of {args.nnodes}" if args.nnodes > 1 else "")
-              + f"), rendezvous {endpoint}, output {out} (locked for this run)", flush=True)
-        code, stopped_by = _supervise(command, env, lock.fileno() if lock.owned else None)
-        if stopped_by is not None:
-            print(f"plait train: stopped by {signal.Signals(stopped_by).name}; every process of the run has "
-                  f"exited. {_resume_hint(out)}", file=sys.stderr)
-            return 128 + stopped_by
+        what = f"dp={config.dp} x tp={config.tp} x pp={config.pp}"
+        code = _launch(args, config, nprocs, what, (endpoint, local_addr, run_id), lock)
         if code != 0:
-            how = (f"the agent (torchrun) was killed by {signal.Signals(-code).name}, and its ranks with it"
-                   if code < 0 else f"the training processes failed (exit {code})")
-            print(f"plait train: {how}. {_resume_hint(out)}", file=sys.stderr)
-            return 128 - code if code < 0 else code
+            return code
         if config.model != "mlp" and args.sample_chars and _hosts_endpoint(endpoint):
             prompt = _sample_prompt(data) if args.prompt is None else args.prompt
             if config.hf_source is None:
@@ -164,6 +148,80 @@ def run(args) -> int:
                   f"{args.sample_chars} characters after {prompt!r}):\n{'-' * 60}\n{text}\n{'-' * 60}")
         print(f"report: {out / 'report.md'}")
     return 0
+
+
+def _launch(args, config, nprocs: int, what: str, rendezvous, lock, extra=()) -> int:
+    """Start the ranks through torch's elastic agent (``plait.train.agent``) with
+    ``config`` written to the run directory, wait for them; the exit code (0: done)."""
+    endpoint, local_addr, run_id = rendezvous
+    out = Path(config.out)
+    # several nodes may share --out: each launcher writes its own copy of the config it launches with
+    launch_config = out / ("launch-config.toml" if args.nnodes == 1
+                           else f"launch-config.{socket.gethostname()}.{os.getpid()}.toml")
+    atomic_write(launch_config, lambda temporary: Path(temporary).write_text(config.to_toml()))  # a link: replaced
+    command = [sys.executable, "-m", "plait.train.agent", "--parent-pid", str(os.getpid()),
+               "--nnodes", str(args.nnodes), "--nproc-per-node", str(nprocs),
+               "--rdzv-backend", "plait-c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", run_id,
+               "--local-addr", local_addr, "--max-restarts", str(args.max_restarts), "--monitor-interval", "1",
+               "-m", "plait", "train", "--config", str(launch_config), "--resume", args.resume,
+               "--run-id", run_id] + (["--force-fresh"] if args.force_fresh else []) + list(extra)
+    env = {**os.environ, "PLAIT_LAUNCH_TIME": repr(time.time()), "PYTHONUNBUFFERED": "1",
+           **_socket_env(local_addr)}
+    env.setdefault("OMP_NUM_THREADS", "1")
+    print(f"plait train: {nprocs} processes ({what}" + (f", node of {args.nnodes}" if args.nnodes > 1 else "")
+          + f"), rendezvous {endpoint}, output {out} (locked for this run)", flush=True)
+    code, stopped_by = _supervise(command, env, lock.fileno() if lock.owned else None)
+    if stopped_by is not None:
+        print(f"plait train: stopped by {signal.Signals(stopped_by).name}; every process of the run has "
+              f"exited. {_resume_hint(out)}", file=sys.stderr)
+        return 128 + stopped_by
+    if code != 0:
+        how = (f"the agent (torchrun) was killed by {signal.Signals(-code).name}, and its ranks with it"
+               if code < 0 else f"the training processes failed (exit {code})")
+        print(f"plait train: {how}. {_resume_hint(out)}", file=sys.stderr)
+        return 128 - code if code < 0 else code
+    return 0
+
+
+def _run_plan(args, config) -> int:
+    """plait train --plan FILE (plait.train.auto_run): in a rank, train; in the launcher,
+    refuse the flags the plan fixes, build the model and check the plan against its
+    trace before any process starts, then start the plan's mesh-size processes."""
+    from plait.cli.factory import load_factory  # imports torch and the user's model: only for --plan
+    from plait.train import auto_run  # the auto-parallel executor: only for --plan
+    from plait.train.config import FIELD_NAMES, load_toml
+    from plait.train.launch import check_output_path
+
+    saved = auto_run.load(args.plan)
+    if in_torchrun_world():
+        model, inputs = load_factory(saved.source)
+        auto_run.train(config, saved, model, inputs)
+        return 0
+    given = {name for name in FIELD_NAMES if hasattr(args, name)} | set(load_toml(args.config) if args.config else {})
+    problems = auto_run.given_fields_problems(sorted(given))
+    if args.resume not in ("auto", "never") or args.max_restarts:
+        problems.append("--resume DIR and --max-restarts with --plan: a plan run writes no checkpoints yet; leave "
+                        "them out")
+    if problems:
+        raise ValueError("; ".join(problems))
+    model, inputs = load_factory(saved.source)
+    auto_run.traced_step(saved, model, inputs)  # the plan is of this model: refused here, not on every rank
+    config = auto_run.plan_config(config, saved)
+    nprocs = _check_launcher_options(args, config)
+    out = Path(config.out)
+    check_output_path(out)
+    check_run_links(out)
+    what = f"mesh {saved.mesh.text()} of plan {args.plan}"
+    if args.dry_run:
+        print(f"plait train --plan: {saved.source} on {what}: {nprocs} processes, {config.steps} steps of "
+              f"synthetic batches shaped {[tuple(t.shape) for t in inputs]}, output {out}")
+        return 0
+    rendezvous = _rendezvous(args)
+    with runlock.acquire(out, rendezvous[2]) as lock:
+        code = _launch(args, config, nprocs, what, rendezvous, lock, ["--plan", str(Path(args.plan).resolve())])
+    if code == 0:
+        print(f"metrics: {out / 'metrics.jsonl'}, predicted vs measured step: {out / auto_run.RUN_RECORD}")
+    return code
 
 
 def _sample_prompt(data) -> str:
