@@ -212,6 +212,7 @@ def test_ilp_priced_search_equals_brute_force_over_the_ilp(graph):
         assert found.latency_s == pytest.approx(expected, rel=1e-9), microbatches  # HiGHS's own rounding
         assert found.single_stage_latency_s == pytest.approx(
             microbatches * min(price(0, len(layers), shape) for shape in options[4]), rel=1e-9)
+    assert sum(found.stage_layers) == len(layers) and sum(found.stage_blocks) == 4
     slices = len(layers) * (len(layers) + 1) // 2
     assert found.ilp_solves < slices * sum(len(shapes) for shapes in options.values())
 

@@ -29,7 +29,9 @@ from dataclasses import dataclass
 
 from plait.parallel.auto.opgraph import OpGraph, OpNode
 
-__all__ = ["Layer", "graph_layers", "slice_graph", "slice_signature", "boundary_bytes"]
+__all__ = ["Layer", "graph_layers", "slice_graph", "slice_signature", "boundary_bytes", "FIRST_LAYER", "LAST_LAYER"]
+
+FIRST_LAYER, LAST_LAYER = "<first>", "<last>"  # what runs before the first block and after the last
 
 
 @dataclass(frozen=True)
@@ -79,10 +81,10 @@ def graph_layers(graph: OpGraph) -> list[Layer]:
     current = None
     for position, (node, key) in enumerate(zip(graph.nodes, keys)):
         if position < first:
-            assigned.append("<first>")
+            assigned.append(FIRST_LAYER)
             continue
         if position > last:
-            assigned.append("<last>")
+            assigned.append(LAST_LAYER)
             continue
         if key is not None and key not in order:
             order.append(key)

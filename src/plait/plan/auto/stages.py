@@ -50,7 +50,8 @@ from plait.names.placements import local_shape
 from plait.parallel.auto.device_mesh import AutoMesh
 from plait.parallel.auto.opgraph import OpGraph
 from plait.plan.auto.ilp import solve
-from plait.plan.auto.stage_graph import Layer, boundary_bytes, graph_layers, slice_graph, slice_signature
+from plait.plan.auto.stage_graph import (FIRST_LAYER, LAST_LAYER, Layer, boundary_bytes, graph_layers, slice_graph,
+                                         slice_signature)
 from plait.plan.auto.strategies import grad_nodes, node_strategies
 from plait.plan.auto.strategies_work import saved_bytes
 from plait.plan.stages import StagePlan, alpa_partition
@@ -93,8 +94,17 @@ class StageSearch:
 
     @property
     def stage_layers(self) -> tuple[int, ...]:
-        """Layers per stage, in order (plait train's --stage-layers counts blocks instead)."""
+        """Layers per stage, in order (``stage_graph.graph_layers``' layers: the first and
+        last layer count, as in ``plait.parallel.pipeline.split_layers(balance=...)``)."""
         return tuple(stage.end - stage.start for stage in self.stages)
+
+    @property
+    def stage_blocks(self) -> tuple[int, ...]:
+        """Blocks per stage, the first and last layer (what runs before and after the
+        blocks) not counted: plait train's --stage-layers for a transformer, when every
+        stage holds a block and the stages' sub-meshes are equal (plait train runs one
+        dp x tp grid per stage)."""
+        return tuple(sum(name not in (FIRST_LAYER, LAST_LAYER) for name in stage.layer_names) for stage in self.stages)
 
     def describe(self) -> str:
         lines = [f"{len(self.stages)} stage(s), {self.microbatches} micro-batches: T = {self.latency_s:.6g} s"
