@@ -186,6 +186,20 @@ def test_layers_slices_and_signatures(graph):
     assert boundary_bytes(graph, layers, 1, grads) == (8 * 16 * 4 + 8 * 8, 0)  # x and the labels y: no gradient
 
 
+class _TwoChildren(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.encode, self.decode = nn.Linear(8, 4), nn.Linear(4, 8)
+
+    def forward(self, x):
+        return (self.decode(torch.tanh(self.encode(x))) - x).pow(2).mean()
+
+
+def test_without_a_container_the_top_level_children_are_the_layers():
+    graph = simplify(trace_graph(_TwoChildren(), (torch.randn(4, 8),)).graph)
+    assert [layer.name for layer in graph_layers(graph)] == ["<first>", "encode", "decode", "<last>"]
+
+
 def test_ilp_priced_search_equals_brute_force_over_the_ilp(graph):
     """On the traced 4-block model and 4 devices (sizes 1, 2, 4; shapes (4,) and (2, 2)) the
     search's T equals the least T over every plan priced here from the ILP on each slice's

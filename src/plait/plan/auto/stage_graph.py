@@ -6,8 +6,8 @@ biggest repeated container, found from ``OpNode.module`` alone (a module path
 ``P.<i>...`` puts a node in block i of container P; the container whose blocks read
 the most parameter bytes wins, as ``plait.plan.tp_trace.layer_modules`` picks the
 ModuleList holding the most parameters; an nn.Sequential's children are container
-""), with what runs before the first block as the first layer and what runs after
-the last as the last layer. Glue between two blocks (a node of no block) joins the
+""; without any, the model's top-level children), with what runs before the first
+block as the first layer and what runs after the last as the last layer. Glue between two blocks (a node of no block) joins the
 block before it. Every layer is a contiguous run of the graph's topological order, so
 a slice of layers [i, j) is a contiguous run too.
 
@@ -26,6 +26,7 @@ the same signature, so the search prices one of them.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 from plait.parallel.auto.opgraph import OpGraph, OpNode
 
@@ -50,36 +51,42 @@ def _block_of(module: str) -> list[tuple[str, int]]:
 
 def _container(graph: OpGraph) -> str | None:
     """The repeated container whose blocks read the most parameter bytes (ties: the
-    outermost), or None when no module path has two blocks of one container."""
+    outermost), or None when no module path lies in an indexed container."""
     blocks: dict[str, set[int]] = {}
     params: dict[str, set[str]] = {}
     for node in graph.nodes:
         for container, index in _block_of(node.module):
             blocks.setdefault(container, set()).add(index)
             params.setdefault(container, set()).update(node.params)
-    candidates = [name for name, found in blocks.items() if len(found) >= 2]
-    if not candidates:
+    if not blocks:
         return None
-    weight = {name: sum(graph.param(param).nbytes for param in params[name]) for name in candidates}
-    return max(candidates, key=lambda name: (weight[name], -name.count("."), -len(name)))
+    weight = {name: sum(graph.param(param).nbytes for param in params[name]) for name in blocks}
+    return max(blocks, key=lambda name: (weight[name], len(blocks[name]), -name.count("."), -len(name)))
+
+
+def _keys(graph: OpGraph) -> tuple[list, Callable]:
+    """Per node its block (None: outside every block) and the layer name of a block: the
+    container's index, or without a container the model's top-level child."""
+    container = _container(graph)
+    if container is None:
+        return [node.module.split(".")[0] or None for node in graph.nodes], str
+    keys = [next((i for name, i in _block_of(node.module) if name == container), None) for node in graph.nodes]
+    return keys, (lambda key: f"{container}.{key}" if container else str(key))
 
 
 def graph_layers(graph: OpGraph) -> list[Layer]:
-    """The layers of ``graph`` (module docstring), in execution order; one layer holding
-    every node when the graph has no repeated container."""
-    container = _container(graph)
-    if container is None:
-        return [Layer("<all>", tuple(node.name for node in graph.nodes))]
-    keys: list[int | None] = []
-    for node in graph.nodes:
-        index = next((i for name, i in _block_of(node.module) if name == container), None)
-        keys.append(index)
+    """The layers of ``graph`` (module docstring), in execution order. Without an indexed
+    container the model's top-level children are the blocks; one layer holding every
+    node when no node runs in a module."""
+    keys, name_of = _keys(graph)
     positions = [position for position, key in enumerate(keys) if key is not None]
+    if not positions:
+        return [Layer("<all>", tuple(node.name for node in graph.nodes))]
     first, last = positions[0], positions[-1]
-    order: list[int] = []  # blocks in the order they first run
+    order: list = []  # blocks in the order they first run
     assigned: list[str] = []
     current = None
-    for position, (node, key) in enumerate(zip(graph.nodes, keys)):
+    for position, key in enumerate(keys):
         if position < first:
             assigned.append(FIRST_LAYER)
             continue
@@ -90,7 +97,7 @@ def graph_layers(graph: OpGraph) -> list[Layer]:
             order.append(key)
         if key is not None and (current is None or order.index(key) > order.index(current)):
             current = key  # a node of an earlier block met again (re-used module) stays in the later layer
-        assigned.append(f"{container}.{current}" if container else str(current))
+        assigned.append(name_of(current))
     layers: list[Layer] = []
     for node, name in zip(graph.nodes, assigned):
         if layers and layers[-1].name == name:
