@@ -7,8 +7,8 @@ biggest repeated container, found from ``OpNode.module`` alone (a module path
 the most parameter bytes wins, as ``plait.plan.tp_trace.layer_modules`` picks the
 ModuleList holding the most parameters; an nn.Sequential's children are container
 ""; without any, the model's top-level children), with what runs before the first
-block as the first layer and what runs after the last as the last layer. Glue between two blocks (a node of no block) joins the
-block before it. Every layer is a contiguous run of the graph's topological order, so
+block as the first layer and what runs after the last as the last layer. Glue
+between two blocks (a node of no block) joins the block before it. Every layer is a contiguous run of the graph's topological order, so
 a slice of layers [i, j) is a contiguous run too.
 
 A slice's sub-graph keeps its nodes (names unchanged) and turns every tensor it reads
