@@ -96,6 +96,8 @@ def test_plan_runs_refuse_what_the_plan_fixes(tmp_path, capsys):
         auto_run.load(tmp_path / "anonymous.json")
     assert main(["train", "--plan", str(tmp_path / "plan.json"), "--dp", "4"]) != 0  # the CLI refuses it too
     assert "--dp with --plan: the plan and its model factory fix" in capsys.readouterr().err
+    assert main(["train", "--plan", str(tmp_path / "plan.json"), "--nprocs", "4"]) != 0
+    assert "--nprocs 4 with --plan: the plan's mesh 2 runs on 2 processes" in capsys.readouterr().err
     _, inputs = factory()
     first, again = auto_run.synthetic_batch(inputs, 3, 7), auto_run.synthetic_batch(inputs, 3, 7)
     assert all(torch.equal(a, b) for a, b in zip(first, again))

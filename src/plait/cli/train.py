@@ -199,6 +199,10 @@ def _run_plan(args, config) -> int:
         return 0
     given = {name for name in FIELD_NAMES if hasattr(args, name)} | set(load_toml(args.config) if args.config else {})
     problems = auto_run.given_fields_problems(sorted(given))
+    if args.nprocs is not None and args.nprocs * args.nnodes != saved.mesh.size:
+        problems.append(f"--nprocs {args.nprocs}" + (f" x --nnodes {args.nnodes}" if args.nnodes > 1 else "")
+                        + f" with --plan: the plan's mesh {saved.mesh.text()} runs on {saved.mesh.size} processes; "
+                        "leave --nprocs out")
     if args.resume not in ("auto", "never") or args.max_restarts:
         problems.append("--resume DIR and --max-restarts with --plan: a plan run writes no checkpoints yet; leave "
                         "them out")
