@@ -189,10 +189,12 @@ class _SlicePricer:
     in-flight count): see the module docstring."""
 
     def __init__(self, graph: OpGraph, layers: list[Layer], cluster, *, memory_limit_bytes, exact: bool,
-                 microbatches: int, time_limit_s: float, dtype: str | None):
+                 microbatches: int, time_limit_s: float, dtype: str | None,
+                 optimizer_state_bytes_per_param: float | None):
         self.graph, self.layers, self.cluster = graph, layers, cluster
         self.memory_limit_bytes, self.exact, self.microbatches = memory_limit_bytes, exact, microbatches
         self.time_limit_s, self.dtype = time_limit_s, dtype
+        self.optimizer_state_bytes_per_param = optimizer_state_bytes_per_param
         self.grads = grad_nodes(graph)
         self.cache: dict[tuple, tuple[float, float]] = {}
         self.signatures: dict[tuple[int, int], int] = {}  # slice -> the id of its signature (hashed once)
@@ -202,21 +204,35 @@ class _SlicePricer:
 
     def ilp(self, start: int, end: int, shape: tuple[int, ...], in_flight: int) -> tuple[float, float]:
         """(seconds, memory bytes) of the slice's best plan on ``shape`` with activations
-        counted ``in_flight`` times, or (inf, inf) when none fits the memory limit."""
+        counted ``in_flight`` times, or (inf, inf) when none fits the memory limit.
+
+        In-flight micro-batches only add memory, so the plan for one micro-batch stays
+        optimal for k whenever it still fits with its own activations counted k times
+        (memory + (k - 1) · saved <= limit): then no other ILP is solved."""
         if (start, end) not in self.signatures:
             signature = slice_signature(self.graph, self.layers, start, end, self.grads)
             self.signatures[start, end] = self.signature_ids.setdefault(signature, len(self.signature_ids))
+        single = (self.signatures[start, end], shape, 1)
+        if single not in self.cache:
+            self.cache[single] = self._solve(start, end, shape, 1)
+        seconds, memory, saved = self.cache[single]
+        grown = memory + (in_flight - 1) * saved
+        limit = self.memory_limit_bytes if self.exact else None
+        if in_flight == 1 or not math.isfinite(seconds) or limit is None or grown <= limit:
+            return seconds, grown
         key = (self.signatures[start, end], shape, in_flight)
         if key not in self.cache:
             self.cache[key] = self._solve(start, end, shape, in_flight)
-        return self.cache[key]
+        return self.cache[key][:2]
 
-    def _solve(self, start: int, end: int, shape: tuple[int, ...], in_flight: int) -> tuple[float, float]:
+    def _solve(self, start: int, end: int, shape: tuple[int, ...], in_flight: int) -> tuple[float, float, float]:
+        """(seconds, memory bytes, saved activation bytes of one micro-batch) of the ILP's plan."""
         sub = slice_graph(self.graph, self.layers, start, end)
         mesh = AutoMesh(shape)
         strategies = {}
         for node in sub.nodes:
-            found = node_strategies(node, sub, mesh, self.cluster, dtype=self.dtype, grad_nodes=self.grads)
+            found = node_strategies(node, sub, mesh, self.cluster, dtype=self.dtype, grad_nodes=self.grads,
+                                    optimizer_state_bytes_per_param=self.optimizer_state_bytes_per_param)
             if in_flight > 1:  # 1F1B: this stage's saved activations of in_flight micro-batches
                 found = [replace(strategy, memory_bytes=strategy.memory_bytes
                                  + (in_flight - 1) * _saved_bytes(node, sub, strategy, shape)) for strategy in found]
@@ -228,9 +244,10 @@ class _SlicePricer:
                            time_limit_s=self.time_limit_s)
         except ValueError as error:
             if limit is not None and "memory limit" in str(error):
-                return math.inf, math.inf
+                return math.inf, math.inf, math.inf
             raise
-        return result.objective_s, result.memory_bytes
+        saved = sum(_saved_bytes(node, sub, result.choice[node.name], shape) for node in sub.nodes)
+        return result.objective_s, result.memory_bytes, saved
 
     def plan(self, start: int, end: int, shape: tuple[int, ...], depth: int = 1) -> tuple[float, float]:
         """(ILP seconds, memory bytes) of the slice at ``depth`` (exact, or summed over its layers)."""
@@ -266,19 +283,23 @@ def _saved_bytes(node, graph: OpGraph, strategy, shape: tuple[int, ...]) -> floa
 def auto_stages(graph: OpGraph, cluster, *, microbatches: int, memory_limit_bytes: float | None = None,
                 options: dict | None = None, devices: int | None = None, max_stages: int | None = None,
                 exact: bool | None = None, time_limit_s: float = 10.0, dtype: str | None = None,
-                layers: list[Layer] | None = None) -> StageSearch:
+                layers: list[Layer] | None = None,
+                optimizer_state_bytes_per_param: float | None = None) -> StageSearch:
     """Alpa's stage/sub-mesh search over ``graph`` (one micro-batch's training step,
     traced and simplified) on ``cluster``: layers from ``stage_graph.graph_layers``
     (or ``layers``), sub-meshes from ``submesh_options(cluster)`` (or ``options``),
     every device used (``devices``: default the cluster's), each (slice, shape) priced
-    by the ILP (module docstring; ``exact`` None: exact up to EXACT_LAYERS layers)."""
+    by the ILP (module docstring; ``exact`` None: exact up to EXACT_LAYERS layers).
+    ``dtype`` and ``optimizer_state_bytes_per_param`` go to each node's strategies
+    (``strategies.node_strategies``), as the planner's intra-operator pass gives them."""
     layers = graph_layers(graph) if layers is None else list(layers)
     devices = cluster.world_size if devices is None else devices
     options = submesh_options(cluster) if options is None else options
     options = {size: shapes for size, shapes in _check_options(options).items() if size <= devices}
     pricer = _SlicePricer(graph, layers, cluster, memory_limit_bytes=memory_limit_bytes,
                           exact=len(layers) <= EXACT_LAYERS if exact is None else exact, microbatches=microbatches,
-                          time_limit_s=time_limit_s, dtype=dtype)
+                          time_limit_s=time_limit_s, dtype=dtype,
+                          optimizer_state_bytes_per_param=optimizer_state_bytes_per_param)
     found = stage_search(len(layers), devices, options, microbatches, pricer.time_s,
                          by_depth=memory_limit_bytes is not None, max_stages=max_stages,
                          layer_names=[layer.name for layer in layers])
