@@ -105,6 +105,22 @@ def test_plan_runs_refuse_what_the_plan_fixes(tmp_path, capsys):
     assert int(first[1].min()) >= int(inputs[1].min()) and int(first[1].max()) <= int(inputs[1].max())
 
 
+def test_digits_feed_a_plan_whose_inputs_fit_them():
+    """--data digits: the digits' global batches when the inputs are (B, 64) features and
+    (B,) labels; inputs of other shapes, and data other than digits, refused by name."""
+    fitting = (torch.zeros(4, 64, dtype=torch.float64), torch.zeros(4, dtype=torch.int64))
+    batch = auto_run.batch_source(TrainConfig(model="mlp", data="digits", dp=1, pp=1), fitting)
+    features, labels = batch(3)
+    assert features.shape == (4, 64) and features.dtype == torch.float64 and labels.shape == (4,)
+    assert 0 <= int(labels.min()) and int(labels.max()) <= 9 and not torch.equal(batch(3)[0], batch(4)[0])
+    _, inputs = factory()
+    with pytest.raises(ValueError, match=r"--data digits with --plan: the factory's inputs have shapes "
+                                         r"\[\(4, 16\), \(4,\)\]"):
+        auto_run.batch_source(TrainConfig(model="mlp", data="digits", dp=1, pp=1), inputs)
+    with pytest.raises(ValueError, match="--data notes.txt with --plan: a plan run reads synthetic batches"):
+        auto_run.batch_source(TrainConfig(data="notes.txt"), inputs)
+
+
 @pytest.mark.slow
 def test_a_saved_plan_trains_like_one_process(tmp_path):
     """The planner's column/row plan on 2 processes: losses and clipped gradient norms

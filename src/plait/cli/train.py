@@ -82,7 +82,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--plan", default=None, metavar="FILE",
                         help="train the model of a plan saved by plait plan --auto --module PKG.MOD:FUNCTION ... "
                              "--save FILE, sharded as the plan says, on its mesh's processes, with synthetic "
-                             "batches shaped like the factory's inputs (the optimizer, lr and run flags apply)")
+                             "batches shaped like the factory's inputs (--data digits: the digits, when the inputs "
+                             "are (B, 64) features and (B,) labels; the optimizer, lr and run flags apply)")
     parser.add_argument("--run-id", default=None, help=argparse.SUPPRESS)  # the launcher's, passed to its ranks
     add_config_arguments(parser)
     parser.set_defaults(run=run)
@@ -210,6 +211,7 @@ def _run_plan(args, config) -> int:
         raise ValueError("; ".join(problems))
     model, inputs = load_factory(saved.source)
     auto_run.traced_step(saved, model, inputs)  # the plan is of this model: refused here, not on every rank
+    auto_run.batch_source(config, inputs)  # --data digits fits the inputs, or synthetic batches
     config = auto_run.plan_config(config, saved)
     nprocs = _check_launcher_options(args, config)
     out = Path(config.out)

@@ -11,7 +11,10 @@ names and kinds the plan was made for) and keeps its shards of the parameters.
 Data: global batch t is synthetic and seeded, shaped like the example inputs: a
 floating input is standard normal, an integer one uniform over the example's own range
 [min, max] (class labels, token ids stay valid); batch t is a deterministic function of
-(seed, t), the same on every rank (the executor takes the global inputs).
+(seed, t), the same on every rank (the executor takes the global inputs). With
+``--data digits`` and inputs that fit scikit-learn's digits (features (B, 64) floating,
+labels (B,) integer) batch t is the digits' (plait.train.data.global_batch, as plait
+train's MLP reads them).
 
 The step is plait train's: learning rate ``config.lr_at(step)``, AdamW or SGD
 (``build.make_optimizer``: decay on matrices only), the global gradient norm clipped to
@@ -41,13 +44,15 @@ from plait.train.atomic_files import atomic_write
 from plait.train.build import make_optimizer
 from plait.train.config import TrainConfig
 from plait.train.config_rules import DATA_SEED_STRIDE
+from plait.train.data import global_batch, load_digits
 from plait.train.metrics import MetricsLog
 from plait.train.world import init_distributed
 
 # What a --plan run reads of TrainConfig; the rest (model, data, batch, layout) is the plan's and its factory's.
-PLAN_FIELDS = ("steps", "lr", "min_lr", "lr_schedule", "warmup_steps", "optimizer", "weight_decay", "beta1", "beta2",
+PLAN_FIELDS = ("data", "steps", "lr", "min_lr", "lr_schedule", "warmup_steps", "optimizer", "weight_decay", "beta1", "beta2",
                "momentum", "grad_clip", "seed", "out", "log_interval", "timeout_s", "backend")
 RUN_RECORD = "plan-run.json"
+DIGIT_FEATURES = 64  # scikit-learn's digits: 8 x 8 pixels
 
 
 def load(path) -> SavedPlan:
@@ -86,6 +91,26 @@ def traced_step(saved: SavedPlan, model, example_inputs):
     graph = simplify(traced.graph) if saved.simplified else traced.graph
     saved.check_graph(graph)
     return traced, graph
+
+
+def batch_source(config: TrainConfig, example_inputs):
+    """step -> the global batch of that step: the digits for ``data="digits"`` (refused by
+    name unless the inputs fit them), synthetic for the default data (module docstring)."""
+    if config.data == "digits":
+        shapes = [tuple(tensor.shape) for tensor in example_inputs]
+        fits = (len(example_inputs) == 2 and example_inputs[0].is_floating_point() and len(shapes[0]) == 2
+                and shapes[0][1] == DIGIT_FEATURES and not example_inputs[1].is_floating_point()
+                and shapes[1] == shapes[0][:1])
+        if not fits:
+            raise ValueError(f"--data digits with --plan: the factory's inputs have shapes {shapes}, the digits "
+                             f"are (features (B, {DIGIT_FEATURES}) floating, labels (B,) integer); leave --data out "
+                             "for synthetic batches shaped like the inputs")
+        train_set = load_digits(seed=config.seed, dtype=example_inputs[0].dtype)[0]
+        return lambda step: global_batch(train_set, step, shapes[0][0], seed=config.seed)
+    if config.data != TrainConfig().data:
+        raise ValueError(f"--data {config.data} with --plan: a plan run reads synthetic batches shaped like the "
+                         "factory's inputs, or --data digits when they fit; leave --data out")
+    return lambda step: synthetic_batch(example_inputs, config.seed, step)
 
 
 def synthetic_batch(example_inputs, seed: int, step: int) -> tuple[torch.Tensor, ...]:
@@ -132,6 +157,7 @@ def train(config: TrainConfig, saved: SavedPlan, model, example_inputs, *, log=p
                          f"world has {world}: launch {saved.mesh.size}")
     traced, graph = traced_step(saved, model, example_inputs)
     module = AutoParallelModule(traced, saved.layouts, saved.mesh, graph=graph)
+    batch = batch_source(config, example_inputs)
     optimizer = make_optimizer(module.named_parameters(), config)
     out = Path(config.out)
     if rank == 0:
@@ -143,7 +169,7 @@ def train(config: TrainConfig, saved: SavedPlan, model, example_inputs, *, log=p
     try:
         for step in range(config.steps):
             started = time.perf_counter()
-            inputs = synthetic_batch(example_inputs, config.seed, step)
+            inputs = batch(step)
             lr = config.lr_at(step)
             for group in optimizer.param_groups:
                 group["lr"] = lr
