@@ -43,6 +43,7 @@ LOCAL_ALLOWED = {
     ("plait.cli.plan_auto", "plait.cli.factory"): "a --module factory loads torch; only when --auto plans one",
     ("plait.cli.plan_auto", "plait.train"): "hf_model loads torch and transformers; only for --auto --model hf:",
     ("plait.cli.plan_auto", "plait.plan.auto.planner"): "traces with torch.export; only when --auto plans",
+    ("plait.cli.train", "plait.cli.factory"): "a --plan run builds the plan's model factory (torch and the user's module); only for --plan",
     ("plait.plan.trace", "torch"): "keeps torch out of plait.plan's import path (plan runs anywhere, fast)",
     ("plait.plan.trace", "plait.models.gpt_layers"): "loads torch; keeps it out of plait.plan's import path",
     ("plait.plan.device", "torch"): "keeps torch out of plait.plan's import path",
