@@ -48,9 +48,9 @@ from plait.train.data import global_batch, load_digits
 from plait.train.metrics import MetricsLog
 from plait.train.world import init_distributed
 
-# What a --plan run reads of TrainConfig; the rest (model, data, batch, layout) is the plan's and its factory's.
-PLAN_FIELDS = ("data", "steps", "lr", "min_lr", "lr_schedule", "warmup_steps", "optimizer", "weight_decay", "beta1", "beta2",
-               "momentum", "grad_clip", "seed", "out", "log_interval", "timeout_s", "backend")
+# What a --plan run reads of TrainConfig; the rest (model, batch, layout) is the plan's and its factory's.
+PLAN_FIELDS = ("data", "steps", "lr", "min_lr", "lr_schedule", "warmup_steps", "optimizer", "weight_decay", "beta1",
+               "beta2", "momentum", "grad_clip", "seed", "out", "log_interval", "timeout_s", "backend")
 RUN_RECORD = "plan-run.json"
 DIGIT_FEATURES = 64  # scikit-learn's digits: 8 x 8 pixels
 
@@ -81,7 +81,7 @@ def given_fields_problems(given: list[str]) -> list[str]:
     if not ignored:
         return []
     return [f"{', '.join('--' + name.replace('_', '-') for name in ignored)} with --plan: the plan and its model "
-            f"factory fix the model, data, batch and layout; leave them out (a --plan run reads "
+            f"factory fix the model, batch and layout; leave them out (a --plan run reads "
             f"{', '.join(PLAN_FIELDS)})"]
 
 
