@@ -54,12 +54,19 @@ __all__ = ["NodeLayout", "AutoParallelModule", "auto_parallelize", "mesh_axis_gr
 def mesh_axis_groups(mesh: AutoMesh, group=None) -> list:
     """This rank's process group along each axis of ``mesh``, laid row-major over the
     ranks of ``group`` (None: the world) in group-rank order. Collective over
-    ``group``: every member calls it with the same mesh."""
+    ``group``: every member calls it with the same mesh. With group=None every rank of
+    the world creates every line's group (torch's rule); a 1-D mesh over a given group
+    is that group; a 2-D mesh over a given group creates its lines with
+    ``use_local_synchronization`` (only members call; torch names those groups by their
+    ranks), so a caller mixing that with world-wide new_group calls should rather make
+    the lines itself on every rank and pass ``axis_groups=``."""
     pg = process_group(group)
     ranks = group_ranks(dist.group.WORLD if pg is None else pg)
     if len(ranks) != mesh.size:
         raise ValueError(f"mesh {mesh.text()} has {mesh.size} ranks but the group has {len(ranks)}: give a mesh whose "
                          f"shape multiplies to {len(ranks)}, or a group of {mesh.size} ranks")
+    if pg is not None and mesh.ndim == 1:
+        return [group]  # the group is the one axis: nothing to create
     me = ranks.index(dist.get_rank())
     local = AutoMesh(mesh.shape)
     mine = []
