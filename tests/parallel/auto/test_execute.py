@@ -213,12 +213,6 @@ def test_mlp_plans_three_ranks_and_2x2():
     _check(run_distributed(_mlp_worker, 4, (2,), ("megatron", "sequence_then_batch"), halves=True))
 
 
-def _traced_mlp():
-    from plait.parallel.auto.trace import trace_graph
-
-    return trace_graph(_mlp(), _batch(0))
-
-
 @pytest.mark.parametrize("change, named", [
     ({"gelu": None}, "no NodeLayout for nodes ['gelu']"),
     ({"gelu": (("P",), "P", ())}, "node 'gelu' (elementwise, aten.gelu.default) on mesh axis 0: elementwise gelu is not "
@@ -232,7 +226,7 @@ def test_refused_layouts_are_named_before_any_group(change, named):
     """A plan the executor cannot run exactly is refused naming the node, before any
     process group is made (here there is none)."""
     from plait.parallel.auto.device_mesh import AutoMesh
-    from plait.parallel.auto.execute import AutoParallelModule
+    from plait.parallel.auto.execute import auto_parallelize
 
     plan = dict(mlp_plans(1)["megatron"])
     for name, value in change.items():
@@ -240,8 +234,8 @@ def test_refused_layouts_are_named_before_any_group(change, named):
             del plan[name]
         else:
             plan[name] = value
-    with pytest.raises(ValueError) as error:
-        AutoParallelModule(_traced_mlp(), _layouts(plan, 1), AutoMesh((2,)))
+    with pytest.raises(ValueError) as error:  # the user's entry point: trace, (no) simplify, check
+        auto_parallelize(_mlp(), _batch(0), _layouts(plan, 1), AutoMesh((2,)), simplify=False)
     assert named in str(error.value)
 
 

@@ -129,8 +129,9 @@ class AutoParallelModule(nn.Module):
         self._gm = (traced.module,)  # not a submodule: its parameters are the model's whole ones
         self._fx = {fx_node.name: fx_node for fx_node in traced.module.graph.nodes}
         self._order = {name: index for index, name in enumerate(self._fx)}
-        self._value = {node.name: max(node.members or (node.name,), key=self._order.__getitem__)
-                       for node in graph.nodes}
+        self._members = {node.name: sorted(node.members or (node.name,), key=self._order.__getitem__)
+                         for node in graph.nodes}
+        self._value = {name: members[-1] for name, members in self._members.items()}
         self._stored = self._stored_layouts()
         self._fused = find_fused(graph, self._layouts, mesh.shape)
         self._check_nodes()  # before any group is made: a refused plan fails alike on every rank, with no traffic
@@ -280,7 +281,7 @@ class AutoParallelModule(nn.Module):
             params[name] = self._prepare(tensor, wanted, node, layout, splits, summand=additive or name == bias)
         ctx = NodeContext(node, layout, self._fx, self._order, self._coords, self._mesh.shape, self._axes,
                           inputs=inputs, input_shapes=shapes, params=params,
-                          fused_divisor=self._fused.divisor(node.name))
+                          fused_divisor=self._fused.divisor(node.name), members=self._members[node.name])
         positions = self._positions(node)
 
         def lookup(fx_node):

@@ -60,7 +60,7 @@ class NodeContext:
     their order, this rank's mesh coordinates and per-axis AxisComms."""
 
     def __init__(self, node, layout, fx_nodes, order, coords, mesh_shape, axes, *, inputs=(), input_shapes=(),
-                 params=None, fused_divisor: int = 1):
+                 params=None, fused_divisor: int = 1, members=None):
         self.node, self.layout = node, layout
         self.fx_nodes, self.order = fx_nodes, order
         self.coords, self.mesh_shape, self.axes = coords, mesh_shape, axes
@@ -68,6 +68,7 @@ class NodeContext:
         self.input_shapes = list(input_shapes)  # their global shapes
         self.params = dict(params or {})  # name -> local tensor as this node reads it
         self.fused_divisor = fused_divisor  # a fused slice of a blocked shard: its bounds divided by this
+        self.members = members  # the node's fx members in graph order (None: sorted here)
 
     def local_target(self, fx_node) -> list[int]:
         return list(local_shape(tuple(fx_node.meta["val"].shape), self.layout.output, self.mesh_shape))
@@ -85,7 +86,7 @@ def run_members(ctx: NodeContext, lookup, *, whole: bool = False):
     node)`` gives values from outside the node (inputs resharded, parameters).
     ``whole``: a constant, run on global shapes unchanged. Returns the node's value."""
     node = ctx.node
-    members = sorted(node.members or (node.name,), key=ctx.order.__getitem__)
+    members = ctx.members or sorted(node.members or (node.name,), key=ctx.order.__getitem__)
     member_names = set(members)
     env: dict[str, object] = {}
 
@@ -149,8 +150,8 @@ def _principal(ctx: NodeContext, fx_node, read):
         return _reduce(ctx, fx_node, read)
     if kind == "loss":
         return _loss(ctx, fx_node, read)
-    return _generic(ctx, fx_node, read, is_value=(fx_node.name == max(ctx.node.members or (ctx.node.name,),
-                                                                       key=ctx.order.__getitem__)))
+    last = ctx.members[-1] if ctx.members else max(ctx.node.members or (ctx.node.name,), key=ctx.order.__getitem__)
+    return _generic(ctx, fx_node, read, is_value=(fx_node.name == last))
 
 
 def _linear(ctx: NodeContext, read):
