@@ -43,7 +43,8 @@ from plait.parallel.auto.execute_node import NodeContext, run_members
 from plait.parallel.auto.execute_rules import ADDITIVE, LayoutRefused, expected_output
 from plait.parallel.auto.execute_views import check_view, shard_for
 from plait.parallel.auto.node_layout import NodeLayout
-from plait.parallel.auto.reshard import AxisComm, partial_from_replicated, reshard_step, wrap_replicated
+from plait.parallel.auto.reshard import (AxisComm, partial_from_replicated, reshard_step, wrap_replicated,
+                                         wrap_replicated_many)
 from plait.parallel.auto.reshard_steps import reshard_steps
 from plait.parallel.auto.trace import simplify as simplify_graph
 from plait.parallel.auto.trace import trace_graph
@@ -239,9 +240,10 @@ class AutoParallelModule(nn.Module):
             tensor = reshard_step(tensor, self._axes[axis], before, after)
         return tensor
 
-    def _prepare(self, tensor, wanted, node, layout, splits, summand: bool):
+    def _prepare(self, tensor, wanted, node, layout, splits, summand: bool, skip_wrap: bool = False):
         """Wrap an R input on every axis where the node splits its work; an R summand
-        of a P output becomes P (coordinate 0 keeps it) instead."""
+        of a P output becomes P (coordinate 0 keeps it) instead. ``skip_wrap``: the
+        caller wraps it (a node's parameters together, one all-reduce)."""
         if not torch.is_floating_point(tensor):
             return tensor
         for axis, placement in enumerate(wanted):
@@ -249,9 +251,23 @@ class AutoParallelModule(nn.Module):
                 continue
             if summand and layout.output[axis] == PARTIAL:
                 tensor = partial_from_replicated(tensor, self._axes[axis])
-            else:
+            elif not skip_wrap:
                 tensor = wrap_replicated(tensor, self._axes[axis])
         return tensor
+
+    def _wrap_params(self, params: dict, layout, splits, summands: set) -> dict:
+        """The node's R parameters wrapped per axis where it splits its work, all of one
+        axis in one backward all-reduce (the summands of a P output are not wrapped)."""
+        wanted = dict(layout.params)
+        for axis in range(self._mesh.ndim):
+            if not splits[axis]:
+                continue
+            names = [name for name, tensor in params.items() if wanted[name][axis] == REPLICATE
+                     and torch.is_floating_point(tensor)
+                     and not (name in summands and layout.output[axis] == PARTIAL)]
+            for name, tensor in zip(names, wrap_replicated_many([params[name] for name in names], self._axes[axis])):
+                params[name] = tensor
+        return params
 
     def _run_node(self, node, values, user_inputs, wholes):
         layout = self._layouts.get(node.name)
@@ -275,10 +291,14 @@ class AutoParallelModule(nn.Module):
             tensor = self._reshard(tensor, have, wanted, shape)
             inputs.append(self._prepare(tensor, wanted, node, layout, splits, summand=additive))
         bias = node.attr("bias") if node.kind in ("linear", "conv") else None
-        params = {}
+        params, summands = {}, set()
         for name, wanted in layout.params:
             tensor = self._reshard(self.get_parameter(name), self._stored[name], wanted, self._graph.param(name).shape)
-            params[name] = self._prepare(tensor, wanted, node, layout, splits, summand=additive or name == bias)
+            if additive or name == bias:
+                summands.add(name)
+            params[name] = self._prepare(tensor, wanted, node, layout, splits, summand=name in summands,
+                                         skip_wrap=True)
+        params = self._wrap_params(params, layout, splits, summands)
         ctx = NodeContext(node, layout, self._fx, self._order, self._coords, self._mesh.shape, self._axes,
                           inputs=inputs, input_shapes=shapes, params=params,
                           fused_divisor=self._fused.divisor(node.name), members=self._members[node.name])

@@ -32,7 +32,8 @@ from plait.names.placements import PARTIAL, REPLICATE, is_shard, shard_dim
 from plait.parallel.auto.reshard_steps import reshard_steps
 
 __all__ = ["AxisComm", "all_reduce_partial", "reduce_scatter_partial", "gather_shards", "slice_shard",
-           "all_to_all_shards", "partial_from_replicated", "wrap_replicated", "reshard_step", "reshard"]
+           "all_to_all_shards", "partial_from_replicated", "wrap_replicated", "wrap_replicated_many", "reshard_step",
+           "reshard"]
 
 
 @dataclass(frozen=True)
@@ -174,6 +175,23 @@ class _WrapReplicated(torch.autograd.Function):
         return _all_reduce(grad, ctx.axis), None
 
 
+class _WrapReplicatedMany(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, axis, *tensors):
+        ctx.axis = axis
+        ctx.shapes = [tensor.shape for tensor in tensors]
+        ctx.dtype, ctx.device = tensors[0].dtype, tensors[0].device
+        return tuple(tensor.view_as(tensor) for tensor in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        filled = [torch.zeros(shape, dtype=ctx.dtype, device=ctx.device) if grad is None else grad
+                  for grad, shape in zip(grads, ctx.shapes)]
+        flat = _all_reduce(torch.cat([grad.reshape(-1) for grad in filled]), ctx.axis)
+        return (None, *[piece.view(shape) for piece, shape in zip(flat.split([s.numel() for s in ctx.shapes]),
+                                                                  ctx.shapes)])
+
+
 def all_reduce_partial(x: torch.Tensor, axis: AxisComm) -> torch.Tensor:
     """P -> R: the sum of the summands (backward: identity, the gradient of P is R)."""
     return x if axis.size == 1 else _AllReducePartial.apply(x, axis)
@@ -209,6 +227,17 @@ def wrap_replicated(x: torch.Tensor, axis: AxisComm) -> torch.Tensor:
     backward all-reduces its gradient's parts (Megatron's copy_to_region; for a
     parameter under batch sharding, data parallelism's gradient all-reduce)."""
     return x if axis.size == 1 else _WrapReplicated.apply(x, axis)
+
+
+def wrap_replicated_many(tensors, axis: AxisComm) -> tuple:
+    """``wrap_replicated`` of several tensors of one dtype at once: their gradients summed
+    in ONE all-reduce (a node's weight and bias under batch sharding: one message)."""
+    tensors = tuple(tensors)
+    if axis.size == 1 or not tensors:
+        return tensors
+    if len(tensors) == 1 or len({tensor.dtype for tensor in tensors}) > 1:
+        return tuple(wrap_replicated(tensor, axis) for tensor in tensors)
+    return _WrapReplicatedMany.apply(axis, *tensors)
 
 
 def reshard_step(x: torch.Tensor, axis: AxisComm, src: str, dst: str) -> torch.Tensor:
