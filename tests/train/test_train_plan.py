@@ -141,3 +141,30 @@ def test_a_saved_plan_trains_like_one_process(tmp_path):
     assert [record["grad_norm"] for record in records] == pytest.approx(norms, rel=TOLERANCE, abs=0)
     record = json.loads((Path(config.out) / auto_run.RUN_RECORD).read_text())
     assert record["mesh"] == [2] and record["measured_step_s"] > 0
+
+
+def test_an_hf_plan_rebuilds_its_causal_lm(tmp_path):
+    """A plan of plait plan --auto --model hf:CONFIG names its source and (batch, seq):
+    plait train --plan rebuilds the same causal LM with its loss at that shape (seq 6, not
+    the config's 8 positions), which re-traces to the plan's graph; a plan without the
+    shape is refused by name."""
+    from transformers import GPT2Config
+
+    from plait.train.hf_model import causal_lm_step
+
+    GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32, n_positions=8).save_pretrained(tmp_path)
+    source = f"hf:{tmp_path}"
+    model, inputs = causal_lm_step(str(tmp_path), 6, 4)
+    plan = auto_plan(model, inputs, cluster_preset("dgx-a100", gpus=2), mesh_shapes=[(2,)], dtype="float32")
+    path = save_plan(plan, tmp_path / "plan.json", source=source, input_shapes=[tuple(t.shape) for t in inputs])
+    saved = auto_run.load(path)
+    rebuilt, rebuilt_inputs = auto_run.build_model(saved, load_factory=None)
+    assert [tuple(t.shape) for t in rebuilt_inputs] == [(4, 6), (4, 6)]
+    assert all(torch.equal(a, b) for a, b in zip(rebuilt_inputs, inputs))
+    assert all(torch.equal(a, b) for a, b in zip(rebuilt.state_dict().values(), model.state_dict().values()))
+    auto_run.traced_step(saved, rebuilt, rebuilt_inputs)  # the plan's node names and kinds: refused if not
+    document = json.loads(path.read_text())
+    document["model"]["input_shapes"] = []
+    (tmp_path / "shapeless.json").write_text(json.dumps(document))
+    with pytest.raises(ValueError, match="records no \\(batch, seq\\) input shape: save it again"):
+        auto_run.load(tmp_path / "shapeless.json")

@@ -134,26 +134,11 @@ def module_train_step(spec: str, global_batch: int | None):
 
 
 def hf_train_step(source: str, seq_len: int | None, global_batch: int):
-    """(module, (input_ids, targets)) of ``hf:CONFIG``: the causal LM (fresh weights,
-    float32, training mode) returning its mean next-token cross-entropy
-    (``plait.train.hf_model.loss_fn``); its parameters are ``lm.<the HF name>``."""
-    import torch  # only for --model hf:
+    """(module, (input_ids, targets)) of ``hf:CONFIG``: plait.train.hf_model.causal_lm_step,
+    the causal LM returning its mean next-token cross-entropy (parameters ``lm.<HF name>``)."""
+    from plait.train.hf_model import causal_lm_step  # loads torch and transformers: only for --model hf:
 
-    from plait.train.hf_model import CausalLMLogits, build, load_config, loss_fn, positions
-
-    config = load_config(source)
-    seq_len = seq_len or positions(config)
-    if not seq_len:
-        raise ValueError(f"--model hf:{source}: the config names no positions; give --seq N")
-
-    class CausalLMStep(CausalLMLogits):
-        def forward(self, input_ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-            return loss_fn(super().forward(input_ids), targets)
-
-    model = CausalLMStep(build(source, dtype="float32", seed=0))
-    generator = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, int(config.vocab_size), (global_batch, seq_len + 1), generator=generator)
-    return model, (tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
+    return causal_lm_step(source, seq_len, global_batch)
 
 
 def _float_dtype(model, inputs) -> str:

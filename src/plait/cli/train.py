@@ -195,7 +195,7 @@ def _run_plan(args, config) -> int:
 
     saved = auto_run.load(args.plan)
     if in_torchrun_world():
-        model, inputs = load_factory(saved.source)
+        model, inputs = auto_run.build_model(saved, load_factory)
         auto_run.train(config, saved, model, inputs)
         return 0
     given = {name for name in FIELD_NAMES if hasattr(args, name)} | set(load_toml(args.config) if args.config else {})
@@ -209,7 +209,7 @@ def _run_plan(args, config) -> int:
                         "them out")
     if problems:
         raise ValueError("; ".join(problems))
-    model, inputs = load_factory(saved.source)
+    model, inputs = auto_run.build_model(saved, load_factory)
     auto_run.traced_step(saved, model, inputs)  # the plan is of this model: refused here, not on every rank
     auto_run.batch_source(config, inputs)  # --data digits fits the inputs, or synthetic batches
     config = auto_run.plan_config(config, saved)

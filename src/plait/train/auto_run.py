@@ -2,9 +2,10 @@
 ... --save FILE`` (plait.plan.auto.plan_file), on as many processes as the plan's mesh
 has devices, with plait's auto-parallel executor (plait.parallel.auto.execute).
 
-The model comes from the plan's source, a factory ``PKG.MOD:FUNCTION`` returning
+The model comes from the plan's source: a factory ``PKG.MOD:FUNCTION`` returning
 ``(module, example_inputs)`` whose module returns the scalar loss (the caller imports
-it: plait.cli). Every rank builds it alike (the factory seeds it), re-traces it on the
+it: plait.cli), or ``hf:CONFIG``, the causal LM with its loss at the plan's (batch, seq)
+(plait.train.hf_model.causal_lm_step, fresh weights as plait plan --auto traced). Every rank builds it alike (the factory seeds it), re-traces it on the
 example inputs, checks the trace against the plan (``SavedPlan.check_graph``: the node
 names and kinds the plan was made for) and keeps its shards of the parameters.
 
@@ -22,8 +23,8 @@ The step is plait train's: learning rate ``config.lr_at(step)``, AdamW or SGD
 squared norm divided by its replica count (mesh devices / shards) and summed over the
 world in one all-reduce. Rank 0 writes ``metrics.jsonl`` (step, loss, lr, grad_norm,
 step_s) every ``log_interval`` steps and ``plan-run.json`` at the end (the plan's
-predicted step time next to the measured median). Not yet: checkpoints and resume, an
-hf:CONFIG source, evaluation.
+predicted step time next to the measured median). Not yet: checkpoints and resume,
+evaluation.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from plait.train.build import make_optimizer
 from plait.train.config import TrainConfig
 from plait.train.config_rules import DATA_SEED_STRIDE
 from plait.train.data import global_batch, load_digits
+from plait.train.hf_model import causal_lm_step
 from plait.train.metrics import MetricsLog
 from plait.train.world import init_distributed
 
@@ -53,6 +55,7 @@ PLAN_FIELDS = ("data", "steps", "lr", "min_lr", "lr_schedule", "warmup_steps", "
                "beta2", "momentum", "grad_clip", "seed", "out", "log_interval", "timeout_s", "backend")
 RUN_RECORD = "plan-run.json"
 DIGIT_FEATURES = 64  # scikit-learn's digits: 8 x 8 pixels
+HF_SOURCE = "hf:"  # a plan of plait plan --auto --model hf:CONFIG
 
 
 def load(path) -> SavedPlan:
@@ -61,10 +64,20 @@ def load(path) -> SavedPlan:
     if not saved.source:
         raise ValueError(f"plan {path} names no model source: save it with plait plan --auto --module "
                          "PKG.MOD:FUNCTION ... --save FILE, so plait train can build the model")
-    if saved.source.startswith("hf:"):
-        raise ValueError(f"plan {path} is of {saved.source}: plait train --plan runs factory models "
-                         "(PKG.MOD:FUNCTION) only for now; wrap the hf model in a factory returning (module, inputs)")
+    if saved.source.startswith(HF_SOURCE) and len(saved.input_shapes[0] if saved.input_shapes else ()) != 2:
+        raise ValueError(f"plan {path} is of {saved.source} but records no (batch, seq) input shape: save it again "
+                         "with plait plan --auto --model hf:CONFIG ... --save FILE")
     return saved
+
+
+def build_model(saved: SavedPlan, load_factory) -> tuple[torch.nn.Module, tuple]:
+    """(module, example inputs) of the plan's source: an ``hf:CONFIG`` causal LM with its
+    loss (plait.train.hf_model.causal_lm_step at the recorded (batch, seq)), else
+    ``load_factory(source)`` (the caller's: plait.cli.factory)."""
+    if saved.source.startswith(HF_SOURCE):
+        batch, seq_len = saved.input_shapes[0]
+        return causal_lm_step(saved.source[len(HF_SOURCE):], seq_len, batch)
+    return load_factory(saved.source)
 
 
 def plan_config(config: TrainConfig, saved: SavedPlan) -> TrainConfig:

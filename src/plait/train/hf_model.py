@@ -192,6 +192,30 @@ def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
+class CausalLMStep(CausalLMLogits):
+    """``(input_ids (b, s), targets (b, s)) -> the mean next-token cross-entropy``: a HF
+    causal LM with its loss inside, the training step the auto-parallel planner traces
+    (``plait plan --auto --model hf:``, ``plait train --plan``); parameters ``lm.<HF name>``."""
+
+    def forward(self, input_ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return loss_fn(super().forward(input_ids), targets)
+
+
+def causal_lm_step(source: str, seq_len: int | None, global_batch: int) -> tuple[nn.Module, tuple]:
+    """(CausalLMStep of ``source`` (fresh weights, seed 0, float32, training mode), (input_ids,
+    targets) of ``global_batch`` seeded windows of ``seq_len`` tokens (default: the config's
+    positions)): the same module and inputs wherever it is built, so a saved plan's node
+    names match its re-trace."""
+    config = load_config(source)
+    seq_len = seq_len or positions(config)
+    if not seq_len:
+        raise ValueError(f"--model hf:{source}: the config names no positions; give --seq N")
+    model = CausalLMStep(build(source, dtype="float32", seed=0))
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, int(config.vocab_size), (global_batch, seq_len + 1), generator=generator)
+    return model, (tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
+
+
 def blocks(model: nn.Module) -> list[nn.Module]:
     """The decoder blocks: the model's nn.ModuleList holding the most parameters."""
     lists = [module for module in model.modules() if isinstance(module, nn.ModuleList) and len(module)]
