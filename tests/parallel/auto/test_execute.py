@@ -106,14 +106,20 @@ def mlp_plans(ndim: int) -> dict[str, dict]:
     }
 
 
+COUNTS = ("bytes_sent", "all_reduce_calls", "buckets")
+
+
 def parity(model_fn, batch_fn, plans: dict, mesh_shape, adam: tuple = (), simplified: bool = False,
-           reshard_path=None, group=None) -> dict:
+           reshard_path=None, group=None, accumulate: tuple = (), options=None) -> dict:
     """Each plan ({name: layouts}) on this rank, traced once: the errors against the
     one-process model after steps of SGD (and of Adam for the plans in ``adam``), and
-    the bytes its axis communicators sent in the first step. ``simplified``: the plans
-    name the nodes of the simplified graph (as the planner's do); ``reshard_path``: the
-    executor's path of layout changes (None: its default order); ``group``: the ranks the
-    mesh lies on (None: the world)."""
+    what its axis communicators did in the first step (bytes sent, all-reduce calls)
+    with its number of gradient buckets. ``simplified``: the plans name the nodes of
+    the simplified graph (as the planner's do); ``reshard_path``: the executor's path of
+    layout changes (None: its default order); ``group``: the ranks the mesh lies on
+    (None: the world); ``accumulate``: plans whose steps accumulate the gradients of two
+    batches (two backward passes) before the optimizer step; ``options``: plan name ->
+    AutoParallelModule keywords."""
     from plait.parallel.auto.device_mesh import AutoMesh
     from plait.parallel.auto.execute import AutoParallelModule
     from plait.parallel.auto.trace import simplify, trace_graph
@@ -126,22 +132,27 @@ def parity(model_fn, batch_fn, plans: dict, mesh_shape, adam: tuple = (), simpli
         for optimizer_name in ("sgd", "adam") if plan_name in adam else ("sgd",):
             reference = model_fn()
             auto = AutoParallelModule(traced, layouts, AutoMesh(tuple(mesh_shape)), graph=graph,
-                                      reshard_path=reshard_path, group=group)
+                                      reshard_path=reshard_path, group=group, **(options or {}).get(plan_name, {}))
             make = (lambda params: torch.optim.SGD(params, lr=0.1)) if optimizer_name == "sgd" else \
                 (lambda params: torch.optim.Adam(params, lr=1e-2))
             optimizers = [make(auto.parameters()), make(reference.parameters())]
             ref_params = dict(reference.named_parameters())
+            micro = 2 if plan_name in accumulate else 1
             for step in range(2):
-                inputs = batch_fn(step)
                 auto.reset_comm_stats()
-                loss, ref_loss = auto(*inputs), reference(*inputs)
                 for optimizer in optimizers:
                     optimizer.zero_grad()
-                loss.backward()
-                ref_loss.backward()
+                for part in range(micro):
+                    inputs = batch_fn(micro * step + part)
+                    loss, ref_loss = auto(*inputs), reference(*inputs)
+                    loss.backward()
+                    ref_loss.backward()
+                    errors[f"{optimizer_name}_loss_{step}_{part}"] = abs(float(loss.detach() - ref_loss.detach()))
                 if step == 0 and optimizer_name == "sgd":
-                    errors["bytes_sent"] = sum(entry["bytes_sent"] for entry in auto.comm_stats().values())
-                errors[f"{optimizer_name}_loss_{step}"] = abs(float(loss.detach() - ref_loss.detach()))
+                    stats = auto.comm_stats()
+                    errors["bytes_sent"] = sum(entry["bytes_sent"] for entry in stats.values())
+                    errors["all_reduce_calls"] = stats.get("all_reduce", {}).get("calls", 0)
+                    errors["buckets"] = len(auto.gradient_buckets())
                 errors[f"{optimizer_name}_grads_{step}"] = max(
                     float((param.grad - auto.reference_shard(ref_params[name].grad, name)).abs().max())
                     for name, param in auto.named_parameters())
@@ -182,7 +193,7 @@ def _check(results: list[dict]) -> None:
     for rank, plans in enumerate(results):
         for plan, errors in plans.items():
             for key, value in errors.items():
-                if key == "bytes_sent":
+                if key in COUNTS:
                     continue
                 limit = PARAMS_ADAM_ATOL if key == "adam_params" else (
                     PARAMS_SGD_ATOL if key.endswith("params") else LOSS_GRAD_ATOL)
@@ -200,6 +211,8 @@ def test_mlp_plans_two_ranks():
     # Megatron: one all-reduce of the row-parallel output (6, 6, 6) (x needs no gradient, so f's is not run)
     params = FEATURES * HIDDEN + HIDDEN + HIDDEN * CLASSES + CLASSES
     assert [plans["batch"]["bytes_sent"] for plans in results] == [(params + 2) * 8] * 2
+    # ... in 3 all-reduces: ONE bucket of all the parameters' gradients (not one per linear), the count, the loss
+    assert [plans["batch"]["all_reduce_calls"] for plans in results] == [3] * 2
     assert [plans["megatron"]["bytes_sent"] for plans in results] == [BATCH * SEQ * CLASSES * 8] * 2
 
 

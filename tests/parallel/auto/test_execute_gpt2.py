@@ -10,7 +10,11 @@ executed under auto-parallel plans on 2 gloo ranks against one process (float64)
   slices keeping c_attn's shard (the planner's "fused" option: c_attn's weight stored
   blocked, Megatron's fused qkv, no gather);
 - pure batch: every activation sharded on the batch, the attention mask sliced, the
-  parameters replicated with data parallelism's all-reduce.
+  parameters replicated with data parallelism's all-reduce, all their gradients in ONE
+  bucket (one all-reduce per step, besides the loss's two scalars);
+- pure batch accumulating two batches' gradients (two backward passes) before each
+  optimizer step, with 4 KiB buckets (several, launched while backward goes on): the
+  tied embedding / head table (read by two nodes) and every other parameter exact.
 
 The graph is the simplified one the planner sees. Tolerances as test_execute's: 1e-12
 for the loss and every local gradient, 1e-12 for parameters after two SGD steps.
@@ -28,7 +32,7 @@ from plait.testing import run_distributed
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/, for hf_models
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from hf_models import tiny_gpt2  # noqa: E402
-from test_execute import LOSS_GRAD_ATOL, PARAMS_SGD_ATOL, parity  # noqa: E402
+from test_execute import COUNTS, LOSS_GRAD_ATOL, PARAMS_SGD_ATOL, parity  # noqa: E402
 
 BATCH, SEQUENCE, VOCAB = 2, 8, 64
 
@@ -111,17 +115,25 @@ def _gpt2_worker(rank: int, world_size: int, modes) -> dict:
     from plait.parallel.auto.trace import simplify, trace_graph
 
     graph = simplify(trace_graph(GPT2Step(), _ids(0)).graph)
-    return parity(GPT2Step, _ids, {mode: _plan(graph, mode) for mode in modes}, (world_size,), simplified=True)
+    plans = {mode: _plan(graph, mode.removesuffix("_accumulate")) for mode in modes}
+    return parity(GPT2Step, _ids, plans, (world_size,), simplified=True, accumulate=("batch_accumulate",),
+                  options={"batch_accumulate": {"bucket_cap_mb": 4 / 1024}})
 
 
 @pytest.mark.slow
 def test_gpt2_megatron_and_batch_plans_equal_one_process():
-    results = run_distributed(_gpt2_worker, 2, ("megatron", "megatron_fused", "batch"), timeout_s=300)
+    results = run_distributed(_gpt2_worker, 2, ("megatron", "megatron_fused", "batch", "batch_accumulate"),
+                              timeout_s=300)
     for rank, plans in enumerate(results):
         for plan, errors in plans.items():
             for key, value in errors.items():
                 limit = PARAMS_SGD_ATOL if key.endswith("params") else LOSS_GRAD_ATOL
-                assert key == "bytes_sent" or value <= limit, f"rank {rank} {plan}: {key} = {value:.3e}"
+                assert key in COUNTS or value <= limit, f"rank {rank} {plan}: {key} = {value:.3e}"
+        # all-reduces per backward pass: each bucket once, the loss's target count, the loss, and the
+        # position embeddings' gradient (wpe's lookup is replicated; its R output is wrapped in the batch-split add)
+        batch, accumulated = plans["batch"], plans["batch_accumulate"]
+        assert (batch["buckets"], batch["all_reduce_calls"]) == (1, 4), batch
+        assert accumulated["buckets"] > 2 and accumulated["all_reduce_calls"] == 2 * (accumulated["buckets"] + 3)
 
 
 def test_mixed_fused_slices_are_refused_by_name():

@@ -17,7 +17,12 @@ or the output is not R there), its R inputs and parameters are wrapped in an ide
 whose backward all-reduces over that axis (so a parameter under batch sharding gets
 data parallelism's all-reduce, the input of a column-parallel linear Megatron's f),
 except R summands of a P output (a row-parallel bias, an R addend), which coordinate
-0 alone adds. The layouts are checked before anything runs: a (kind, layouts) pair
+0 alone adds. A parameter that every reading node reads at its stored layout and
+wraps on the same axes (data parallelism's weights) is not wrapped per node: its
+gradient goes into a flat bucket (``grad_buckets``: DDP's 25 MiB buckets, launched
+in order while backward goes on, all-reduced once per axis, added into ``.grad`` at
+the end of backward), so a data-parallel step runs a few large all-reduces. The
+layouts are checked before anything runs: a (kind, layouts) pair
 that does not run exactly is refused by name (execute_rules, execute_views).
 
 Each parameter is held as this rank's shard of its STORED layout (the first reading
@@ -42,6 +47,7 @@ from plait.parallel.auto.execute_fused import blocked_shard, find_fused, unblock
 from plait.parallel.auto.execute_node import NodeContext, run_members
 from plait.parallel.auto.execute_rules import ADDITIVE, LayoutRefused, expected_output
 from plait.parallel.auto.execute_views import check_view, shard_for
+from plait.parallel.auto.grad_buckets import DEFAULT_BUCKET_CAP_BYTES, GradBuckets
 from plait.parallel.auto.node_layout import NodeLayout
 from plait.parallel.auto.reshard import (AxisComm, partial_from_replicated, reshard_step, wrap_replicated,
                                          wrap_replicated_many)
@@ -113,11 +119,16 @@ class AutoParallelModule(nn.Module):
     be simplified); ``mesh``: an AutoMesh over the ranks of ``group`` (None: the world;
     all of them call this); ``axis_groups``: this rank's group per mesh axis, when the
     caller made them; ``reshard_path(src, dst, shape, itemsize)``: the layouts a
-    reshard goes through (the planner's cheapest path), default reshard_steps'."""
+    reshard goes through (the planner's cheapest path), default reshard_steps'.
+    ``bucket_cap_mb``: the size cap of the gradient buckets (DDP's, 25 MiB) of the
+    parameters every reader splits its work over alike (grad_buckets)."""
 
     def __init__(self, traced, layouts: dict, mesh: AutoMesh, *, group=None, axis_groups=None, reshard_path=None,
-                 algorithm: str = "auto", graph=None):
+                 algorithm: str = "auto", graph=None, bucket_cap_mb: float = DEFAULT_BUCKET_CAP_BYTES / 2**20):
         super().__init__()
+        if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) or \
+                not 0 < bucket_cap_mb < float("inf"):
+            raise ValueError(f"bucket_cap_mb={bucket_cap_mb!r} must be a finite number of MiB > 0 (DDP's is 25)")
         if not isinstance(mesh, AutoMesh):
             raise TypeError(f"mesh must be a plait.parallel.auto.AutoMesh, got {type(mesh).__name__}")
         graph = traced.graph if graph is None else graph
@@ -149,6 +160,9 @@ class AutoParallelModule(nn.Module):
         self._axes = [AxisComm(g, mesh.shape[a], self._coords[a], algorithm) for a, g in enumerate(groups)]
         self._reshard_path = reshard_path
         self._hold_shards(traced.module)
+        self._bucketed = self._bucketed_axes()
+        entries = [(name, self.get_parameter(name), axes) for name, axes in reversed(self._bucketed.items())]
+        self._buckets = GradBuckets(entries, self._axes, cap_bytes=max(1, int(bucket_cap_mb * 2**20)))
 
     # ----- construction ----------------------------------------------------------------------
     def _stored_layouts(self) -> dict[str, tuple]:
@@ -211,6 +225,40 @@ class AutoParallelModule(nn.Module):
         for name, buffer in module.named_buffers():
             self._register(name, buffer, buffer=True)
 
+    def _splits(self, layout) -> list[bool]:
+        """Per mesh axis: does the node split its work there (an input, a parameter or
+        the output is not R)?"""
+        return [any(p[axis] != REPLICATE for p in (*layout.inputs, layout.output, *(l for _, l in layout.params)))
+                for axis in range(self._mesh.ndim)]
+
+    def _bucketed_axes(self) -> dict[str, tuple[int, ...]]:
+        """The parameters whose gradient all-reduce is bucketed (grad_buckets), with the
+        mesh axes it runs over, in first-reading order: every node reading the parameter
+        reads it at its stored layout and wraps it on the same (non-empty) set of axes of
+        more than one rank. The others keep the per-node wrap (_wrap_params)."""
+        readers: dict[str, set] = {}
+        for node in self._graph.nodes:
+            layout = self._layouts.get(node.name)
+            if layout is None or node.kind in ("output", "input", "constant"):
+                continue
+            splits = self._splits(layout)
+            additive = node.kind == "elementwise" and node.attr("op") in ADDITIVE
+            bias = node.attr("bias") if node.kind in ("linear", "conv") else None
+            for name, wanted in layout.params:
+                summand = additive or name == bias
+                axes = tuple(axis for axis in range(self._mesh.ndim)
+                             if splits[axis] and wanted[axis] == REPLICATE and self._axes[axis].size > 1
+                             and not (summand and layout.output[axis] == PARTIAL))
+                same = tuple(wanted) == tuple(self._stored[name])
+                readers.setdefault(name, set()).add(axes if same else None)
+        bucketed = {}
+        for name in self._stored:
+            param = self.get_parameter(name)
+            (axes, *others) = readers.get(name, {None})
+            if not others and axes and param.requires_grad and torch.is_floating_point(param):
+                bucketed[name] = axes
+        return bucketed
+
     def _register(self, name: str, value, buffer: bool = False) -> None:
         *path, leaf = name.split(".")
         owner = self
@@ -263,7 +311,7 @@ class AutoParallelModule(nn.Module):
             if not splits[axis]:
                 continue
             names = [name for name, tensor in params.items() if wanted[name][axis] == REPLICATE
-                     and torch.is_floating_point(tensor)
+                     and torch.is_floating_point(tensor) and name not in self._bucketed
                      and not (name in summands and layout.output[axis] == PARTIAL)]
             for name, tensor in zip(names, wrap_replicated_many([params[name] for name in names], self._axes[axis])):
                 params[name] = tensor
@@ -281,8 +329,7 @@ class AutoParallelModule(nn.Module):
                                 whole=True)
             wholes[node.name] = whole
             return self._reshard(whole.detach(), replicated(self._mesh.ndim), layout.output, node.shape)
-        splits = [any(p[axis] != REPLICATE for p in (*layout.inputs, layout.output, *(l for _, l in layout.params)))
-                  for axis in range(self._mesh.ndim)]
+        splits = self._splits(layout)
         additive = node.kind == "elementwise" and node.attr("op") in ADDITIVE
         shapes = self._input_shapes(node)
         inputs = []
@@ -333,12 +380,14 @@ class AutoParallelModule(nn.Module):
         the output replicated (the loss, the same on every rank)."""
         if len(inputs) != len(self._graph.inputs):
             raise TypeError(f"the traced step takes {len(self._graph.inputs)} inputs, got {len(inputs)}")
+        self._buckets.check_idle()
         values: dict[str, tuple] = {}
         wholes: dict[str, torch.Tensor] = {}  # constants' whole values
         for node in self._graph.nodes:
             if node.kind == "output":
                 tensor, have = values[node.inputs[0]]
-                return self._reshard(tensor, have, replicated(self._mesh.ndim), self._graph.node(node.inputs[0]).shape)
+                out = self._reshard(tensor, have, replicated(self._mesh.ndim), self._graph.node(node.inputs[0]).shape)
+                return self._buckets.mark(out)
             values[node.name] = (self._run_node(node, values, inputs, wholes), self._layouts[node.name].output)
         raise ValueError("the traced graph has no output node")
 
@@ -376,6 +425,11 @@ class AutoParallelModule(nn.Module):
             (axis, parts), = blocked.items()
             return blocked_shard(whole, dim, parts, self._mesh.shape[axis], self._coords[axis])
         return shard_for(whole, self._stored[name], self._coords, self._mesh.shape)
+
+    def gradient_buckets(self) -> list[tuple[tuple[str, ...], tuple[int, ...], int]]:
+        """(parameter names, mesh axes, bytes) of each gradient bucket in launch order:
+        each is all-reduced once per axis per backward (grad_buckets)."""
+        return self._buckets.describe()
 
     def comm_stats(self) -> dict[str, dict]:
         """plait comm's counters over this rank's mesh-axis communicators: per collective
