@@ -106,7 +106,7 @@ def mlp_plans(ndim: int) -> dict[str, dict]:
     }
 
 
-COUNTS = ("bytes_sent", "all_reduce_calls", "buckets")
+COUNTS = ("bytes_sent", "all_reduce_calls", "buckets", "refused")
 
 
 def parity(model_fn, batch_fn, plans: dict, mesh_shape, adam: tuple = (), simplified: bool = False,
@@ -186,6 +186,16 @@ def _mlp_worker(rank: int, world_size: int, mesh_shape, plan_names, adam=(), pri
                                              for name in plan_names}, mesh_shape,
                               reshard_path=lambda s, d, shape, size: reshard_path(s, d, shape, size, mesh, cluster))
         results.update(priced_plans)
+    if "batch" in plan_names and world_size == 2:  # torch.autograd.grad would get the hooks' zeros: refused
+        from plait.parallel.auto.device_mesh import AutoMesh
+        from plait.parallel.auto.execute import auto_parallelize
+
+        auto = auto_parallelize(_mlp(), _batch(0), _layouts(plans["batch"], 1), AutoMesh((2,)), simplify=False)
+        try:
+            torch.autograd.grad(auto(*_batch(0)), list(auto.parameters()))
+            results["batch"]["refused"] = ""
+        except RuntimeError as error:
+            results["batch"]["refused"] = str(error)
     return results
 
 
@@ -213,6 +223,8 @@ def test_mlp_plans_two_ranks():
     assert [plans["batch"]["bytes_sent"] for plans in results] == [(params + 2) * 8] * 2
     # ... in 3 all-reduces: ONE bucket of all the parameters' gradients (not one per linear), the count, the loss
     assert [plans["batch"]["all_reduce_calls"] for plans in results] == [3] * 2
+    assert all("torch.autograd.grad of a step whose data-parallel gradients are bucketed is not supported"
+               in plans["batch"]["refused"] for plans in results)
     assert [plans["megatron"]["bytes_sent"] for plans in results] == [BATCH * SEQ * CLASSES * 8] * 2
 
 

@@ -122,6 +122,10 @@ class GradBuckets:
             self.buckets.append(bucket)
         self._in_backward = False
         self._next_launch = 0
+        # one parameter's AccumulateGrad node (held, so it stays the one autograd runs): tells
+        # backward from torch.autograd.grad, whose hooks' zeros would be returned to the caller
+        self._probe = self.buckets[0].params[0].view_as(self.buckets[0].params[0]).grad_fn.next_functions[0][0] \
+            if self.buckets else None
         self._hooks = [param.register_hook(self._hook(bucket, slot))
                        for bucket in self.buckets for slot, param in enumerate(bucket.params)]
 
@@ -152,6 +156,12 @@ class GradBuckets:
     def begin_backward(self) -> None:
         if self._in_backward:
             return  # a second output of the same backward (losses summed) or a hook after the start
+        try:  # torch's private probe (as torch.utils.checkpoint uses it): it refuses a leaf under autograd.grad
+            torch._C._will_engine_execute_node(self._probe)
+        except RuntimeError as error:
+            raise RuntimeError("AutoParallelModule: torch.autograd.grad of a step whose data-parallel gradients "
+                               "are bucketed is not supported (the buckets reduce into .grad at the end of "
+                               "backward): call loss.backward() and read each parameter's .grad") from error
         self._in_backward = True
         self._next_launch = 0
         for bucket in self.buckets:
