@@ -28,6 +28,7 @@ as in ``model.named_parameters()``). ``kind`` says which strategy family applies
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 __all__ = ["KINDS", "ParamMeta", "OpNode", "OpGraph"]
@@ -47,10 +48,7 @@ class ParamMeta:
 
     @property
     def nbytes(self) -> int:
-        count = 1
-        for size in self.shape:
-            count *= size
-        return count * self.itemsize
+        return math.prod(self.shape) * self.itemsize
 
 
 @dataclass(frozen=True)
@@ -84,10 +82,7 @@ class OpNode:
 
     @property
     def nbytes(self) -> int:
-        count = 1
-        for size in self.shape:
-            count *= size
-        return count * self.itemsize
+        return math.prod(self.shape) * self.itemsize
 
 
 @dataclass(frozen=True)
