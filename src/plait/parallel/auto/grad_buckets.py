@@ -35,6 +35,7 @@ from plait import comm
 __all__ = ["DEFAULT_BUCKET_CAP_BYTES", "GradBucket", "GradBuckets", "assign_grad_buckets"]
 
 DEFAULT_BUCKET_CAP_BYTES = 25 << 20  # DDP's bucket_cap_mb=25
+FIRST_BUCKET_CAP_BYTES = 1 << 20  # DDP's first bucket (the last layers'): communication starts early in backward
 
 
 @dataclass
@@ -63,11 +64,13 @@ class GradBucket:
         self.handle = None
 
 
-def assign_grad_buckets(entries: list[tuple[str, torch.Tensor, tuple[int, ...]]], cap_bytes: int) -> list[list[int]]:
+def assign_grad_buckets(entries: list[tuple[str, torch.Tensor, tuple[int, ...]]], cap_bytes: int,
+                        first_cap_bytes: int = FIRST_BUCKET_CAP_BYTES) -> list[list[int]]:
     """Indices into ``entries`` (name, local parameter, axes) per bucket, in the given
     order: a parameter joins the open bucket of its (axes, dtype, device) group unless
-    that would pass ``cap_bytes`` (then the group opens a new bucket; a parameter over
-    the cap gets one of its own). Buckets are numbered by their first parameter."""
+    that would pass the cap (``min(first_cap_bytes, cap_bytes)`` for bucket 0,
+    ``cap_bytes`` after; then the group opens a new bucket; a parameter over the cap
+    gets one of its own). Buckets are numbered by their first parameter."""
     if isinstance(cap_bytes, bool) or not isinstance(cap_bytes, int) or cap_bytes <= 0:
         raise ValueError(f"bucket cap {cap_bytes!r} must be a whole number of bytes > 0 (DDP's is 25 MiB)")
     buckets: list[list[int]] = []
@@ -76,7 +79,8 @@ def assign_grad_buckets(entries: list[tuple[str, torch.Tensor, tuple[int, ...]]]
         group = (tuple(axes), param.dtype, param.device)
         nbytes = param.numel() * param.element_size()
         current = open_bucket.get(group)
-        if current is not None and current[1] + nbytes <= cap_bytes:
+        cap = min(first_cap_bytes, cap_bytes) if current is not None and current[0] == 0 else cap_bytes
+        if current is not None and current[1] + nbytes <= cap:
             buckets[current[0]].append(index)
             open_bucket[group] = (current[0], current[1] + nbytes)
         else:
