@@ -25,6 +25,7 @@ from plait.cost import LinkModel
 from plait.cost.alpha_beta import closed_form_algorithms, level_terms, pipeline_segments
 from plait.cost.presets import preset
 from plait.plan.device import device_preset, DeviceSpec
+from plait.plan.host import HostModel
 
 __all__ = ["Cluster", "CLUSTER_PRESETS", "cluster_preset", "GroupShape", "MAX_DEVICES", "check_count", "topology_cluster"]
 
@@ -58,7 +59,8 @@ class GroupShape:
 class Cluster:
     """``nodes`` nodes of ``devices_per_node`` identical devices; ``intra_link`` within
     a node, ``inter_link`` between nodes (per device), ``call_overhead_s`` the fixed
-    software cost of one collective call."""
+    software cost of one collective call, ``host`` how the ranks share a host's cores
+    (None: one device per rank, no time-slicing; ``plait.plan.host``)."""
 
     name: str
     nodes: int
@@ -68,6 +70,7 @@ class Cluster:
     inter_link: LinkModel
     call_overhead_s: float = 0.0
     link_source: str = ""
+    host: HostModel | None = None
     _cache: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -156,6 +159,13 @@ class Cluster:
         result = (best[0] + self.call_overhead_s, best[1])
         self._remember(key, result)
         return result
+
+    def sync_wait_s(self, size: int, segment_s: float) -> float:
+        """The wait for the slowest of ``size`` ranks at one synchronising call after
+        ``segment_s`` seconds of compute (``HostModel.wait_s``; 0 without a host model)."""
+        if self.host is None or size <= 1:
+            return 0.0
+        return self.host.wait_s(size, segment_s)
 
     def p2p_time_s(self, nbytes: float, crosses_node: bool) -> float:
         """One message between pipeline neighbours: alpha + n·beta on the link it takes."""
