@@ -264,10 +264,12 @@ CLUSTER_PRESETS = {
 
 def cluster_preset(name: str, *, gpus: int | None = None, nodes: int | None = None, nprocs: int | None = None,
                    device: DeviceSpec | None = None, local_link: LinkModel | None = None,
-                   call_overhead_s: float = 0.0, link_source: str = "") -> Cluster:
+                   call_overhead_s: float = 0.0, link_source: str = "", host: HostModel | None = None) -> Cluster:
     """A cluster by name. DGX presets have 8 GPUs per node: give ``gpus`` (a multiple
     of 8) or ``nodes``. ``local`` is this machine: ``nprocs`` processes on one node,
-    ``device`` the measured per-process DeviceSpec, ``local_link`` the calibrated link."""
+    ``device`` the measured per-process DeviceSpec, ``local_link`` the calibrated link,
+    ``host`` how those processes share its cores (``plait.plan.host.HostModel``; its
+    ``ranks`` must be ``nprocs``). A DGX preset has a device per rank: no host model."""
     if name not in CLUSTER_PRESETS:
         raise ValueError(f"unknown cluster {name!r}; valid: {', '.join(CLUSTER_PRESETS)}")
     if name == "local":
@@ -277,8 +279,12 @@ def cluster_preset(name: str, *, gpus: int | None = None, nodes: int | None = No
         check_count("nprocs", count, most=MAX_DEVICES)
         if device is None or local_link is None:
             raise ValueError("cluster 'local' needs a measured device and a link (plait.plan.local_cluster builds both)")
+        _check_host(host, count)
         return Cluster(name="local", nodes=1, devices_per_node=count, device=device, intra_link=local_link,
-                       inter_link=local_link, call_overhead_s=call_overhead_s, link_source=link_source)
+                       inter_link=local_link, call_overhead_s=call_overhead_s, link_source=link_source, host=host)
+    if host is not None:
+        raise ValueError(f"host= is for cluster 'local' (ranks sharing this machine's cores); {name!r} has a "
+                         "device per rank: leave host out")
     topology, device_name = CLUSTER_PRESETS[name]
     per_node = 8
     if gpus is None and nodes is None:
@@ -311,12 +317,24 @@ def check_count(name: str, value, most: int | None = None) -> None:
                          "of the cluster (the same layout repeats over identical parts)")
 
 
+def _check_host(host: HostModel | None, nprocs: int) -> None:
+    """A host model for ``nprocs`` ranks: its ``ranks`` must be the cluster's."""
+    if host is None:
+        return
+    if not isinstance(host, HostModel):
+        raise TypeError(f"host={host!r} must be a plait.plan.host.HostModel or None")
+    if host.ranks != nprocs:
+        raise ValueError(f"host.ranks={host.ranks} != nprocs={nprocs}: the host model must describe the ranks "
+                         f"the plan runs (HostModel.for_ranks({nprocs}) rescales it)")
+
+
 def topology_cluster(topology, *, nprocs: int, device: DeviceSpec, local_link: LinkModel, call_overhead_s: float,
-                     link_source: str) -> Cluster:
+                     link_source: str, host: HostModel | None = None) -> Cluster:
     """This machine's ranks grouped into the hosts of ``topology`` (e.g. `plait testbed
     probe`'s, whose hosts share this machine's cores): within a host ``local_link``
     (the calibrated one), between hosts the topology's slowest host pair, its latency
-    added to the local link's per-message cost."""
+    added to the local link's per-message cost; ``host`` how all ``nprocs`` ranks share
+    this machine's cores (as in ``cluster_preset('local', host=...)``)."""
     groups = topology.hierarchy()
     sizes = {len(group) for group in groups}
     if topology.world_size != nprocs or len(sizes) != 1:
@@ -326,5 +344,7 @@ def topology_cluster(topology, *, nprocs: int, device: DeviceSpec, local_link: L
     between, _ = topology.level_link_models()
     inter = LinkModel(local_link.alpha_s + between.alpha_s, max(between.beta_s_per_byte, local_link.beta_s_per_byte),
                       local_link.gamma_s_per_byte)
+    _check_host(host, nprocs)
     return Cluster(name="local", nodes=len(groups), devices_per_node=sizes.pop(), device=device,
-                   intra_link=local_link, inter_link=inter, call_overhead_s=call_overhead_s, link_source=link_source)
+                   intra_link=local_link, inter_link=inter, call_overhead_s=call_overhead_s, link_source=link_source,
+                   host=host)
