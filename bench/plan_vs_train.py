@@ -1,71 +1,57 @@
 """Predicted vs measured step time: `plait plan --cluster local` against `plait train`
-for every (dp, tp, pp) layout of 4 processes, on plait train's default GPT.
+over the issue-36 grid of 4-process configurations, on plait train's default GPT.
 
-    .venv/bin/python bench/plan_vs_train.py [--steps 40] [--warmup 5] [--layouts 4x1x1,1x1x4]
-                                           [--recompute none,selective,full] [--zero-stages 0,1,2,3]
-                                           [--offload-optimizer]
-                                           [--out bench-results/plan-vs-train/summary.json]
+    .venv/bin/python bench/plan_vs_train.py --quick               # 6 layouts, zero 0, recompute none, 1 repeat
+    .venv/bin/python bench/plan_vs_train.py --dry-run [grid flags] # the grid, the commands, the runtime estimate
+    .venv/bin/python bench/plan_vs_train.py [--grid cross|star] [--repeats 2] [--steps 30] [--warmup 5]
+        [--layouts 4x1x1,1x1x4] [--recompute none,selective,full] [--zero-stages 0,1,2,3]
+        [--offload-optimizer] [--busy] [--out bench-results/plan-vs-train/summary.json]
 
-Per layout (dp x tp x pp, 4 processes, gloo on CPU):
+The grid (bench/plan_vs_train_stats.py): layouts dp4, tp4, pp4, dp2xtp2, dp2xpp2,
+tp2xpp2 (--layouts as DPxTPxPP), each with every --recompute mode and every ZeRO stage
+that applies (> 0 needs dp > 1; 3 needs pp = 1, as plait train refuses stage 3 with a
+pipeline): --grid cross takes every combination (42 with the defaults), --grid star the
+ZeRO stages at the first recompute mode plus the other modes at the first stage (26).
 
-- prediction: one `plait plan --cluster local --nprocs 4 --global-batch 16 --dp D --tp T
-  --pp P --micro-batch 4 --schedule 1f1b|none --recompute MODE --zero-stage 0
-  --no-sequence-parallel --untied-head --top 1 --json` (schedule none when pp = 1),
-  i.e. what plait train runs by default (fp32 AdamW, 4 layers, hidden 128, 4 heads,
-  seq 64, an untied head, global batch 16, micro-batch 4; --untied-head because plait
-  train's head is untied by default, while plait plan's GPT defaults to a tied one);
-  its `step_time_s` and `time_breakdown_s`;
-- measurement: one `plait train --dp D --tp T --pp P --steps N --eval-interval 0
-  --checkpoint-interval 0 --sample-chars 0 --out DIR`; the measured step time is the
-  median of rank 0's per-step wall times (`step_s` in metrics.jsonl) with the first
-  --warmup steps excluded.
+Per configuration:
 
-Each layout runs once per --recompute mode (plait train --recompute MODE, the plan
-priced with the same mode) and, with dp > 1, once per --zero-stages stage (plait train
---zero-stage S, the plan priced with --zero-stage S; with --offload-optimizer each stage
-> 0 once more with plait train --offload optimizer, priced with plait plan
---offload-optimizer). A memory table sets the plan's per-rank bytes (its worst
-pipeline rank: activations, parameters, gradients, optimizer state) beside the
-run's report (the largest over the ranks: activations measured from live storages
-through weak references, model state from live tensors).
+- prediction (once, before any run): `plait plan --cluster local --nprocs 4 --global-batch
+  16 --dp D --tp T --pp P --micro-batch 4 --schedule 1f1b|none --recompute MODE
+  --zero-stage S --no-sequence-parallel --untied-head --top 1 --json` (what plait train
+  runs by default: fp32 AdamW, 4 layers, hidden 128, 4 heads, seq 64, an untied head,
+  global batch 16, micro-batch 4): its step_time_s, time_breakdown_s (exposed time per
+  part: they add up to the step) and hidden_breakdown_s (communication hidden under
+  compute) when the plan has it;
+- measurement, --repeats times, ALTERNATED (every configuration once, then all again):
+  `plait train --dp D --tp T --pp P --steps N --eval-interval 0 --checkpoint-interval 0
+  --sample-chars 0 --recompute MODE --zero-stage S --out DIR`; a run's step time is the
+  median of rank 0's step times (metrics.jsonl step_s) after the first --warmup steps;
+  the configuration's is the median over repeats, its spread (max - min) / median.
 
-The split is compared per step under this mapping (plait train's StepTimes / plan's
-time_breakdown_s):
+Printed: the step-time table (predicted, measured, spread, ratio = measured / predicted,
+error, rank columns), Spearman over all configurations and per layout (its ZeRO and
+recompute variants) and per variant (the layouts), the geometric-mean ratio, the
+largest |error| and how many are within 15%; the per-part table (the plan's parts beside
+the run's measured parts, ms per step, mean over ranks, median over repeats: from
+report.json's part breakdown when it has one, else the older compute/comm/bubble/other
+split, to which the plan's parts are summed); the memory table (the plan's worst pipeline
+rank against the largest over the ranks). The JSON (--out) holds every command, every
+run's numbers and step times, the load average before and after each run, and is
+rewritten after every run, so an interrupted benchmark keeps what it measured.
 
-    compute  = compute
-    comm     = tp_comm + dp_comm       (trainer: tp collectives, dp gradient averaging,
-                                        grad-norm and loss all-reduces)
-    bubble   = pp_comm + pp_bubble     (trainer: pipeline waits incl. activations and
-                                        gradients in flight)
-    other    = optimizer               (trainer: optimizer step, data, bookkeeping)
-
-The measured split comes from report.json's time totals (summed over the 4 ranks and
-over every step, warm-up included), so it is taken as fractions and scaled to the
-median step time above: a per-step, mean-over-ranks split. A last table sets the
-time plait.comm recorded inside its collectives (calls and ms per step, mean over
-ranks, all steps) beside the trainer's comm and the plan's: the trainer's comm also
-holds each collective's argument check (PLAIT_COMM_CHECK, on by default), gradient
-flattening and waiting for the slowest peer.
-
-How to read it: ratios are measured / predicted on this machine, with the plan's
-own measurements of this machine (its matmul rate with 4 processes on these cores,
-and the `plait calibrate` link profile if one is saved, else a placeholder link).
-The rank columns and the Spearman correlation say whether the plan orders the
-layouts right, which is what a planner needs; the geometric-mean ratio says how far
-its absolute times are off. Measured steps include Python, autograd and optimizer
-overheads and OS scheduling noise (4 processes time-sharing the cores) that the
-plan does not model, so a ratio > 1 everywhere is expected; a ratio that differs
-by layout is a modelling error. Other jobs on the machine disturb the timings (on a
-2-core machine, repeated invocations differed by up to 1.3x per layout): the load
-average before each run (which still counts the previous run) is in the JSON, and
-layouts whose measured times are within that noise may swap ranks.
+--busy: a `nice -n 19` busy loop runs during the predictions and the runs (ended on every
+exit path: normal, error, Ctrl-C, SIGTERM; it also dies with this process). Other jobs
+disturb the timings (4 processes on 2 cores): compare configurations within one
+invocation, and read the spread and the load averages before trusting a rank swap.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import ctypes
+import datetime
 import json
-import math
 import os
 import shutil
 import signal
@@ -75,13 +61,20 @@ import sys
 import time
 from pathlib import Path
 
+from plan_vs_train_stats import (COARSE_PARTS, STEP_PARTS, build_grid, compare, coarse_plan, Config, median_parts,
+                                 measured_parts, NPROCS, run_order, summarize)
+from plan_vs_train_runs import run_command, tail
+
 LAYOUTS = [(4, 1, 1), (1, 4, 1), (1, 1, 4), (2, 2, 1), (2, 1, 2), (1, 2, 2)]
 RECOMPUTE_MODES = ("none", "selective", "full")
-NPROCS = 4
 GLOBAL_BATCH, MICRO_BATCH = 16, 4
-SPLIT = ("compute", "comm", "bubble", "other")
-PLAN_PARTS = {"compute": ("compute",), "comm": ("tp_comm", "dp_comm"), "bubble": ("pp_comm", "pp_bubble"),
-              "other": ("optimizer",)}
+# runtime estimate, measured on this 2-core machine (quiet, --quick, 17:40 UTC 2026-11-27): a plait train run
+# costs a fixed start-up and tear-down (torchrun, 4 imports, data, the report, a checkpoint) plus its steps;
+# a plait plan ~4 s. Step times (ms) of zero 0, recompute none; other variants scaled by the factors.
+RUN_FIXED_S, PLAN_S = 17.0, 4.0
+STEP_GUESS_MS = {"dp4": 90.0, "tp4": 450.0, "pp4": 90.0, "dp2xtp2": 170.0, "dp2xpp2": 90.0, "tp2xpp2": 200.0}
+VARIANT_FACTOR = {"selective": 1.05, "full": 1.35, 1: 1.1, 2: 1.2, 3: 2.2}
+BUSY_FACTOR = 1.3
 
 
 def parse_layouts(text: str | None) -> list[tuple[int, int, int]]:
@@ -104,78 +97,26 @@ def parse_layouts(text: str | None) -> list[tuple[int, int, int]]:
     return layouts
 
 
-def tail(text: str, chars: int = 2000) -> str:
-    return text[-chars:].rstrip()
+def plan_command(config: Config) -> list[str]:
+    return [sys.executable, "-m", "plait", "plan", "--cluster", "local", "--nprocs", str(NPROCS),
+            "--global-batch", str(GLOBAL_BATCH), "--dp", str(config.dp), "--tp", str(config.tp),
+            "--pp", str(config.pp), "--micro-batch", str(MICRO_BATCH),
+            "--schedule", "none" if config.pp == 1 else "1f1b", "--recompute", config.recompute,
+            "--zero-stage", str(config.zero), "--no-sequence-parallel", "--untied-head", "--top", "1", "--json"] \
+        + (["--offload-optimizer"] if config.offload else [])
 
 
-def descendants(pid: int) -> list[int]:
-    """Every live process below ``pid`` (Linux /proc): torchrun's workers run in sessions
-    of their own, so killing the launcher's process group does not reach them."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(parent, []).append(int(entry.name))
-    found, queue = [], [pid]
-    while queue:
-        for child in children.get(queue.pop(), []):
-            found.append(child)
-            queue.append(child)
-    return found
+def train_command(config: Config, steps: int, run_dir: Path) -> list[str]:
+    return [sys.executable, "-m", "plait", "train", "--dp", str(config.dp), "--tp", str(config.tp),
+            "--pp", str(config.pp), "--steps", str(steps), "--eval-interval", "0", "--checkpoint-interval", "0",
+            "--sample-chars", "0", "--recompute", config.recompute, "--zero-stage", str(config.zero),
+            "--out", str(run_dir)] + (["--offload", "optimizer"] if config.offload else [])
 
 
-def _cmdline(pid: int) -> bytes | None:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return None
-
-
-def run_command(command: list[str], env: dict, timeout_s: float) -> subprocess.CompletedProcess:
-    """Run ``command`` in its own session. Past ``timeout_s``: SIGTERM to its process group
-    (torchrun then stops its workers, up to 20 s), then SIGKILL, by pid, to every process
-    it had started that is still alive (the same command line); then RuntimeError with
-    the output's tail."""
-    with subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                          start_new_session=True) as process:
-        try:
-            stdout, stderr = process.communicate(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            started = {pid: _cmdline(pid) for pid in descendants(process.pid)}
-            try:
-                os.killpg(process.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-            try:
-                process.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                pass
-            for pid, cmdline in started.items():
-                if cmdline is not None and _cmdline(pid) == cmdline:
-                    try:
-                        os.kill(pid, signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
-            if process.poll() is None:
-                process.kill()
-            stdout, stderr = process.communicate()
-            raise RuntimeError(f"{' '.join(command[1:4])} timed out after {timeout_s:.0f} s:\n"
-                               f"{tail(stderr or stdout)}") from None
-    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
-
-
-def predict(dp: int, tp: int, pp: int, env: dict, timeout_s: float, recompute: str = "none", zero: int = 0,
-            offload: bool = False) -> dict:
-    """One `plait plan --json` for this fixed layout: its first (only) plan."""
-    command = [sys.executable, "-m", "plait", "plan", "--cluster", "local", "--nprocs", str(NPROCS),
-               "--global-batch", str(GLOBAL_BATCH), "--dp", str(dp), "--tp", str(tp), "--pp", str(pp),
-               "--micro-batch", str(MICRO_BATCH), "--schedule", "none" if pp == 1 else "1f1b",
-               "--recompute", recompute, "--zero-stage", str(zero), "--no-sequence-parallel", "--untied-head", "--top", "1",
-               "--json"] + (["--offload-optimizer"] if offload else [])
+def predict(config: Config, env: dict, timeout_s: float) -> dict:
+    """One `plait plan --json` for this fixed configuration: its first (only) plan."""
+    command = plan_command(config)
+    load_before = os.getloadavg()
     started_s = time.perf_counter()
     result = run_command(command, env, timeout_s)
     if result.returncode:
@@ -184,24 +125,19 @@ def predict(dp: int, tp: int, pp: int, env: dict, timeout_s: float, recompute: s
     if not plans:
         raise RuntimeError(f"plait plan found no feasible plan:\n{tail(result.stderr)}")
     plan = plans[0]
-    parts = plan["time_breakdown_s"]
-    return {"command": " ".join(command[1:]), "seconds": time.perf_counter() - started_s,
-            "notes": result.stderr.strip().splitlines(), "step_s": plan["step_time_s"], "breakdown_s": parts,
-            "split_s": {name: sum(parts.get(key, 0.0) for key in keys) for name, keys in PLAN_PARTS.items()},
-            "memory_bytes": plan["memory_breakdown_bytes"],  # the worst pipeline rank's
-            "layout": {key: plan.get(key) for key in ("dp", "tp", "pp", "micro_batch", "num_microbatches",
-                                                       "schedule", "stage_layers", "algorithms")}}
+    return {"command": " ".join(command[1:]), "command_s": time.perf_counter() - started_s,
+            "load_average_before": load_before, "notes": result.stderr.strip().splitlines(),
+            "step_s": plan["step_time_s"], "breakdown_s": plan["time_breakdown_s"],
+            "hidden_s": plan.get("hidden_breakdown_s"), "memory_bytes": plan["memory_breakdown_bytes"],
+            "plan": plan}
 
 
-def measure(dp: int, tp: int, pp: int, steps: int, warmup: int, run_dir: Path, env: dict,
-            timeout_s: float, recompute: str = "none", zero: int = 0, offload: bool = False) -> dict:
-    """One `plait train` run of this layout: median step time after warm-up, and the split."""
+def measure(config: Config, steps: int, warmup: int, run_dir: Path, env: dict, timeout_s: float) -> dict:
+    """One `plait train` run: median step time after warm-up, the measured parts, memory, collectives."""
     shutil.rmtree(run_dir, ignore_errors=True)
-    command = [sys.executable, "-m", "plait", "train", "--dp", str(dp), "--tp", str(tp), "--pp", str(pp),
-               "--steps", str(steps), "--eval-interval", "0", "--checkpoint-interval", "0",
-               "--sample-chars", "0", "--recompute", recompute, "--zero-stage", str(zero), "--out", str(run_dir)] \
-        + (["--offload", "optimizer"] if offload else [])
+    command = train_command(config, steps, run_dir)
     load_before = os.getloadavg()
+    started_utc = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     started_s = time.perf_counter()
     result = run_command(command, env, timeout_s)
     command_s = time.perf_counter() - started_s
@@ -212,91 +148,191 @@ def measure(dp: int, tp: int, pp: int, steps: int, warmup: int, run_dir: Path, e
     steady_s = step_times_s[warmup:] or step_times_s
     report = json.loads((run_dir / "report.json").read_text())
     shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)  # the final one plait train always writes
-    totals = report["time_totals"]
     median_s = statistics.median(steady_s)
     quartiles = statistics.quantiles(steady_s, n=4) if len(steady_s) >= 2 else [median_s] * 3
-    split_total_s = sum(totals[f"{name}_s"] for name in SPLIT)
-    rank_steps = totals["ranks"] * len(step_times_s)
-    per_rank = report.get("collectives", {}).get("per_rank", {})
+    per_rank = (report.get("collectives") or {}).get("per_rank", {})
     calls = [sum(entry["calls"] for entry in stats.values()) for stats in per_rank.values()]
     collective_s = [sum(entry["time_s"] for entry in stats.values()) for stats in per_rank.values()]
-    return {"command": " ".join(command[1:]), "command_s": command_s, "load_average_before": load_before,
+    rank_steps = max(len(per_rank), 1) * len(step_times_s)
+    return {"command": " ".join(command[1:]), "started_utc": started_utc, "command_s": command_s,
+            "load_average_before": load_before, "load_average_after": os.getloadavg(),
             "step_s": median_s, "step_p25_s": quartiles[0], "step_p75_s": quartiles[2],
             "mean_step_s": statistics.fmean(steady_s), "steps_measured": len(steady_s),
             "warmup_steps_excluded": len(step_times_s) - len(steady_s), "step_times_s": step_times_s,
-            # fractions of all ranks' time over all steps, scaled to the median steady step
-            "split_fraction": {name: totals[f"{name}_s"] / split_total_s for name in SPLIT},
-            "split_s": {name: median_s * totals[f"{name}_s"] / split_total_s for name in SPLIT},
-            "split_mean_per_rank_step_s": {name: totals[f"{name}_s"] / rank_steps for name in SPLIT},
-            # what plait.comm recorded inside its collectives (the trainer's comm adds argument
-            # checks, flattening, the grad-norm and waiting for the slowest peer)
+            "parts": measured_parts(report), "time_totals": report.get("time_totals"),
             "collective_calls_per_step": max(calls) / len(step_times_s) if calls else 0.0,
             "collective_mean_per_rank_step_s": sum(collective_s) / rank_steps if calls else 0.0,
-            "collective_per_call_s": sum(collective_s) / sum(calls) if calls and sum(calls) else None,
-            "slowest_rank": report.get("slowest_rank"), "ranks": report.get("ranks"),
-            "mfu_steady": report.get("mfu", {}).get("steady_value"),
+            "slowest_rank": report.get("slowest_rank"),
+            "mfu_steady": (report.get("mfu") or {}).get("steady_value"),
             "time_to_first_step_s": report.get("time_to_first_step_s"),
             "memory_bytes": measured_memory(report.get("memory") or [])}
 
 
 def measured_memory(rows: list[dict]) -> dict:
-    """The largest figure over the ranks (the plan prices the worst pipeline rank):
-    activations measured from live storages, parameters, gradients, optimizer state."""
+    """The largest figure over the ranks (the plan prices the worst pipeline rank)."""
     keys = {"activations": "saved_activations_peak_bytes", "parameters": "params_bytes",
             "gradients": "grads_bytes", "optimizer": "optimizer_bytes", "optimizer_in_files": "offloaded_bytes"}
     return {name: max((row.get(key) or 0) for row in rows) if rows else None for name, key in keys.items()}
 
 
-def ranks_of(values: list[float]) -> list[float]:
-    """1 = smallest; ties share their mean rank."""
-    order = sorted(range(len(values)), key=lambda index: values[index])
-    ranks = [0.0] * len(values)
-    start = 0
-    while start < len(order):
-        end = start
-        while end + 1 < len(order) and values[order[end + 1]] == values[order[start]]:
-            end += 1
-        for position in range(start, end + 1):
-            ranks[order[position]] = (start + end) / 2 + 1
-        start = end + 1
-    return ranks
+def estimate_s(grid: list[Config], repeats: int, steps: int, busy: bool) -> dict:
+    """Up-front runtime estimate from this machine's constants (RUN_FIXED_S, STEP_GUESS_MS, ...)."""
+    run_s = 0.0
+    for config in grid:
+        step_ms = STEP_GUESS_MS.get(config.layout, 200.0) * VARIANT_FACTOR.get(config.recompute, 1.0) \
+            * VARIANT_FACTOR.get(config.zero, 1.0)
+        run_s += RUN_FIXED_S + steps * step_ms / 1e3
+    factor = BUSY_FACTOR if busy else 1.0
+    plans_s = PLAN_S * len(grid) * factor
+    return {"plans_s": plans_s, "runs_s": run_s * repeats * factor, "total_s": plans_s + run_s * repeats * factor,
+            "runs": len(grid) * repeats}
 
 
-def spearman(xs: list[float], ys: list[float]) -> float | None:
-    """Pearson correlation of the ranks (exact with ties)."""
-    if len(xs) < 2:
-        return None
-    rx, ry = ranks_of(xs), ranks_of(ys)
-    mx, my = statistics.fmean(rx), statistics.fmean(ry)
-    sxy = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
-    sxx, syy = sum((a - mx) ** 2 for a in rx), sum((b - my) ** 2 for b in ry)
-    return sxy / math.sqrt(sxx * syy) if sxx and syy else None
+def _die_with_parent() -> None:
+    """In the spinner (before exec): SIGKILL it when this script dies, even by SIGKILL (Linux prctl)."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
-def name_of(dp: int, tp: int, pp: int) -> str:
-    return f"dp{dp} tp{tp} pp{pp}"
+@contextlib.contextmanager
+def busy_loop(enabled: bool):
+    """A `nice -n 19` process spinning for the block (yields its pid, or None), ended by pid
+    whatever the block raises."""
+    if not enabled:
+        yield None
+        return
+    spinner = subprocess.Popen(["nice", "-n", "19", sys.executable, "-c", "while True: pass"],
+                               stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                               preexec_fn=_die_with_parent)
+    try:
+        yield spinner.pid
+    finally:
+        spinner.kill()
+        spinner.wait(timeout=10)
 
 
-def main() -> int:
+def _exit_on_signal(signum, _frame):
+    raise SystemExit(128 + signum)  # unwinds: the busy loop and a running plait command are ended by pid
+
+
+def ms(value) -> str:
+    return "-" if value is None else f"{value * 1e3:.1f}"
+
+
+def summarize_configs(grid: list[Config], predictions: dict, runs: list[dict]) -> tuple[list[dict], dict]:
+    """Per configuration: the median over repeats and its spread, the plan, the ratio; then compare()."""
+    rows = []
+    for config in grid:
+        mine = [run for run in runs if run["config"] == config.label and "measured" in run]
+        row = {"config": config.label, "layout": config.layout, "dp": config.dp, "tp": config.tp, "pp": config.pp,
+               "recompute": config.recompute, "zero_stage": config.zero, "offload_optimizer": config.offload,
+               "predicted": predictions.get(config.label), "repeats": len(mine),
+               "errors": [run["error"] for run in runs if run["config"] == config.label and "error" in run]}
+        if mine:
+            row["measured_repeats_s"] = [run["measured"]["step_s"] for run in mine]
+            row["measured_summary_s"] = summarize(row["measured_repeats_s"])
+            row["measured_s"] = row["measured_summary_s"]["median"]
+            row["measured_parts_ms"] = median_parts([run["measured"]["parts"]["parts_ms"] for run in mine])
+            row["measured_parts_source"] = sorted({run["measured"]["parts"]["source"] for run in mine})
+            row["measured_wall_ms"] = statistics.median([run["measured"]["parts"]["wall_ms"] for run in mine
+                                                         if run["measured"]["parts"]["wall_ms"] is not None] or [0])
+            row["memory_bytes"] = mine[0]["measured"]["memory_bytes"]
+        if row["predicted"] and "step_s" in row["predicted"]:
+            row["predicted_s"] = row["predicted"]["step_s"]
+        rows.append(row)
+    both = [row for row in rows if "predicted_s" in row and "measured_s" in row]
+    groups: dict[str, list[int]] = {}
+    for index, row in enumerate(both):
+        groups.setdefault(f"layout {row['layout']}", []).append(index)
+        variant = f"z{row['zero_stage']} {row['recompute']}" + (" offload" if row["offload_optimizer"] else "")
+        groups.setdefault(f"variant {variant}", []).append(index)
+    return rows, compare(both, groups)
+
+
+def print_tables(rows: list[dict], stats: dict, args) -> None:
+    print(f"{'configuration':<28}{'pred ms':>9}{'meas ms':>9}{'spread':>8}{'(min-max)':>16}{'meas/pred':>10}"
+          f"{'error':>8}{'pred rk':>8}{'meas rk':>8}")
+    for row in rows:
+        p, s = row.get("predicted_s"), row.get("measured_summary_s")
+        rng = f"({ms(s['min'])}-{ms(s['max'])})" if s else ""
+        spread = f"{100 * s['spread']:.0f}%" if s and s["spread"] is not None else "-"
+        ratio = f"{row['ratio']:.2f}x" if "ratio" in row else "-"
+        error = f"{100 * row['error']:+.0f}%" if "ratio" in row else "-"
+        print(f"{row['config']:<28}{ms(p):>9}{ms(row.get('measured_s')):>9}{spread:>8}{rng:>16}{ratio:>10}"
+              f"{error:>8}{format(row.get('predicted_rank', '-'), 'g') if 'ratio' in row else '-':>8}"
+              f"{format(row.get('measured_rank', '-'), 'g') if 'ratio' in row else '-':>8}"
+              + (f"  ({len(row['errors'])} failed)" if row["errors"] else ""))
+    rho = stats["spearman"]
+    print(f"Spearman (predicted vs measured step time, {stats['count']} configurations): "
+          f"{'-' if rho is None else format(rho, '.3f')} (target >= 0.95)")
+    for name, value in stats["spearman_per_group"].items():
+        print(f"  Spearman {name}: {'-' if value is None else format(value, '.3f')}")
+    if stats["count"]:
+        print(f"geometric-mean measured/predicted: {stats['geomean_ratio']:.2f}x; largest |error| "
+              f"{100 * stats['max_abs_error']:.0f}%; within 15%: {stats['within_15pct']} of {stats['count']}")
+    print(f"(measured: median over {args.repeats} alternated repeat(s) of the median of rank 0's step times, first "
+          f"{args.warmup} of {args.steps} steps excluded; spread = (max - min) / median over the repeats)")
+    print()
+    print("parts, ms per step: plan (exposed; 'hidden' = communication the plan hides under compute) / measured "
+          "(mean over ranks, median over repeats; report.json's part breakdown, or the coarse split)")
+    for row in rows:
+        if "measured_parts_ms" not in row or not row.get("predicted"):
+            continue
+        plan_s, hidden_s = row["predicted"]["breakdown_s"], row["predicted"].get("hidden_s") or {}
+        measured = row["measured_parts_ms"]
+        fine = "compute" in measured and "tp_comm" in measured
+        names = [*STEP_PARTS, *(["receive"] if "receive" in measured else [])] if fine else list(COARSE_PARTS)
+        plan_ms = {part: 1e3 * plan_s.get(part, 0.0) for part in STEP_PARTS} if fine else coarse_plan(plan_s)
+        print(f"{row['config']:<28}" + "".join(f"{name:>10}" for name in names) + f"{'sum':>10}")
+        print(f"{'  plan':<28}" + "".join(f"{plan_ms.get(name, 0.0):>10.1f}" for name in names)
+              + f"{sum(plan_ms.values()):>10.1f}")
+        if hidden_s:
+            hidden = {part: 1e3 * value for part, value in hidden_s.items()}
+            print(f"{'  plan hidden':<28}" + "".join(f"{hidden.get(name, 0.0):>10.1f}" for name in names))
+        print(f"{'  measured (' + '/'.join(row['measured_parts_source']) + ')':<28}"
+              + "".join(f"{measured.get(name, 0.0):>10.1f}" for name in names)
+              + f"{sum(measured.get(name, 0.0) for name in names):>10.1f}")
+    print()
+    print("memory per rank, MiB: predicted (the plan's worst pipeline rank) / measured (the largest over the ranks)")
+    print(f"{'configuration':<28}{'activations':>20}{'params':>16}{'grads':>16}{'optimizer':>16}")
+    for row in rows:
+        if "memory_bytes" not in row or not row.get("predicted"):
+            continue
+        p, m = row["predicted"]["memory_bytes"], row["memory_bytes"]
+        cells = [f"{p.get(key, 0) / 2 ** 20:.2f} / {m[key] / 2 ** 20:.2f}" if m.get(key) is not None else "-"
+                 for key in ("activations", "parameters", "gradients", "optimizer")]
+        print(f"{row['config']:<28}" + "".join(f"{cell:>{width}}" for cell, width in zip(cells, (20, 16, 16, 16))))
+
+
+def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=40, help="plait train steps per layout (default 40)")
-    parser.add_argument("--warmup", type=int, default=5, help="first steps left out of the median (default 5)")
+    parser.add_argument("--quick", action="store_true",
+                        help="six layouts x zero 0 x recompute none, 1 repeat, 20 steps (flags given still win)")
+    parser.add_argument("--dry-run", action="store_true", help="print the grid, the commands and the estimate; run nothing")
+    parser.add_argument("--grid", choices=("cross", "star"), default="cross",
+                        help="cross: every recompute x ZeRO combination; star: one factor at a time (default cross)")
+    parser.add_argument("--repeats", type=int, default=None, help="alternated repeats of the whole grid (default 2)")
+    parser.add_argument("--steps", type=int, default=None, help="plait train steps per run (default 30)")
+    parser.add_argument("--warmup", type=int, default=5, help="first steps left out of a run's median (default 5)")
     parser.add_argument("--layouts", default=None, help="subset, e.g. 4x1x1,1x1x4 (dp x tp x pp; default all six)")
-    parser.add_argument("--out", default="bench-results/plan-vs-train/summary.json",
-                        help="summary JSON; the runs go next to it (default bench-results/plan-vs-train/...)")
-    parser.add_argument("--timeout-s", type=float, default=1200.0, help="per plait command (default 1200)")
-    parser.add_argument("--zero-stages", default="0",
-                        help="comma list of ZeRO stages (0-3) to run each layout with dp > 1 with (3: layouts with "
-                             "pp = 1 only; default 0)")
+    parser.add_argument("--zero-stages", default=None, help="comma list out of 0,1,2,3 (default all)")
+    parser.add_argument("--recompute", default=None, help="comma list out of none,selective,full (default all)")
     parser.add_argument("--offload-optimizer", action="store_true",
                         help="run each ZeRO stage > 0 once more with its optimizer state offloaded to files")
-    parser.add_argument("--recompute", default="none",
-                        help="comma list of recompute modes to run each layout with (none, selective, full; "
-                             "default none)")
-    args = parser.parse_args()
+    parser.add_argument("--busy", action="store_true", help="a nice -n 19 busy loop runs throughout")
+    parser.add_argument("--out", default="bench-results/plan-vs-train/summary.json",
+                        help="summary JSON; the runs go in runs/ next to it (default bench-results/plan-vs-train/...)")
+    parser.add_argument("--timeout-s", type=float, default=600.0, help="per plait command (default 600)")
+    args = parser.parse_args(argv)
+    quick = args.quick
+    args.repeats = args.repeats if args.repeats is not None else (1 if quick else 2)
+    args.steps = args.steps if args.steps is not None else (20 if quick else 30)
+    args.zero_stages = args.zero_stages or ("0" if quick else "0,1,2,3")
+    args.recompute = args.recompute or ("none" if quick else "none,selective,full")
     if args.steps <= args.warmup:
         parser.error(f"--steps({args.steps}) must exceed --warmup({args.warmup})")
-    layouts = parse_layouts(args.layouts)
+    if args.repeats < 1:
+        parser.error(f"--repeats({args.repeats}) must be >= 1")
     modes = [mode.strip() for mode in args.recompute.split(",") if mode.strip()]
     if not modes or any(mode not in RECOMPUTE_MODES for mode in modes):
         parser.error(f"--recompute {args.recompute!r}: give modes out of {', '.join(RECOMPUTE_MODES)}")
@@ -306,106 +342,85 @@ def main() -> int:
         stages = []
     if not stages or any(stage not in (0, 1, 2, 3) for stage in stages):
         parser.error(f"--zero-stages {args.zero_stages!r}: give stages out of 0, 1, 2, 3")
+    return args, build_grid(parse_layouts(args.layouts), modes, stages, args.grid, args.offload_optimizer)
+
+
+def git_commit() -> str | None:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10,
+                              cwd=Path(__file__).resolve().parent).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def main(argv=None) -> int:
+    args, grid = parse_args(argv)
     out = Path(args.out)
+    estimate = estimate_s(grid, args.repeats, args.steps, args.busy)
+    print(f"{len(grid)} configurations x {args.repeats} alternated repeat(s) = {estimate['runs']} plait train runs of "
+          f"{args.steps} steps{' with a busy loop' if args.busy else ''}; estimated {estimate['total_s'] / 60:.1f} min "
+          f"({estimate['plans_s'] / 60:.1f} predicting, {estimate['runs_s'] / 60:.1f} training; this machine's "
+          f"constants: {RUN_FIXED_S:.0f} s per run + its steps, {PLAN_S:.0f} s per plan)", file=sys.stderr, flush=True)
+    if args.dry_run:
+        for config in grid:
+            print(f"{config.label:<28} {' '.join(plan_command(config)[1:])}\n{'':<28} "
+                  f"{' '.join(train_command(config, args.steps, out.parent / 'runs' / config.slug)[1:])}")
+        return 0
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    rows = []
-    combos = [(layout, mode, zero, offload) for layout in layouts for mode in modes for zero in stages
-              for offload in ((False, True) if args.offload_optimizer and zero else (False,))
-              if (zero == 0 or layout[0] > 1) and (zero < 3 or layout[2] == 1)]
-    for (dp, tp, pp), mode, zero, offload in combos:
-        name = name_of(dp, tp, pp) + ("" if modes == ["none"] else f" {mode}") + (f" zero{zero}" if zero else "") \
-            + (" offload" if offload else "")
-        row = {"layout": name, "dp": dp, "tp": tp, "pp": pp, "recompute": mode, "zero_stage": zero,
-               "offload_optimizer": offload}
-        run_dir = out.parent / (f"dp{dp}-tp{tp}-pp{pp}" + ("" if mode == "none" else f"-{mode}")
-                                + (f"-zero{zero}" if zero else "") + ("-offload" if offload else ""))
-        for key, job in (("predicted", lambda: predict(dp, tp, pp, env, args.timeout_s, mode, zero, offload)),
-                         ("measured", lambda: measure(dp, tp, pp, args.steps, args.warmup, run_dir, env,
-                                                      args.timeout_s, mode, zero, offload))):
+    summary = {"argv": sys.argv if argv is None else argv, "git_commit": git_commit(), "cpu_count": os.cpu_count(),
+               "started_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+               "steps": args.steps, "warmup_steps_excluded": args.warmup, "repeats": args.repeats, "grid": args.grid,
+               "nprocs": NPROCS, "global_batch": GLOBAL_BATCH, "micro_batch": MICRO_BATCH, "busy": args.busy,
+               "plait_comm_check": os.environ.get("PLAIT_COMM_CHECK", "1"), "estimate": estimate,
+               "configs": [config.label for config in grid], "predictions": {}, "runs": []}
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    def save():
+        out.write_text(json.dumps(summary, indent=1))
+
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, _exit_on_signal)
+    started_s = time.perf_counter()
+    with busy_loop(args.busy) as spinner_pid:
+        summary["busy_pid"] = spinner_pid
+        for config in grid:
             try:
-                row[key] = job()
+                summary["predictions"][config.label] = predict(config, env, args.timeout_s)
             except (RuntimeError, OSError, ValueError, KeyError) as error:
-                row[f"{key}_error"] = f"{type(error).__name__}: {error}"
-                print(f"{row['layout']}: {key} failed: {error}", file=sys.stderr)
-        predicted = row.get("predicted", {}).get("step_s")
-        measured = row.get("measured", {}).get("step_s")
-        print(f"{row['layout']}: predicted {predicted * 1e3 if predicted else float('nan'):.1f} ms, "
-              f"measured {measured * 1e3 if measured else float('nan'):.1f} ms", file=sys.stderr, flush=True)
-        rows.append(row)
-
-    both = [row for row in rows if "predicted" in row and "measured" in row]
-    predicted_ranks = ranks_of([row["predicted"]["step_s"] for row in both])
-    measured_ranks = ranks_of([row["measured"]["step_s"] for row in both])
-    for row, rp, rm in zip(both, predicted_ranks, measured_ranks):
-        row["ratio"] = row["measured"]["step_s"] / row["predicted"]["step_s"]
-        row["predicted_rank"], row["measured_rank"] = rp, rm
-    rho = spearman([row["predicted"]["step_s"] for row in both], [row["measured"]["step_s"] for row in both])
-    geomean = math.exp(statistics.fmean(math.log(row["ratio"]) for row in both)) if both else None
-
-    def ms(value):
-        return f"{value * 1e3:.1f}" if value is not None else "-"
-
-    print(f"{'layout':<24}{'pred ms':>9}{'meas ms':>9}{'(p25-p75)':>14}{'meas/pred':>10}{'pred rank':>10}"
-          f"{'meas rank':>10}")
-    for row in rows:
-        p, m = row.get("predicted"), row.get("measured")
-        spread = f"({ms(m['step_p25_s'])}-{ms(m['step_p75_s'])})" if m else ""
-        print(f"{row['layout']:<24}{ms(p and p['step_s']):>9}{ms(m and m['step_s']):>9}{spread:>14}"
-              f"{(format(row['ratio'], '.2f') + 'x') if 'ratio' in row else '-':>10}"
-              f"{format(row['predicted_rank'], 'g') if 'ratio' in row else '-':>10}"
-              f"{format(row['measured_rank'], 'g') if 'ratio' in row else '-':>10}")
-    print(f"Spearman rank correlation (predicted vs measured step time, {len(both)} layouts): "
-          f"{'-' if rho is None else format(rho, '.3f')}")
-    print(f"geometric-mean measured/predicted: {'-' if geomean is None else format(geomean, '.2f') + 'x'}")
-    print(f"(measured: median of rank 0's step times, first {args.warmup} of {args.steps} steps excluded)")
-    print()
-    print("split per step, ms: predicted / measured (compute = compute; comm = tp_comm + dp_comm; "
-          "bubble = pp_comm + pp_bubble; other = optimizer)")
-    print(f"{'layout':<24}" + "".join(f"{name:>18}" for name in SPLIT))
-    for row in both:
-        cells = [f"{ms(row['predicted']['split_s'][name])} / {ms(row['measured']['split_s'][name])}"
-                 for name in SPLIT]
-        print(f"{row['layout']:<24}" + "".join(f"{cell:>18}" for cell in cells))
-    print()
-    print("collectives per step (plait.comm's own record, mean over ranks) vs the trainer's comm and the plan's:")
-    print(f"{'layout':<24}{'calls':>7}{'ms/call':>9}{'recorded ms':>13}{'trainer comm ms':>17}{'plan comm ms':>14}")
-    for row in both:
-        m = row["measured"]
-        per_call = m["collective_per_call_s"]
-        print(f"{row['layout']:<24}{m['collective_calls_per_step']:>7.1f}{ms(per_call):>9}"
-              f"{ms(m['collective_mean_per_rank_step_s']):>13}{ms(m['split_mean_per_rank_step_s']['comm']):>17}"
-              f"{ms(row['predicted']['split_s']['comm']):>14}")
-    print()
-    print("memory per rank, MiB: predicted (the plan's worst pipeline rank) / measured (the largest over the "
-          "ranks: activations from live storages, model state from live tensors); ratio = measured / predicted")
-    print(f"{'layout':<24}{'activations':>20}{'ratio':>7}{'params':>16}{'grads':>16}{'optimizer':>16}")
-    for row in both:
-        p, m = row["predicted"]["memory_bytes"], row["measured"]["memory_bytes"]
-
-        def cell(key):
-            return f"{p[key] / 2 ** 20:.2f} / {m[key] / 2 ** 20:.2f}" if m.get(key) is not None else "-"
-
-        ratio = m["activations"] / p["activations"] if m.get("activations") and p["activations"] else None
-        row["memory_ratio"] = ratio
-        print(f"{row['layout']:<24}{cell('activations'):>20}{'-' if ratio is None else format(ratio, '.3f'):>7}"
-              f"{cell('parameters'):>16}{cell('gradients'):>16}{cell('optimizer'):>16}")
-    print("plan breakdown, ms: " + "; ".join(
-        f"{row['layout']}: " + " ".join(f"{key} {value * 1e3:.1f}" for key, value in
-                                        row["predicted"]["breakdown_s"].items()) for row in both))
-    notes = next((row["predicted"]["notes"] for row in rows if "predicted" in row), [])
+                summary["predictions"][config.label] = {"error": f"{type(error).__name__}: {error}"}
+                print(f"{config.label}: plan failed: {error}", file=sys.stderr)
+        save()
+        for repeat, index in run_order(len(grid), args.repeats):
+            config = grid[index]
+            run = {"config": config.label, "repeat": repeat}
+            try:
+                run["measured"] = measure(config, args.steps, args.warmup, out.parent / "runs" / config.slug, env,
+                                          args.timeout_s)
+                predicted = summary["predictions"][config.label].get("step_s")
+                print(f"[{repeat + 1}/{args.repeats}] {config.label}: measured {ms(run['measured']['step_s'])} ms, "
+                      f"predicted {ms(predicted)} ms ({run['measured']['command_s']:.0f} s)", file=sys.stderr,
+                      flush=True)
+            except (RuntimeError, OSError, ValueError, KeyError) as error:
+                run["error"] = f"{type(error).__name__}: {error}"
+                print(f"[{repeat + 1}/{args.repeats}] {config.label}: failed: {error}", file=sys.stderr, flush=True)
+            summary["runs"].append(run)
+            save()
+            if repeat == 0 and index == len(grid) - 1 and args.repeats > 1:
+                first_s = time.perf_counter() - started_s
+                print(f"first repeat (with the predictions) took {first_s / 60:.1f} min; about "
+                      f"{first_s * (args.repeats - 1) / 60:.1f} min to go", file=sys.stderr, flush=True)
+    summary["elapsed_s"] = time.perf_counter() - started_s
+    summary["finished_utc"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    rows, stats = summarize_configs(grid, summary["predictions"], summary["runs"])
+    summary.update(stats)
+    summary["rows"] = rows
+    print_tables(rows, stats, args)
+    notes = next((p["notes"] for p in summary["predictions"].values() if "notes" in p), [])
     for line in notes:
         print(f"plan: {line}")
-
-    out.parent.mkdir(parents=True, exist_ok=True)
-    summary = {"steps": args.steps, "warmup_steps_excluded": args.warmup, "nprocs": NPROCS,
-               "plait_comm_check": os.environ.get("PLAIT_COMM_CHECK", "1"),
-               "global_batch": GLOBAL_BATCH, "micro_batch": MICRO_BATCH, "cpu_count": os.cpu_count(),
-               "spearman": rho, "geomean_ratio": geomean, "plan_notes": notes, "split_mapping": PLAN_PARTS,
-               "layouts": rows}
-    out.write_text(json.dumps(summary, indent=1))
-    print(f"summary: {out}")
-    measured_any = any("measured" in row for row in rows)
-    return 0 if measured_any else 1
+    print(f"elapsed {summary['elapsed_s'] / 60:.1f} min (estimated {estimate['total_s'] / 60:.1f}); summary: {out}")
+    save()
+    return 0 if any("measured" in run for run in summary["runs"]) else 1
 
 
 if __name__ == "__main__":
