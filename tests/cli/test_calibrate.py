@@ -32,7 +32,7 @@ def test_calibrate_saves_a_profile_with_positive_parameters(tmp_path, capsys, mo
     assert not (tmp_path / "cache").exists()  # --output wins over the cache path
     # measured through plait's shared memory (the default transport), and named so
     assert profile.world_size == 2 and profile.backend == "gloo+shm" and profile.device == "cpu"
-    assert profile.sizes_nbytes == (16 << 10, 256 << 10, 4 << 20)
+    assert profile.sizes_nbytes == (64, 256, 16 << 10, 256 << 10, 4 << 20)  # the calls' sizes, then the shifts'
     # beta > 0 always (the fit refuses otherwise); the split of the per-call latency
     # between c and alpha, and gamma, are at the mercy of this shared machine's noise
     # at so few samples: each is >= 0 (clamped, with a note) and together they are > 0
@@ -40,11 +40,18 @@ def test_calibrate_saves_a_profile_with_positive_parameters(tmp_path, capsys, mo
     assert link.beta_s_per_byte > 0 and link.alpha_s >= 0 and link.gamma_s_per_byte >= 0
     assert profile.call_overhead_s >= 0 and profile.call_overhead_s + link.alpha_s > 0
     assert len(profile.notes) == len([n for n in profile.notes if "clamped to 0" in n])
-    kinds = {(s.kind, s.steps, s.reduce) for s in profile.samples}
+    kinds = {(s.kind, s.steps, s.reduce) for s in profile.samples if s.kind != "call"}
     assert kinds == {("shift", 1, False), ("shift", 1, True), ("shift", 4, False), ("shift", 4, True),
                      ("ping_pong", 1, False)}
     assert all(len(s.rep_times_s) == 3 for s in profile.samples)
     assert set(profile.r2) >= {"shift", "shift_copy", "shift_reduce", "ping_pong"}
+    # real calls of every kind at 64 and 256 B fit each kind's software cost (>= 0), the transport model's
+    calls = {(s.collective, s.nbytes) for s in profile.samples if s.kind == "call"}
+    assert calls == {(kind, n) for kind in ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "p2p")
+                     for n in (64, 256)}
+    model = profile.transport_model
+    assert set(model.call_s) == {"all_reduce", "all_gather", "reduce_scatter", "broadcast", "p2p"}
+    assert all(v >= 0 for v in model.call_s.values()) and "real calls" in captured.err
 
 
 @pytest.mark.parametrize("argv, fragment", [

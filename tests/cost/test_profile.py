@@ -127,7 +127,7 @@ def _good_document():
     (lambda d: d.pop("link"), "field 'link' is missing"),
     (lambda d: d["link"].pop("beta_s_per_byte"), "field 'link.beta_s_per_byte' is missing"),
     (lambda d: d["link"].update(beta_s_per_byte=-1.0), "field 'link' is not a valid link"),
-    (lambda d: d.update(version=0), "field 'version' is 0, this plait reads version 1"),
+    (lambda d: d.update(version=0), "field 'version' is 0, this plait reads versions 1, 2"),
     (lambda d: d.update(format="something"), "field 'format'"),
     (lambda d: d.update(world_size="4"), "field 'world_size' must be an integer"),
     (lambda d: d["machine"].pop("cpu_model"), "field 'machine.cpu_model' is missing"),

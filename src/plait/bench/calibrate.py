@@ -17,7 +17,11 @@ process group's own send/recv, the other ranks idle; half the round trip is the
 classic one-message latency/bandwidth, reported but not the model: it misses the
 contention of all ranks sharing the cores and links.
 
-Timing, per (kind, k, n, reduce): warm-up, one probe call (max over ranks) that
+Calls (the software cost). One real call of each kind (all_reduce, all_gather,
+reduce_scatter, broadcast, a p2p exchange) at sizes below any benchmarked one,
+through a communicator configured as users run it: ``plait.bench.calibrate_calls``.
+
+Timing, per (kind, k, n, reduce) and per call (kind, n): warm-up, one probe call (max over ranks) that
 sets how many back-to-back calls fill ``time_budget_s``; then in each of ``reps``
 sweeps over all configurations {barrier; those calls}: a rep's time is
 elapsed / calls, max over ranks (as ``plait bench``); the sample is the median rep.
@@ -33,6 +37,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from plait.bench.calibrate_calls import CALL_ALGORITHM, CALL_KINDS, call_numel, call_terms, make_call
 from plait.bench.collectives import message_sizes
 from plait.comm.communicator import Communicator, init_communicator, process_group
 from plait.comm.config import CommConfig
@@ -58,10 +63,19 @@ class CalibrateConfig:
     ping_pong: bool = True
     timeout_s: float = 120.0
     transport: str = "shm"  # the measured communicator's CommConfig.transport: shm (required) or gloo
+    call_sizes_nbytes: tuple[int, ...] = (64, 256)  # the "call" samples' sizes (below plait bench's 1 KB)
+    call_kinds: tuple[str, ...] = CALL_KINDS  # () measures no calls (the profile then has no call costs)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "steps", tuple(sorted(set(self.steps))))
+        object.__setattr__(self, "call_sizes_nbytes", tuple(sorted(set(self.call_sizes_nbytes))))
+        object.__setattr__(self, "call_kinds", tuple(self.call_kinds))
         problems = []
+        unknown = [kind for kind in self.call_kinds if kind not in CALL_KINDS]
+        if unknown:
+            problems.append(f"call_kinds {unknown} not in {CALL_KINDS}")
+        if any(not isinstance(n, int) or n < 1 for n in self.call_sizes_nbytes):
+            problems.append(f"call_sizes_nbytes={self.call_sizes_nbytes} must be ints >= 1")
         if self.transport not in ("shm", "gloo"):
             problems.append(f"transport={self.transport!r} must be 'shm' or 'gloo'")
         if self.min_nbytes < ELEMENT_SIZE or self.max_nbytes < self.min_nbytes:
@@ -179,6 +193,13 @@ def _sample(kind: str, steps: int, nbytes: int, reduce: bool, rep_times_s: list[
                   time_s=statistics.median(rep_times_s), rep_times_s=tuple(rep_times_s))
 
 
+def _call_sample(kind: str, numel: int, terms, rep_times_s: list[float]) -> Sample:
+    rep_times_s = [max(t, 1e-9) for t in rep_times_s]
+    return Sample(kind="call", steps=1, nbytes=numel * ELEMENT_SIZE, reduce=kind in ("all_reduce", "reduce_scatter"),
+                  time_s=statistics.median(rep_times_s), rep_times_s=tuple(rep_times_s), collective=kind,
+                  algorithm=CALL_ALGORITHM if kind in CALL_KINDS[:4] else "isend/irecv", terms=terms)
+
+
 def measurement_plan(config: CalibrateConfig) -> list[tuple[str, int, int, bool]]:
     """(kind, steps, nbytes, reduce) in measuring order: size-major, copy and reduce
     of each step count back to back, then the ping-pong."""
@@ -211,9 +232,14 @@ def run_calibration(config: CalibrateConfig, *, group=None, device: torch.device
     communicator = init_communicator(group, CommConfig(timeout_s=config.timeout_s, check="off", transport=transport))
     emit = emit or (lambda kind, payload: None)
     plan = measurement_plan(config)
+    call_plan = [("call", kind, nbytes) for nbytes in config.call_sizes_nbytes for kind in config.call_kinds]
+    user_communicator = None
+    if call_plan:  # a communicator as users run it (CommConfig's defaults: in-band check) on its own group
+        user_group = dist.new_group(dist.get_process_group_ranks(group))
+        user_communicator = init_communicator(user_group, CommConfig(timeout_s=config.timeout_s, transport=transport))
     calls: dict[tuple, int] = {}
     schedules: dict[tuple, Schedule] = {}  # kept: the executor caches its plan on them
-    times_s: dict[tuple, list[float]] = {key: [] for key in plan}
+    times_s: dict[tuple, list[float]] = {key: [] for key in plan + call_plan}
     for sweep in range(config.reps):
         emit("progress", f"sweep {sweep + 1}/{config.reps} over {len(plan)} configurations")
         local_s = []
@@ -235,10 +261,24 @@ def run_calibration(config: CalibrateConfig, *, group=None, device: torch.device
                 per_call_s = _timed(call, calls[key], device)
                 local_s.append(per_call_s / 2 if kind == "ping_pong" else per_call_s)  # one way
             del buffer
-        for key, time_s in zip(plan, _max_over_ranks(local_s, device, group)):
+        for key in call_plan:
+            _, kind, nbytes = key
+            call = make_call(kind, call_numel(kind, nbytes, world_size), user_communicator, device)
+            if key not in calls:
+                calls[key] = calls_per_rep(call, config, device, group)
+            dist.barrier(group=group)
+            local_s.append(_timed(call, calls[key], device))
+        for key, time_s in zip(plan + call_plan, _max_over_ranks(local_s, device, group)):
             times_s[key].append(time_s)
     communicator.executor.release()
+    if user_communicator is not None:
+        user_communicator.executor.release()
     samples = [_sample(*key, times_s[key]) for key in plan]
+    shared_host = device.type == "cpu"  # as tuner_from_profile prices a CPU profile
+    for key in call_plan:
+        _, kind, nbytes = key
+        numel = call_numel(kind, nbytes, world_size)
+        samples.append(_call_sample(kind, numel, call_terms(kind, numel, world_size, shared_host), times_s[key]))
     for sample in samples:
         emit("row", sample)
     return samples

@@ -3,7 +3,13 @@
 For each plait algorithm row: predicted = call overhead + closed-form alpha-beta-gamma
 time on the calibrated profile (with ``--topology``: the simulator's time for the
 schedule on that topology, which prices every plait algorithm), and the error
-(predicted - measured) / measured.
+(predicted - measured) / measured. A profile with a transport model
+(``plait.cost.transport_model``, plait calibrate since format 2) is priced with it:
+
+    pred = call_s[collective] + work(schedule, link with beta(n) at the call's n bytes),
+
+work being the tuner's pricing of the schedule (shared-host terms on a CPU profile,
+closed forms otherwise) and the algorithm the one the row ran (auto: the tuner's pick).
 ``auto`` rows are priced as the algorithm the tuner chose, and get a regret: their
 time over the best plait algorithm measured at that size, minus one. torch rows
 have no schedule to price and get no prediction.
@@ -19,7 +25,7 @@ import statistics
 from plait.bench.buffers import TORCH_ALGORITHM
 from plait.bench.collectives import AUTO_ALGORITHM, BenchRow, topology_tuner
 from plait.bench.report import format_nbytes
-from plait.comm.tuner import tuner_from_profile
+from plait.comm.tuner import Tuner, tuner_from_profile
 from plait.cost.alpha_beta import closed_form_algorithms
 
 LARGE_NBYTES = 1 << 20
@@ -46,11 +52,22 @@ class Predictor:
             return None
         return row.algorithm
 
+    @property
+    def transport_model(self):
+        """The profile's fitted transport model (None: an older profile, or a topology run)."""
+        return None if self.topology is not None else getattr(self.profile, "transport_model", None)
+
     def predict_us(self, row: BenchRow) -> float | None:
         algorithm = self.algorithm_of(row)
         if algorithm is None:
             return None
-        return 1e6 * self.tuner.predict_s(row.collective, algorithm, row.size_bytes, row.nprocs)
+        model = self.transport_model
+        if model is None:
+            return 1e6 * self.tuner.predict_s(row.collective, algorithm, row.size_bytes, row.nprocs)
+        # the schedule priced as the tuner does, on the link at this size, with this kind's call cost
+        work = Tuner(model.link_at(row.size_bytes), call_overhead_s=model.call_overhead_s(row.collective),
+                     hierarchy=self.tuner.hierarchy, shared_host_ranks=self.tuner.shared_host_ranks)
+        return 1e6 * work.predict_s(row.collective, algorithm, row.size_bytes, row.nprocs)
 
     def annotate(self, row: BenchRow) -> str:
         """Columns appended to a data row: predicted time, error, and for auto its pick."""
@@ -74,6 +91,11 @@ class Predictor:
                     f"plus a call overhead of {overhead * 1e6:.1f} us",
                     "# extra columns: pred(us) = overhead + simulated time; err = (pred - time) / time"]
         link = self.profile.link
+        if self.transport_model is not None:
+            return [f"# --predict: profile {self.source} (measured with {self.profile.world_size} processes): "
+                    f"{self.transport_model.describe()}",
+                    "# extra columns: pred(us) = call_s[collective] + schedule priced with beta(n); "
+                    "err = (pred - time) / time"]
         return [
             f"# --predict: profile {self.source}: alpha {link.alpha_s * 1e6:.1f} us, "
             f"beta {link.bandwidth_bytes_per_s / 1e9:.3g} GB/s, gamma "

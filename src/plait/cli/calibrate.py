@@ -28,7 +28,9 @@ import sys
 import time
 
 from plait.bench.calibrate import CalibrateConfig, describe_device, run_calibration
+from plait.bench.calibrate_calls import CALL_KINDS
 from plait.bench.launch import Job, WorkerError, choose_backend, in_torchrun, run_in_current_world, spawn_and_run
+from plait.cli.calibrate_compute import add_compute_arguments, run_compute
 from plait.cli.bench import parse_nbytes
 from plait.cli.environment import cache_dir
 from plait.cli.local_ranks import add_oversubscribe_flag, check_spawn
@@ -85,6 +87,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--warmup", "-w", type=int, default=1,
                         help="untimed calls per configuration before its first rep (default 1)")
     parser.add_argument("--no-ping-pong", action="store_true", help="skip the reference ping-pong")
+    parser.add_argument("--no-calls", action="store_true",
+                        help="skip the real calls (each collective and a p2p exchange at 64 B and 256 B) that fit "
+                             "each kind's software cost; the profile then prices every call with the shift's c")
     parser.add_argument("--timeout", type=float, default=120.0, metavar="SECONDS",
                         help="per-call timeout (default 120)")
     parser.add_argument("--output", "-o", default=None, metavar="PATH",
@@ -92,6 +97,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--json", action="store_true",
                         help="print the saved profile as JSON on stdout (the tables go to stderr)")
     add_oversubscribe_flag(parser)
+    add_compute_arguments(parser)  # --compute: this CPU's kernels (plait.cli.calibrate_compute)
     parser.set_defaults(run=run)
     return parser
 
@@ -100,7 +106,8 @@ def config_from_args(args: argparse.Namespace) -> CalibrateConfig:
     return CalibrateConfig(min_nbytes=args.min_bytes, max_nbytes=args.max_bytes, factor=args.factor,
                            steps=args.steps, reps=args.reps, warmup=args.warmup, time_budget_s=args.time_budget,
                            max_calls_per_rep=args.max_calls, ping_pong=not args.no_ping_pong,
-                           timeout_s=args.timeout, transport=args.transport)
+                           timeout_s=args.timeout, transport=args.transport,
+                           call_kinds=() if args.no_calls else CALL_KINDS)
 
 
 def _gbps(s_per_byte: float) -> str:
@@ -108,22 +115,42 @@ def _gbps(s_per_byte: float) -> str:
 
 
 def format_samples(profile: Profile) -> list[str]:
-    """One line per sample: measured median, the model's time and the error."""
-    link, overhead_s = profile.link, profile.call_overhead_s
+    """One line per sample: measured median, the model's time and the error (shift
+    samples on the transport model when the profile has one; call samples: format_calls)."""
+    link, transport = profile.link, profile.transport_model
     lines = ["#      kind  steps        size  op       time(us)    model(us)     err   reps min..max (us)"]
     for s in profile.samples:
-        if s.kind == "shift":
-            model_s = overhead_s + s.steps * (link.alpha_s + s.nbytes * link.beta_s_per_byte
-                                              + s.reduce * s.nbytes * link.gamma_s_per_byte)
-            model, err = f"{model_s * 1e6:12.1f}", f"{(model_s - s.time_s) / s.time_s * 100:+6.1f}%"
-        elif profile.ping_pong_link is not None:
+        model_s = None
+        if s.kind == "shift" and transport is not None:
+            model_s = transport.base_call_s + s.steps * transport.step_time_s(s.nbytes, s.reduce)
+        elif s.kind == "shift":
+            model_s = profile.call_overhead_s + s.steps * (link.alpha_s + s.nbytes * link.beta_s_per_byte
+                                                           + s.reduce * s.nbytes * link.gamma_s_per_byte)
+        elif s.kind == "ping_pong" and profile.ping_pong_link is not None:
             model_s = profile.ping_pong_link.message_time_s(s.nbytes)
-            model, err = f"{model_s * 1e6:12.1f}", f"{(model_s - s.time_s) / s.time_s * 100:+6.1f}%"
-        else:
-            model, err = f"{'-':>12}", f"{'-':>7}"
+        elif s.kind == "call":
+            continue
+        model, err = (f"{'-':>12}", f"{'-':>7}") if model_s is None else \
+            (f"{model_s * 1e6:12.1f}", f"{(model_s - s.time_s) / s.time_s * 100:+6.1f}%")
         spread = f"{min(s.rep_times_s) * 1e6:.0f}..{max(s.rep_times_s) * 1e6:.0f}" if s.rep_times_s else "-"
         lines.append(f"{s.kind:>11} {s.steps:>6} {s.nbytes:>11}  {'sum' if s.reduce else 'copy':<4} "
                      f"{s.time_s * 1e6:12.1f} {model} {err}   {spread}")
+    return lines
+
+
+def format_calls(profile: Profile) -> list[str]:
+    """The call samples: measured, the messages' price, and the software cost left."""
+    transport = profile.transport_model
+    calls = [s for s in profile.samples if s.kind == "call"]
+    if transport is None or not calls:
+        return []
+    lines = ["# real calls (software cost = time - messages' price):",
+             "#      call           size   time(us)  messages(us)  software(us)"]
+    for s in calls:
+        link = transport.link_at(s.nbytes)
+        work_s = s.terms[0] * link.alpha_s + s.terms[1] * link.beta_s_per_byte + s.terms[2] * link.gamma_s_per_byte
+        lines.append(f"#   {s.collective:<15} {s.nbytes:>6} {s.time_s * 1e6:10.1f} {work_s * 1e6:13.1f} "
+                     f"{(s.time_s - work_s) * 1e6:13.1f}")
     return lines
 
 
@@ -137,7 +164,7 @@ def format_fit(profile: Profile, report: CalibrationReport) -> list[str]:
              f"+- {fit.std_error('beta_s_per_byte'):.2g})",
              f"#   gamma         {_gbps(link.gamma_s_per_byte):>10} GB/s   ({link.gamma_s_per_byte:.4g} s/B "
              f"+- {_plus_minus(fit.std_error('gamma_s_per_byte'))})",
-             f"#   call overhead {profile.call_overhead_s * 1e6:10.2f} us  "
+             f"#   call overhead {fit.value('call_overhead_s') * 1e6:10.2f} us  "
              f"(+- {_plus_minus(fit.std_error('call_overhead_s'), 1e6, '.2f')})",
              "#   R^2 " + "  ".join(f"{name} {value:.3f}" for name, value in profile.r2.items()),
              f"#   error vs samples: mean {fit.mean_abs_pct_error:.1f}%, max {fit.max_abs_pct_error:.1f}%"]
@@ -145,8 +172,19 @@ def format_fit(profile: Profile, report: CalibrationReport) -> list[str]:
         ping = profile.ping_pong_link
         lines.append(f"# reference ping-pong (ranks 0-1, others idle; not the model): alpha "
                      f"{ping.alpha_s * 1e6:.2f} us, beta {_gbps(ping.beta_s_per_byte)} GB/s")
+    transport = profile.transport_model
+    if transport is not None:
+        lines += ["# transport model (what bench --predict and the p2p price use; plait.cost.transport_model):",
+                  "#   t(k, n, r) = c + k * (alpha + n * beta(n) + r * gamma * n),"
+                  " beta(n) = beta_c + (beta_d - beta_c) * n / (L + n)",
+                  f"#   {transport.describe()}",
+                  f"#   call overhead used by the tuner and the planner: {profile.call_overhead_s * 1e6:.1f} us "
+                  "(mean over the collectives' calls)" if transport.call_s else ""]
+        if report.cache is not None:
+            lines.append(f"#   cache fit: R^2 {report.cache.r2:.3f}, error vs samples mean "
+                         f"{report.cache.mean_abs_pct_error:.1f}%, max {report.cache.max_abs_pct_error:.1f}%")
     lines += [f"# note: {note}" for note in profile.notes]
-    return lines
+    return [line for line in lines if line]
 
 
 def _plus_minus(value: float, scale: float = 1.0, spec: str = ".2g") -> str:
@@ -163,6 +201,8 @@ def reading_hint(path, profile_name: str, nprocs: int) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.compute:
+        return run_compute(args)
     config = config_from_args(args)
     use_world = args.nprocs is None and in_torchrun()
     is_reporter = not use_world or int(os.environ.get("RANK", "0")) == 0
@@ -210,7 +250,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     profile, report = make_profile(samples, backend=profile_name, device=describe_device(backend), world_size=nprocs)
     path = save_profile(profile, args.output, cache_dir=cache_dir())
-    for line in format_samples(profile) + format_fit(profile, report):
+    for line in format_samples(profile) + format_calls(profile) + format_fit(profile, report):
         print(line, file=out)
     print(f"# measured in {time.monotonic() - start_s:.1f} s; profile saved to {path}", file=out, flush=True)
     print(f"# {reading_hint(path, profile_name, nprocs)}", file=out, flush=True)

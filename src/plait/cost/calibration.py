@@ -21,20 +21,40 @@ w = 1/t and t_w the weighted mean.
 Negative parameters have no meaning here; when the fit gives one (noise at small
 sizes can push c or gamma below 0) the most negative one is clamped to 0, noted,
 and the others refitted, until none is negative. beta must stay > 0: a fit that
-finds no per-byte cost raises, asking for larger sizes. Pure numpy.
+finds no per-byte cost raises, asking for larger sizes.
+
+The transport model (``plait.cost.transport_model``) refines both on the same
+samples. Copies run at the caches' bandwidth for small messages and at memory's for
+large ones, so beta depends on n:
+
+    t(k, n, r) = c + k * (alpha + beta_c n + (beta_d - beta_c) n^2 / (L + n) + r gamma n),
+
+linear in (c, alpha, beta_c, beta_d - beta_c >= 0, gamma) for a fixed L: L is found by
+a scan of a log grid (4 points per octave) and a golden-section search around the best
+point, each L's fit being the weighted least squares above (:func:`fit_cache_link`).
+And the "call" samples (real collectives and p2p exchanges at sizes below any
+benchmarked one) give each call kind K its software cost: with x_i the price of the
+call's messages (its terms on the cache model's link), the 1/t-weighted least squares
+of t_i = c_K + x_i is
+
+    c_K = sum_i (t_i - x_i) / t_i^2 / sum_i 1 / t_i^2,   clamped at 0
+
+(:func:`fit_call_costs`). Pure numpy.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
 
 from plait.cost.link import LinkModel
 from plait.cost.profile import MachineIdentity, Profile, Sample
+from plait.cost.transport_model import TransportModel
 
 __all__ = ["LinearFit", "CalibrationReport", "fit_nonnegative", "fit_shift", "fit_ping_pong",
-           "fit_link", "make_profile"]
+           "fit_link", "fit_cache_link", "fit_call_costs", "fit_transport_model", "make_profile"]
 
 SHIFT_PARAMETERS = ("call_overhead_s", "alpha_s", "beta_s_per_byte", "gamma_s_per_byte")
 PING_PONG_PARAMETERS = ("alpha_s", "beta_s_per_byte")
@@ -177,6 +197,8 @@ class CalibrationReport:
     ping_pong: LinearFit | None
     r2: dict[str, float]
     notes: tuple[str, ...]
+    cache: LinearFit | None = None
+    cache_bytes: float | None = None
 
     def ping_pong_link(self) -> LinkModel | None:
         if self.ping_pong is None or self.ping_pong.value("beta_s_per_byte") <= 0:
@@ -211,15 +233,123 @@ def fit_link(samples) -> tuple[LinkModel, float, CalibrationReport]:
     return link, shift_fit.value("call_overhead_s"), report
 
 
+CACHE_PARAMETERS = ("call_overhead_s", "alpha_s", "beta_cache_s_per_byte", "beta_excess_s_per_byte",
+                    "gamma_s_per_byte")
+_GRID_POINTS_PER_OCTAVE = 4
+_GOLDEN = (math.sqrt(5.0) - 1.0) / 2.0
+
+
+def _cache_design(shift: list[Sample], cache_bytes: float) -> np.ndarray:
+    return np.array([[1.0, s.steps, s.steps * s.nbytes, s.steps * s.nbytes**2 / (cache_bytes + s.nbytes),
+                      s.steps * s.nbytes * float(s.reduce)] for s in shift])
+
+
+def _relative_sse(fit: LinearFit, design: np.ndarray, times_s: np.ndarray) -> float:
+    return float(np.sum(((fit.predict(design) - times_s) / times_s) ** 2))
+
+
+def fit_cache_link(samples) -> tuple[LinearFit, float] | None:
+    """(fit, L): t = c + k (alpha + beta_c n + (beta_d - beta_c) n^2 / (L + n) + r gamma n)
+    on the "shift" samples, every coefficient >= 0, L minimising the relative squared
+    error (log grid between the smallest and largest size, 4 per octave, then a golden
+    section on log L between the best point's neighbours). None with < 3 sizes."""
+    shift = [s for s in samples if s.kind == "shift"]
+    sizes = sorted({s.nbytes for s in shift})
+    if len(sizes) < 3:
+        return None
+    times_s = np.array([s.time_s for s in shift])
+
+    def fit_at(log_l: float) -> tuple[float, LinearFit]:
+        design = _cache_design(shift, math.exp(log_l))
+        fit = fit_nonnegative(design, times_s, CACHE_PARAMETERS, name="cache")
+        return _relative_sse(fit, design, times_s), fit
+
+    lo, hi = math.log(sizes[0]), math.log(sizes[-1])
+    points = max(2, int(round((hi - lo) / math.log(2) * _GRID_POINTS_PER_OCTAVE)) + 1)
+    grid = [lo + (hi - lo) * i / (points - 1) for i in range(points)]
+    scores = [fit_at(x)[0] for x in grid]
+    best = int(np.argmin(scores))
+    a, b = grid[max(0, best - 1)], grid[min(points - 1, best + 1)]
+    c, d = b - _GOLDEN * (b - a), a + _GOLDEN * (b - a)
+    score_c, score_d = fit_at(c)[0], fit_at(d)[0]
+    for _ in range(40):  # the bracket shrinks by 0.618 a step: 40 steps reach float precision
+        if score_c < score_d:
+            b, d, score_d = d, c, score_c
+            c = b - _GOLDEN * (b - a)
+            score_c = fit_at(c)[0]
+        else:
+            a, c, score_c = c, d, score_d
+            d = a + _GOLDEN * (b - a)
+            score_d = fit_at(d)[0]
+    candidates = [(scores[best], grid[best]), (score_c, c), (score_d, d)]
+    _, log_l = min(candidates)
+    _, fit = fit_at(log_l)
+    return fit, math.exp(log_l)
+
+
+def fit_call_costs(samples, link_at) -> dict[str, float]:
+    """{kind: c_K}: per call kind, the 1/t-weighted mean of t - x over its "call"
+    samples, x = terms . (alpha, beta(n), gamma) of ``link_at(n)`` (a LinkModel per
+    size), clamped at 0."""
+    sums: dict[str, list[float]] = {}
+    for s in samples:
+        if s.kind != "call":
+            continue
+        link = link_at(s.nbytes)
+        rounds, beta_bytes, gamma_bytes = s.terms
+        work_s = rounds * link.alpha_s + beta_bytes * link.beta_s_per_byte + gamma_bytes * link.gamma_s_per_byte
+        weight = 1.0 / s.time_s**2
+        total = sums.setdefault(s.collective, [0.0, 0.0])
+        total[0] += weight * (s.time_s - work_s)
+        total[1] += weight
+    return {kind: max(0.0, num / den) for kind, (num, den) in sorted(sums.items())}
+
+
+def fit_transport_model(samples, link: LinkModel, call_overhead_s: float) -> tuple[TransportModel, LinearFit | None]:
+    """The transport model: the cache fit when the samples resolve it (else the plain
+    link, beta the same at every size), and the call costs on its link."""
+    samples = list(samples)
+    cache = fit_cache_link(samples)
+    if cache is None or cache[0].value("beta_cache_s_per_byte") + cache[0].value("beta_excess_s_per_byte") <= 0:
+        model = TransportModel(alpha_s=link.alpha_s, beta_cache_s_per_byte=link.beta_s_per_byte,
+                               beta_dram_s_per_byte=link.beta_s_per_byte, cache_bytes=1 << 20,
+                               gamma_s_per_byte=link.gamma_s_per_byte, base_call_s=call_overhead_s)
+        cache_fit = None
+    else:
+        cache_fit, cache_bytes = cache
+        beta_cache = cache_fit.value("beta_cache_s_per_byte")
+        model = TransportModel(alpha_s=cache_fit.value("alpha_s"), beta_cache_s_per_byte=beta_cache,
+                               beta_dram_s_per_byte=beta_cache + cache_fit.value("beta_excess_s_per_byte"),
+                               cache_bytes=cache_bytes, gamma_s_per_byte=cache_fit.value("gamma_s_per_byte"),
+                               base_call_s=cache_fit.value("call_overhead_s"))
+    calls = fit_call_costs(samples, model.link_at)
+    if calls:
+        model = TransportModel(**{**model.as_dict(), "call_s": calls})
+    return model, cache_fit
+
+
 def make_profile(samples, *, backend: str, device: str, world_size: int,
                  machine: MachineIdentity | None = None) -> tuple[Profile, CalibrationReport]:
     """Fit ``samples`` and wrap the result, the samples and this machine's identity
-    (or ``machine``) in a Profile; returns (profile, report)."""
+    (or ``machine``) in a Profile; returns (profile, report).
+
+    The profile's ``call_overhead_s`` (what the tuner and the planner add to every
+    collective) is the mean software cost of the collective kinds the "call" samples
+    measured, or the ring shift's bare executor cost c without them."""
     samples = tuple(samples)
     link, overhead_s, report = fit_link(samples)
+    model, cache_fit = fit_transport_model(samples, link, overhead_s)
+    notes = report.notes
+    if cache_fit is not None:
+        report.r2["cache"] = cache_fit.r2
+        notes += cache_fit.notes
+    report = CalibrationReport(shift=report.shift, ping_pong=report.ping_pong, r2=report.r2, notes=notes,
+                               cache=cache_fit, cache_bytes=model.cache_bytes if cache_fit is not None else None)
+    if model.call_s:
+        overhead_s = model.mean_collective_call_s()
     extra = {} if machine is None else {"machine": machine}
     profile = Profile(link=link, call_overhead_s=overhead_s, backend=backend, device=device,
                       world_size=world_size, sizes_nbytes=tuple(sorted({s.nbytes for s in samples})),
                       samples=samples, r2=report.r2, notes=report.notes,
-                      ping_pong_link=report.ping_pong_link(), **extra)
+                      ping_pong_link=report.ping_pong_link(), transport_model=model, **extra)
     return profile, report

@@ -34,6 +34,7 @@ from pathlib import Path
 
 from plait import __version__
 from plait.cost.link import LinkModel
+from plait.cost.transport_model import TransportModel
 from plait.files import default_cache_dir, read_small_file
 
 __all__ = ["Sample", "MachineIdentity", "Profile", "ProfileMismatchWarning", "machine_identity", "profile_backend",
@@ -41,8 +42,11 @@ __all__ = ["Sample", "MachineIdentity", "Profile", "ProfileMismatchWarning", "ma
            "link_for_world"]
 
 FORMAT_NAME = "plait-profile"
-FORMAT_VERSION = 1
-SAMPLE_KINDS = ("shift", "ping_pong")
+# version 2 adds the "call" samples and the fitted transport_model (both optional); version 1
+# profiles are still read (they have neither, and are priced with the plain link as before)
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
+SAMPLE_KINDS = ("shift", "ping_pong", "call")
 # a profile is a few KB (tens of samples of ~200 bytes); one sweeping 1 byte .. 1 TiB at factor 2 holds
 # 41 sizes x 7 configurations = 287 samples, ~100 KB with their reps. 16 MiB is over a hundred times that.
 PROFILE_LIMIT_NBYTES = 16 << 20
@@ -58,8 +62,13 @@ class Sample:
 
     kind "shift": ``steps`` steps of a ring shift, every rank sending ``nbytes`` to
     rank+1 per step (``reduce``: the receiver adds them in); kind "ping_pong": one
-    way of a round trip between ranks 0 and 1 (steps = 1). ``rep_times_s`` are the
-    per-call times of each rep (max over ranks), ``time_s`` their median.
+    way of a round trip between ranks 0 and 1 (steps = 1); kind "call": one real call
+    of plait's ``collective`` (or "p2p": one isend/irecv exchange with the ring
+    neighbours) with ``algorithm`` on ``nbytes``, whose messages the model prices as
+    ``terms`` = (rounds, beta bytes, gamma bytes) (the shared-host or one-port terms of
+    its schedule, as the predictions use them): what is left is the call's software
+    cost. ``rep_times_s`` are the per-call times of each rep (max over ranks),
+    ``time_s`` their median.
     """
 
     kind: str
@@ -68,10 +77,18 @@ class Sample:
     reduce: bool
     time_s: float
     rep_times_s: tuple[float, ...] = ()
+    collective: str = ""
+    algorithm: str = ""
+    terms: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "rep_times_s", tuple(float(t) for t in self.rep_times_s))
+        object.__setattr__(self, "terms", tuple(float(t) for t in self.terms))
         problems = []
+        if self.kind == "call" and (not self.collective or len(self.terms) != 3
+                                    or any(not math.isfinite(t) or t < 0 for t in self.terms)):
+            problems.append(f"a call sample needs a collective (got {self.collective!r}) and terms = (rounds, "
+                            f"beta bytes, gamma bytes) >= 0 (got {self.terms!r})")
         if self.kind not in SAMPLE_KINDS:
             problems.append(f"kind={self.kind!r} not in {SAMPLE_KINDS}")
         if not isinstance(self.steps, int) or self.steps < 1:
@@ -161,6 +178,7 @@ class Profile:
     r2: dict[str, float] = field(default_factory=dict)
     notes: tuple[str, ...] = ()
     ping_pong_link: LinkModel | None = None
+    transport_model: TransportModel | None = None
     machine: MachineIdentity = field(default_factory=machine_identity)
     created_utc: str = field(default_factory=_utc_now)
 
@@ -171,6 +189,8 @@ class Profile:
         problems = []
         if not isinstance(self.link, LinkModel):
             problems.append(f"link={self.link!r} must be a LinkModel")
+        if self.transport_model is not None and not isinstance(self.transport_model, TransportModel):
+            problems.append(f"transport_model={self.transport_model!r} must be a TransportModel or None")
         if self.ping_pong_link is not None and not isinstance(self.ping_pong_link, LinkModel):
             problems.append(f"ping_pong_link={self.ping_pong_link!r} must be a LinkModel or None")
         value = self.call_overhead_s
@@ -190,6 +210,21 @@ class Profile:
         if problems:
             raise ValueError("invalid profile: " + "; ".join(problems))
 
+    def collective_call_s(self, kind: str) -> float:
+        """The software cost of one call of ``kind`` (a collective's name, or "p2p"):
+        the transport model's fitted call_s[kind], or call_overhead_s without one."""
+        if self.transport_model is None:
+            return self.call_overhead_s
+        return self.transport_model.call_overhead_s(kind)
+
+    def p2p_time_s(self, nbytes: float) -> float:
+        """One point-to-point exchange of ``nbytes`` (a pipeline's message): the transport
+        model's call_s[p2p] + alpha + n beta(n); without one, what the planner charged
+        before: alpha + n beta + call_overhead_s."""
+        if self.transport_model is None:
+            return self.link.alpha_s + nbytes * self.link.beta_s_per_byte + self.call_overhead_s
+        return self.transport_model.p2p_time_s(nbytes)
+
     def as_dict(self) -> dict:
         """The JSON document (format name and version first)."""
         return {
@@ -197,10 +232,21 @@ class Profile:
             "backend": self.backend, "device": self.device, "world_size": self.world_size,
             "link": self.link.as_dict(), "call_overhead_s": self.call_overhead_s,
             "ping_pong_link": None if self.ping_pong_link is None else self.ping_pong_link.as_dict(),
+            "transport_model": None if self.transport_model is None else self.transport_model.as_dict(),
             "r2": dict(self.r2), "notes": list(self.notes), "sizes_nbytes": list(self.sizes_nbytes),
             "machine": asdict(self.machine), "created_utc": self.created_utc,
-            "samples": [{**asdict(s), "rep_times_s": list(s.rep_times_s)} for s in self.samples],
+            "samples": [_sample_dict(s) for s in self.samples],
         }
+
+
+def _sample_dict(sample: Sample) -> dict:
+    """A sample's JSON: the call fields only on call samples (shift and ping-pong rows
+    stay as version 1 wrote them)."""
+    node = {**asdict(sample), "rep_times_s": list(sample.rep_times_s), "terms": list(sample.terms)}
+    if sample.kind != "call":
+        for name in ("collective", "algorithm", "terms"):
+            node.pop(name)
+    return node
 
 
 def profile_backend(backend: str, transport: str) -> str:
@@ -297,8 +343,9 @@ def _parse(path: Path, data) -> Profile:
     if data.get("format") != FORMAT_NAME:
         raise reader.fail("format", f"is {data.get('format')!r}, expected {FORMAT_NAME!r} (not a plait profile)")
     version = reader.get("version", int)
-    if version != FORMAT_VERSION:
-        raise reader.fail("version", f"is {version}, this plait reads version {FORMAT_VERSION}")
+    if version not in READABLE_VERSIONS:
+        raise reader.fail("version", f"is {version}, this plait reads versions "
+                                     f"{', '.join(map(str, READABLE_VERSIONS))} (a newer plait wrote it: upgrade plait)")
     samples = []
     for index, node in enumerate(reader.get("samples", list)):
         prefix = f"samples[{index}]."
@@ -309,7 +356,10 @@ def _parse(path: Path, data) -> Profile:
                 nbytes=reader.get("nbytes", int, node=node, prefix=prefix),
                 reduce=reader.get("reduce", bool, node=node, prefix=prefix),
                 time_s=reader.get("time_s", float, node=node, prefix=prefix),
-                rep_times_s=tuple(reader.get("rep_times_s", list, node=node, prefix=prefix))))
+                rep_times_s=tuple(reader.get("rep_times_s", list, node=node, prefix=prefix)),
+                collective=reader.get("collective", str, node=node, prefix=prefix, optional=True) or "",
+                algorithm=reader.get("algorithm", str, node=node, prefix=prefix, optional=True) or "",
+                terms=tuple(reader.get("terms", list, node=node, prefix=prefix, optional=True) or ())))
         except (ValueError, TypeError) as error:
             if str(error).startswith(f"profile {path}"):
                 raise
@@ -322,9 +372,14 @@ def _parse(path: Path, data) -> Profile:
     r2 = reader.get("r2", dict)
     for key, value in r2.items():
         reader.get(key, float, node=r2, prefix="r2.")
+    transport_node = reader.get("transport_model", dict, optional=True)
+    try:
+        transport_model = None if transport_node is None else TransportModel.from_dict(transport_node)
+    except (ValueError, TypeError) as error:
+        raise reader.fail("transport_model", f"is invalid ({error})") from None
     try:
         return Profile(
-            link=reader.link("link"), ping_pong_link=reader.link("ping_pong_link", optional=True),
+            link=reader.link("link"), transport_model=transport_model, ping_pong_link=reader.link("ping_pong_link", optional=True),
             call_overhead_s=reader.get("call_overhead_s", float),
             backend=reader.get("backend", str), device=reader.get("device", str),
             world_size=reader.get("world_size", int),
