@@ -96,10 +96,11 @@ def test_zero_stages_shard_the_model_states(zero, divisors):
 
 
 def test_zero_two_in_a_pipeline_reduces_every_micro_batch_and_offload_frees_the_optimizer():
-    """Stage 2 with pp > 1 (what plait train runs): one reduce-scatter of the stage's
-    gradients per micro-batch and one all-gather per step, so its data-parallel time
-    is stage 1's plus (m - 1) reduce-scatters; with the optimizer offloaded, no
-    optimizer bytes in memory and nothing else changed."""
+    """Stage 2 with pp > 1 (what plait train runs): per micro-batch the stage's
+    gradients reduce-scattered in 25 MiB buckets (one call each) and one all-gather per
+    step, so its data-parallel time, exposed plus hidden, is stage 1's all-gather plus
+    m bucketed reduce-scatters (issue 36: part of it hidden under the backward); with
+    the optimizer offloaded, no optimizer bytes in memory and nothing else changed."""
     spec = model_preset("gpt-1.3b")
     m = 4
     base = dict(pp=2, dp=4, micro_batch=1, num_microbatches=m, schedule="1f1b")
@@ -109,7 +110,11 @@ def test_zero_two_in_a_pipeline_reduces_every_micro_batch_and_offload_frees_the_
     cluster = cluster_preset("dgx-a100", gpus=8)
     heavy = two.memory_bytes["gradients"] * 4  # the heaviest stage's gradient bytes (sharded 4 ways)
     reduce_scatter, _ = cluster.collective_time_s("reduce_scatter", heavy, 4, 1)
-    assert two.time_s["dp_comm"] - one.time_s["dp_comm"] == pytest.approx((m - 1) * reduce_scatter, rel=1e-9)
+    buckets = -(-int(heavy) // (25 << 20))
+    bucket, _ = cluster.collective_time_s("reduce_scatter", heavy / buckets, 4, 1)
+    assert two.time_s["dp_comm"] + two.hidden_s["dp_comm"] - one.time_s["dp_comm"] == pytest.approx(
+        m * buckets * bucket - reduce_scatter, rel=1e-9)
+    assert 0 < two.hidden_s["dp_comm"] and one.hidden_s["dp_comm"] == 0
     assert two.memory_bytes["gradients"] * 4 == pytest.approx(one.memory_bytes["gradients"], rel=1e-12)
     assert offloaded.memory_bytes["optimizer"] == 0
     assert {key: value for key, value in offloaded.memory_bytes.items() if key != "optimizer"} == \
@@ -130,7 +135,8 @@ def test_zero_three_moves_each_unit_in_calls_of_its_own():
     reduce_scatter, _ = cluster.collective_time_s("reduce_scatter", result.memory_bytes["gradients"] * dp / units,
                                                   dp, 1)
     all_gather, _ = cluster.collective_time_s("all_gather", result.memory_bytes["parameters"] * dp / units, dp, 1)
-    assert result.time_s["dp_comm"] == pytest.approx(m * units * (reduce_scatter + 2 * all_gather), rel=1e-9)
+    assert result.time_s["dp_comm"] + result.hidden_s["dp_comm"] == pytest.approx(
+        m * units * (reduce_scatter + 2 * all_gather), rel=1e-9)  # issue 36: part of it hidden (prefetch)
 
 
 def test_data_parallel_time_is_the_cheapest_collective():

@@ -28,13 +28,26 @@ backward: the weight gradient is half the backward's matmul time (on a device
 calibrated per shape, its weight-gradient products' time); a recomputed forward goes
 with the input gradient.
 
-Data parallelism after the pipeline flush (not overlapped, as plait train runs it):
-ZeRO 0 all-reduces the gradients, ZeRO 1 reduce-scatters them and all-gathers the
-updated parameters (the same ring volume), ZeRO 2 reduce-scatters every micro-batch's
-gradients as DeepSpeed does, ZeRO 3 also all-gathers the parameters for every
-micro-batch's forward and backward. A tied head with pp > 1 all-reduces the embedding
-gradient between the first and last stage. The optimizer step streams its states
-through memory once.
+Overlap (``plait.plan.overlap``, ``plait.plan.critical_path``): the step is a
+critical path, not a sum; each part's time is what the rank's compute stream waits
+for it (``time_s``, adding up to ``step_time_s``), and what ran under compute is
+``hidden_s``. As plait's runtime does: ZeRO 0 all-reduces the gradients after the
+pipeline flush and ZeRO 1 reduce-scatters them there and all-gathers the updated
+parameters after the step, neither overlapped (plait train's ``average_gradients`` /
+``reduce_gradients``; ``dp_overlap=True`` prices plait's DataParallel instead, whose
+25 MiB buckets are all-reduced during the last backward); ZeRO 2 reduce-scatters each
+micro-batch's buckets on the comm thread as their gradients complete, hidden under the
+rest of the backward and the next forward; ZeRO 3 also gathers each unit before its
+forward and backward, the next unit's prefetched while one computes. Tensor-parallel
+collectives are synchronous in plait (its backward does not overlap them with the
+weight-gradient GEMMs), so the model does not overlap them either; pipeline sends are
+isend (free here) and each receive is charged in full. On a host model (``Cluster.host``)
+every synchronising call also waits for the slowest rank of its group
+(``Cluster.sync_wait_s`` after the compute since that group's previous call: a tp
+call's share of its layer, a dp call's step or unit), and with no spare cores the CPU
+share of hidden communication is exposed. A tied head with pp > 1 all-reduces the
+embedding gradient between the first and last stage. The optimizer step streams its
+states through memory once.
 
 Memory per device (the worst pipeline rank): parameters, gradients and optimizer
 states (ZeRO 1 shards the optimizer states over dp, 2 also the gradients, 3 also the
@@ -53,10 +66,12 @@ from dataclasses import dataclass, field, fields
 
 from plait.names.schedules import CHIMERA, NO_PIPELINE, ZERO_BUBBLE
 from plait.names.axes import DP, PP
+from plait.names.step_parts import DP_COMM, PRICED_PARTS
 from plait.names.recompute import FULL, SELECTIVE
 from plait.plan.cluster import Cluster
 from plait.plan.layers import LayerCost
 from plait.plan.layout import Layout
+from plait.plan.overlap import data_parallel_s
 from plait.plan.pipeline import cost_units, price_schedule
 from plait.plan.precision import Precision
 from plait.plan.stages import alpa_partition, minmax_partition
@@ -105,12 +120,14 @@ class Estimate:
     samples_per_s: float
     algorithms: dict[str, str] = field(default_factory=dict)
     rank_memory_bytes: tuple[dict[str, float], ...] = ()  # memory_bytes of every pipeline rank, in order
+    hidden_s: dict[str, float] = field(default_factory=dict)  # per part, communication run under compute
 
     def as_dict(self) -> dict:
         out = {**self.layout.as_dict(), "step_time_s": self.step_time_s, "tflops_per_gpu": self.tflops_per_gpu,
                "model_tflops_per_gpu": self.model_tflops_per_gpu, "percent_of_peak": self.percent_of_peak,
                "mfu": self.mfu, "memory_per_gpu_bytes": self.memory_per_gpu_bytes,
                "samples_per_s": self.samples_per_s, "time_breakdown_s": dict(self.time_s),
+               "hidden_breakdown_s": dict(self.hidden_s),
                "memory_breakdown_bytes": dict(self.memory_bytes), "stage_layers": self.stage_layers,
                "algorithms": dict(self.algorithms)}
         return out
@@ -161,6 +178,12 @@ def _unit_costs(unit: Unit, tp: int, recompute: str, cluster: Cluster, dtype: st
     compute = forward + device.backward_time_s(unit.cost, dtype)
     forward_comm = _comm_time_s(cluster, unit.comm.forward, tp, algorithms)
     comm = forward_comm + _comm_time_s(cluster, unit.comm.backward, tp, algorithms)
+    if cluster.host is not None and tp > 1:  # each synchronous tp call waits for the slowest rank of its group
+        calls = len(unit.comm.forward) + len(unit.comm.backward)
+        recomputed = len(unit.comm.recompute) if recompute == FULL and unit.recomputable else 0
+        segment_s = compute / max(calls + recomputed, 1)
+        forward_comm += len(unit.comm.forward) * cluster.sync_wait_s(tp, segment_s)
+        comm += calls * cluster.sync_wait_s(tp, segment_s)
     # a linear layer's backward is two GEMMs of equal FLOPs: input gradient and weight gradient
     # (a calibrated device prices the weight-gradient products' own shapes)
     weight = device.weight_gradient_time_s(unit.cost, dtype)
@@ -175,6 +198,8 @@ def _unit_costs(unit: Unit, tp: int, recompute: str, cluster: Cluster, dtype: st
     if recompute == FULL and unit.recomputable:
         compute += forward
         comm += _comm_time_s(cluster, unit.comm.recompute, tp, algorithms)
+        if cluster.host is not None and tp > 1:
+            comm += recomputed * cluster.sync_wait_s(tp, segment_s)
         return GroupCosts(compute, comm, unit.cost.params, unit.cost.input_bytes, unit.cost.activation_bytes,
                           unit.cost.output_bytes, forward + forward_comm, weight)
     return GroupCosts(compute, comm, unit.cost.params, unit.cost.activation_bytes, 0.0, unit.cost.output_bytes,
@@ -305,7 +330,8 @@ def _rank_chunks(layout: Layout, rank: int) -> list[int]:
 def estimate(groups: list[list[Unit]], layout: Layout, cluster: Cluster, precision: Precision, *,
              model_flops: float, hardware_flops: float, tied_embedding_params: int = 0, end_modules: int = 0,
              summaries: list[GroupCosts] | None = None, split: list[list[int]] | None = None,
-             chunks: list[GroupCosts] | None = None, algorithms: dict | None = None) -> Estimate:
+             chunks: list[GroupCosts] | None = None, algorithms: dict | None = None,
+             dp_overlap: bool = False) -> Estimate:
     """Price ``layout`` (see the module docstring). ``groups`` are the model's layers
     for one micro-batch on one tp rank, grouped where no stage boundary may fall;
     ``model_flops`` / ``hardware_flops`` are the global step's FLOPs without / with
@@ -314,7 +340,9 @@ def estimate(groups: list[list[Unit]], layout: Layout, cluster: Cluster, precisi
     outside the groups at each end (ZeRO 3's units: one per group, plus these on the
     first and the last stage). ``summaries``,
     ``split``, ``chunks`` (the split's combined groups) and ``algorithms`` let a search
-    reuse ``summarize`` and ``split_groups``."""
+    reuse ``summarize`` and ``split_groups``; ``dp_overlap``: ZeRO 0's gradients
+    all-reduced in buckets during the backward, as plait's DataParallel runs them
+    (plait train all-reduces after the flush)."""
     dtype = precision.dtype
     algorithms = dict(algorithms or {})
     if summaries is None:
@@ -350,6 +378,7 @@ def estimate(groups: list[list[Unit]], layout: Layout, cluster: Cluster, precisi
                       "units": zero_units,
                       "received": received,
                       "forward": share * sum(c.forward_s for c in mine) + p2p / 2,
+                      "forward_mb": share * sum(c.forward_s for c in mine),
                       "weight": share * sum(c.weight_s for c in mine), "total": compute + tp_comm + p2p})
     slowest = max(range(p), key=lambda r: ranks[r]["total"])
     t_max = ranks[slowest]["total"]
@@ -385,33 +414,24 @@ def estimate(groups: list[list[Unit]], layout: Layout, cluster: Cluster, precisi
     grad_bytes, param_bytes = params * precision.grad_bytes, params * precision.param_bytes
     dp, stride = layout.dp, layout.stride(DP)
 
-    def collective(name: str, nbytes: float) -> float:
-        seconds, algorithm = cluster.collective_time_s(name, nbytes, dp, stride)
-        algorithms[f"dp {name}"] = algorithm
-        return seconds
-
-    if dp == 1:
-        dp_s = 0.0
-    elif layout.zero_stage == 0:
-        dp_s = collective("all_reduce", grad_bytes)
-    elif layout.zero_stage == 1:
-        dp_s = collective("reduce_scatter", grad_bytes) + collective("all_gather", param_bytes)
-    elif layout.zero_stage == 2:
-        dp_s = m * collective("reduce_scatter", grad_bytes) + collective("all_gather", param_bytes)
-    else:  # ZeRO 3, per micro-batch and unit (one call each): a gather for the forward and one for the
-        # backward (and one for a recomputed forward), a reduce-scatter after the backward
-        gathers = 3 if layout.recompute == FULL else 2
-        zero_units = max(ranks[heavy]["units"], 1)
-        dp_s = m * zero_units * (collective("reduce_scatter", grad_bytes / zero_units)
-                                 + gathers * collective("all_gather", param_bytes / zero_units))
+    holder = ranks[heavy]
+    forward_mb = holder["forward_mb"]
+    # ZeRO 3, per micro-batch and unit: a gather for the forward and one for the backward (and one for a
+    # recomputed forward), a reduce-scatter after the backward; all of it overlapped as plait's runtime does
+    dp_s, dp_hidden_s = data_parallel_s(
+        cluster, zero_stage=layout.zero_stage, dp=dp, stride=stride, grad_bytes=grad_bytes, param_bytes=param_bytes,
+        microbatches=m, zero_units=holder["units"], forward_s=forward_mb,
+        backward_s=max(holder["compute"] + holder["tp_comm"] - forward_mb, 0.0),
+        gathers=3 if layout.recompute == FULL else 2, dp_overlap=dp_overlap, algorithms=algorithms)
+    segment_s = m * (holder["compute"] + holder["tp_comm"])
     if chimera:  # the two replicas of each stage (ranks r and p-1-r) sum their gradients
         seconds, algorithms["chimera replicas"] = cluster.collective_time_s(
             "all_reduce", grad_bytes / (dp if layout.zero_stage >= 1 else 1), 2, layout.stride(PP) * (p - 1))
-        dp_s += seconds
+        dp_s += seconds + cluster.sync_wait_s(2, segment_s)
     if p > 1 and tied_embedding_params:
         seconds, algorithms["tied embedding"] = cluster.collective_time_s(
             "all_reduce", tied_embedding_params * precision.grad_bytes, 2, layout.stride(PP) * (p - 1))
-        dp_s += seconds
+        dp_s += seconds + cluster.sync_wait_s(2, segment_s)
     times["dp_comm"] = dp_s
     sharded = params / dp if layout.zero_stage >= 1 else params
     device = cluster.device
@@ -441,5 +461,6 @@ def estimate(groups: list[list[Unit]], layout: Layout, cluster: Cluster, precisi
                     hardware_flops=hardware_flops, tflops_per_gpu=hardware_per_gpu / 1e12,
                     model_tflops_per_gpu=model_per_gpu / 1e12, percent_of_peak=100.0 * hardware_per_gpu / peak,
                     mfu=100.0 * model_per_gpu / peak, samples_per_s=layout.global_batch / step,
-                    algorithms=algorithms, rank_memory_bytes=tuple(memories))
+                    algorithms=algorithms, rank_memory_bytes=tuple(memories),
+                    hidden_s={**{part: 0.0 for part in PRICED_PARTS}, DP_COMM: dp_hidden_s})
 
