@@ -49,10 +49,13 @@ from plait.plan.cluster import check_count, MAX_DEVICES, topology_cluster
 from plait.plan.layout import MESH_ORDERS
 from plait.names.precision import AUTOCAST_DTYPE_NAMES
 from plait.names.schedules import INTERLEAVED_1F1B, NO_PIPELINE, PIPELINE_SCHEDULES
+from plait.plan.cpu_profile import compute_profile_path, host_model_from_profile, load_compute_profile
 from plait.plan.device import load_device_profile, measure_device
+from plait.plan.device_profile import profile_device
 from plait.plan.grid import DEFAULT_MAX_LAYOUTS
 from plait.plan.layers import RECOMPUTE_MODES
 from plait.cli.plan_auto import add_auto_arguments, auto_flags_without_auto, run_auto
+from plait.cli.explain_run import add_arguments as add_explain_run_arguments, run_explain
 from plait.cli.plan_model import HF_PREFIX, hf_model, module_model
 from plait.plan.tp_plan import PlannedModel, plan_lines
 
@@ -155,6 +158,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     out.add_argument("--top", type=int, default=5, help="plans to list")
     out.add_argument("--json", action="store_true", help="print the ranked plans as JSON only")
     add_auto_arguments(parser)
+    add_explain_run_arguments(parser)
     parser.set_defaults(run=run)
     return parser
 
@@ -218,19 +222,36 @@ def _model_matmul_shapes(model) -> list[tuple[int, int, int]] | None:
     return shapes
 
 
-def _local_cluster(args, precision_name: str, emit, model=None, dtype: str | None = None):
+def _local_cluster(args, precision_name: str, emit, model=None, dtype: str | None = None, *,
+                   cache_directory=None):
+    """This machine as a cluster of ``--nprocs`` ranks. Compute: the profile `plait calibrate
+    --compute --nprocs N` saved in ``cache_directory`` (default the CLI's cache_dir()) when
+    it is for N ranks, this dtype and this machine; else measured now (one process alone,
+    scaled by cores/processes: an assumption), the line saying why. The host: how the N
+    ranks share the cores, with the profile's measured wait for the slowest rank."""
     nprocs = args.nprocs or args.gpus
     if nprocs is None:
         raise ValueError("--cluster local needs --nprocs N (processes on this machine)")
     dtype = dtype or precision_for(precision_name, "plait").dtype  # --auto: the traced model's own dtype
-    started = time.perf_counter()
-    device = measure_device(dtype=dtype, processes=nprocs, matmul_shapes=_model_matmul_shapes(model))
-    emit(f"measured this machine in {time.perf_counter() - started:.1f} s: {device.describe()} "
-         f"[{device.source}]")
+    directory = cache_dir() if cache_directory is None else cache_directory
+    compute_path = compute_profile_path(nprocs, directory)
+    compute, why_not = load_compute_profile(compute_path, nprocs=nprocs, dtype=dtype)
+    if compute is not None:
+        device = profile_device(compute, where=compute_path.name)
+        emit(f"compute: calibrated profile {compute_path} ({nprocs} ranks at once, plait calibrate --compute): "
+             f"{device.describe()}")
+    else:
+        started = time.perf_counter()
+        device = measure_device(dtype=dtype, processes=nprocs, matmul_shapes=_model_matmul_shapes(model))
+        emit(f"measured this machine in {time.perf_counter() - started:.1f} s ({why_not}; one process alone, "
+             f"scaled by cores/processes): {device.describe()} [{device.source}]")
+    host = host_model_from_profile(compute, nprocs=nprocs)
+    emit(f"host: {host.ranks} ranks x {host.threads_per_rank} thread(s) on {host.cores} cores; wait for the slowest "
+         f"rank {host.sync_wait_s * 1e3:.3g} ms + {host.sync_wait_per_compute:.3g} x compute per call [{host.source}]")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ProfileMismatchWarning)
         # plait train's default on one host: shared memory, so its calibration (calibrate's default)
-        profile = load_profile(args.profile, backend=DEFAULT_PROFILE_BACKEND, cache_dir=cache_dir())
+        profile = load_profile(args.profile, backend=DEFAULT_PROFILE_BACKEND, cache_dir=directory)
     if profile is None:
         if args.profile:
             raise ValueError(f"no calibration profile at {args.profile}; run plait calibrate --output {args.profile}")
@@ -241,9 +262,10 @@ def _local_cluster(args, precision_name: str, emit, model=None, dtype: str | Non
          f"{overhead * 1e6:.3g} us per call")
     if args.topology is None:
         return cluster_preset("local", nprocs=nprocs, device=device, local_link=link, call_overhead_s=overhead,
-                              link_source=source)
+                              link_source=source, host=host)
     return topology_cluster(load_topology(args.topology), nprocs=nprocs, device=device, local_link=link,
-                            call_overhead_s=overhead, link_source=f"{source}; between hosts: {args.topology}")
+                            call_overhead_s=overhead, link_source=f"{source}; between hosts: {args.topology}",
+                            host=host)
 
 
 def _device_text(device) -> str:
@@ -288,6 +310,8 @@ def _check_flag_combinations(args, local: bool) -> None:
 
 
 def run(args) -> int:
+    if args.explain_run is not None:
+        return run_explain(args)
     if args.auto:
         return run_auto(args, _local_cluster, _check_flag_combinations)
     without = auto_flags_without_auto(args)

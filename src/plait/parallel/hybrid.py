@@ -24,7 +24,7 @@ model (``names``) wherever they live, which is what checkpoints are keyed by.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
@@ -169,17 +169,73 @@ def _drop_unheld(model: nn.Module, held_ids: set[int]) -> None:
 
 @dataclass
 class StepTimes:
-    """Where one step's time went on this rank (seconds)."""
+    """Where one step's time went on this rank (seconds), in the parts of
+    ``plait.names.step_parts``, each from a timer around the real calls:
+
+    - ``compute_s``: the engine's forward/backward intervals minus the tensor-parallel
+      collectives run inside them (plait.comm's time on the tp group meanwhile);
+      ``stage_compute_s``: the same per pipeline stage (model chunk) this rank runs
+      (each interval's share of the collectives in proportion to its length);
+    - ``tp_comm_s``: tp-group collectives during the engine's step (synchronous calls);
+    - ``pp_comm_s``: posting sends and waiting for them at the flush (``receive_s``, the
+      waits in receives, is kept apart: it is the peer's compute (bubble) and the
+      message's transfer together; ``plait.train.step_parts`` splits it with the
+      senders' post times);
+    - ``pp_bubble_s``: the rest of the engine's step: idle between actions;
+    - ``dp_comm_s``: the engine's closing collectives (loss sum, shared and Chimera
+      replica gradients), the dp sync (gradient averaging or ZeRO's reduce-scatter,
+      unscale, the gradient-norm and loss reductions) and the dp collectives inside
+      the optimizer step (ZeRO's parameter all-gather);
+    - ``optimizer_s``: the optimizer step without those collectives;
+    - ``data_s``: fetching the batch (the caller's timer: ``with_data``);
+    - ``other_s``: wall - every part above (bookkeeping), so the parts add up to wall.
+
+    The coarse split of earlier reports is kept as properties: ``comm_s`` = tp + dp,
+    ``bubble_s`` = pp_comm + receive waits + pp_bubble, ``rest_s`` = optimizer + data + other."""
 
     wall_s: float = 0.0
-    compute_s: float = 0.0  # forward/backward minus the collectives inside them
-    comm_s: float = 0.0  # collectives (tp inside compute, dp gradient averaging, norms)
-    bubble_s: float = 0.0  # pipeline waits: idle, and activations/gradients in flight
-    other_s: float = 0.0  # optimiser, data, bookkeeping
+    compute_s: float = 0.0
+    tp_comm_s: float = 0.0
+    pp_comm_s: float = 0.0
+    receive_s: float = 0.0
+    pp_bubble_s: float = 0.0
+    dp_comm_s: float = 0.0
+    optimizer_s: float = 0.0
+    data_s: float = 0.0
+    other_s: float = 0.0
+    stage_compute_s: dict = field(default_factory=dict)  # pipeline stage -> compute seconds
+
+    @property
+    def comm_s(self) -> float:
+        return self.tp_comm_s + self.dp_comm_s
+
+    @property
+    def bubble_s(self) -> float:
+        return self.pp_comm_s + self.receive_s + self.pp_bubble_s
+
+    @property
+    def rest_s(self) -> float:
+        return self.optimizer_s + self.data_s + self.other_s
+
+    def with_data(self, data_s: float) -> "StepTimes":
+        """These times with ``data_s`` of batch fetching before the step (added to wall)."""
+        return replace(self, data_s=self.data_s + data_s, wall_s=self.wall_s + data_s)
+
+    def as_dict(self) -> dict:
+        return {**{name: getattr(self, name) for name in TIMED_PARTS},
+                "stage_compute_s": {str(stage): value for stage, value in self.stage_compute_s.items()}}
 
 
-def _collective_time_s() -> float:
-    return sum(entry["time_s"] for entry in comm.stats().values())
+# the StepTimes fields that add up to wall_s
+TIMED_PARTS = ("wall_s", "compute_s", "tp_comm_s", "pp_comm_s", "receive_s", "pp_bubble_s", "dp_comm_s",
+               "optimizer_s", "data_s", "other_s")
+
+
+def _axis_comm_s(hybrid: HybridModel, axis: str) -> float:
+    """Seconds plait.comm has recorded in collectives on ``axis``'s group (0 for a group of one)."""
+    if hybrid.mesh.size(axis) == 1:
+        return 0.0
+    return sum(entry["time_s"] for entry in comm.stats(hybrid.mesh.group[axis]).values())
 
 
 def train_step(hybrid: HybridModel, inputs, targets, optimizer, *, step: int, grad_clip: float = 0.0,
@@ -190,15 +246,15 @@ def train_step(hybrid: HybridModel, inputs, targets, optimizer, *, step: int, gr
     for it (the caller averages losses over dp ranks itself, e.g. many steps at once:
     plait.train.metrics)."""
     start_s = time.perf_counter()
-    collectives_before_s = _collective_time_s()
+    tp_before_s = _axis_comm_s(hybrid, TP)
     sharded = isinstance(optimizer, ShardedOptimizer)  # ZeRO: reduce-scatter instead of all-reduce
     if sharded:  # shard gradients dropped, offloaded state asked for, stage 3's prefetch order
         optimizer.begin_step()
+    engine_start_s = time.perf_counter()
     loss = hybrid.engine.train_step(inputs, targets, optimizer=None)
-    engine_s = time.perf_counter() - start_s
+    engine_s = time.perf_counter() - engine_start_s
     record = hybrid.engine.history[-1]
-    busy_s = sum(interval.end_s - interval.start_s for interval in record.intervals)
-    inside_s = _collective_time_s() - collectives_before_s
+    tp_s = _axis_comm_s(hybrid, TP) - tp_before_s
     sync_start_s = time.perf_counter()
     if sharded:
         optimizer.reduce_gradients()
@@ -218,15 +274,29 @@ def train_step(hybrid: HybridModel, inputs, targets, optimizer, *, step: int, gr
     if lr is not None:
         for group in optimizer.param_groups:
             group["lr"] = lr
+    dp_before_s = _axis_comm_s(hybrid, DP)
+    optimizer_start_s = time.perf_counter()
     if hybrid.scaler is not None:
         hybrid.scaler.step(optimizer)
         hybrid.scaler.update()
     else:
         optimizer.step()
+    optimizer_s = time.perf_counter() - optimizer_start_s
+    optimizer_dp_s = min(_axis_comm_s(hybrid, DP) - dp_before_s, optimizer_s)  # ZeRO's parameter all-gather
     wall_s = time.perf_counter() - start_s
-    times = StepTimes(wall_s=wall_s, compute_s=max(busy_s - inside_s, 0.0), comm_s=inside_s + sync_s,
-                      bubble_s=max(engine_s - busy_s, 0.0))
-    times.other_s = max(wall_s - times.compute_s - times.comm_s - times.bubble_s, 0.0)
+    busy_by_stage = record.stage_busy_s
+    busy_s = sum(busy_by_stage.values())
+    tp_s = min(tp_s, busy_s)  # tp collectives run inside forward and backward
+    compute_s = busy_s - tp_s
+    stage_compute_s = {stage: compute_s * seconds / busy_s for stage, seconds in sorted(busy_by_stage.items())} \
+        if busy_s > 0 else {}
+    idle_s = engine_s - busy_s - record.send_s - record.receive_s - record.closing_s
+    times = StepTimes(wall_s=wall_s, compute_s=compute_s, tp_comm_s=tp_s, pp_comm_s=record.send_s,
+                      receive_s=record.receive_s, pp_bubble_s=max(idle_s, 0.0),
+                      dp_comm_s=record.closing_s + sync_s + optimizer_dp_s, optimizer_s=optimizer_s - optimizer_dp_s,
+                      stage_compute_s=stage_compute_s)
+    accounted_s = sum(getattr(times, name) for name in TIMED_PARTS[1:-1])
+    times.other_s = max(wall_s - accounted_s, 0.0)
     return loss, norm, times
 
 

@@ -41,6 +41,9 @@ from plait.train.config import TrainConfig
 from plait.train.memory import MemoryMonitor
 from plait.train.checkpoint_dcp import write_dcp
 from plait.train.metrics import AxisCommClock, MetricsLog
+from plait.train.eager_costs import measure_eager_costs
+from plait.train.plan_compare import step_parts_section
+from plait.train.step_breakdown import measured_breakdown, StepTotals
 from plait.train.tensorboard_log import TENSORBOARD_DIR
 from plait.train.offload_dirs import prepare_offload_dir, remove_offload_dir
 from plait.train.progress import rate_key, throughput_unit
@@ -55,8 +58,15 @@ class Trainer:
     """One rank's training state (see the module docstring)."""
 
     def __init__(self, config: TrainConfig, *, resume: str = "auto", log=print, data=None, run_id: str | None = None,
-                 force_fresh: bool = False, comm_environment: comm.CommConfig | None = None, cache_dir=None):
+                 force_fresh: bool = False, comm_environment: comm.CommConfig | None = None, cache_dir=None,
+                 batch_source=None, optimizer_factory=None):
+        """``batch_source``: a data source of your own, ``batch_source(step, dp_rank, dp_size) ->
+        (inputs, targets)``, this dp rank's slice of global batch ``step`` (default: the config's
+        data, ``plait.train.build.batch``); its time is the report's ``data`` part.
+        ``optimizer_factory``: ``optimizer_factory(named_parameters, config) -> torch optimizer``
+        over this rank's parameters (default ``plait.train.build.make_optimizer``; ZeRO wraps it)."""
         self.config, self.log = config, log
+        self.batch_source = batch_source
         self.run_id, self.force_fresh = run_id, force_fresh
         self.started_s = float(os.environ.get("PLAIT_LAUNCH_TIME", time.time()))
         self.device = init_distributed(config.timeout_s, config.backend)
@@ -67,6 +77,7 @@ class Trainer:
         self.mesh = DeviceMesh.create(self.dims)
         self.coords = self.mesh.coords
         self.data = load_data(config, cache_dir) if data is None else data  # cache_dir: the CLI's
+        self.cache_dir = cache_dir  # also where the plan beside the report finds plait calibrate's profile
         self.model_info = model_description(config, self.data)
         self.hf_config = None if config.hf_source is None else hf_model.load_config(config.hf_source)
         self._check_agreement()
@@ -94,7 +105,7 @@ class Trainer:
         if hf:  # a pipeline rank keeps only its chunks' parameters (the split's stages share the model's)
             hf_model.free_unheld(model, self.hybrid.names.values())
         del model, layers
-        self.optimizer = make_optimizer(self.hybrid.names.items(), config)
+        self.optimizer = (optimizer_factory or make_optimizer)(self.hybrid.names.items(), config)
         if config.zero_stage:  # optimizer state (2: and gradients; 3: and parameters) sharded over the dp group
             shared = set(self.hybrid.engine.shared_parameters)  # summed over pipeline ranks after the backward
             self.optimizer = ShardedOptimizer(
@@ -109,7 +120,7 @@ class Trainer:
         self.out = Path(config.out)
         self.start_step = 0
         self.resumed_from = None
-        self.times = {"wall_s": 0.0, "compute_s": 0.0, "comm_s": 0.0, "bubble_s": 0.0, "other_s": 0.0}
+        self.times = StepTotals()  # this process's steps, timed part by part (plait.train.step_breakdown)
         self._resume(resume)
 
     def _whole_parameters(self, write: bool = False):
@@ -297,8 +308,11 @@ class Trainer:
 
     # ----- the loop ------------------------------------------------------------------------
     def _batch(self, step, evaluation=False):
-        inputs, targets = batch(self.config, self.data, step, self.coords["dp"], self.config.dp,
-                                evaluation=evaluation)
+        if self.batch_source is not None and not evaluation:
+            inputs, targets = self.batch_source(step, self.coords["dp"], self.config.dp)
+        else:
+            inputs, targets = batch(self.config, self.data, step, self.coords["dp"], self.config.dp,
+                                    evaluation=evaluation)
         return inputs.to(self.device), targets.to(self.device)
 
     def evaluate(self) -> float:
@@ -348,12 +362,15 @@ class Trainer:
         try:
             for step in range(self.start_step, end):
                 self._fault_injection(step)
+                data_start_s = time.perf_counter()
                 inputs, targets = self._batch(step)
+                data_s = time.perf_counter() - data_start_s
                 self.memory.begin_step(exclude=[*self._parameters, inputs, targets])
                 lr = config.lr_at(step)
                 axis_clock.start()
                 loss, norm, times = train_step(self.hybrid, inputs, targets, self.optimizer, step=step,
                                                grad_clip=config.grad_clip, lr=lr, reduce_loss=False)
+                times = times.with_data(data_s)
                 memory = self.memory.end_step(self.hybrid.engine.history[-1].peak_activation_bytes,
                                               itertools.chain(self._parameters,  # read after the first step only
                                                               getattr(self.optimizer, "shards", [])),
@@ -361,8 +378,7 @@ class Trainer:
                 steps_run += 1
                 if first_step_s is None:
                     first_step_s = time.time() - self.started_s
-                for key in self.times:
-                    self.times[key] += getattr(times, key)
+                self.times.add(times)
                 record = {"step": step, "loss": loss, "lr": lr, "grad_norm": norm,
                           rate_key(unit): items_per_step / times.wall_s, "step_s": times.wall_s,
                           "elapsed_s": time.perf_counter() - loop_start_s,
@@ -400,7 +416,9 @@ class Trainer:
 
     def _report(self, records, steps_run, per_step: dict, first_step_s) -> dict | None:
         peak_flops_per_s = self.peak_flops_per_process(measure_peak_flops)
-        mine = {"rank": self.rank, "coords": dict(self.coords), "steps": steps_run, **self.times,
+        eager = self.peak_flops_per_process(measure_eager_costs)  # the plan's per-kernel cost and bandwidth
+        mine = {"rank": self.rank, "coords": dict(self.coords), "steps": steps_run,
+                **self.times.report(self.hybrid.engine.history),
                 "collectives": {name: {key: entry[key] for key in ("calls", "bytes_sent", "time_s", "algorithms")}
                                 for name, entry in comm.stats().items()},
                 "comm": {"config": self.comm_config.describe(),
@@ -418,14 +436,19 @@ class Trainer:
                     "flops_per_step": self.flops_per_step(), "peak_flops_per_s": peak_flops_per_s,
                     "time_to_first_step_s": first_step_s or 0.0, "steps": self.config.steps,
                     "start_step": self.start_step}
-        report = write_report(self.out, metrics=records, ranks=everyone, run=run_info)
+        inputs = {"world_size": self.world_size, "vocab": getattr(self.data, "vocab_size", None),
+                  "peak_flops_per_s": peak_flops_per_s, "eager": list(eager)}
+        step_parts = step_parts_section(self.config.to_dict(), measured_breakdown(everyone), inputs,
+                                        cache_dir=self.cache_dir)
+        report = write_report(self.out, metrics=records, ranks=everyone, run=run_info, step_parts=step_parts)
         for line in summary_lines(report):
             self.log(line)
         return report
 
-    def peak_flops_per_process(self, measure) -> float:
+    def peak_flops_per_process(self, measure):
         """The matmul rate a process achieves while every rank measures at once (so
-        4 processes sharing 2 cores each see their share): the median over ranks.
+        4 processes sharing 2 cores each see their share): the median over ranks (of
+        whatever ``measure`` returns: a tuple's median by its first element).
         Collective: every rank calls it."""
         dist.barrier()
         rate = measure(device=self.device)

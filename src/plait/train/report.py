@@ -33,15 +33,15 @@ from pathlib import Path
 from plait.names.axes import AXES
 from plait.train.atomic_files import atomic_write
 from plait.train.memory import memory_rows, render_memory
-from plait.train.progress import format_duration, format_rate, rate_key, throughput_unit
+from plait.train.plan_compare import comparison_lines
+from plait.train.report_stats import loss_summary, mean_rate, throughput as throughput_summary
+from plait.train.progress import format_duration, format_rate, throughput_unit
 
 TIME_PARTS = ("compute", "comm", "bubble", "other")
 MIB = float(1 << 20)
 RUN_KEYS = ("config", "mesh", "world_size", "backend", "device", "flops_per_step", "peak_flops_per_s",
             "time_to_first_step_s", "steps", "start_step")  # and the items per step: see _per_step
 RANK_KEYS = ("rank", "coords", "wall_s", "compute_s", "comm_s", "bubble_s", "other_s")
-# Number of final train-loss records averaged into the smoothed final loss.
-FINAL_LOSS_WINDOW = 10
 TIME_DEFINITIONS = (
     "- **compute**: forward and backward time, minus the plait collectives that ran inside them.\n"
     "- **comm**: time inside plait collectives: tensor-parallel ones inside forward and backward, "
@@ -50,7 +50,7 @@ TIME_DEFINITIONS = (
     "micro-batch to run, or waiting for an activation or gradient to arrive from the next or "
     "previous stage (on one CPU machine a slow peer shows here too).\n"
     "- **other**: the rest of the training loop: optimiser step, data loading, logging.\n"
-    "- **wall**: the whole training loop of that rank; compute + comm + bubble + other ≈ wall.\n"
+    "- **wall**: that rank's training steps (batch fetch included); compute + comm + bubble + other = wall.\n"
     "- **%**: share of that rank's wall time.")
 
 
@@ -104,57 +104,6 @@ def _check_inputs(metrics: list[dict], ranks: list[dict], run: dict) -> None:
                 problems.append(f"ranks[{index}]['coords'] lacks {lacking_axes}")
     if problems:
         raise ValueError("write_report: " + "; ".join(problems))
-
-
-def _loss_summary(metrics: list[dict]) -> dict:
-    train = [(r["step"], float(r["loss"])) for r in metrics if _finite(r.get("loss"))]
-    val = [(r["step"], float(r["val_loss"])) for r in metrics if _finite(r.get("val_loss"))]
-    window = [loss for _, loss in train[-FINAL_LOSS_WINDOW:]]
-    return {
-        "first_train": train[0][1] if train else None,
-        "final_train": train[-1][1] if train else None,
-        "final_train_step": train[-1][0] if train else None,
-        "final_train_mean": sum(window) / len(window) if window else None,
-        "final_train_mean_over": len(window),
-        "final_val": val[-1][1] if val else None,
-        "final_val_step": val[-1][0] if val else None,
-        "best_val": min(loss for _, loss in val) if val else None,
-        "nonfinite_train_records": sum(1 for r in metrics if "loss" in r and not _finite(r.get("loss"))),
-    }
-
-
-def _rate(record: dict, unit: str):
-    """A record's rate in ``unit``/s: its "samples_per_s" / "tokens_per_s"; plait train has
-    written an MLP's samples/s as "tokens_per_s", which is read too."""
-    value = record.get(rate_key(unit))
-    return value if _finite(value) else record.get("tokens_per_s")
-
-
-def _throughput(metrics: list[dict], start_step: int, unit: str = "tokens") -> dict:
-    """Time-weighted mean rate (``unit``/s: tokens or samples) over this run's recorded steps
-    after its first (warm-up): Σ rate·step_s / Σ step_s, i.e. items / seconds when every step
-    is recorded. This run's records are those with step >= start_step (a resumed run's
-    metrics also hold the earlier run's steps, which the loss curve shows but the
-    throughput skips). Keys: "unit", "mean_{unit}_per_s", "mean_step_s", ..."""
-    timed = [r for r in metrics if _finite(_rate(r, unit)) and r["step"] >= start_step]
-    timed.sort(key=lambda r: r["step"])
-    measured = timed[1:] if len(timed) > 1 else timed
-    weighted = [r for r in measured if _finite(r.get("step_s")) and r["step_s"] > 0]
-    if measured and len(weighted) == len(measured):
-        total_s = sum(r["step_s"] for r in weighted)
-        rate_per_s = sum(_rate(r, unit) * r["step_s"] for r in weighted) / total_s
-        mean_step_s = total_s / len(weighted)
-    elif measured:  # no usable step times: plain mean of the rates
-        rate_per_s = sum(_rate(r, unit) for r in measured) / len(measured)
-        mean_step_s = None
-    else:
-        rate_per_s = mean_step_s = None
-    return {"unit": unit, f"mean_{rate_key(unit)}": rate_per_s, "mean_step_s": mean_step_s,
-            "steps_measured": len(measured), "first_step_excluded": len(timed) > 1}
-
-
-def _mean_rate(throughput: dict):
-    return throughput[f"mean_{rate_key(throughput['unit'])}"]
 
 
 def _rank_rows(ranks: list[dict]) -> list[dict]:
@@ -232,8 +181,8 @@ def _mfu(run: dict, rows: list[dict], throughput: dict) -> dict:
     # (tokens or samples, as the model counts).
     steady = None
     per_step = _per_step(run, throughput["unit"])
-    if usable and _finite(_mean_rate(throughput)) and _finite(per_step) and per_step > 0:
-        steps_per_s = _mean_rate(throughput) / per_step
+    if usable and _finite(mean_rate(throughput)) and _finite(per_step) and per_step > 0:
+        steps_per_s = mean_rate(throughput) / per_step
         steady = flops_per_step * steps_per_s / (world_size * peak)
     return {"value": value, "steady_value": steady, "flops_per_step": flops_per_step, "steps_run": steps_run,
             "wall_s": wall_s, "world_size": world_size, "peak_flops_per_s": peak,
@@ -257,7 +206,7 @@ def _json_safe(value):
 # ---- the report -----------------------------------------------------------------------
 
 def write_report(out_dir, *, metrics: list[dict], ranks: list[dict], run: dict,
-                 log_y: bool | None = None) -> dict:
+                 log_y: bool | None = None, step_parts: dict | None = None) -> dict:
     """Write out_dir/report.json, report.md and loss.png (each by a temporary file
     renamed over it: a symbolic link there is replaced, never written through); return
     the report dict.
@@ -269,7 +218,9 @@ def write_report(out_dir, *, metrics: list[dict], ranks: list[dict], run: dict,
     start_step .. steps-1. MFU uses the ranks' own "steps" (steps run inside their
     ``wall_s``) when given, else steps - start_step.
     ``flops_per_step`` counts the whole global batch (all data-parallel replicas).
-    ``log_y`` None: log scale when the train loss spans more than 10×."""
+    ``log_y`` None: log scale when the train loss spans more than 10×.
+    ``step_parts``: the measured step parts beside the plan's
+    (``plait.train.plan_compare.step_parts_section``), or None."""
     _check_inputs(metrics, ranks, run)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -278,12 +229,12 @@ def write_report(out_dir, *, metrics: list[dict], ranks: list[dict], run: dict,
     metrics = sorted(metrics, key=lambda r: r["step"])
     rows = _rank_rows(ranks)
     unit = _unit(run)
-    throughput = _throughput(metrics, int(run["start_step"]), unit)
+    throughput = throughput_summary(metrics, int(run["start_step"]), unit)
     slowest = max(rows, key=lambda row: row["wall_s"]) if rows else None
     report = {
         "run": {**{key: run[key] for key in RUN_KEYS}, "unit": unit, f"{unit}_per_step": _per_step(run, unit)},
         "mesh_shape": _mesh_shape(ranks, run),
-        "loss": _loss_summary(metrics),
+        "loss": loss_summary(metrics),
         "throughput": throughput,
         "time_to_first_step_s": run["time_to_first_step_s"],
         "wall_s": max((row["wall_s"] for row in rows), default=None),
@@ -296,6 +247,7 @@ def write_report(out_dir, *, metrics: list[dict], ranks: list[dict], run: dict,
         "collectives": _collectives(ranks),
         "memory": memory_rows(ranks),
         "samples": run.get("samples"),
+        "step_parts": step_parts,
         "paths": paths,
     }
     report = _json_safe(report)
@@ -372,9 +324,9 @@ def render_markdown(report: dict) -> str:
     train_text = (f"{loss['final_train']:.4f} (step {loss['final_train_step']}; mean of last "
                   f"{loss['final_train_mean_over']}: {loss['final_train_mean']:.4f})"
                   if loss["final_train"] is not None else "n/a")
-    rate_text = (f"{format_rate(_mean_rate(throughput))} {unit}/s over {throughput['steps_measured']} "
+    rate_text = (f"{format_rate(mean_rate(throughput))} {unit}/s over {throughput['steps_measured']} "
                  f"recorded steps" + (" (first step excluded)" if throughput["first_step_excluded"] else "")
-                 if _mean_rate(throughput) is not None else "n/a")
+                 if mean_rate(throughput) is not None else "n/a")
     lines += [
         f"- mesh: {_mesh_title(shape)}, world size {run['world_size']}, backend {run['backend']}, "
         f"device {run['device']}",
@@ -390,6 +342,10 @@ def render_markdown(report: dict) -> str:
     if loss["nonfinite_train_records"]:
         lines.append(f"- WARNING: {loss['nonfinite_train_records']} records have a non-finite train loss")
     lines += ["", "## Loss", "", "![loss curve](loss.png)", ""]
+    if report.get("step_parts"):
+        lines += ["## Plan vs measured", "", "Each part of a step (plait.names.step_parts) as the planner prices "
+                  "this layout and as timers around the real calls measured it; error = (measured - plan) / plan.",
+                  "", "```", *comparison_lines(report["step_parts"]), "```", ""]
 
     lines += ["## Time per rank", "", "Seconds over the whole training loop, and % of that rank's wall time.", "",
               TIME_DEFINITIONS, ""]
@@ -478,7 +434,7 @@ def summary_lines(report: dict) -> list[str]:
     train = f"{loss['final_train']:.4f} (step {loss['final_train_step']})" if loss["final_train"] is not None else "n/a"
     lines = [f"loss: train {train}{val}"]
     first_s = report["time_to_first_step_s"]
-    lines.append(f"throughput: {format_rate(_mean_rate(throughput))} {throughput['unit']}/s (first step excluded); "
+    lines.append(f"throughput: {format_rate(mean_rate(throughput))} {throughput['unit']}/s (first step excluded); "
                  f"first step after {format_duration(first_s) if _finite(first_s) else 'n/a'}")
     slowest = next((row for row in report["ranks"] if row["rank"] == report["slowest_rank"]), None)
     if slowest is not None:
@@ -491,5 +447,6 @@ def summary_lines(report: dict) -> list[str]:
                      f"(measured matmul rate){steady}")
     else:
         lines.append("MFU: n/a")
+    lines += comparison_lines(report.get("step_parts"))
     lines.append(f"report: {report['paths']['markdown']} (+ report.json, loss.png)")
     return lines

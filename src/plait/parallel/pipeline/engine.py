@@ -81,6 +81,19 @@ class StepRecord:
     peak_activation_bytes: int = 0
     stage_activation_bytes: dict = field(default_factory=dict)  # stage -> bytes one micro-batch holds there
     step_time_s: float = 0.0
+    # where the step's time outside forward/backward went (seconds on this rank): waiting in
+    # receives of activations/gradients, posting sends and waiting for them at the end,
+    # and the step's closing collectives (loss sum, shared and Chimera replica gradients)
+    receive_s: float = 0.0
+    send_s: float = 0.0
+    closing_s: float = 0.0
+    # each receive's wait (kind, micro-batch, stage, start_s, end_s) and each send's
+    # post time (kind, micro-batch, stage, posted_s): perf_counter, comparable between
+    # processes of one host (plait.train.step_parts splits receive waits into the
+    # peer's compute (bubble) and the message's transfer with them)
+    receives: list = field(default_factory=list)
+    sends: list = field(default_factory=list)
+    stage_busy_s: dict = field(default_factory=dict)  # stage -> seconds of its forward/backward/weight intervals
 
 
 class PipelineEngine:
@@ -197,7 +210,10 @@ class PipelineEngine:
             self.steps += 1  # the step's tags are retired
             raise
         try:
+            finish_start_s = time.perf_counter()
             self.messages.finish()
+            closing_start_s = time.perf_counter()
+            record.send_s += closing_start_s - finish_start_s
             self.steps += 1
             loss = torch.tensor([state.loss_sum], dtype=torch.float64)
             reduction = comm.all_reduce(loss, group=self.communicator, async_op=True)  # in flight during the step
@@ -205,6 +221,7 @@ class PipelineEngine:
             if optimizer is not None:
                 optimizer.step()
             reduction.wait()
+            record.closing_s += time.perf_counter() - closing_start_s
         except Exception:
             self.messages.forget()
             raise
@@ -230,28 +247,47 @@ class PipelineEngine:
 
     def _run(self, action, state, micro_inputs, micro_targets, record):
         mb, s = action.microbatch, action.stage
-        if action.kind == RECV_ACT:
-            state.inputs[(mb, s + 1)] = as_leaf(self.messages.receive(action))
-        elif action.kind == RECV_GRAD:
-            state.output_grads[(mb, s - 1)] = self.messages.receive(action)
-        elif action.kind == SEND_ACT:
-            self.messages.send(self._checked(state, s, mb, state.outputs[(mb, s)]), action)
-        elif action.kind == SEND_GRAD:
-            self.messages.send(input_grad(state.inputs.pop((mb, s))), action)
+        if action.kind in (RECV_ACT, RECV_GRAD):
+            t0 = time.perf_counter()
+            received = self.messages.receive(action)
+            if action.kind == RECV_ACT:
+                state.inputs[(mb, s + 1)] = as_leaf(received)
+            else:
+                state.output_grads[(mb, s - 1)] = received
+            t1 = time.perf_counter()
+            record.receive_s += t1 - t0
+            record.receives.append((action.kind, mb, s, t0, t1))
+        elif action.kind in (SEND_ACT, SEND_GRAD):
+            t0 = time.perf_counter()
+            if action.kind == SEND_ACT:
+                self.messages.send(self._checked(state, s, mb, state.outputs[(mb, s)]), action)
+            else:
+                self.messages.send(input_grad(state.inputs.pop((mb, s))), action)
+            t1 = time.perf_counter()
+            record.send_s += t1 - t0
+            record.sends.append((action.kind, mb, s, t1))
         elif action.kind == FORWARD:
             t0 = time.perf_counter()
             self._forward(mb, s, state, micro_inputs, micro_targets)
-            record.intervals.append(Interval(self.rank, action.label(), FORWARD, mb, t0, time.perf_counter()))
+            t1 = time.perf_counter()
+            record.intervals.append(Interval(self.rank, action.label(), FORWARD, mb, t0, t1))
+            record.stage_busy_s[s] = record.stage_busy_s.get(s, 0.0) + t1 - t0
         elif action.kind == BACKWARD:
             t0 = time.perf_counter()
             self._backward(mb, s, state)
-            record.intervals.append(Interval(self.rank, action.label(), BACKWARD, mb, t0, time.perf_counter()))
+            t1 = time.perf_counter()
+            record.intervals.append(Interval(self.rank, action.label(), BACKWARD, mb, t0, t1))
+            record.stage_busy_s[s] = record.stage_busy_s.get(s, 0.0) + t1 - t0
         elif action.kind == WEIGHT:
             t0 = time.perf_counter()
             self._weight(mb, s, state)
-            record.intervals.append(Interval(self.rank, action.label(), WEIGHT, mb, t0, time.perf_counter()))
+            t1 = time.perf_counter()
+            record.intervals.append(Interval(self.rank, action.label(), WEIGHT, mb, t0, t1))
+            record.stage_busy_s[s] = record.stage_busy_s.get(s, 0.0) + t1 - t0
         elif action.kind == ALL_REDUCE:
+            t0 = time.perf_counter()
             self._sum_replicas()
+            record.closing_s += time.perf_counter() - t0
         else:
             assert action.kind == STEP
 
