@@ -55,7 +55,7 @@ def test_wait_by_hand():
     # size 3 was not measured: the size-4 terms times f(3)/f(4) = (2/4)/(3/5) = 5/6
     assert lateness_factor(3) / lateness_factor(4) == pytest.approx(5 / 6, rel=1e-15)
     assert host.wait_s(3, 0.05) == pytest.approx(4.5 * MS * 5 / 6, rel=1e-12)  # 3.75 ms
-    assert host.wait_s(4, -1.0) == pytest.approx(1.5 * MS, rel=1e-12)  # no negative compute
+    assert host.wait_s(4, 0.0) == 0.0 and host.wait_s(4, -1.0) == 0.0  # back-to-back: the link's price
     plain = HostModel(ranks=4, cores=2, sync_wait_s=1e-3, sync_wait_per_compute=0.1)  # n_ref: all 4 ranks
     assert plain.wait_s(2, 0.01) == pytest.approx(2e-3 * (1 / 3) / (3 / 5), rel=1e-12)
 
@@ -137,6 +137,9 @@ def test_fit_exact_without_noise():
     assert fit.rms_residual_s < 1e-14
     assert (fit.sync_wait_s, fit.sync_wait_per_compute, fit.group_size) == (*fit.by_size[4], 4)
     assert fit.latency_s == pytest.approx(LATENCY_S, rel=1e-12)
+    # the rows' wall time is 2x-2.2x their CPU time: the measured sharing
+    assert all(SHARING_SLOWDOWN <= ratio <= 1.1 * SHARING_SLOWDOWN for ratio in fit.slowdown.values())
+    assert sorted(fit.slowdown) == list(SEGMENTS_S[1:])
     host = fit.host(cores=2)
     assert host.wait_s(2, 0.05) == pytest.approx(TRUTH[2][0] + TRUTH[2][1] * 0.05, rel=1e-9)
     assert host.wait_s(4, 0.05) == pytest.approx(TRUTH[4][0] + TRUTH[4][1] * 0.05, rel=1e-9)

@@ -27,6 +27,7 @@ measures back-to-back, i.e. at segment 0):
     wait(n, segment) = a_n + b_n · segment                        n a measured group size
     wait(n, segment) = (a_ref + b_ref · segment) · f(n) / f(n_ref)  any other size > 1
     f(n) = (n − 1) / (n + 1)
+    wait(n, 0) = 0                                                  back-to-back calls
 
 (a_n, b_n) are ``sync_wait_by_size``; (a_ref, b_ref) = (``sync_wait_s``,
 ``sync_wait_per_compute``) at n_ref = ``sync_group_size`` (0: all ``ranks``). f(n) is
@@ -154,15 +155,17 @@ class HostModel:
     def wait_s(self, size: int, segment_s: float) -> float:
         """The wait for the slowest of ``size`` ranks at one synchronising call, after
         ``segment_s`` seconds of compute since the group last synchronised: a measured
-        size's own terms, else the reference terms scaled by f(size) / f(n_ref)."""
-        if size <= 1:
+        size's own terms, else the reference terms scaled by f(size) / f(n_ref). None
+        with no compute before the call (``segment_s`` <= 0: a call right after the
+        group's previous one, which the link's back-to-back calibration already prices)."""
+        if size <= 1 or segment_s <= 0:
             return 0.0
         for measured, a_s, b in self.sync_wait_by_size:
             if measured == size:
-                return a_s + b * max(segment_s, 0.0)
+                return a_s + b * segment_s
         reference = self.sync_group_size or self.ranks
         scale = lateness_factor(size) / lateness_factor(reference) if reference > 1 else 1.0
-        return (self.sync_wait_s + self.sync_wait_per_compute * max(segment_s, 0.0)) * scale
+        return (self.sync_wait_s + self.sync_wait_per_compute * segment_s) * scale
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -173,7 +176,11 @@ class SyncWaitFit:
     work, work_s compute with the sharing, measured wait, its size's fitted wait);
     ``scaled_residuals``: the same points against the largest size's terms scaled by
     f(n)/f(group_size) (how well the i.i.d.-lateness rule carries a fit to an unmeasured
-    size); ``latency_s``: the segment-0 blocked time subtracted, per size."""
+    size); ``latency_s``: the segment-0 blocked time subtracted, per size;
+    ``slowdown``: {segment_s: mean wall / mean CPU time of the segments} over the largest
+    size's rows, the sharing as measured (1/share holds for segments the ranks spend
+    mostly computing; short segments between frequent syncs run faster, the other ranks
+    being blocked then)."""
 
     sync_wait_s: float
     sync_wait_per_compute: float
@@ -184,6 +191,7 @@ class SyncWaitFit:
     residuals: tuple[tuple[int, float, float, float, float], ...]
     scaled_residuals: tuple[tuple[int, float, float, float, float], ...]
     latency_s: dict
+    slowdown: dict
 
     @property
     def rms_residual_s(self) -> float:
@@ -207,7 +215,9 @@ class SyncWaitFit:
                              for size, (a_s, b) in sorted(self.by_size.items()))
                  + f"; rms residual {self.rms_residual_s * 1e3:.3f} ms (size {self.group_size}'s terms scaled "
                  f"by f(n) to every size: {self.scaled_rms_residual_s * 1e3:.3f} ms); latency subtracted "
-                 + ", ".join(f"size {size}: {value * 1e3:.3f} ms" for size, value in sorted(self.latency_s.items()))]
+                 + ", ".join(f"size {size}: {value * 1e3:.3f} ms" for size, value in sorted(self.latency_s.items())),
+                 f"  compute wall / CPU time (size {self.group_size}): "
+                 + ", ".join(f"{segment * 1e3:g} ms CPU {ratio:.2f}x" for segment, ratio in sorted(self.slowdown.items()))]
         lines += [f"  size {size} cpu {segment * 1e3:6.2f} ms  compute {work * 1e3:7.3f} ms  wait "
                   f"{wait * 1e3:7.3f} ms  fit {fitted * 1e3:7.3f} ms  scaled {scaled[4] * 1e3:7.3f} ms"
                   for (size, segment, work, wait, fitted), scaled in zip(self.residuals, self.scaled_residuals)]
@@ -262,9 +272,14 @@ def fit_sync_wait(rows) -> SyncWaitFit:
     scaled = tuple((n, segment, work_s, wait_s,
                     (a_ref + b_ref * work_s) * lateness_factor(n) / lateness_factor(reference))
                    for n, segment, work_s, wait_s in points)
+    largest = [row for row in rows if len(row["group_ranks"]) == reference and float(row["segment_s"]) > 0]
+    slowdown = {segment: sum(row["work_s"] for row in largest if row["segment_s"] == segment)
+                / sum(row["work_cpu_s"] for row in largest if row["segment_s"] == segment)
+                for segment in sorted({float(row["segment_s"]) for row in largest})}
     return SyncWaitFit(sync_wait_s=a_ref, sync_wait_per_compute=b_ref, group_size=reference, world_size=world.pop(),
                        threads_per_rank=threads.pop(), by_size=by_size, residuals=residuals, scaled_residuals=scaled,
-                       latency_s={size: sum(values) / len(values) for size, values in latency_by_size.items()})
+                       latency_s={size: sum(values) / len(values) for size, values in latency_by_size.items()},
+                       slowdown=slowdown)
 
 
 def _nonnegative_least_squares(points) -> tuple[float, float]:
