@@ -1,0 +1,303 @@
+"""Compute calibration: time this CPU's kernels in every rank at once.
+
+`plait calibrate --compute --nprocs N` runs ``run_compute_calibration`` in N spawned
+ranks (``plait.bench.launch.spawn_and_run``, as `plait calibrate` does for the link):
+each rank sets the intra-op threads plait train gives it (max(1, cores // N)) and all
+ranks time the same kernel at the same time, so every time includes the sharing of the
+cores that plait train's ranks see (on 2 cores one process alone runs a GEMM about
+twice as fast as each of 4 running together). What is timed, in the layout of
+``bench/gpu/kernels.py`` (``plait.plan.cpu_profile.fit_cpu_profile`` fits it):
+
+- matmul: ``torch.mm`` of every (m, n, k) in ``gemm_shapes`` (default: the products the
+  planner prices for plait train's GPT, ``plait.plan.cpu_profile``'s caller passes them,
+  plus a spread of sizes), C[m, n] = A[m, k]·B[k, n];
+- attention: ``torch.bmm`` of (count, m, n, k) in ``attention_cases`` (QKᵀ, PV and
+  their gradients' shapes);
+- memory-bound kernels: copy, add, GELU, LayerNorm forward and backward, softmax,
+  dropout and an AdamW step, bytes counted by hand as in kernels.py, at each of
+  ``memory_numels`` elements;
+- per-call costs: a tiny in-place add (dispatch), a 1x1x1 mm and bmm (a product's fixed
+  cost, the fit's t_mm), a chain of tiny autograd ops forward and backward (eager
+  dispatch plus autograd per kernel);
+- then the wait for the slowest rank (``plait.bench.sync_drift.measure_sync_wait`` at
+  ``sync_segments_s`` CPU-seconds of work between calls, ``sync_repeats`` times).
+
+Timing: every kernel is built and warmed up (``warmup`` calls), then ``reps`` sweeps
+run over all of them, per kernel {barrier; call it back to back until ``time_budget_s``
+has passed; seconds per call}: every rank is busy for the whole window, so the sharing
+is steady, and a slow phase of a shared machine lands on different kernels in
+different sweeps. A kernel's time is the median over sweeps of the mean over ranks
+("seconds", the average rank's cost) and of the max over ranks ("seconds_max").
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import asdict, dataclass
+from functools import partial
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch.nn import functional as F
+
+from plait.bench.sync_drift import DEFAULT_SEGMENTS_S, measure_sync_wait
+from plait.cost.profile import machine_identity
+from plait.plan.host import fit_sync_wait
+from plait.plan.layers import backward_matmuls
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
+SPREAD_GEMMS = ((32, 32, 32), (64, 64, 64), (128, 128, 128), (256, 256, 256), (384, 384, 384), (16, 512, 64),
+                (512, 16, 64), (64, 512, 16))
+LAYERNORM_ROW = 128  # plait train's GPT hidden: the rows LayerNorm and softmax see are this short
+
+
+@dataclass(frozen=True, kw_only=True)
+class ComputeCalibrateConfig:
+    """One `plait calibrate --compute` run (the CLI's flags map to these fields)."""
+
+    gemm_shapes: tuple[tuple[int, int, int], ...]
+    attention_cases: tuple[tuple[int, int, int, int], ...] = ()
+    memory_numels: tuple[int, ...] = (1 << 13, 1 << 15, 1 << 17)
+    adamw_params: tuple[int, ...] = (1 << 20,)
+    threads_per_rank: int = 1
+    dtype: str = "float32"
+    reps: int = 3
+    warmup: int = 1
+    time_budget_s: float = 0.01
+    sync_wait: bool = True
+    sync_segments_s: tuple[float, ...] = DEFAULT_SEGMENTS_S
+    sync_repeats: int = 30
+    timeout_s: float = 120.0
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.dtype not in DTYPES:
+            problems.append(f"dtype={self.dtype!r} must be one of {', '.join(DTYPES)}")
+        for key, rows, width in (("gemm_shapes", self.gemm_shapes, 3), ("attention_cases", self.attention_cases, 4)):
+            if not isinstance(rows, tuple) or any(
+                    not isinstance(row, tuple) or len(row) != width
+                    or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in row) for row in rows):
+                problems.append(f"{key}={rows!r} must be a tuple of {width}-tuples of whole numbers >= 1")
+        if not self.gemm_shapes:
+            problems.append("gemm_shapes is empty: need products to fit")
+        if not self.memory_numels or any(isinstance(v, bool) or not isinstance(v, int) or v < 1024 or v % 1024
+                                         for v in self.memory_numels):
+            problems.append(f"memory_numels={self.memory_numels!r} must be multiples of 1024 elements")
+        if not self.adamw_params or any(isinstance(v, bool) or not isinstance(v, int) or v < 1
+                                        for v in self.adamw_params):
+            problems.append(f"adamw_params={self.adamw_params!r} must be whole numbers >= 1")
+        for key in ("threads_per_rank", "reps", "sync_repeats"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                problems.append(f"{key}={value!r} must be a whole number >= 1")
+        if isinstance(self.warmup, bool) or not isinstance(self.warmup, int) or self.warmup < 0:
+            problems.append(f"warmup={self.warmup!r} must be a whole number >= 0")
+        if not (self.time_budget_s > 0 and self.timeout_s > 0):
+            problems.append(f"need time_budget_s({self.time_budget_s}) > 0 and timeout_s({self.timeout_s}) > 0")
+        if problems:
+            raise ValueError("invalid compute calibration: " + "; ".join(problems))
+
+
+class _Clock:
+    """Times registered calls on every rank at once (module docstring): ``add`` warms a
+    call up and registers it; ``run`` sweeps over all of them ``reps`` times (so a slow
+    phase of a shared machine lands on different kernels in different sweeps, and the
+    median drops it) and gathers every rank's times."""
+
+    def __init__(self, config: ComputeCalibrateConfig, group):
+        self.config, self.group = config, group
+        self.calls: list[Callable[[], object]] = []
+
+    def add(self, call: Callable[[], object]) -> int:
+        for _ in range(self.config.warmup):
+            call()
+        self.calls.append(call)
+        return len(self.calls) - 1
+
+    def _window(self, call: Callable[[], object]) -> float:
+        """Seconds per call of ``call`` run back to back for ``time_budget_s``."""
+        dist.barrier(group=self.group)
+        calls, start_s = 0, time.perf_counter()
+        while True:
+            call()
+            calls += 1
+            elapsed_s = time.perf_counter() - start_s
+            if elapsed_s >= self.config.time_budget_s:
+                return elapsed_s / calls
+
+    def run(self, emit) -> list[tuple[float, float]]:
+        """(median over sweeps of the mean over ranks, of the max over ranks) per call."""
+        local = torch.zeros(len(self.calls), self.config.reps, dtype=torch.float64)
+        for sweep in range(self.config.reps):
+            emit("progress", f"sweep {sweep + 1}/{self.config.reps} over {len(self.calls)} kernels")
+            for index, call in enumerate(self.calls):
+                local[index, sweep] = self._window(call)
+        world = [torch.empty_like(local) for _ in range(dist.get_world_size(self.group))]
+        dist.all_gather(world, local, group=self.group)
+        stacked = torch.stack(world)  # (ranks, kernels, sweeps)
+        mean = stacked.mean(dim=0).median(dim=1).values
+        worst = stacked.max(dim=0).values.median(dim=1).values
+        return list(zip(mean.tolist(), worst.tolist()))
+
+
+def _matmul_rows(clock, shapes, dtype) -> list[tuple[dict, int]]:
+    rows = []
+    for m, n, k in shapes:
+        a, b, c = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype), torch.empty(m, n, dtype=dtype)
+        rows.append(({"op": "mm", "m": m, "n": n, "k": k, "flops": 2.0 * m * n * k},
+                     clock.add(partial(torch.mm, a, b, out=c))))
+    return rows
+
+
+def _attention_rows(clock, cases, dtype) -> list[tuple[dict, int]]:
+    rows = []
+    for count, m, n, k in cases:
+        a = torch.randn(count, m, k, dtype=dtype)
+        b, c = torch.randn(count, k, n, dtype=dtype), torch.empty(count, m, n, dtype=dtype)
+        rows.append(({"op": "bmm", "batch": count, "m": m, "n": n, "k": k, "flops": 2.0 * count * m * n * k},
+                     clock.add(partial(torch.bmm, a, b, out=c))))
+    return rows
+
+
+def memory_ops(dtype, numel: int, row: int = LAYERNORM_ROW):
+    """(name, bytes moved, call) of each memory-bound kernel at ``numel`` elements
+    (inputs read once, outputs written once; bench/gpu/kernels.py's counts)."""
+    e = torch.tensor([], dtype=dtype).element_size()
+    x, y = torch.randn(numel, dtype=dtype), torch.randn(numel, dtype=dtype)
+    out = torch.empty_like(x)
+    rows2d = x.view(-1, row)
+    weight, bias = torch.ones(row, dtype=dtype), torch.zeros(row, dtype=dtype)
+    ln_in = rows2d.clone().requires_grad_(True)
+    ln_out = F.layer_norm(ln_in, (row,), weight, bias)
+    grad = torch.randn_like(ln_out)
+    return [
+        ("copy", 2 * e * numel, lambda: out.copy_(x)),
+        ("add", 3 * e * numel, lambda: torch.add(x, y, out=out)),
+        ("gelu", 2 * e * numel, lambda: F.gelu(x)),
+        ("layernorm", 2 * e * numel, lambda: F.layer_norm(rows2d, (row,), weight, bias)),
+        ("layernorm.backward", 3 * e * numel, lambda: torch.autograd.grad(ln_out, ln_in, grad, retain_graph=True)),
+        ("softmax", 2 * e * numel, lambda: torch.softmax(rows2d, dim=-1)),
+        ("dropout", (2 * e + 1) * numel, lambda: F.dropout(x, 0.1, training=True)),
+    ]
+
+
+def adamw_step(params: int):
+    """(bytes moved, call) of torch's AdamW step on one float32 tensor of ``params``
+    elements (as plait train's optimizer on CPU: reads param, grad, exp_avg, exp_avg_sq;
+    writes param and both moments: 28 bytes per parameter)."""
+    weights = [torch.randn(params, dtype=torch.float32, requires_grad=True)]
+    weights[0].grad = torch.randn_like(weights[0])
+    adamw = torch.optim.AdamW(weights, lr=1e-4)
+    adamw.step()  # creates the state
+    return 28 * params, adamw.step
+
+
+def _launch_calls(dtype) -> dict[str, tuple[Callable[[], object], int]]:
+    """name -> (call, kernels per call) of the per-call costs."""
+    tiny, tiny_out = torch.ones(1, dtype=dtype), torch.empty(1, dtype=dtype)
+    one = torch.ones(1, 1, dtype=dtype)
+    one_out = torch.empty(1, 1, dtype=dtype)
+    batched, batched_out = torch.ones(1, 1, 1, dtype=dtype), torch.empty(1, 1, 1, dtype=dtype)
+    leaf = torch.ones(8, dtype=dtype, requires_grad=True)
+    chain = 64
+
+    def launches():
+        for _ in range(chain):
+            torch.add(tiny, tiny, out=tiny_out)  # as the memory-bound kernels are called: tensors in, out= given
+
+    def autograd_chain():
+        z = leaf
+        for _ in range(chain):
+            z = z * 1.0001
+        z.sum().backward()
+
+    return {"dispatch_s": (launches, chain),
+            "matmul_s": (lambda: torch.mm(one, one, out=one_out), 1),
+            "bmm_s": (lambda: torch.bmm(batched, batched, out=batched_out), 1),
+            # a multiply forward; its backward a multiply and an add
+            "eager_autograd_kernel_s": (autograd_chain, 3 * chain)}
+
+
+def run_compute_calibration(config: ComputeCalibrateConfig, *, group=None, device: torch.device | None = None,
+                            emit: Callable[[str, object], None] | None = None) -> list[dict]:
+    """Time every kernel of ``config`` on all ranks of ``group`` at once (module
+    docstring); returns [kernels JSON] (identical on every rank) and emits it as a row."""
+    if device is not None and device.type != "cpu":
+        raise ValueError(f"plait calibrate --compute measures this CPU; device {device} is not one")
+    torch_group = group if group is not None else dist.group.WORLD
+    emit = emit or (lambda kind, payload: None)
+    torch.set_num_threads(config.threads_per_rank)
+    dtype = DTYPES[config.dtype]
+    clock = _Clock(config, torch_group)
+    started_s = time.perf_counter()
+    launch = {name: (clock.add(call), per_call) for name, (call, per_call) in _launch_calls(dtype).items()}
+    matmul = _matmul_rows(clock, config.gemm_shapes, dtype)
+    attention = _attention_rows(clock, config.attention_cases, dtype)
+    memory = []
+    for numel in config.memory_numels:  # inputs that need no gradient: no autograd graph but LayerNorm's own
+        for name, nbytes, call in memory_ops(dtype, numel):
+            memory.append(({"op": name, "numel": numel, "bytes": nbytes}, clock.add(call)))
+    for params in config.adamw_params:
+        nbytes, call = adamw_step(params)
+        memory.append(({"op": "adamw", "numel": params, "bytes": nbytes}, clock.add(call)))
+    times = clock.run(emit)
+    kernels_s = time.perf_counter() - started_s
+
+    def timed(row: dict, index: int) -> dict:
+        seconds, worst = times[index]
+        extra = {"gbps": row["bytes"] / seconds / 1e9} if "bytes" in row else {"gflops": row["flops"] / seconds / 1e9}
+        return {**row, "seconds": seconds, "seconds_max": worst, **extra}
+
+    world_size = dist.get_world_size(torch_group)
+    cores = os.cpu_count() or 1
+    result = {
+        "facts": {"device": "cpu", "torch": torch.__version__, "nprocs": world_size, "cores": cores,
+                  "threads_per_rank": config.threads_per_rank, "machine": asdict(machine_identity()),
+                  "memory_bytes": float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")),
+                  "reps": config.reps, "time_budget_s": config.time_budget_s},
+        "dtype": config.dtype,
+        "launch": {name: times[index][0] / per_call for name, (index, per_call) in launch.items()},
+        "matmul": [timed(row, index) for row, index in matmul],
+        "attention": [timed(row, index) for row, index in attention],
+        "memory": [timed(row, index) for row, index in memory],
+        "copies": [],
+        "seconds": {"kernels": kernels_s},
+    }
+    result["launch"]["kernel_s"] = result["launch"]["dispatch_s"]  # no device queue: a launch is its dispatch
+    if config.sync_wait and world_size > 1:  # one rank waits for no one
+        emit("progress", "the wait for the slowest rank")
+        begin_s = time.perf_counter()
+        # on plait's communicator of ``group`` (plait train's collectives: shared memory on one host), as configured
+        rows = measure_sync_wait(group, segments_s=config.sync_segments_s, repeats=config.sync_repeats)
+        host = fit_sync_wait(rows).host(cores, source=f"measured by plait calibrate --compute: {world_size} ranks "
+                                                      f"at once on {cores} cores (plait.bench.sync_drift)")
+        result["host"] = {**asdict(host), "rows": rows}
+        result["seconds"]["sync_wait"] = time.perf_counter() - begin_s
+    emit("row", result)
+    return [result]
+
+
+def planner_shapes(spec, *, micro_batches=(1, 4, 16), tps=(1, 2, 4)) -> tuple[tuple, tuple]:
+    """(gemm_shapes, attention_cases): every product the planner prices for ``spec`` (a
+    plait.plan.TransformerSpec) at these micro-batches and tensor-parallel degrees,
+    forward and backward (``LayerCost.forward_matmuls`` and ``backward_matmuls``), with
+    SPREAD_GEMMS added so the fit's scales are determined beyond the model's shapes."""
+    gemms, cases = set(SPREAD_GEMMS), set()
+    for batch in micro_batches:
+        for tp in tps:
+            if spec.tensor_parallel_problem(tp):
+                continue
+            for layer in spec.layer_costs(batch, tp=tp):
+                forward = layer.forward_matmuls
+                for kind, count, m, n, k in forward + backward_matmuls(forward):
+                    if kind == "gemm":
+                        gemms.add((int(m), int(n), int(k)))
+                    else:
+                        cases.add((int(count), int(m), int(n), int(k)))
+    return tuple(sorted(gemms)), tuple(sorted(cases))
+
+
+__all__ = ["ComputeCalibrateConfig", "run_compute_calibration", "planner_shapes", "memory_ops", "DTYPES",
+           "SPREAD_GEMMS"]
