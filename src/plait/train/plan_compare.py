@@ -9,8 +9,10 @@ cluster of the run's world size. It runs no benchmark: the device is the run's o
 measured per-process matmul rate (``run.peak_flops_per_s``, measured by every rank at
 once, so the sharing of the cores is in it) with the per-kernel cost and memory
 bandwidth timed beside it (``plait.train.eager_costs``, ~50 ms); the link is the saved
-``plait calibrate`` profile, or a placeholder when there is none. Which sources priced
-the plan is written next to it.
+``plait calibrate`` profile, or a placeholder when there is none. When `plait calibrate
+--compute --nprocs N` has saved a compute profile for the run's N ranks, it prices the
+compute instead (and its host section the wait for the slowest rank), exactly as
+``plait plan --cluster local`` does. Which sources priced the plan is written next to it.
 
 The comparison, per part p of ``plait.names.step_parts`` (ms per step):
 
@@ -33,11 +35,14 @@ import os
 import warnings
 
 from plait.cost.presets import PLACEHOLDER_LOCAL_LINK
+from plait.files import default_cache_dir
 from plait.cost.profile import DEFAULT_PROFILE_BACKEND, load_profile, ProfileMismatchWarning
 from plait.names.recompute import NONE as NO_RECOMPUTE
 from plait.names.schedules import INTERLEAVED_1F1B, NO_PIPELINE
 from plait.names.step_parts import DRIFT_FLAG_FRACTION, PRICED_PARTS, STEP_PARTS
 from plait.plan import cluster_preset, PlanRequest, search, TransformerModel, TransformerSpec
+from plait.plan.cpu_profile import compute_profile_path, host_model_from_profile, load_compute_profile
+from plait.plan.device_profile import profile_device
 from plait.plan.device_spec import DeviceSpec
 from plait.plan.search import PlanError
 
@@ -52,6 +57,16 @@ def run_device(peak_flops_per_s: float, eager: tuple[float, float] | None, world
                       memory_efficiency=1.0, kernel_overhead_s=kernel_s,
                       source="the run's own rates: matmul (report peak_flops_per_s) and eager kernels, every "
                              "rank at once" + ("" if eager else "; kernel cost and bandwidth assumed"))
+
+
+def _device(world_size: int, peak_flops_per_s: float, eager, cache_dir) -> tuple[DeviceSpec, dict | None]:
+    """As ``plait plan --cluster local``: the compute profile `plait calibrate --compute
+    --nprocs N` saved for this many ranks (and its host section), else the run's own rates."""
+    path = compute_profile_path(world_size, default_cache_dir() if cache_dir is None else cache_dir)
+    compute, _ = load_compute_profile(path, nprocs=world_size, dtype="float32")
+    if compute is not None:
+        return profile_device(compute, where=str(path)), compute
+    return run_device(peak_flops_per_s, eager, world_size), None
 
 
 def _link(cache_dir):
@@ -83,10 +98,11 @@ def price_run(config: dict, *, world_size: int, vocab: int, peak_flops_per_s: fl
         raise ValueError(reason)
     if not (isinstance(peak_flops_per_s, (int, float)) and peak_flops_per_s > 0):
         raise ValueError(f"no measured matmul rate (peak_flops_per_s={peak_flops_per_s!r}) to price compute with")
-    device = run_device(float(peak_flops_per_s), eager, world_size)
+    device, compute = _device(world_size, float(peak_flops_per_s), eager, cache_dir)
     link, overhead_s, link_source = _link(cache_dir)
+    host = host_model_from_profile(compute, nprocs=world_size)
     cluster = cluster_preset("local", nprocs=world_size, device=device, local_link=link, call_overhead_s=overhead_s,
-                             link_source=link_source)
+                             link_source=link_source, host=host)
     pp = config["pp"]
     schedule = NO_PIPELINE if pp == 1 else config["schedule"]
     request = PlanRequest(
@@ -107,8 +123,8 @@ def price_run(config: dict, *, world_size: int, vocab: int, peak_flops_per_s: fl
     notes = []
     if config.get("dtype", "float32") != "float32":
         notes.append(f"the run computes in {config['dtype']}; the plan prices the float32 matmul rate")
-    sources = {"device": device.source, "link": link_source, "cluster": result.cluster_description,
-               "notes": notes}
+    sources = {"device": device.source, "link": link_source, "host": host.source,
+               "cluster": result.cluster_description, "notes": notes}
     return result.best, sources
 
 
@@ -197,6 +213,10 @@ def comparison_lines(section: dict | None) -> list[str]:
     if len(stages) > 1:
         lines.append("compute per pipeline stage (measured, mean over its ranks): "
                      + ", ".join(f"stage {stage} {value:.2f}" for stage, value in stages.items()))
+    hidden = {part: row["hidden_plan_ms"] for part, row in comparison["parts"].items() if row.get("hidden_plan_ms")}
+    if hidden:
+        lines.append("the plan hides under compute (not in its parts above): "
+                     + ", ".join(f"{part} {value:.2f}" for part, value in hidden.items()))
     flag = comparison["flag"]
     if flag is not None:
         lines.append(f"DRIFT: measured step {step['measured_ms']:.2f} ms is {100 * flag['drift']:+.0f}% off the "
