@@ -190,7 +190,7 @@ def test_fit_refuses_by_name():
 # ---- the real measurement ------------------------------------------------------------
 
 def _measure(rank, world_size):
-    return sync_drift_job(SyncDriftConfig(segments_s=(0.0, 2 * MS, 6 * MS), repeats=6, group_sizes=(2, 4),
+    return sync_drift_job(SyncDriftConfig(segments_s=(0.0, 2 * MS, 6 * MS), repeats=6, rounds=2, group_sizes=(2, 4),
                                           transport=None, timeout_s=60.0))
 
 

@@ -136,47 +136,75 @@ def measure_sync_wait(group=None, *, segments_s=DEFAULT_SEGMENTS_S, repeats: int
 
 @dataclass(frozen=True, kw_only=True)
 class SyncDriftConfig:
-    """One sync-drift run: ``segments_s`` and ``repeats`` as in ``measure_sync_wait``;
-    ``group_sizes``: the groups measured one after the other, each size g tiling the world
-    as consecutive ranks (g = 2 in a world of 4: {0,1} and {2,3} at once, as tp=2 forms
-    them); ``transport``: the measured communicators' CommConfig.transport (None: each
-    group's communicator as the program configured it)."""
+    """One sync-drift run: ``segments_s`` as in ``measure_sync_wait``, ``repeats`` per
+    (group size, segment) in all; ``group_sizes``: the groups measured, each size g tiling
+    the world as consecutive ranks (g = 2 in a world of 4: {0,1} and {2,3} at once, as
+    tp=2 forms them), alternated over ``rounds`` rounds of repeats / rounds each (a
+    change in the machine's background load then falls on every size alike);
+    ``transport``: the measured communicators' CommConfig.transport (None: each group's
+    communicator as the program configured it)."""
 
     segments_s: tuple[float, ...] = DEFAULT_SEGMENTS_S
     repeats: int = 30
+    rounds: int = 3
     group_sizes: tuple[int, ...] = ()  # () : the world only
     transport: str | None = "auto"
     timeout_s: float = 120.0
 
+    def __post_init__(self) -> None:
+        if isinstance(self.rounds, bool) or not isinstance(self.rounds, int) or not 1 <= self.rounds <= self.repeats:
+            raise ValueError(f"rounds={self.rounds!r} must be a whole number in [1, repeats={self.repeats}]")
+
 
 def sync_drift_job(config: SyncDriftConfig, *, device=None, emit=None) -> list[dict]:
-    """Every rank: ``measure_sync_wait`` on the world and on each tiling of ``group_sizes``;
-    rows of all ranks (rank 0 emits them as ("row", row) events)."""
+    """Every rank: ``measure_sync_wait`` on each tiling of ``group_sizes`` (default: the
+    world), the sizes alternated round by round; the rows of all ranks, one per (rank,
+    size, segment) over all rounds (means of the rounds' equal-count means; the median is
+    the median of the rounds' medians). Rank 0 emits them as ("row", row) events."""
     world_size = dist.get_world_size()
     sizes = config.group_sizes or (world_size,)
     bad = [size for size in sizes if size < 2 or world_size % size]
     if bad:
         raise ValueError(f"group_sizes={bad} must divide world_size={world_size} and be >= 2")
-    rows: list[dict] = []
+    mine = {}
     for size in sizes:
         groups = [None] if size == world_size else \
             [dist.new_group(list(range(base, base + size))) for base in range(0, world_size, size)]
-        mine = groups[0] if size == world_size else groups[dist.get_rank() // size]
+        mine[size] = groups[0] if size == world_size else groups[dist.get_rank() // size]
         if config.transport is not None:
-            comm.init_communicator(mine, comm.CommConfig(timeout_s=config.timeout_s, transport=config.transport))
-        found = measure_sync_wait(mine, segments_s=config.segments_s, repeats=config.repeats)
-        everyone: list = [None] * world_size
-        dist.all_gather_object(everyone, found)  # the other groups' rows too
-        seen = set()
-        for row in (row for rows_of_rank in everyone for row in rows_of_rank):
-            key = (row["rank"], row["group_size"], row["segment_s"])
-            if key not in seen:
-                seen.add(key)
-                rows.append(row)
+            comm.init_communicator(mine[size], comm.CommConfig(timeout_s=config.timeout_s, transport=config.transport))
+    found: dict[tuple, list[dict]] = {}
+    for round_index in range(config.rounds):
+        repeats = config.repeats // config.rounds + (round_index < config.repeats % config.rounds)
+        for size in sizes[round_index % len(sizes):] + sizes[:round_index % len(sizes)]:
+            for row in measure_sync_wait(mine[size], segments_s=config.segments_s, repeats=repeats,
+                                         seed=round_index):
+                found.setdefault((row["rank"], size, row["segment_s"]), []).append(row)
+    merged = [_merged(parts) for parts in found.values()]
+    everyone: list = [None] * world_size
+    dist.all_gather_object(everyone, merged)  # the other groups' rows too
+    rows, seen = [], set()
+    for row in (row for rows_of_rank in everyone for row in rows_of_rank):
+        key = (row["rank"], row["group_size"], row["segment_s"])
+        if key not in seen:
+            seen.add(key)
+            rows.append(row)
     if emit is not None:
         for row in rows:
             emit("row", row)
     return rows
+
+
+def _merged(parts: list[dict]) -> dict:
+    """One row from the rounds' rows of one (rank, size, segment): means weighted by repeats."""
+    repeats = sum(part["repeats"] for part in parts)
+
+    def mean(key: str) -> float:
+        return sum(part[key] * part["repeats"] for part in parts) / repeats
+
+    return {**parts[0], "repeats": repeats, "work_s": mean("work_s"), "work_cpu_s": mean("work_cpu_s"),
+            "blocked_s": mean("blocked_s"),
+            "blocked_median_s": statistics.median(part["blocked_median_s"] for part in parts)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -186,12 +214,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nprocs", type=int, default=4)
     parser.add_argument("--segments-ms", default="0,1,3,10,30")
     parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--group-sizes", default="", help="e.g. 2,4 (default: the world only)")
     parser.add_argument("--transport", default="auto")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     config = SyncDriftConfig(segments_s=tuple(float(ms) * 1e-3 for ms in args.segments_ms.split(",")),
-                             repeats=args.repeats, transport=args.transport,
+                             repeats=args.repeats, rounds=args.rounds, transport=args.transport,
                              group_sizes=tuple(int(size) for size in args.group_sizes.split(",") if size))
     rows = spawn_and_run(Job(sync_drift_job, config), args.nprocs, "gloo", lambda kind, payload: None,
                          label="sync drift")

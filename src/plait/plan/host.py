@@ -217,7 +217,8 @@ class SyncWaitFit:
                  f"by f(n) to every size: {self.scaled_rms_residual_s * 1e3:.3f} ms); latency subtracted "
                  + ", ".join(f"size {size}: {value * 1e3:.3f} ms" for size, value in sorted(self.latency_s.items())),
                  f"  compute wall / CPU time (size {self.group_size}): "
-                 + ", ".join(f"{segment * 1e3:g} ms CPU {ratio:.2f}x" for segment, ratio in sorted(self.slowdown.items()))]
+                 + ", ".join(f"{segment * 1e3:g} ms CPU {ratio:.2f}x"
+                             for segment, ratio in sorted(self.slowdown.items()))]
         lines += [f"  size {size} cpu {segment * 1e3:6.2f} ms  compute {work * 1e3:7.3f} ms  wait "
                   f"{wait * 1e3:7.3f} ms  fit {fitted * 1e3:7.3f} ms  scaled {scaled[4] * 1e3:7.3f} ms"
                   for (size, segment, work, wait, fitted), scaled in zip(self.residuals, self.scaled_residuals)]
