@@ -308,7 +308,8 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true",
                         help="six layouts x zero 0 x recompute none, 1 repeat, 20 steps (flags given still win)")
-    parser.add_argument("--dry-run", action="store_true", help="print the grid, the commands and the estimate; run nothing")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="print the grid, the commands and the estimate; run nothing")
     parser.add_argument("--grid", choices=("cross", "star"), default="cross",
                         help="cross: every recompute x ZeRO combination; star: one factor at a time (default cross)")
     parser.add_argument("--repeats", type=int, default=None, help="alternated repeats of the whole grid (default 2)")
@@ -386,6 +387,8 @@ def main(argv=None) -> int:
         for config in grid:
             try:
                 summary["predictions"][config.label] = predict(config, env, args.timeout_s)
+                print(f"plan {config.label}: {ms(summary['predictions'][config.label]['step_s'])} ms "
+                      f"({summary['predictions'][config.label]['command_s']:.0f} s)", file=sys.stderr, flush=True)
             except (RuntimeError, OSError, ValueError, KeyError) as error:
                 summary["predictions"][config.label] = {"error": f"{type(error).__name__}: {error}"}
                 print(f"{config.label}: plan failed: {error}", file=sys.stderr)
