@@ -70,7 +70,7 @@ def test_a_model_the_planner_cannot_price_is_said_in_one_line(tmp_path):
 
 
 def _rank(rank: int, pp: int, receives, sends, receive_s: float) -> dict:
-    parts = {name: 0.0 for name in ("compute_s", "tp_comm_s", "pp_comm_s", "pp_bubble_s", "dp_comm_s",
+    parts = {name: 0.0 for name in ("compute_s", "tp_comm_s", "pp_comm_s", "dp_comm_s",
                                     "optimizer_s", "data_s", "other_s")}
     parts.update(receive_s=receive_s, wall_s=receive_s)
     return {"rank": rank, "coords": {"dp": 0, "tp": 0, "pp": pp}, "steps": 2, "host": "h",

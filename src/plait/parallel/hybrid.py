@@ -177,28 +177,27 @@ class StepTimes:
       ``stage_compute_s``: the same per pipeline stage (model chunk) this rank runs
       (each interval's share of the collectives in proportion to its length);
     - ``tp_comm_s``: tp-group collectives during the engine's step (synchronous calls);
-    - ``pp_comm_s``: posting sends and waiting for them at the flush (``receive_s``, the
-      waits in receives, is kept apart: it is the peer's compute (bubble) and the
-      message's transfer together; ``plait.train.step_parts`` splits it with the
-      senders' post times);
-    - ``pp_bubble_s``: the rest of the engine's step: idle between actions;
+    - ``pp_comm_s``: posting sends and waiting for them at the flush;
+    - ``receive_s``: waiting in pipeline receives: the peer still computing (the bubble)
+      and the message's transfer together (``plait.train.step_breakdown`` splits it
+      with the senders' post times into pp_bubble and pp_comm);
     - ``dp_comm_s``: the engine's closing collectives (loss sum, shared and Chimera
       replica gradients), the dp sync (gradient averaging or ZeRO's reduce-scatter,
       unscale, the gradient-norm and loss reductions) and the dp collectives inside
       the optimizer step (ZeRO's parameter all-gather);
     - ``optimizer_s``: the optimizer step without those collectives;
     - ``data_s``: fetching the batch (the caller's timer: ``with_data``);
-    - ``other_s``: wall - every part above (bookkeeping), so the parts add up to wall.
+    - ``other_s``: wall - every part above (bookkeeping: the engine's own between its
+      actions, zeroing gradients, the learning rate), so the parts add up to wall.
 
     The coarse split of earlier reports is kept as properties: ``comm_s`` = tp + dp,
-    ``bubble_s`` = pp_comm + receive waits + pp_bubble, ``rest_s`` = optimizer + data + other."""
+    ``bubble_s`` = pp_comm + receive waits, ``rest_s`` = optimizer + data + other."""
 
     wall_s: float = 0.0
     compute_s: float = 0.0
     tp_comm_s: float = 0.0
     pp_comm_s: float = 0.0
     receive_s: float = 0.0
-    pp_bubble_s: float = 0.0
     dp_comm_s: float = 0.0
     optimizer_s: float = 0.0
     data_s: float = 0.0
@@ -211,7 +210,7 @@ class StepTimes:
 
     @property
     def bubble_s(self) -> float:
-        return self.pp_comm_s + self.receive_s + self.pp_bubble_s
+        return self.pp_comm_s + self.receive_s
 
     @property
     def rest_s(self) -> float:
@@ -227,7 +226,7 @@ class StepTimes:
 
 
 # the StepTimes fields that add up to wall_s
-TIMED_PARTS = ("wall_s", "compute_s", "tp_comm_s", "pp_comm_s", "receive_s", "pp_bubble_s", "dp_comm_s",
+TIMED_PARTS = ("wall_s", "compute_s", "tp_comm_s", "pp_comm_s", "receive_s", "dp_comm_s",
                "optimizer_s", "data_s", "other_s")
 
 
@@ -250,9 +249,7 @@ def train_step(hybrid: HybridModel, inputs, targets, optimizer, *, step: int, gr
     sharded = isinstance(optimizer, ShardedOptimizer)  # ZeRO: reduce-scatter instead of all-reduce
     if sharded:  # shard gradients dropped, offloaded state asked for, stage 3's prefetch order
         optimizer.begin_step()
-    engine_start_s = time.perf_counter()
     loss = hybrid.engine.train_step(inputs, targets, optimizer=None)
-    engine_s = time.perf_counter() - engine_start_s
     record = hybrid.engine.history[-1]
     tp_s = _axis_comm_s(hybrid, TP) - tp_before_s
     sync_start_s = time.perf_counter()
@@ -290,9 +287,8 @@ def train_step(hybrid: HybridModel, inputs, targets, optimizer, *, step: int, gr
     compute_s = busy_s - tp_s
     stage_compute_s = {stage: compute_s * seconds / busy_s for stage, seconds in sorted(busy_by_stage.items())} \
         if busy_s > 0 else {}
-    idle_s = engine_s - busy_s - record.send_s - record.receive_s - record.closing_s
     times = StepTimes(wall_s=wall_s, compute_s=compute_s, tp_comm_s=tp_s, pp_comm_s=record.send_s,
-                      receive_s=record.receive_s, pp_bubble_s=max(idle_s, 0.0),
+                      receive_s=record.receive_s,
                       dp_comm_s=record.closing_s + sync_s + optimizer_dp_s, optimizer_s=optimizer_s - optimizer_dp_s,
                       stage_compute_s=stage_compute_s)
     accounted_s = sum(getattr(times, name) for name in TIMED_PARTS[1:-1])

@@ -224,7 +224,8 @@ def comparison_lines(section: dict | None) -> list[str]:
                      f"difference: {flag['part']} {flag['difference_ms']:+.2f} ms "
                      f"({100 * flag['share_of_gap']:.0f}% of the gap)")
     sources = comparison["sources"]
-    lines.append(f"plan priced with: device {sources['device']}; link {sources['link']}")
+    lines.append(f"plan priced with: device {sources['device']}; link {sources['link']}"
+                 + (f"; host {sources['host']}" if sources.get("host") else ""))
     lines += [f"note: {note}" for note in sources.get("notes", [])]
     lines.append(f"pipeline receive waits: {measured.get('receive_split')}")
     return lines

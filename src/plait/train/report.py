@@ -43,13 +43,13 @@ RUN_KEYS = ("config", "mesh", "world_size", "backend", "device", "flops_per_step
             "time_to_first_step_s", "steps", "start_step")  # and the items per step: see _per_step
 RANK_KEYS = ("rank", "coords", "wall_s", "compute_s", "comm_s", "bubble_s", "other_s")
 TIME_DEFINITIONS = (
-    "- **compute**: forward and backward time, minus the plait collectives that ran inside them.\n"
-    "- **comm**: time inside plait collectives: tensor-parallel ones inside forward and backward, "
-    "the data-parallel gradient averaging, the gradient-norm and loss sums.\n"
-    "- **bubble**: time in the pipeline step outside forward and backward: a stage with no "
-    "micro-batch to run, or waiting for an activation or gradient to arrive from the next or "
-    "previous stage (on one CPU machine a slow peer shows here too).\n"
-    "- **other**: the rest of the training loop: optimiser step, data loading, logging.\n"
+    "- **compute**: forward and backward time, minus the tensor-parallel collectives inside them.\n"
+    "- **comm**: tensor-parallel collectives (inside forward and backward) and the data-parallel sync: "
+    "gradient averaging or ZeRO's reduce-scatter and gather, the gradient-norm and loss sums.\n"
+    "- **bubble**: pipeline messages: posting sends, and waiting in receives for an activation or "
+    "gradient (a stage with no micro-batch to run, or one in flight; on one CPU machine a slow "
+    "peer shows here too).\n"
+    "- **other**: the rest of each step: optimiser step, data loading, bookkeeping.\n"
     "- **wall**: that rank's training steps (batch fetch included); compute + comm + bubble + other = wall.\n"
     "- **%**: share of that rank's wall time.")
 

@@ -8,8 +8,9 @@ step; ``other`` is the rest of the step's wall time, so the parts add up to the 
 
     wall = compute + tp_comm + pp_comm + pp_bubble + dp_comm + optimizer + data + other
 
-A pipeline receive's wait is the peer still computing (bubble) plus the message's
-transfer once sent. They are told apart with the sender's post time E of the same
+The pipeline bubble is waiting: a pipeline receive's wait is the peer still computing
+(bubble) plus the message's transfer once sent (pp_comm); the engine's own work between
+its actions is bookkeeping (other). They are told apart with the sender's post time E of the same
 message (perf_counter, one clock for every process of a host): a wait from t0 to t1
 holds idle = clamp(E - t0, 0, t1 - t0) and transfer = (t1 - t0) - idle. The split is
 computed over the engine's recorded steps (its last 100) and applied, as a fraction,
@@ -30,8 +31,7 @@ from plait.parallel.hybrid import StepTimes, TIMED_PARTS
 from plait.parallel.pipeline.schedules import RECV_ACT, RECV_GRAD, SEND_ACT, SEND_GRAD
 
 # StepTimes field -> step part (receive_s is split between pp_comm and pp_bubble)
-FIELD_PART = {"compute_s": COMPUTE, "tp_comm_s": TP_COMM, "pp_comm_s": PP_COMM, "pp_bubble_s": PP_BUBBLE,
-              "dp_comm_s": DP_COMM, "optimizer_s": OPTIMIZER, "data_s": DATA, "other_s": OTHER}
+FIELD_PART = {"compute_s": COMPUTE, "tp_comm_s": TP_COMM, "pp_comm_s": PP_COMM, "dp_comm_s": DP_COMM, "optimizer_s": OPTIMIZER, "data_s": DATA, "other_s": OTHER}
 _MATCHING_SEND = {RECV_ACT: SEND_ACT, RECV_GRAD: SEND_GRAD}
 
 
@@ -66,7 +66,7 @@ class StepTotals:
         steady = self.steady if self.steady_steps else self.total
         return {"wall_s": total["wall_s"], "compute_s": total["compute_s"],
                 "comm_s": total["tp_comm_s"] + total["dp_comm_s"],
-                "bubble_s": total["pp_comm_s"] + total["receive_s"] + total["pp_bubble_s"],
+                "bubble_s": total["pp_comm_s"] + total["receive_s"],
                 "other_s": total["optimizer_s"] + total["data_s"] + total["other_s"],
                 "parts_s": dict(total), "stage_compute_s": dict(self.stage_compute_s),
                 "steady": {"steps": self.steady_steps or self.steps, "parts_s": dict(steady),
@@ -115,7 +115,7 @@ def rank_parts(rank: dict, fraction: float, steady: bool = True) -> dict[str, fl
     source = rank["steady"]["parts_s"] if steady else rank["parts_s"]
     parts = {part: source[name] for name, part in FIELD_PART.items()}
     parts[PP_COMM] += fraction * source["receive_s"]
-    parts[PP_BUBBLE] += (1.0 - fraction) * source["receive_s"]
+    parts[PP_BUBBLE] = (1.0 - fraction) * source["receive_s"]
     return parts
 
 
