@@ -59,8 +59,10 @@ class GroupShape:
 class Cluster:
     """``nodes`` nodes of ``devices_per_node`` identical devices; ``intra_link`` within
     a node, ``inter_link`` between nodes (per device), ``call_overhead_s`` the fixed
-    software cost of one collective call, ``host`` how the ranks share a host's cores
-    (None: one device per rank, no time-slicing; ``plait.plan.host``)."""
+    software cost of one collective call, ``p2p_call_s`` that of one pipeline message
+    (None: ``call_overhead_s``; a fitted transport prices a p2p exchange ~10x below a
+    collective call), ``host`` how the ranks share a host's cores (None: one device per
+    rank, no time-slicing; ``plait.plan.host``)."""
 
     name: str
     nodes: int
@@ -71,6 +73,7 @@ class Cluster:
     call_overhead_s: float = 0.0
     link_source: str = ""
     host: HostModel | None = None
+    p2p_call_s: float | None = None
     _cache: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -78,6 +81,10 @@ class Cluster:
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{key}={value!r} must be a whole number >= 1")
+        for key in ("call_overhead_s", "p2p_call_s"):
+            value = getattr(self, key)
+            if value is not None and not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+                raise ValueError(f"{key}={value!r} must be a finite number of seconds >= 0")
         if self.world_size > MAX_DEVICES:
             raise ValueError(f"nodes({self.nodes:,}) * devices_per_node({self.devices_per_node}) = "
                              f"{self.world_size:,} devices is above the limit of {MAX_DEVICES:,}: plan a part of "
@@ -168,11 +175,13 @@ class Cluster:
         return self.host.wait_s(size, segment_s)
 
     def p2p_time_s(self, nbytes: float, crosses_node: bool) -> float:
-        """One message between pipeline neighbours: alpha + n·beta on the link it takes."""
+        """One message between pipeline neighbours: alpha + n·beta on the link it takes,
+        plus the per-message software cost (``p2p_call_s``, else ``call_overhead_s``)."""
         if nbytes <= 0:
             return 0.0
         link = self.inter_link if crosses_node else self.intra_link
-        return link.alpha_s + nbytes * link.beta_s_per_byte + self.call_overhead_s
+        call_s = self.call_overhead_s if self.p2p_call_s is None else self.p2p_call_s
+        return link.alpha_s + nbytes * link.beta_s_per_byte + call_s
 
 
 # priced collectives and group shapes one Cluster keeps (a few hundred bytes each)
@@ -264,12 +273,14 @@ CLUSTER_PRESETS = {
 
 def cluster_preset(name: str, *, gpus: int | None = None, nodes: int | None = None, nprocs: int | None = None,
                    device: DeviceSpec | None = None, local_link: LinkModel | None = None,
-                   call_overhead_s: float = 0.0, link_source: str = "", host: HostModel | None = None) -> Cluster:
+                   call_overhead_s: float = 0.0, link_source: str = "", host: HostModel | None = None,
+                   p2p_call_s: float | None = None) -> Cluster:
     """A cluster by name. DGX presets have 8 GPUs per node: give ``gpus`` (a multiple
     of 8) or ``nodes``. ``local`` is this machine: ``nprocs`` processes on one node,
     ``device`` the measured per-process DeviceSpec, ``local_link`` the calibrated link,
     ``host`` how those processes share its cores (``plait.plan.host.HostModel``; its
-    ``ranks`` must be ``nprocs``). A DGX preset has a device per rank: no host model."""
+    ``ranks`` must be ``nprocs``), ``p2p_call_s`` a pipeline message's software cost (None:
+    ``call_overhead_s``). A DGX preset has a device per rank: no host model."""
     if name not in CLUSTER_PRESETS:
         raise ValueError(f"unknown cluster {name!r}; valid: {', '.join(CLUSTER_PRESETS)}")
     if name == "local":
@@ -281,7 +292,8 @@ def cluster_preset(name: str, *, gpus: int | None = None, nodes: int | None = No
             raise ValueError("cluster 'local' needs a measured device and a link (plait.plan.local_cluster builds both)")
         _check_host(host, count)
         return Cluster(name="local", nodes=1, devices_per_node=count, device=device, intra_link=local_link,
-                       inter_link=local_link, call_overhead_s=call_overhead_s, link_source=link_source, host=host)
+                       inter_link=local_link, call_overhead_s=call_overhead_s, link_source=link_source, host=host,
+                       p2p_call_s=p2p_call_s)
     if host is not None:
         raise ValueError(f"host= is for cluster 'local' (ranks sharing this machine's cores); {name!r} has a "
                          "device per rank: leave host out")
@@ -302,10 +314,10 @@ def cluster_preset(name: str, *, gpus: int | None = None, nodes: int | None = No
     spec = device or device_preset(device_name)
     if gpus is not None and gpus < per_node:  # part of one node
         return Cluster(name=name, nodes=1, devices_per_node=gpus, device=spec, intra_link=within, inter_link=between,
-                       call_overhead_s=call_overhead_s, link_source=source)
+                       call_overhead_s=call_overhead_s, link_source=source, p2p_call_s=p2p_call_s)
     count = nodes if nodes is not None else gpus // per_node
     return Cluster(name=name, nodes=count, devices_per_node=per_node, device=spec, intra_link=within,
-                   inter_link=between, call_overhead_s=call_overhead_s, link_source=source)
+                   inter_link=between, call_overhead_s=call_overhead_s, link_source=source, p2p_call_s=p2p_call_s)
 
 
 def check_count(name: str, value, most: int | None = None) -> None:
@@ -329,7 +341,7 @@ def _check_host(host: HostModel | None, nprocs: int) -> None:
 
 
 def topology_cluster(topology, *, nprocs: int, device: DeviceSpec, local_link: LinkModel, call_overhead_s: float,
-                     link_source: str, host: HostModel | None = None) -> Cluster:
+                     link_source: str, host: HostModel | None = None, p2p_call_s: float | None = None) -> Cluster:
     """This machine's ranks grouped into the hosts of ``topology`` (e.g. `plait testbed
     probe`'s, whose hosts share this machine's cores): within a host ``local_link``
     (the calibrated one), between hosts the topology's slowest host pair, its latency
@@ -347,4 +359,4 @@ def topology_cluster(topology, *, nprocs: int, device: DeviceSpec, local_link: L
     _check_host(host, nprocs)
     return Cluster(name="local", nodes=len(groups), devices_per_node=sizes.pop(), device=device,
                    intra_link=local_link, inter_link=inter, call_overhead_s=call_overhead_s, link_source=link_source,
-                   host=host)
+                   host=host, p2p_call_s=p2p_call_s)
