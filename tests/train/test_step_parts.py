@@ -101,6 +101,11 @@ def test_parts_add_up_to_the_wall_on_every_rank(runs):
         for rank, row in report["step_parts"]["measured"]["per_rank_ms"].items():
             assert sum(row[part] for part in STEP_PARTS) == pytest.approx(row["wall"], rel=1e-9), rank
             assert all(row[part] >= 0 for part in STEP_PARTS), row
+        # every step's record holds rank 0's parts, adding up to its step time
+        for line in (Path(report["dir"]) / "metrics.jsonl").read_text().splitlines():
+            record = json.loads(line)
+            parts = [value for key, value in record.items() if key.startswith("part_")]
+            assert len(parts) == 8 and sum(parts) == pytest.approx(record["step_s"], rel=1e-9), record
         stages = report["step_parts"]["measured"]["stage_compute_ms"]
         assert sorted(stages) == ["0", "1"] and all(value > 0 for value in stages.values())
         # the coarse split of earlier reports is the same time: compute + comm + bubble + other = wall

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from plait import comm
-from plait.parallel.hybrid import build_hybrid, evaluate, HybridModel, train_step
+from plait.parallel.hybrid import build_hybrid, evaluate, HybridModel, TIMED_PARTS, train_step
 from plait.parallel.mesh import DeviceMesh, ParallelDims
 from plait.memory.precision import check_device
 from plait.parallel.zero.optimizer import ShardedOptimizer
@@ -385,7 +385,8 @@ class Trainer:
                           **({"loss_scale": self.hybrid.scaler.scale, "skipped_steps": self.hybrid.scaler.skipped_steps}
                              if self.hybrid.scaler is not None else {}),
                           "saved_peak_bytes": memory["saved_peak_bytes"],
-                          "resident_peak_bytes": memory["resident_peak_bytes"], **axis_clock.stop()}
+                          "resident_peak_bytes": memory["resident_peak_bytes"], **axis_clock.stop(),
+                          **{f"part_{name}": getattr(times, name) for name in TIMED_PARTS[1:]}}  # rank 0's
                 last = step == end - 1
                 if config.eval_interval and ((step + 1) % config.eval_interval == 0 or last):
                     record["val_loss"] = self.evaluate()

@@ -1,5 +1,10 @@
 """metrics.jsonl: one record per training step, written every ``log_interval`` steps.
 
+A record holds rank 0's step parts too (``part_compute_s``, ``part_tp_comm_s``,
+``part_pp_comm_s``, ``part_receive_s``, ``part_dp_comm_s``, ``part_optimizer_s``,
+``part_data_s``, ``part_other_s``: plait.parallel.hybrid.StepTimes, adding up to
+``step_s``); every rank's sums are in the run report (plait.train.step_breakdown).
+
 A step's record is made on every rank with that dp rank's own loss (the mean over
 its share of the global batch). The log holds records back until a *flush*, which
 turns each held loss into the mean over the dp group with one all-gather of the
