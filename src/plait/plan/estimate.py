@@ -41,7 +41,10 @@ rest of the backward and the next forward; ZeRO 3 also gathers each unit before 
 forward and backward, the next unit's prefetched while one computes. Tensor-parallel
 collectives are synchronous in plait (its backward does not overlap them with the
 weight-gradient GEMMs), so the model does not overlap them either; pipeline sends are
-isend (free here) and each receive is charged in full. On a host model (``Cluster.host``)
+isend (free here) and each receive is still charged in full, an upper bound: replayed
+with a transfer time d per message (``plait.plan.critical_path`` over plait's own
+schedules) GPipe exposes only the fill's and drain's 2(p-1)·d and 1F1B 75-90% of what
+is charged here. On a host model (``Cluster.host``)
 every synchronising call also waits for the slowest rank of its group
 (``Cluster.sync_wait_s`` after the compute since that group's previous call: a tp
 call's share of its layer, a dp call's step or unit), and with no spare cores the CPU
