@@ -37,6 +37,7 @@ import warnings
 from plait.cost.presets import PLACEHOLDER_LOCAL_LINK
 from plait.files import default_cache_dir
 from plait.cost.profile import DEFAULT_PROFILE_BACKEND, load_profile, ProfileMismatchWarning
+from plait.names.precision import FP32
 from plait.names.recompute import NONE as NO_RECOMPUTE
 from plait.names.schedules import INTERLEAVED_1F1B, NO_PIPELINE
 from plait.names.step_parts import DRIFT_FLAG_FRACTION, PRICED_PARTS, STEP_PARTS
@@ -96,6 +97,10 @@ def price_run(config: dict, *, world_size: int, vocab: int, peak_flops_per_s: fl
     reason = unpriceable(config)
     if reason is not None:
         raise ValueError(reason)
+    precision = config.get("precision", FP32)
+    if precision != FP32:
+        raise ValueError(f"precision={precision}: the run measured its float32 matmul rate only; price it with plait "
+                         f"plan --cluster local --precision {precision}")
     if not (isinstance(peak_flops_per_s, (int, float)) and peak_flops_per_s > 0):
         raise ValueError(f"no measured matmul rate (peak_flops_per_s={peak_flops_per_s!r}) to price compute with")
     device, compute = _device(world_size, float(peak_flops_per_s), eager, cache_dir)
@@ -111,7 +116,7 @@ def price_run(config: dict, *, world_size: int, vocab: int, peak_flops_per_s: fl
         virtual=config["virtual"] if schedule == INTERLEAVED_1F1B else None,
         recompute=config.get("recompute", NO_RECOMPUTE), zero_stage=config.get("zero_stage", 0),
         sequence_parallel=bool(config.get("sequence_parallel", False)) and config["tp"] > 1,
-        precision=config.get("precision", "fp32"), accounting="plait",
+        precision=precision, accounting="plait",
         offload=bool(config.get("offload_activations", False)),
         offload_optimizer=config.get("offload", "none") == "optimizer",
         mesh_order=config.get("mesh_order", PlanRequest.mesh_order),
