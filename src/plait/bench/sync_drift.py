@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import sys
@@ -47,7 +48,7 @@ import torch.distributed as dist
 from plait import comm
 from plait.bench.launch import Job, spawn_and_run
 from plait.comm.communicator import group_ranks, process_group
-from plait.plan.host import fit_sync_wait
+from plait.plan.host import fit_sync_wait, sharing
 
 __all__ = ["DEFAULT_SEGMENTS_S", "MATMUL_SIZE", "SyncDriftConfig", "measure_sync_wait", "matmuls_per_cpu_second",
            "sync_drift_job"]
@@ -227,7 +228,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         with open(args.out, "w") as out:
             out.writelines(json.dumps(row) + "\n" for row in rows)
-    print(fit_sync_wait(rows).describe())
+    fit = fit_sync_wait(rows)
+    print(fit.describe())
+    cores = len(os.sched_getaffinity(0))
+    expected = 1 / sharing(args.nprocs, cores, fit.threads_per_rank)
+    longest = fit.slowdown[max(fit.slowdown)]
+    print(f"sharing: the longest segment ran {longest:.2f}x its CPU time; {args.nprocs} ranks x "
+          f"{fit.threads_per_rank} thread(s) on {cores} cores alone would be {expected:.2f}x"
+          + (": the machine had other load, rerun it quiet" if longest > 1.15 * expected else ""))
     return 0
 
 
