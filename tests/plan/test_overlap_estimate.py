@@ -100,6 +100,14 @@ def test_zero_two_hides_its_reductions_and_a_host_with_no_spare_core_gives_their
     rounds = sum(terms.rounds for _, terms in level_terms("reduce_scatter", algorithm, grad_bytes / units, 4))
     assert phi == pytest.approx(1 - rounds * LINK.alpha_s / seconds, rel=EXACT)
     assert GRADIENT_BUCKET_BYTES == 25 << 20
+    # with a sync wait per call, the wait lengthens each hidden call but is not CPU work: the share exposed is
+    # phi of the priced time over the call's whole time
+    waits = dict(sync_wait_s=3e-4, sync_wait_per_compute=0.0)
+    free = estimate_layout(spec, _local(HostModel(ranks=4, cores=8, **waits)), layout)
+    busy = _local(HostModel(ranks=4, cores=2, **waits))
+    shared = estimate_layout(spec, busy, layout)
+    share = phi * seconds / (seconds + busy.sync_wait_s(4, 1.0))  # no per-compute term: any segment > 0
+    assert shared.time_s[DP_COMM] == pytest.approx(free.time_s[DP_COMM] + share * free.hidden_s[DP_COMM], rel=EXACT)
 
 
 def test_each_synchronising_call_waits_for_the_slowest_rank():

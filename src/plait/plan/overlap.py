@@ -178,7 +178,8 @@ def data_parallel_s(cluster: Cluster, *, zero_stage: int, dp: int, stride: int, 
     Each call adds the host's sync wait (``Cluster.sync_wait_s``) after the compute
     since the group's previous call: the step's compute for calls after the flush, a
     unit's for the calls inside a backward. On a host with no spare cores the CPU
-    share of the hidden time (``cpu_share``) is exposed after all."""
+    share of the hidden time (``cpu_share`` of each call's priced time; its sync wait
+    is waiting, not CPU work) is exposed after all."""
     if dp == 1:
         return 0.0, 0.0
     m, step_compute_s = microbatches, microbatches * (forward_s + backward_s)
@@ -187,6 +188,9 @@ def data_parallel_s(cluster: Cluster, *, zero_stage: int, dp: int, stride: int, 
         seconds, algorithm = cluster.collective_time_s(name, nbytes, dp, stride)
         algorithms[f"dp {name}"] = algorithm
         return seconds + cluster.sync_wait_s(dp, segment_s)
+
+    def cpu_s(name: str, nbytes: float) -> float:  # a call's CPU work: its share of the priced time, not the wait
+        return cpu_share(cluster, name, nbytes, dp, stride) * cluster.collective_time_s(name, nbytes, dp, stride)[0]
 
     if zero_stage == 0 and not dp_overlap:
         return call("all_reduce", grad_bytes, step_compute_s), 0.0
@@ -198,13 +202,13 @@ def data_parallel_s(cluster: Cluster, *, zero_stage: int, dp: int, stride: int, 
         reduce_s = call("all_reduce", grad_bytes / units, backward_s / units)
         exposed = bucketed_exposed_s(1, units, forward_s, backward_s, reduce_s)
         total = units * reduce_s
-        share = cpu_share(cluster, "all_reduce", grad_bytes / units, dp, stride)
+        share = cpu_s("all_reduce", grad_bytes / units) / max(reduce_s, 1e-300)
     elif zero_stage == 2:
         units = bucket_count(grad_bytes)
         reduce_s = call("reduce_scatter", grad_bytes / units, backward_s / units)
         exposed = bucketed_exposed_s(m, units, forward_s, backward_s, reduce_s)
         total = m * units * reduce_s
-        share = cpu_share(cluster, "reduce_scatter", grad_bytes / units, dp, stride)
+        share = cpu_s("reduce_scatter", grad_bytes / units) / max(reduce_s, 1e-300)
         after_step = call("all_gather", param_bytes, 0.0)
     else:
         units = max(zero_units, 1)
@@ -213,9 +217,7 @@ def data_parallel_s(cluster: Cluster, *, zero_stage: int, dp: int, stride: int, 
         gather_s = call("all_gather", param_bytes / units, unit_s)
         exposed = zero3_exposed_s(m, units, forward_s, backward_s, gather_s, (gathers - 1) * gather_s, reduce_s)
         total = m * units * (reduce_s + gathers * gather_s)
-        reduce_share = cpu_share(cluster, "reduce_scatter", grad_bytes / units, dp, stride)
-        gather_share = cpu_share(cluster, "all_gather", param_bytes / units, dp, stride)
-        share = ((reduce_share * reduce_s + gathers * gather_share * gather_s)
+        share = ((cpu_s("reduce_scatter", grad_bytes / units) + gathers * cpu_s("all_gather", param_bytes / units))
                  / max(reduce_s + gathers * gather_s, 1e-300))
     hidden = max(total - exposed, 0.0)
     return exposed + share * hidden + after_step, (1.0 - share) * hidden
