@@ -147,3 +147,15 @@ def test_the_host_model_takes_the_measured_wait():
     # measured on 2 cores: not the wait of 8
     assert host_model_from_profile(profile, nprocs=4, cores=8).sync_wait_s == 0.0
     assert [threads_per_rank(n, 2) for n in (1, 2, 4)] == [2, 1, 1] and math.isclose(threads_per_rank(3, 16), 5)
+
+
+def test_rows_that_do_not_determine_the_asymptote_still_give_a_device():
+    """Times that do not grow with the FLOPs (a noisy, tiny calibration) leave η_max at its
+    bound: the profile says so and stays a valid DeviceSpec (η_max <= 1 after rescaling)."""
+    kernels = synthetic_kernels()
+    for row in kernels["matmul"]:
+        row["seconds"] = 1e-4
+    profile = fit_cpu_profile(kernels, name="cpu-p4", source="flat")
+    assert profile["matmul"]["asymptote_bounded"] and not profile["attention"]["asymptote_bounded"]
+    assert 0 < profile["matmul"]["eta_max"] <= 1.0
+    assert profile_device(profile).matmul_fit[0] == profile["matmul"]["eta_max"]

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 import statistics
 from pathlib import Path
@@ -60,7 +59,8 @@ COMPUTE_PROFILE_STEM = "device-cpu"
 CPU_EFFICIENCY_OPS = tuple(op for op in MEMORY_EFFICIENCY_OPS if op != "dropout")
 # the machine facts a compute profile's numbers depend on (the hostname and plait's version do not change a rate)
 MACHINE_FIELDS = ("cpu_model", "cpu_count", "torch_version")
-_HEADROOM_START = 4.0
+# nominal peaks the GEMM and attention curves are fitted against, in units of the best measured rate
+HEADROOMS = (4.0, 64.0)
 
 
 def compute_profile_path(nprocs: int, cache_dir) -> Path:
@@ -78,23 +78,25 @@ def threads_per_rank(nprocs: int, cores: int) -> int:
 
 
 def _scaled_fit(rows, *, t_launch: float) -> tuple[dict, float]:
-    """fit_efficiency_curve against a nominal peak with headroom over the best measured
-    rate, widened until η_max is inside its bound; returns the fit and its nominal peak."""
+    """fit_efficiency_curve against a nominal peak of HEADROOMS × the best measured rate
+    (the next only when η_max reached its bound of 1); returns the fit and its nominal
+    peak. An asymptote beyond the last headroom (rows that do not determine it) stays at
+    the bound, and the fit says so (``asymptote_bounded``)."""
     best = max(2.0 * count * m * n * k / seconds for count, m, n, k, seconds in rows)
-    headroom = _HEADROOM_START
-    while True:
+    for headroom in HEADROOMS:
         nominal = headroom * best
         fit = fit_efficiency_curve(rows, peak=nominal, t_launch=t_launch)
-        if fit["eta_max"] < 0.999 or headroom > 1e6:
-            return fit, nominal
-        headroom *= 16.0
+        if fit["eta_max"] < 0.999:
+            break
+    return {**fit, "asymptote_bounded": fit["eta_max"] >= 0.999}, nominal
 
 
 def _rescaled(fit: dict, nominal: float, peak: float) -> dict:
     """``fit`` relative to ``peak`` instead of ``nominal``: η and the flop-weighted η scale
     by nominal/peak, peak·η (what the model uses) is unchanged."""
     ratio = nominal / peak
-    return {**fit, "eta_max": fit["eta_max"] * ratio, "peak_flops_per_s": peak,
+    # peak >= eta_max·nominal, so eta_max·ratio <= 1 but for rounding (DeviceSpec requires eta_max <= 1)
+    return {**fit, "eta_max": min(fit["eta_max"] * ratio, 1.0), "peak_flops_per_s": peak,
             "efficiency_flop_weighted": fit["efficiency_flop_weighted"] * ratio}
 
 

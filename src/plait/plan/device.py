@@ -31,6 +31,12 @@ term kernels·t_kernel is the fit's t_launch (each product is one of the layer's
 kernels). ``optimizer_memory_efficiency`` (measured on a fused AdamW step) prices the
 optimizer's streaming when given, η_mem otherwise.
 
+This machine (``plait plan --cluster local --nprocs N``): the compute profile `plait
+calibrate --compute --nprocs N` saved (``plait.plan.cpu_profile``: every kernel timed
+with all N ranks running at once, at the threads plait train gives a rank, fitted into
+the GPU's profile format), or, without one, ``measure_device`` (one process alone,
+its rates scaled by min(1, cores / N): an assumption, about 2x off on 2 cores).
+
 ``DEVICE_PRESETS`` "h100-80gb" is the profile fitted from H100 measurements when
 ``plait/plan/profiles/h100.json`` is checked in, the A100 (and H200, unless it has
 its own ``h200.json``) presets derived from it by peak ratio

@@ -36,6 +36,12 @@ The profile records every fitted number, the fit's residuals (median and largest
 |relative error| of the fitted time on the measured rows), the device facts and the
 source file's name.
 
+A CPU's profile (``plait.plan.cpu_profile``, `plait calibrate --compute`) has the same
+format with no vendor: ``vendor`` is null, ``device.peak_flops_per_s`` holds the best
+rate measured in its own dtype (float32), the bandwidth the best memory-bound rate, and
+``launch.used`` is ``eager_autograd_kernel_s`` (an eager CPU step is host bound);
+``profile_device`` reads it as it reads a GPU's (its own peaks, no vendor needed).
+
 Derived devices (``profile_device(profile, vendor=...)``, the A100 presets): the same
 η(m, n, k) curve relative to peak, the same memory efficiencies and launch cost, with
 the other chip's vendor peaks, bandwidth and memory. Assumed, not measured: that
