@@ -28,9 +28,9 @@ from plait.train.config import TrainConfig
 from plait.train.loop import Trainer
 from plait.train.plan_compare import comparison_lines
 
-DATA_SLEEP_S = 0.040
-OPTIMIZER_SLEEP_S = 0.020
-SLACK_S = 0.025  # a sleeping process woken late, or a time slice lost on the shared 2-core machine
+DATA_SLEEP_S = 0.080
+OPTIMIZER_SLEEP_S = 0.040
+SLACK_S = 0.030  # a sleeping process woken late, or a time slice lost on the shared 2-core machine
 STEPS = 5
 
 
