@@ -49,6 +49,15 @@ class Config:
     def label(self) -> str:
         return f"{self.layout} z{self.zero} {self.recompute}" + (" offload" if self.offload else "")
 
+    @classmethod
+    def from_label(cls, label: str) -> "Config":
+        """The inverse of ``label``: 'dp2xtp2 z1 full offload' -> Config(2, 2, 1, 'full', 1, True)."""
+        layout, zero, mode, *rest = label.split()
+        sizes = {"dp": 1, "tp": 1, "pp": 1}
+        for part in layout.split("x"):
+            sizes[part[:2]] = int(part[2:])
+        return cls(sizes["dp"], sizes["tp"], sizes["pp"], mode, int(zero[1:]), offload=rest == ["offload"])
+
     @property
     def slug(self) -> str:
         return f"{self.layout}-z{self.zero}-{self.recompute}" + ("-offload" if self.offload else "")

@@ -242,6 +242,12 @@ def print_table(ranks: list[dict]) -> None:
               f"{1e3 * row['report']['groups']['between_steps'] / steps:.1f} ms/step between its steps; "
               f"ops on other threads {1e3 * p['other_threads_ops_s'] / steps:.1f} ms/step; gloo/c10d ops: "
               + ", ".join(f"{name} {count}" for name, count in sorted(p["comm_op_counts"].items())))
+    print("The profiler attributes independently: the optimizer step (torch's own record), the time inside "
+          "aten/autograd ops (compute, plus the small ops of collectives and batching), c10d posting, and the "
+          "waits while a gloo message is in flight. It cannot tell a pipeline bubble from a transfer (both are a "
+          "pending receive), nor tp from dp traffic (no group on gloo's records), nor Python from a thread "
+          "waiting for a core (both are a gap with no op): the report's communication minus the profiler's is "
+          "plait.comm's Python between messages and the scheduling delay of 4 ranks on the cores.")
 
 
 def main(argv=None) -> int:

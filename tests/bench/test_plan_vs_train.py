@@ -38,6 +38,9 @@ def test_the_grid_holds_zero_only_with_dp_and_stage_3_only_without_a_pipeline(st
     assert len(star) == 14 + 12
     assert all(c.recompute == "none" or c.zero == 0 for c in star)
     assert len({c.slug for c in cross}) == len(cross)
+    offloaded = stats.build_grid(SIX, modes, stages, "cross", offload=True)
+    assert len(offloaded) == len(cross) + 3 * (3 + 3 + 2)  # each stage > 0 once more, offloaded
+    assert all(stats.Config.from_label(c.label) == c for c in offloaded)
 
 
 def test_repeats_alternate_over_the_whole_grid(stats):
