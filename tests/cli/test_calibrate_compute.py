@@ -14,6 +14,9 @@ import pytest
 from plait.bench.compute_calibrate import ComputeCalibrateConfig, run_compute_calibration
 from plait.cli.main import main
 from plait.cli.plan import _local_cluster
+from plait.cost.link import LinkModel
+from plait.cost.profile import DEFAULT_PROFILE_BACKEND, Profile, save_profile
+from plait.cost.transport_model import TransportModel
 from plait.plan.cpu_profile import compute_profile_path, fit_cpu_profile, load_compute_profile
 from plait.testing import run_distributed
 from tests.plan.test_cpu_profile import HOST, synthetic_kernels
@@ -38,6 +41,20 @@ def test_the_local_cluster_prices_with_the_saved_compute_profile(tmp_path):
     assert (host.ranks, host.cores, host.sync_wait_s, host.sync_wait_per_compute, host.source) == (
         4, os.cpu_count(), HOST["sync_wait_s"], HOST["sync_wait_per_compute"], "synthetic")
     assert "wait for the slowest rank 1.2 ms + 0.05 x compute per call [synthetic]" in lines[1]
+
+
+def test_a_pipeline_message_pays_the_link_profiles_fitted_p2p_cost(tmp_path):
+    compute_profile_path(2, tmp_path).write_text(json.dumps(fit_cpu_profile(synthetic_kernels(nprocs=2),
+                                                                            name="cpu-p2")))
+    model = TransportModel(alpha_s=20e-6, beta_cache_s_per_byte=1e-10, beta_dram_s_per_byte=2e-10, cache_bytes=1e6,
+                           gamma_s_per_byte=1e-10, base_call_s=5e-6, call_s={"all_reduce": 300e-6, "p2p": 30e-6})
+    save_profile(Profile(link=LinkModel(alpha_s=20e-6, beta_s_per_byte=1e-10), call_overhead_s=300e-6,
+                         backend=DEFAULT_PROFILE_BACKEND, device="cpu", world_size=2, sizes_nbytes=(1024, 2048),
+                         samples=(), transport_model=model), cache_dir=tmp_path)
+    lines = []
+    cluster = _local_cluster(_args(2), "fp32", lines.append, cache_directory=tmp_path)
+    assert (cluster.call_overhead_s, cluster.p2p_call_s) == (300e-6, 30e-6)
+    assert lines[2].endswith("300 us per call, 30 us per p2p")
 
 
 def test_without_a_profile_for_these_ranks_the_machine_is_measured_and_the_line_says_why(tmp_path):

@@ -19,8 +19,9 @@ twice as fast as each of 4 running together). What is timed, in the layout of
 - per-call costs: a tiny in-place add (dispatch), a 1x1x1 mm and bmm (a product's fixed
   cost, the fit's t_mm), a chain of tiny autograd ops forward and backward (eager
   dispatch plus autograd per kernel);
-- then the wait for the slowest rank (``plait.bench.sync_drift.measure_sync_wait`` at
-  ``sync_segments_s`` CPU-seconds of work between calls, ``sync_repeats`` times).
+- then the wait for the slowest rank (``plait.bench.sync_drift``: in groups of every
+  size that divides the world, at ``sync_segments_s`` CPU-seconds of work between
+  calls, ``sync_repeats`` times per size).
 
 Timing: every kernel is built and warmed up (``warmup`` calls), then ``reps`` sweeps
 run over all of them, per kernel {barrier; call it back to back until ``time_budget_s``
@@ -42,7 +43,7 @@ import torch
 import torch.distributed as dist
 from torch.nn import functional as F
 
-from plait.bench.sync_drift import DEFAULT_SEGMENTS_S, measure_sync_wait
+from plait.bench.sync_drift import DEFAULT_SEGMENTS_S, SyncDriftConfig, measure_sync_wait, sync_drift_job
 from plait.cost.profile import machine_identity
 from plait.plan.host import fit_sync_wait
 from plait.plan.layers import backward_matmuls
@@ -269,14 +270,26 @@ def run_compute_calibration(config: ComputeCalibrateConfig, *, group=None, devic
     if config.sync_wait and world_size > 1:  # one rank waits for no one
         emit("progress", "the wait for the slowest rank")
         begin_s = time.perf_counter()
-        # on plait's communicator of ``group`` (plait train's collectives: shared memory on one host), as configured
-        rows = measure_sync_wait(group, segments_s=config.sync_segments_s, repeats=config.sync_repeats)
+        rows = _sync_rows(config, group, world_size)
         host = fit_sync_wait(rows).host(cores, source=f"measured by plait calibrate --compute: {world_size} ranks "
                                                       f"at once on {cores} cores (plait.bench.sync_drift)")
         result["host"] = {**asdict(host), "rows": rows}
         result["seconds"]["sync_wait"] = time.perf_counter() - begin_s
     emit("row", result)
     return [result]
+
+
+def _sync_rows(config: ComputeCalibrateConfig, group, world_size: int) -> list[dict]:
+    """The sync-drift rows: on the world, every group size that divides it (the tp, dp and
+    pp groups a layout forms, consecutive ranks), sizes alternated in rounds; on a given
+    sub-group, that group alone. Each group on plait's communicator as configured."""
+    if group is not None and group != dist.group.WORLD:
+        return measure_sync_wait(group, segments_s=config.sync_segments_s, repeats=config.sync_repeats)
+    sizes = tuple(size for size in range(2, world_size + 1) if world_size % size == 0)
+    drift = SyncDriftConfig(segments_s=config.sync_segments_s, repeats=config.sync_repeats,
+                            rounds=min(3, config.sync_repeats), group_sizes=sizes, transport=None,
+                            timeout_s=config.timeout_s)
+    return sync_drift_job(drift)  # no emit: its rows stay out of this job's
 
 
 def planner_shapes(spec, *, micro_batches=(1, 4, 16), tps=(1, 2, 4)) -> tuple[tuple, tuple]:
