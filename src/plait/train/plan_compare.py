@@ -128,9 +128,21 @@ def price_run(config: dict, *, world_size: int, vocab: int, peak_flops_per_s: fl
     notes = []
     if config.get("dtype", "float32") != "float32":
         notes.append(f"the run computes in {config['dtype']}; the plan prices the float32 matmul rate")
+    if config.get("stage_layers"):
+        notes.append(f"the run's stages (stage_layers={list(config['stage_layers'])}) are priced as the planner splits "
+                     f"them ({plan_stage_text(result.best.stage_layers)})")
+    if config.get("recompute_layers", -1) >= 0 and config.get("recompute", NO_RECOMPUTE) != NO_RECOMPUTE:
+        notes.append(f"recompute_layers={config['recompute_layers']} is priced as recompute of every block")
+    if config.get("compression", "none") not in ("", "none"):
+        notes.append(f"compression={config['compression']} is priced as an uncompressed gradient all-reduce")
     sources = {"device": device.source, "link": link_source, "host": host.source,
                "cluster": result.cluster_description, "notes": notes}
     return result.best, sources
+
+
+def plan_stage_text(stage_layers) -> str:
+    """The planner's split: layer groups per chunk, e.g. "[0, 1] [2, 3]"."""
+    return " ".join(str(list(chunk)) for chunk in stage_layers)
 
 
 def compare(plan, measured: dict, sources: dict) -> dict:
