@@ -24,11 +24,15 @@ twice as fast as each of 4 running together). What is timed, in the layout of
   calls, ``sync_repeats`` times per size).
 
 Timing: every kernel is built and warmed up (``warmup`` calls), then ``reps`` sweeps
-run over all of them, per kernel {barrier; call it back to back until ``time_budget_s``
-has passed; seconds per call}: every rank is busy for the whole window, so the sharing
-is steady, and a slow phase of a shared machine lands on different kernels in
-different sweeps. A kernel's time is the median over sweeps of the mean over ranks
-("seconds", the average rank's cost) and of the max over ranks ("seconds_max").
+{barrier; per kernel: call it back to back until ``time_budget_s`` has passed, seconds
+per call (wall time); then wait for the other ranks while computing}. No rank sleeps
+during a sweep (a barrier per kernel would let the ranks take turns on the cores,
+each then seeing more than its share), so every window sees every rank running, as
+plait train's ranks compute at once; a slow phase of a shared machine lands on
+different kernels in different sweeps. A kernel's time is the median over sweeps of
+the mean over ranks ("seconds", the average rank's cost) and of the max over ranks
+("seconds_max"). The ranks run the same sequence, so at a given moment they run
+nearly, not exactly, the same kernel.
 """
 
 from __future__ import annotations
@@ -66,7 +70,7 @@ class ComputeCalibrateConfig:
     dtype: str = "float32"
     reps: int = 3
     warmup: int = 1
-    time_budget_s: float = 0.01
+    time_budget_s: float = 0.02
     sync_wait: bool = True
     sync_segments_s: tuple[float, ...] = DEFAULT_SEGMENTS_S
     sync_repeats: int = 30
@@ -107,8 +111,8 @@ class _Clock:
     phase of a shared machine lands on different kernels in different sweeps, and the
     median drops it) and gathers every rank's times."""
 
-    def __init__(self, config: ComputeCalibrateConfig, group):
-        self.config, self.group = config, group
+    def __init__(self, config: ComputeCalibrateConfig, group, filler: Callable[[], object]):
+        self.config, self.group, self.filler = config, group, filler
         self.calls: list[Callable[[], object]] = []
 
     def add(self, call: Callable[[], object]) -> int:
@@ -118,8 +122,8 @@ class _Clock:
         return len(self.calls) - 1
 
     def _window(self, call: Callable[[], object]) -> float:
-        """Seconds per call of ``call`` run back to back for ``time_budget_s``."""
-        dist.barrier(group=self.group)
+        """Seconds per call of ``call`` run back to back for ``time_budget_s`` (wall time:
+        the time the rank was descheduled for the others is in it)."""
         calls, start_s = 0, time.perf_counter()
         while True:
             call()
@@ -128,13 +132,28 @@ class _Clock:
             if elapsed_s >= self.config.time_budget_s:
                 return elapsed_s / calls
 
+    def _busy_barrier(self) -> None:
+        """Wait for every rank while computing (``filler``): a rank done with its sweep
+        early keeps its share of the cores busy, so the others' last windows still see
+        every rank running, as they would not if it slept in a barrier."""
+        work = dist.barrier(group=self.group, async_op=True)
+        deadline_s = time.monotonic() + self.config.timeout_s
+        while not work.is_completed():
+            self.filler()
+            if time.monotonic() > deadline_s:
+                raise TimeoutError(f"rank {dist.get_rank()}: compute calibration's barrier after a sweep waited "
+                                   f"{self.config.timeout_s} s for the other ranks")
+        work.wait()
+
     def run(self, emit) -> list[tuple[float, float]]:
         """(median over sweeps of the mean over ranks, of the max over ranks) per call."""
         local = torch.zeros(len(self.calls), self.config.reps, dtype=torch.float64)
         for sweep in range(self.config.reps):
             emit("progress", f"sweep {sweep + 1}/{self.config.reps} over {len(self.calls)} kernels")
+            dist.barrier(group=self.group)
             for index, call in enumerate(self.calls):
                 local[index, sweep] = self._window(call)
+            self._busy_barrier()
         world = [torch.empty_like(local) for _ in range(dist.get_world_size(self.group))]
         dist.all_gather(world, local, group=self.group)
         stacked = torch.stack(world)  # (ranks, kernels, sweeps)
@@ -231,7 +250,8 @@ def run_compute_calibration(config: ComputeCalibrateConfig, *, group=None, devic
     emit = emit or (lambda kind, payload: None)
     torch.set_num_threads(config.threads_per_rank)
     dtype = DTYPES[config.dtype]
-    clock = _Clock(config, torch_group)
+    filler = (torch.randn(128, 128, dtype=dtype), torch.randn(128, 128, dtype=dtype), torch.empty(128, 128, dtype=dtype))
+    clock = _Clock(config, torch_group, partial(torch.mm, filler[0], filler[1], out=filler[2]))
     started_s = time.perf_counter()
     launch = {name: (clock.add(call), per_call) for name, (call, per_call) in _launch_calls(dtype).items()}
     matmul = _matmul_rows(clock, config.gemm_shapes, dtype)

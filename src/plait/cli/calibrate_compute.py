@@ -1,6 +1,6 @@
 """`plait calibrate --compute`: this CPU's kernels, timed in every rank at once, as a device profile.
 
-    plait calibrate --compute --nprocs 4 [--dtype float32 --kernel-reps 3 --kernel-budget 0.01 --output PATH --json]
+    plait calibrate --compute --nprocs 4 [--dtype float32 --kernel-reps 3 --kernel-budget 0.02 --output PATH --json]
 
 Spawns N local workers (or, under torchrun without --nprocs, uses that world), each at
 the threads plait train gives a rank (max(1, cores // N)), times the GEMMs the planner
@@ -52,14 +52,14 @@ def add_compute_arguments(parser) -> None:
                          help="(--compute) the dtype the kernels run in (default float32, plait train's on CPU)")
     compute.add_argument("--kernel-reps", type=int, default=3,
                          help="(--compute) timed windows per kernel; each kernel's time is their median (default 3)")
-    compute.add_argument("--kernel-budget", type=float, default=0.01, metavar="SECONDS",
-                         help="(--compute) each window calls the kernel back to back for this long (default 0.01)")
+    compute.add_argument("--kernel-budget", type=float, default=0.02, metavar="SECONDS",
+                         help="(--compute) each window calls the kernel back to back for this long (default 0.02)")
     compute.add_argument("--no-sync-wait", action="store_true",
                          help="(--compute) skip measuring the wait for the slowest rank (the profile's host section)")
     parser.set_defaults(link_only_defaults={dest: parser.get_default(dest) for dest in LINK_ONLY})
 
 
-def default_config(nprocs: int, *, dtype: str = "float32", reps: int = 3, time_budget_s: float = 0.01,
+def default_config(nprocs: int, *, dtype: str = "float32", reps: int = 3, time_budget_s: float = 0.02,
                    warmup: int = 1, sync_wait: bool = True, timeout_s: float = 120.0,
                    cores: int | None = None) -> ComputeCalibrateConfig:
     """The kernels of plait train's default GPT as the planner prices them, at the threads
