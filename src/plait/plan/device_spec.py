@@ -120,13 +120,16 @@ class DeviceSpec:
         return self.time_s(flops=layer.core_forward_flops, nbytes=layer.core_forward_bytes, kernels=0, dtype=dtype,
                            matmuls=core)
 
-    def optimizer_time_s(self, nbytes: float, dtype: str) -> float:
-        """One optimizer step streaming ``nbytes``: one kernel, at the measured
-        optimizer efficiency when the profile has one, else η_mem."""
+    def optimizer_time_s(self, nbytes: float, dtype: str, kernels: float = 1) -> float:
+        """One optimizer step streaming ``nbytes`` in ``kernels`` launches (1: a fused
+        step; an eager one launches a few per parameter tensor,
+        ``plait.plan.trainer_calls.optimizer_kernels``): T = kernels·t_kernel + bytes /
+        (η_opt·bandwidth), η_opt the measured optimizer efficiency when the profile has
+        one, else η_mem."""
         if self.optimizer_memory_efficiency is None:
-            return self.time_s(flops=0.0, nbytes=nbytes, kernels=1, dtype=dtype)
-        return self.kernel_overhead_s + nbytes / (self.optimizer_memory_efficiency
-                                                  * self.memory_bandwidth_bytes_per_s)
+            return self.time_s(flops=0.0, nbytes=nbytes, kernels=kernels, dtype=dtype)
+        return kernels * self.kernel_overhead_s + nbytes / (self.optimizer_memory_efficiency
+                                                            * self.memory_bandwidth_bytes_per_s)
 
     def matmul_efficiency_at(self, flops: float, dtype: str) -> float:
         """Achieved fraction of peak of one matmul of ``flops``: η·F / (F + t_kernel·η·peak)."""

@@ -48,9 +48,13 @@ is charged here. On a host model (``Cluster.host``)
 every synchronising call also waits for the slowest rank of its group
 (``Cluster.sync_wait_s`` after the compute since that group's previous call: a tp
 call's share of its layer, a dp call's step or unit), and with no spare cores the CPU
-share of hidden communication is exposed. A tied head with pp > 1 all-reduces the
-embedding gradient between the first and last stage. The optimizer step streams its
-states through memory once.
+share of hidden communication is exposed. The trainer's closing calls
+(``plait.plan.trainer_calls``: the pipeline's loss sum, a tied head's embedding
+gradient between the first and last stage when pp > 1, fp16's overflow flag, the
+gradient norm's sums over tp and pp, and dp under ZeRO, with the norm's own compute)
+are priced call by call in dp_comm, where plait train's timers put them. The optimizer
+step streams its states through memory once, in one fused launch on a GPU and 9
+eager kernels per parameter tensor (+1 per decayed matrix) on a CPU.
 
 Memory per device (the worst pipeline rank): parameters, gradients and optimizer
 states (ZeRO 1 shards the optimizer states over dp, 2 also the gradients, 3 also the
@@ -78,6 +82,7 @@ from plait.plan.overlap import data_parallel_s
 from plait.plan.pipeline import cost_units, price_schedule
 from plait.plan.precision import Precision
 from plait.plan.stages import alpa_partition, minmax_partition
+from plait.plan.trainer_calls import closing_calls, closing_time_s, optimizer_kernels
 from plait.plan.transformer import TensorParallelComm
 
 __all__ = ["Estimate", "estimate", "Unit", "GroupCosts", "summarize", "split_groups", "alpa_split", "combine",
@@ -155,7 +160,8 @@ class GroupCosts:
     communication seconds, parameters, activations kept per micro-batch in flight,
     working memory of one recomputed layer, and the bytes its output sends; of the
     time, ``forward_s`` is the forward's (compute and tp communication) and ``weight_s``
-    the weight-gradient half of the backward's matmuls (what zero_bubble defers).
+    the weight-gradient half of the backward's matmuls (what zero_bubble defers);
+    ``param_tensors`` / ``matrix_tensors`` count its parameter tensors.
     ``trailing_bytes``: the activations of the layers after the last recomputed one
     (a head), which the backward frees before it recomputes anything: the working
     memory of a recompute reuses them."""
@@ -169,6 +175,9 @@ class GroupCosts:
     forward_s: float = 0.0
     weight_s: float = 0.0
     trailing_bytes: float = 0.0
+    param_tensors: int = 0  # tensors holding ``params`` (an eager optimizer's kernels go per tensor)
+    matrix_tensors: int = 0  # of those, the decayed ones (>= 2 dims)
+    forward_compute_s: float = 0.0  # the forward's compute alone (forward_s less its tp communication)
 
     @property
     def time_s(self) -> float:
@@ -190,6 +199,8 @@ def _unit_costs(unit: Unit, tp: int, recompute: str, cluster: Cluster, dtype: st
     # a linear layer's backward is two GEMMs of equal FLOPs: input gradient and weight gradient
     # (a calibrated device prices the weight-gradient products' own shapes)
     weight = device.weight_gradient_time_s(unit.cost, dtype)
+    tensors = {"param_tensors": unit.cost.param_tensors, "matrix_tensors": unit.cost.matrix_tensors,
+               "forward_compute_s": forward}
     if recompute == SELECTIVE and unit.cost.core_activation_bytes:
         # the attention core runs again in the backward; its s² tensors live only then, after
         # the block's backward has freed what it kept past the core
@@ -197,16 +208,16 @@ def _unit_costs(unit: Unit, tp: int, recompute: str, cluster: Cluster, dtype: st
         return GroupCosts(compute, comm, unit.cost.params,
                           unit.cost.activation_bytes - unit.cost.core_activation_bytes,
                           max(unit.cost.core_activation_bytes - unit.cost.post_core_bytes, 0.0),
-                          unit.cost.output_bytes, forward + forward_comm, weight)
+                          unit.cost.output_bytes, forward + forward_comm, weight, **tensors)
     if recompute == FULL and unit.recomputable:
         compute += forward
         comm += _comm_time_s(cluster, unit.comm.recompute, tp, algorithms)
         if cluster.host is not None and tp > 1:
             comm += recomputed * cluster.sync_wait_s(tp, segment_s)
         return GroupCosts(compute, comm, unit.cost.params, unit.cost.input_bytes, unit.cost.activation_bytes,
-                          unit.cost.output_bytes, forward + forward_comm, weight)
+                          unit.cost.output_bytes, forward + forward_comm, weight, **tensors)
     return GroupCosts(compute, comm, unit.cost.params, unit.cost.activation_bytes, 0.0, unit.cost.output_bytes,
-                      forward + forward_comm, weight, trailing_bytes=unit.cost.activation_bytes)
+                      forward + forward_comm, weight, trailing_bytes=unit.cost.activation_bytes, **tensors)
 
 
 def combine(parts: list[GroupCosts]) -> GroupCosts:
@@ -221,7 +232,8 @@ def combine(parts: list[GroupCosts]) -> GroupCosts:
     return GroupCosts(sum(p.compute_s for p in parts), sum(p.tp_comm_s for p in parts), sum(p.params for p in parts),
                       sum(p.activation_bytes for p in parts), max(p.working_bytes for p in parts),
                       parts[-1].output_bytes, sum(p.forward_s for p in parts), sum(p.weight_s for p in parts),
-                      trailing)
+                      trailing, sum(p.param_tensors for p in parts), sum(p.matrix_tensors for p in parts),
+                      sum(p.forward_compute_s for p in parts))
 
 
 def summarize(groups: list[list[Unit]], *, tp: int, recompute: str, cluster: Cluster, dtype: str,
@@ -374,14 +386,18 @@ def estimate(groups: list[list[Unit]], layout: Layout, cluster: Cluster, precisi
         p2p *= share
         holds_head = p > 1 and (r == p - 1 or (chimera and r == 0))
         params = sum(c.params for c in mine) + (tied_embedding_params if holds_head else 0)
+        tied_copy = 1 if holds_head and tied_embedding_params else 0  # the head's copy of the embedding table
+        tensors = sum(c.param_tensors for c in mine) + tied_copy
+        matrices = sum(c.matrix_tensors for c in mine) + tied_copy
         # a received activation (a chunk's input from another chunk) stays in memory under offload
         received = max((chunks[c - 1].output_bytes for c in indices if c > 0), default=0.0)
         zero_units = sum(len(split[c]) for c in indices) + end_modules * ((0 in indices) + (p * v - 1 in indices))
         ranks.append({"compute": compute, "tp_comm": tp_comm, "p2p": p2p, "params": params, "mine": mine,
-                      "units": zero_units,
+                      "units": zero_units, "tensors": tensors, "matrices": matrices,
                       "received": received,
                       "forward": share * sum(c.forward_s for c in mine) + p2p / 2,
                       "forward_mb": share * sum(c.forward_s for c in mine),
+                      "forward_compute": share * sum(c.forward_compute_s for c in mine),
                       "weight": share * sum(c.weight_s for c in mine), "total": compute + tp_comm + p2p})
     slowest = max(range(p), key=lambda r: ranks[r]["total"])
     t_max = ranks[slowest]["total"]
@@ -431,14 +447,20 @@ def estimate(groups: list[list[Unit]], layout: Layout, cluster: Cluster, precisi
         seconds, algorithms["chimera replicas"] = cluster.collective_time_s(
             "all_reduce", grad_bytes / (dp if layout.zero_stage >= 1 else 1), 2, layout.stride(PP) * (p - 1))
         dp_s += seconds + cluster.sync_wait_s(2, segment_s)
-    if p > 1 and tied_embedding_params:
-        seconds, algorithms["tied embedding"] = cluster.collective_time_s(
-            "all_reduce", tied_embedding_params * precision.grad_bytes, 2, layout.stride(PP) * (p - 1))
-        dp_s += seconds + cluster.sync_wait_s(2, segment_s)
+    # the trainer's closing calls (loss sum, tied embedding, overflow flag, gradient norm: plan.trainer_calls)
+    zero = layout.zero_stage >= 1  # the optimizer steps flat shards: two per unit (decayed and not)
+    tensors = 2 * holder["units"] if zero else holder["tensors"]
+    matrices = holder["units"] if zero else holder["matrices"]
+    sharded = params / dp if zero else params
+    dp_s += closing_time_s(cluster, closing_calls(layout, precision.name,
+                                                  tied_embedding_bytes=tied_embedding_params * precision.grad_bytes,
+                                                  param_tensors=holder["tensors"]),
+                           dtype=dtype, backward_s=bottleneck["compute"] - bottleneck["forward_compute"], step_compute_s=segment_s,
+                           norm_tensors=tensors, norm_bytes=sharded * precision.grad_bytes, algorithms=algorithms)
     times["dp_comm"] = dp_s
-    sharded = params / dp if layout.zero_stage >= 1 else params
     device = cluster.device
-    times["optimizer"] = device.optimizer_time_s(sharded * precision.optimizer_traffic_bytes, dtype)
+    times["optimizer"] = device.optimizer_time_s(sharded * precision.optimizer_traffic_bytes, dtype,
+                                                 optimizer_kernels(device, tensors, matrices))
     step = pipeline_s + dp_s + times["optimizer"]
 
     # memory: the worst pipeline rank

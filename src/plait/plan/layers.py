@@ -73,6 +73,9 @@ class LayerCost:
       core's); empty when unknown (a traced layer). When given, Σ count·2mnk is
       ``forward_flops`` and the "bmm" entries are the core selective recomputation
       re-runs.
+    - ``param_tensors`` / ``matrix_tensors``: how many tensors hold ``params`` (and of
+      them, of >= 2 dims): an eager optimizer launches its kernels per tensor
+      (``plait.plan.trainer_calls``); 0 when not known.
     """
 
     name: str
@@ -91,6 +94,8 @@ class LayerCost:
     core_forward_flops: float = 0.0
     core_forward_bytes: float = 0.0
     forward_matmuls: tuple = ()
+    param_tensors: int = 0  # parameter tensors (weights, biases); 0: not known
+    matrix_tensors: int = 0  # of those, the ones of >= 2 dims (decoupled weight decay steps them)
 
     def __post_init__(self) -> None:
         problems = []

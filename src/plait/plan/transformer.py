@@ -65,6 +65,9 @@ __all__ = ["TransformerSpec", "MODEL_PRESETS", "model_preset", "ACCOUNTINGS", "T
 ACCOUNTINGS = ("megatron", "plait")
 LAYER_NORM_STAT_BYTES = 8  # mean and 1/std, float32, per row
 TOKEN_BYTES = 8            # int64 token ids
+# a block's parameter tensors: LayerNorm 1 and 2 (weight, bias), QKV, proj, fc1, fc2 (weight, bias);
+# the 4 weights are matrices
+BLOCK_TENSORS, BLOCK_MATRICES = 12, 4
 
 # Kernel counts and non-matmul traffic of one block's forward, in units of e·sbh and
 # e·as²b bytes read plus written (backward: about twice). "plait": eager PyTorch ops of
@@ -326,7 +329,8 @@ class TransformerSpec:
                                                                           softmax_bytes=softmax_bytes),
                           post_core_bytes=self.post_core_bytes(b, accounting=accounting, **shape, **mixed),
                           core_forward_flops=self.attention_core_forward_flops(b) / t,
-                          core_forward_bytes=e * (k["as2b"] + d * k["dropout_as2b"]) * as2b / t)
+                          core_forward_bytes=e * (k["as2b"] + d * k["dropout_as2b"]) * as2b / t,
+                          param_tensors=BLOCK_TENSORS, matrix_tensors=BLOCK_MATRICES)
         v_local = self.padded_vocab(t) // t
         embedding = LayerCost(
             name="embedding", params=v_local * h + s * h,
@@ -334,7 +338,8 @@ class TransformerSpec:
             forward_bytes=e * (3 * sbh / (t if sp else 1)) + (TOKEN_BYTES + 1) * s * b,
             backward_bytes=e * 3 * sbh / (t if sp else 1),
             activation_bytes=self.embedding_activation_bytes(b, accounting=accounting, **shape),
-            input_bytes=TOKEN_BYTES * s * b, output_bytes=boundary)
+            input_bytes=TOKEN_BYTES * s * b, output_bytes=boundary,
+            param_tensors=2, matrix_tensors=2)  # token and position tables
         head_flops = 2.0 * b * s * h * v_local
         softmax_bytes = 4.0 * s * b * v_local
         head = LayerCost(
@@ -344,7 +349,8 @@ class TransformerSpec:
             forward_bytes=e * 2 * sbh / (t if sp else 1) + 6 * softmax_bytes,
             backward_bytes=e * 2 * sbh / (t if sp else 1) + 4 * softmax_bytes,
             activation_bytes=self.head_activation_bytes(b, accounting=accounting, **shape, **mixed),
-            input_bytes=boundary, output_bytes=4.0 * b, forward_matmuls=(("gemm", 1, s * b, v_local, h),))
+            input_bytes=boundary, output_bytes=4.0 * b, forward_matmuls=(("gemm", 1, s * b, v_local, h),),
+            param_tensors=2 + (0 if self.tied_head else 1), matrix_tensors=0 if self.tied_head else 1)  # LayerNorm, head
         blocks = [replace(block, name=f"block{i}") for i in range(self.layers)]
         # a tied head's weight lives with the embedding (the first stage); a pipeline
         # then also keeps a copy on the last stage, which the planner adds there
