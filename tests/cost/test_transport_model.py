@@ -25,7 +25,7 @@ TRUE = TransportModel(alpha_s=45e-6, beta_cache_s_per_byte=0.12e-9, beta_dram_s_
                       call_s={"all_reduce": 400e-6, "all_gather": 250e-6, "reduce_scatter": 380e-6,
                               "broadcast": 600e-6, "p2p": 30e-6})
 CALL_TERMS = {"all_reduce": (3.0, 3.0, 3.0), "all_gather": (3.0, 0.75, 0.0), "reduce_scatter": (3.0, 0.75, 0.75),
-              "broadcast": (0.75, 0.75, 0.0), "p2p": (1.0, 1.0, 0.0)}  # x (1, n, n): rounds, bytes, reduced
+              "broadcast": (0.75, 0.75, 0.0), "p2p": (0.0, 1.0, 0.0)}  # x (1, n, n): rounds, bytes, reduced
 
 
 def synthetic_samples(model: TransportModel) -> list[Sample]:
@@ -79,9 +79,10 @@ def test_call_costs_recovered_exactly_and_the_profile_prices_with_them():
     collectives = [TRUE.call_s[k] for k in ("all_reduce", "all_gather", "reduce_scatter", "broadcast")]
     assert profile.call_overhead_s == pytest.approx(sum(collectives) / 4, rel=1e-6)
     assert profile.collective_call_s("broadcast") == pytest.approx(600e-6, rel=1e-6)
-    # a pipeline message: its own (small) call cost + alpha + n beta(n), beta at 8 MiB mostly memory's
+    # a pipeline message: its own fixed cost + n beta(n) (no executor step: no alpha), beta at 8 MiB
+    # mostly memory's
     nbytes = 8 << 20
-    assert profile.p2p_time_s(nbytes) == pytest.approx(TRUE.p2p_time_s(nbytes), rel=1e-6)
+    assert profile.p2p_time_s(nbytes) == pytest.approx(30e-6 + nbytes * TRUE.beta_s_per_byte(nbytes), rel=1e-6)
     assert TRUE.beta_s_per_byte(nbytes) == pytest.approx(
         0.12e-9 + 0.58e-9 * nbytes / (1.37e6 + nbytes), rel=1e-15)
 

@@ -17,7 +17,8 @@ ones on a GPU, so ``plait.cost.calibration.fit_call_costs`` can take them off:
 Kinds: all_reduce, all_gather, reduce_scatter, broadcast (algorithm "direct": one
 round at these sizes, every p), and "p2p": every rank isends n bytes to rank+1 and
 irecvs n from rank-1 through the group's communicator, then waits both (a pipeline's
-steady state), priced as one message (p messages over p sharing ranks on CPU).
+steady state), priced as its bytes n beta(n) (p messages over p sharing ranks on CPU)
+plus its own fixed cost call_s[p2p], latency included (no executor step, so no alpha).
 """
 
 from __future__ import annotations
@@ -52,10 +53,11 @@ def call_numel(kind: str, nbytes: int, world_size: int) -> int:
 def call_terms(kind: str, numel: int, world_size: int, shared_host: bool) -> tuple[float, float, float]:
     """(rounds, beta bytes, gamma bytes) the predictions price one such call's messages
     with: its schedule's shared-host terms (CPU, ranks sharing the host) or one-port
-    terms; p2p: one message of the tensor's bytes."""
+    terms; p2p: the tensor's bytes and no alpha (alpha is the executor's per-step
+    latency, which a p2p exchange does not run: its fixed cost is all call_s[p2p])."""
     nbytes = numel * ELEMENT_SIZE
-    if kind == P2P_KIND:
-        return 1.0, float(nbytes), 0.0
+    if kind == P2P_KIND:  # no executor step: its whole fixed cost is the fitted call_s[p2p]
+        return 0.0, float(nbytes), 0.0
     root = 0 if kind == "broadcast" else None
     schedule = build_schedule(kind, CALL_ALGORITHM, world_size, numel, root, pipeline_segments(nbytes))
     terms = (shared_host_terms(schedule, ELEMENT_SIZE, world_size) if shared_host

@@ -22,7 +22,9 @@ messages:
 ``call_s[K]`` being the Python of plait's call path (argument check, the comm
 thread's hand-off, the in-band header, the output copy) measured on real calls at
 sizes below any benchmarked one (``plait.cost.calibration.fit_call_costs``).
-``base_call_s`` is the bare executor's per-call cost the ring-shift samples show.
+``base_call_s`` is the bare executor's per-call cost the ring-shift samples show. A
+p2p exchange runs no executor step, so it pays no alpha: T_p2p(n) = call_s[p2p] +
+n beta(n), its fixed cost (latency and software) measured on real exchanges.
 Pure python: priced anywhere.
 """
 
@@ -100,8 +102,10 @@ class TransportModel:
         return self.call_overhead_s("")
 
     def p2p_time_s(self, nbytes: float) -> float:
-        """One pipeline exchange: call_s[p2p] + alpha + n beta(n)."""
-        return self.call_overhead_s(P2P_KIND) + self.step_time_s(nbytes)
+        """One pipeline exchange: call_s[p2p] + n beta(n). Its fixed cost (latency and
+        software) is all in call_s[p2p], measured on real exchanges: alpha is the
+        executor's per-step cost, which a p2p message does not pay."""
+        return self.call_overhead_s(P2P_KIND) + nbytes * self.beta_s_per_byte(nbytes)
 
     def as_dict(self) -> dict:
         return {"alpha_s": self.alpha_s, "beta_cache_s_per_byte": self.beta_cache_s_per_byte,
