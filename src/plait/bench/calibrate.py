@@ -18,8 +18,9 @@ classic one-message latency/bandwidth, reported but not the model: it misses the
 contention of all ranks sharing the cores and links.
 
 Calls (the software cost). One real call of each kind (all_reduce, all_gather,
-reduce_scatter, broadcast, a p2p exchange) at sizes below any benchmarked one,
-through a communicator configured as users run it: ``plait.bench.calibrate_calls``.
+reduce_scatter, broadcast, a p2p exchange) at sizes below any benchmarked one (64 B
+and 256 B), through a communicator configured as users run it, the collectives timed
+exactly as plait bench times them (``measure_one``): ``plait.bench.calibrate_calls``.
 
 Timing, per (kind, k, n, reduce) and per call (kind, n): warm-up, one probe call (max over ranks) that
 sets how many back-to-back calls fill ``time_budget_s``; then in each of ``reps``
@@ -38,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from plait.bench.calibrate_calls import CALL_ALGORITHM, CALL_KINDS, call_numel, call_terms, make_call
-from plait.bench.collectives import message_sizes
+from plait.bench.collectives import BenchConfig, buffer_plan, measure_one, message_sizes
 from plait.comm.communicator import Communicator, init_communicator, process_group
 from plait.comm.config import CommConfig
 from plait.comm.ops import COMBINE
@@ -193,6 +194,26 @@ def _sample(kind: str, steps: int, nbytes: int, reduce: bool, rep_times_s: list[
                   time_s=statistics.median(rep_times_s), rep_times_s=tuple(rep_times_s))
 
 
+def _call_time_s(kind: str, numel: int, communicator: Communicator, transport: str, config: CalibrateConfig,
+                 device: torch.device, group, calls: dict, key: tuple) -> float:
+    """One call sample's time (max over ranks): a collective timed exactly as plait bench
+    times it (``measure_one``: its buffers, warm-up, probe, iteration count and barrier)
+    on ``communicator`` (the "@transport" group), so calibration and the benchmark it
+    predicts measure the same thing; a p2p exchange with the shift's own timing."""
+    if kind in CALL_KINDS[:4]:
+        algorithm = f"{CALL_ALGORITHM}@{transport}"
+        bench = BenchConfig(collective=kind, algorithms=(algorithm,), timeout_s=config.timeout_s)
+        count, size_bytes = buffer_plan(kind, numel * ELEMENT_SIZE, communicator.size, ELEMENT_SIZE)
+        row = measure_one(bench, algorithm, count, size_bytes, group=group, device=device,
+                          communicators={transport: communicator})
+        return row.time_us * 1e-6
+    call = make_call(kind, numel, communicator, device)
+    if key not in calls:
+        calls[key] = calls_per_rep(call, config, device, group)
+    dist.barrier(group=group)
+    return _timed(call, calls[key], device)
+
+
 def _call_sample(kind: str, numel: int, terms, rep_times_s: list[float]) -> Sample:
     rep_times_s = [max(t, 1e-9) for t in rep_times_s]
     return Sample(kind="call", steps=1, nbytes=numel * ELEMENT_SIZE, reduce=kind in ("all_reduce", "reduce_scatter"),
@@ -263,11 +284,8 @@ def run_calibration(config: CalibrateConfig, *, group=None, device: torch.device
             del buffer
         for key in call_plan:
             _, kind, nbytes = key
-            call = make_call(kind, call_numel(kind, nbytes, world_size), user_communicator, device)
-            if key not in calls:
-                calls[key] = calls_per_rep(call, config, device, group)
-            dist.barrier(group=group)
-            local_s.append(_timed(call, calls[key], device))
+            local_s.append(_call_time_s(kind, call_numel(kind, nbytes, world_size), user_communicator, transport,
+                                        config, device, group, calls, key))
         for key, time_s in zip(plan + call_plan, _max_over_ranks(local_s, device, group)):
             times_s[key].append(time_s)
     communicator.executor.release()
