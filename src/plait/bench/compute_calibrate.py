@@ -13,9 +13,16 @@ twice as fast as each of 4 running together). What is timed, in the layout of
   plus a spread of sizes), C[m, n] = A[m, k]·B[k, n];
 - attention: ``torch.bmm`` of (count, m, n, k) in ``attention_cases`` (QKᵀ, PV and
   their gradients' shapes);
-- memory-bound kernels: copy, add, GELU, LayerNorm forward and backward, softmax,
-  dropout and an AdamW step, bytes counted by hand as in kernels.py, at each of
-  ``memory_numels`` elements;
+- memory-bound kernels: copy, add, GELU, LayerNorm forward and backward, softmax and
+  dropout, bytes counted by hand as in kernels.py, at each of ``memory_numels`` elements;
+- AdamW steps as plait train builds them (``adamw_step``: matrices decayed, the rest
+  not, torch's eager per-tensor step), for the size law of ``plait.plan.optimizer_cost``:
+  per tensor size n in ``adamw_params`` a step over max(1, ADAMW_SPAN_ELEMENTS // n)
+  decayed tensors of n elements (16 MiB of parameters, gradients and moments per rank,
+  so the ranks' states together exceed the last-level cache as plait train's do between
+  steps: the first touch of each tensor comes from memory), steps over 1 and 64 tiny
+  tensors, decayed and not (the per-step, per-tensor and decay costs), and a step over
+  each tensor list of ``adamw_lists`` (plait train's GPT: ``gpt_adamw_tensors``);
 - per-call costs: a tiny in-place add (dispatch), a 1x1x1 mm and bmm (a product's fixed
   cost, the fit's t_mm), a chain of tiny autograd ops forward and backward (eager
   dispatch plus autograd per kernel);
@@ -56,6 +63,12 @@ DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.
 SPREAD_GEMMS = ((32, 32, 32), (64, 64, 64), (128, 128, 128), (256, 256, 256), (384, 384, 384), (16, 512, 64),
                 (512, 16, 64), (64, 512, 16))
 LAYERNORM_ROW = 128  # plait train's GPT hidden: the rows LayerNorm and softmax see are this short
+# AdamW's size sweep: 4 KB .. 16 MB of parameters per tensor, each step over 2^20 elements of them (16 MiB with
+# gradients and moments) per rank; the tiny tensors that pin the fixed costs
+ADAMW_NUMELS = tuple(1 << e for e in range(10, 23, 2))
+ADAMW_SPAN_ELEMENTS = 1 << 20
+ADAMW_TINY_NUMEL, ADAMW_TINY_TENSORS = 64, 64
+ADAMW_BYTES_PER_PARAM = 28  # float32: param, grad, exp_avg, exp_avg_sq read; param and both moments written
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -65,7 +78,8 @@ class ComputeCalibrateConfig:
     gemm_shapes: tuple[tuple[int, int, int], ...]
     attention_cases: tuple[tuple[int, int, int, int], ...] = ()
     memory_numels: tuple[int, ...] = (1 << 13, 1 << 15, 1 << 17)
-    adamw_params: tuple[int, ...] = (1 << 20,)
+    adamw_params: tuple[int, ...] = ADAMW_NUMELS
+    adamw_lists: tuple[tuple[tuple[int, bool], ...], ...] = ()
     threads_per_rank: int = 1
     dtype: str = "float32"
     reps: int = 3
@@ -93,6 +107,12 @@ class ComputeCalibrateConfig:
         if not self.adamw_params or any(isinstance(v, bool) or not isinstance(v, int) or v < 1
                                         for v in self.adamw_params):
             problems.append(f"adamw_params={self.adamw_params!r} must be whole numbers >= 1")
+        if not isinstance(self.adamw_lists, tuple) or any(
+                not isinstance(tensors, tuple) or not tensors
+                or any(not isinstance(t, tuple) or len(t) != 2 or isinstance(t[0], bool) or not isinstance(t[0], int)
+                       or t[0] < 1 or not isinstance(t[1], bool) for t in tensors) for tensors in self.adamw_lists):
+            problems.append(f"adamw_lists={self.adamw_lists!r} must be a tuple of non-empty tuples of "
+                            "(elements >= 1, decayed bool)")
         for key in ("threads_per_rank", "reps", "sync_repeats"):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -203,15 +223,54 @@ def memory_ops(dtype, numel: int, row: int = LAYERNORM_ROW):
     ]
 
 
-def adamw_step(params: int):
-    """(bytes moved, call) of torch's AdamW step on one float32 tensor of ``params``
-    elements (as plait train's optimizer on CPU: reads param, grad, exp_avg, exp_avg_sq;
-    writes param and both moments: 28 bytes per parameter)."""
-    weights = [torch.randn(params, dtype=torch.float32, requires_grad=True)]
-    weights[0].grad = torch.randn_like(weights[0])
-    adamw = torch.optim.AdamW(weights, lr=1e-4)
+def adamw_step(tensors):
+    """(row, call) of one step of torch's AdamW over float32 ``tensors`` ((elements,
+    decayed) pairs) built as plait train's ``make_optimizer`` builds it: decayed tensors
+    in a group with weight decay, the rest in one without, eager per-tensor steps on a
+    CPU. The row's "groups" are (bytes moved per tensor, tensors, decayed) triples for
+    ``plait.plan.optimizer_cost`` (ADAMW_BYTES_PER_PARAM bytes per element)."""
+    params = [torch.randn(numel, dtype=torch.float32, requires_grad=True) for numel, _ in tensors]
+    for param in params:
+        param.grad = torch.randn_like(param)
+    decay = [param for param, (_, decayed) in zip(params, tensors) if decayed]
+    rest = [param for param, (_, decayed) in zip(params, tensors) if not decayed]
+    groups = [group for group in ({"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0})
+              if group["params"]]
+    adamw = torch.optim.AdamW(groups, lr=1e-4, betas=(0.9, 0.95))
     adamw.step()  # creates the state
-    return 28 * params, adamw.step
+    counts: dict[int, list[int]] = {}
+    for numel, decayed in tensors:
+        entry = counts.setdefault(numel, [0, 0])
+        entry[0] += 1
+        entry[1] += int(decayed)
+    total = sum(numel for numel, _ in tensors)
+    row = {"op": "adamw", "numel": total // len(tensors), "tensors": len(tensors),
+           "decayed": sum(int(decayed) for _, decayed in tensors), "bytes": ADAMW_BYTES_PER_PARAM * total,
+           "groups": [[ADAMW_BYTES_PER_PARAM * numel, count, decayed]
+                      for numel, (count, decayed) in sorted(counts.items())]}
+    return row, adamw.step
+
+
+def adamw_cases(config: ComputeCalibrateConfig) -> list[tuple[tuple[int, bool], ...]]:
+    """The tensor lists timed (module docstring): the size sweep, the tiny steps, the
+    configured lists."""
+    sweep = [((numel, True),) * max(1, ADAMW_SPAN_ELEMENTS // numel) for numel in config.adamw_params]
+    tiny = [((ADAMW_TINY_NUMEL, True),), ((ADAMW_TINY_NUMEL, True),) * ADAMW_TINY_TENSORS,
+            ((ADAMW_TINY_NUMEL, False),) * ADAMW_TINY_TENSORS]
+    return sweep + tiny + list(config.adamw_lists)
+
+
+def gpt_adamw_tensors(*, layers: int, hidden: int, ffn_hidden: int, vocab: int, seq_len: int,
+                      tied_head: bool = False) -> tuple[tuple[int, bool], ...]:
+    """(elements, decayed) of every parameter tensor of plait's GPT (plait.models.gpt, one
+    process): position and token tables, an untied head; per block LayerNorm (2),
+    qkv (3h·h, 3h), proj (h·h, h), LayerNorm (2), fc1 (f·h, f), fc2 (h·f, h); the final
+    LayerNorm. Matrices (>= 2 dims) decayed, as plait train's make_optimizer does."""
+    h, f = hidden, ffn_hidden or 4 * hidden
+    tensors = [(seq_len * h, True)] + ([] if tied_head else [(vocab * h, True)]) + [(vocab * h, True)]
+    block = [(h, False), (h, False), (3 * h * h, True), (3 * h, False), (h * h, True), (h, False),
+             (h, False), (h, False), (f * h, True), (f, False), (h * f, True), (h, False)]
+    return tuple(tensors + block * layers + [(h, False), (h, False)])
 
 
 def _launch_calls(dtype) -> dict[str, tuple[Callable[[], object], int]]:
@@ -260,9 +319,9 @@ def run_compute_calibration(config: ComputeCalibrateConfig, *, group=None, devic
     for numel in config.memory_numels:  # inputs that need no gradient: no autograd graph but LayerNorm's own
         for name, nbytes, call in memory_ops(dtype, numel):
             memory.append(({"op": name, "numel": numel, "bytes": nbytes}, clock.add(call)))
-    for params in config.adamw_params:
-        nbytes, call = adamw_step(params)
-        memory.append(({"op": "adamw", "numel": params, "bytes": nbytes}, clock.add(call)))
+    for tensors in adamw_cases(config):
+        row, call = adamw_step(tensors)
+        memory.append((row, clock.add(call)))
     times = clock.run(emit)
     kernels_s = time.perf_counter() - started_s
 
@@ -333,4 +392,4 @@ def planner_shapes(spec, *, micro_batches=(1, 4, 16), tps=(1, 2, 4)) -> tuple[tu
 
 
 __all__ = ["ComputeCalibrateConfig", "run_compute_calibration", "planner_shapes", "memory_ops", "DTYPES",
-           "SPREAD_GEMMS"]
+           "SPREAD_GEMMS", "adamw_step", "adamw_cases", "gpt_adamw_tensors", "ADAMW_NUMELS"]

@@ -23,7 +23,8 @@ import sys
 import time
 from pathlib import Path
 
-from plait.bench.compute_calibrate import DTYPES, ComputeCalibrateConfig, planner_shapes, run_compute_calibration
+from plait.bench.compute_calibrate import (DTYPES, ComputeCalibrateConfig, gpt_adamw_tensors, planner_shapes,
+                                          run_compute_calibration)
 from plait.bench.launch import Job, WorkerError, in_torchrun, run_in_current_world, spawn_and_run
 from plait.cli.environment import cache_dir
 from plait.cli.local_ranks import check_spawn
@@ -68,7 +69,12 @@ def default_config(nprocs: int, *, dtype: str = "float32", reps: int = 3, time_b
     spec = TransformerSpec(name="gpt", layers=train.layers, hidden=train.hidden, heads=train.heads,
                            seq_len=train.seq_len, vocab=_train_vocab(), ffn_hidden=train.ffn_hidden)
     gemms, attention = planner_shapes(spec)
-    return ComputeCalibrateConfig(gemm_shapes=gemms, attention_cases=attention, dtype=dtype, reps=reps,
+    # the optimizer's steps over plait train's GPT at its hidden and twice it (the optimizer's size law)
+    lists = tuple(gpt_adamw_tensors(layers=train.layers, hidden=h, ffn_hidden=train.ffn_hidden and train.ffn_hidden
+                                    * h // train.hidden, vocab=spec.vocab, seq_len=train.seq_len,
+                                    tied_head=train.tied_head) for h in (train.hidden, 2 * train.hidden))
+    return ComputeCalibrateConfig(gemm_shapes=gemms, attention_cases=attention, adamw_lists=lists, dtype=dtype,
+                                  reps=reps,
                                   time_budget_s=time_budget_s, warmup=warmup, sync_wait=sync_wait,
                                   timeout_s=timeout_s,
                                   threads_per_rank=threads_per_rank(nprocs, cores or os.cpu_count() or 1))

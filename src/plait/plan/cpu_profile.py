@@ -27,7 +27,14 @@ with. Saved per rank count as ``device-cpu-p{N}.json`` in the CLI's cache direct
   efficiency = rate/bandwidth; η_mem the harmonic mean (equal bytes through each op:
   on a CPU the rates differ tenfold, GELU's erf and LayerNorm's reductions being
   compute-bound in one thread) over add, gelu, layernorm, layernorm.backward and softmax (``CPU_EFFICIENCY_OPS``: dropout, on by default only
-  for Megatron's GPUs, is recorded, not averaged); AdamW its own.
+  for Megatron's GPUs, is recorded, not averaged); AdamW its own (on its one-tensor
+  steps: the ``optimizer_efficiency`` a profile must carry).
+- the optimizer by tensor size (``memory.optimizer_law``): T = c_step + Σ_t [c_tensor +
+  d_t·c_decay + b_t·beta(b_t)], beta with a fitted cache knee
+  (``plait.plan.optimizer_cost``), fitted on every AdamW step the calibration timed
+  (the size sweep, the tiny steps, plait train's GPT); the planner prices a CPU's
+  optimizer with it (``DeviceSpec.optimizer_law``). Absent (null, and
+  ``optimizer_law_why`` says why) when the steps do not determine it.
 - kernel cost: ``kernel_overhead_s`` = ``eager_autograd_kernel_s`` (dispatch plus
   autograd per kernel of an eager step): an eager CPU run is host bound, nothing
   queues ahead, so every kernel pays it (the GPU profile uses the device gap instead).
@@ -49,6 +56,7 @@ import numpy as np
 from plait.cost.profile import machine_identity
 from plait.plan.device_profile import FORMAT, MEMORY_EFFICIENCY_OPS, OPTIMIZER_OP, fit_efficiency_curve
 from plait.plan.host import HostModel
+from plait.plan.optimizer_cost import fit_optimizer_law
 
 __all__ = ["COMPUTE_PROFILE_STEM", "CPU_EFFICIENCY_OPS", "compute_profile_path", "threads_per_rank",
            "fit_cpu_profile", "load_compute_profile", "host_model_from_profile", "machine_problems"]
@@ -131,6 +139,8 @@ def _memory(rows, where: str) -> dict:
     if missing:
         raise ValueError(f"{where}: 'memory' has no rows for {', '.join(missing)}")
     per_op = {}
+    # AdamW's rate on its one-tensor steps (its many-tensor steps are the size law's: _optimizer_law)
+    by_op[OPTIMIZER_OP] = [row for row in by_op[OPTIMIZER_OP] if row.get("tensors", 1) == 1] or by_op[OPTIMIZER_OP]
     for op, found in by_op.items():
         fixed_s, rate = fixed_and_rate([row["bytes"] for row in found], [row["seconds"] for row in found])
         per_op[op] = {"numels": sorted(row["numel"] for row in found), "fixed_s": fixed_s, "gbps": rate / 1e9}
@@ -142,6 +152,17 @@ def _memory(rows, where: str) -> dict:
             "efficiency": statistics.harmonic_mean([per_op[op]["efficiency"] for op in CPU_EFFICIENCY_OPS]),
             "optimizer_op": OPTIMIZER_OP, "optimizer_efficiency": per_op[OPTIMIZER_OP]["efficiency"],
             "bandwidth_bytes_per_s": bandwidth}
+
+
+def _optimizer_law(rows) -> tuple[dict | None, str]:
+    """(law as a dict with its fit's report, '') fitted to the AdamW steps that carry
+    their tensor groups; (None, why) when they do not determine it."""
+    steps = [row for row in rows if row.get("op") == OPTIMIZER_OP and row.get("groups")]
+    try:
+        law, report = fit_optimizer_law(steps)
+    except ValueError as error:
+        return None, str(error)
+    return {**law.as_dict(), "fit": report}, ""
 
 
 def fit_cpu_profile(kernels: dict, *, name: str, source: str = "") -> dict:
@@ -170,6 +191,9 @@ def fit_cpu_profile(kernels: dict, *, name: str, source: str = "") -> dict:
     if attention is not None:
         attention = _rescaled(attention, attention_nominal, peak)
     memory = _memory(_require(kernels, "memory", where), where)
+    memory["optimizer_law"], why = _optimizer_law(kernels["memory"])
+    if why:
+        memory["optimizer_law_why"] = why
     facts = dict(kernels.get("facts", {}))
     nprocs = int(_require(facts, "nprocs", f"{where}: facts"))
     profile = {

@@ -62,6 +62,7 @@ import numpy as np
 from scipy.optimize import least_squares
 
 from plait.plan.device_spec import DeviceSpec
+from plait.plan.optimizer_cost import OptimizerLaw
 
 __all__ = ["FORMAT", "MEMORY_EFFICIENCY_OPS", "OPTIMIZER_OP", "PROFILE_FILES", "DERIVED_PRESETS", "fit_profile",
            "fit_efficiency_curve", "profile_device", "load_device_profile", "calibrated_presets", "efficiency",
@@ -291,6 +292,8 @@ def profile_device(profile: dict, *, vendor=None, where: str = "", name: str | N
     scalar = float(_get(profile, "matmul.efficiency_flop_weighted", where))
     memory_efficiency = _efficiency(_get(profile, "memory.efficiency", where))
     optimizer = _efficiency(_get(profile, "memory.optimizer_efficiency", where))
+    law = (profile.get("memory") or {}).get("optimizer_law")  # a CPU profile's AdamW by tensor size (cpu_profile)
+    optimizer_law = OptimizerLaw.from_dict(law) if law is not None else None
     overhead = float(_get(profile, "launch.kernel_overhead_s", where))
     label = profile.get("source") or "?"
     if vendor is None:
@@ -304,7 +307,7 @@ def profile_device(profile: dict, *, vendor=None, where: str = "", name: str | N
                                                                   where)),
                           matmul_efficiency=_efficiency(scalar), memory_efficiency=memory_efficiency,
                           kernel_overhead_s=overhead, matmul_fit=matmul_fit, attention_fit=attention_fit,
-                          optimizer_memory_efficiency=optimizer,
+                          optimizer_memory_efficiency=optimizer, optimizer_law=optimizer_law,
                           source=f"calibrated: device profile {where} (fitted from {label})")
     same = vendor.name == profile.get("vendor")
     how = "" if same else f", derived by peak ratio from {profile.get('vendor', '?')}"

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from plait.names.wire import BY_NAME
 from plait.plan.layers import LayerCost, backward_matmuls, weight_gradient_matmuls
+from plait.plan.optimizer_cost import OptimizerLaw
 
 __all__ = ["DeviceSpec", "DTYPE_BYTES", "GIB", "matmul_efficiency_fit"]
 
@@ -34,6 +35,7 @@ class DeviceSpec:
     matmul_fit: tuple[float, float, float, float] | None = None
     attention_fit: tuple[float, float, float, float] | None = None
     optimizer_memory_efficiency: float | None = None
+    optimizer_law: OptimizerLaw | None = None  # an eager optimizer's cost by tensor size (a calibrated CPU)
 
     def __post_init__(self) -> None:
         problems = []
@@ -61,6 +63,9 @@ class DeviceSpec:
         if self.optimizer_memory_efficiency is not None and not (
                 isinstance(self.optimizer_memory_efficiency, (int, float)) and 0 < self.optimizer_memory_efficiency <= 1):
             problems.append(f"optimizer_memory_efficiency={self.optimizer_memory_efficiency!r} must be in (0, 1] "
+                            "or None")
+        if self.optimizer_law is not None and not isinstance(self.optimizer_law, OptimizerLaw):
+            problems.append(f"optimizer_law={self.optimizer_law!r} must be a plait.plan.optimizer_cost.OptimizerLaw "
                             "or None")
         if problems:
             raise ValueError(f"invalid device {self.name!r}: " + "; ".join(problems))
@@ -120,12 +125,17 @@ class DeviceSpec:
         return self.time_s(flops=layer.core_forward_flops, nbytes=layer.core_forward_bytes, kernels=0, dtype=dtype,
                            matmuls=core)
 
-    def optimizer_time_s(self, nbytes: float, dtype: str, kernels: float = 1) -> float:
-        """One optimizer step streaming ``nbytes`` in ``kernels`` launches (1: a fused
-        step; an eager one launches a few per parameter tensor,
-        ``plait.plan.trainer_calls.optimizer_kernels``): T = kernels·t_kernel + bytes /
-        (η_opt·bandwidth), η_opt the measured optimizer efficiency when the profile has
-        one, else η_mem."""
+    def optimizer_time_s(self, nbytes: float, dtype: str, kernels: float = 1, tensors=None) -> float:
+        """One optimizer step streaming ``nbytes``. With ``optimizer_law`` (a calibrated
+        CPU) and ``tensors``, the (bytes moved per tensor, tensors, decayed tensors)
+        groups of the step: the law, T = c_step + Σ_t [c_tensor + d_t·c_decay +
+        b_t·beta(b_t)] (``plait.plan.optimizer_cost``; ``nbytes`` and ``kernels`` are then
+        not used). Else in ``kernels`` launches (1: a fused step; an eager one launches a
+        few per parameter tensor, ``plait.plan.trainer_calls.optimizer_kernels``): T =
+        kernels·t_kernel + bytes / (η_opt·bandwidth), η_opt the measured optimizer
+        efficiency when the profile has one, else η_mem."""
+        if self.optimizer_law is not None and tensors:
+            return self.optimizer_law.time_s(tensors)
         if self.optimizer_memory_efficiency is None:
             return self.time_s(flops=0.0, nbytes=nbytes, kernels=kernels, dtype=dtype)
         return kernels * self.kernel_overhead_s + nbytes / (self.optimizer_memory_efficiency
@@ -150,6 +160,8 @@ class DeviceSpec:
         attention = fit_text(self.attention_fit) if self.attention_fit is not None else "the GEMM fit"
         optimizer = ("" if self.optimizer_memory_efficiency is None
                      else f", optimizer {self.optimizer_memory_efficiency:.3g}")
+        if self.optimizer_law is not None:
+            optimizer += f" (by tensor size: {self.optimizer_law.describe()})"
         return (head + f"calibrated: GEMM eta(m,n,k) {fit_text(self.matmul_fit)}; attention {attention}; "
                 f"memory {self.memory_efficiency:.3g}{optimizer}, {self.kernel_overhead_s * 1e6:.3g} us per kernel "
                 f"[{self.source}]")

@@ -82,7 +82,7 @@ from plait.plan.overlap import data_parallel_s
 from plait.plan.pipeline import cost_units, price_schedule
 from plait.plan.precision import Precision
 from plait.plan.stages import alpa_partition, minmax_partition
-from plait.plan.trainer_calls import closing_calls, closing_time_s, optimizer_kernels
+from plait.plan.trainer_calls import closing_calls, closing_time_s, optimizer_kernels, optimizer_tensor_groups
 from plait.plan.transformer import TensorParallelComm
 
 __all__ = ["Estimate", "estimate", "Unit", "GroupCosts", "summarize", "split_groups", "alpa_split", "combine",
@@ -392,8 +392,11 @@ def estimate(groups: list[list[Unit]], layout: Layout, cluster: Cluster, precisi
         # a received activation (a chunk's input from another chunk) stays in memory under offload
         received = max((chunks[c - 1].output_bytes for c in indices if c > 0), default=0.0)
         zero_units = sum(len(split[c]) for c in indices) + end_modules * ((0 in indices) + (p * v - 1 in indices))
+        # (params, tensors, matrices) per chunk (and the head's copy of the tied table): the optimizer's sizes
+        chunk_tensors = [(c.params, c.param_tensors, c.matrix_tensors) for c in mine] + (
+            [(tied_embedding_params, 1, 1)] if tied_copy else [])
         ranks.append({"compute": compute, "tp_comm": tp_comm, "p2p": p2p, "params": params, "mine": mine,
-                      "units": zero_units, "tensors": tensors, "matrices": matrices,
+                      "units": zero_units, "tensors": tensors, "matrices": matrices, "chunk_tensors": chunk_tensors,
                       "received": received,
                       "forward": share * sum(c.forward_s for c in mine) + p2p / 2,
                       "forward_mb": share * sum(c.forward_s for c in mine),
@@ -459,8 +462,10 @@ def estimate(groups: list[list[Unit]], layout: Layout, cluster: Cluster, precisi
                            norm_tensors=tensors, norm_bytes=sharded * precision.grad_bytes, algorithms=algorithms)
     times["dp_comm"] = dp_s
     device = cluster.device
-    times["optimizer"] = device.optimizer_time_s(sharded * precision.optimizer_traffic_bytes, dtype,
-                                                 optimizer_kernels(device, tensors, matrices))
+    times["optimizer"] = device.optimizer_time_s(
+        sharded * precision.optimizer_traffic_bytes, dtype, optimizer_kernels(device, tensors, matrices),
+        tensors=optimizer_tensor_groups(holder["chunk_tensors"], zero_units=holder["units"] if zero else 0,
+                                        sharded_params=sharded, bytes_per_param=precision.optimizer_traffic_bytes))
     step = pipeline_s + dp_s + times["optimizer"]
 
     # memory: the worst pipeline rank

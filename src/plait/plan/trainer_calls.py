@@ -44,6 +44,14 @@ Adam: one launch per step), so on a GPU the count stays 1 and the norm one launc
 Under ZeRO >= 1 the optimizer steps flat shards, one per unit and parameter group:
 2 per unit (decayed and not), one of them decayed (an approximation: a unit of
 matrices only has one).
+
+The tensors' sizes (``optimizer_tensor_groups``, for a device that prices its
+optimizer by tensor size, ``plait.plan.optimizer_cost``): the planner knows per
+pipeline chunk its parameters, tensors and matrices, not each tensor's size, so a
+chunk's parameters are spread evenly over its matrices (a transformer's vectors,
+biases and LayerNorm scales, hold < 1% of them: priced at their fixed cost, no
+bytes); a chunk without matrices spreads them over its tensors. Under ZeRO >= 1 each
+unit's decayed shard holds params/(dp·units), the other shard priced empty.
 """
 
 from __future__ import annotations
@@ -54,6 +62,7 @@ from plait.names.axes import DP, PP, TP
 from plait.names.precision import FP16_MIXED
 
 __all__ = ["ClosingCall", "closing_calls", "closing_time_s", "eager_device", "norm_kernels", "optimizer_kernels",
+           "optimizer_tensor_groups",
            "ADAMW_KERNELS_PER_TENSOR", "LOSS_BYTES", "NORM_BYTES", "OVERFLOW_FLAG_BYTES", "UNUSED_FLAG_BYTES"]
 
 LOSS_BYTES = 8  # the engine's loss sum: one float64
@@ -118,6 +127,25 @@ def optimizer_kernels(device, tensors: int, matrices: int) -> int:
     if not eager_device(device) or tensors <= 0:
         return 1
     return ADAMW_KERNELS_PER_TENSOR * tensors + matrices
+
+
+def optimizer_tensor_groups(chunks, *, zero_units: int, sharded_params: float,
+                            bytes_per_param: float) -> list[tuple[float, int, int]] | None:
+    """(bytes moved per tensor, tensors, decayed) groups of one optimizer step of a rank
+    holding ``chunks`` ((params, tensors, matrices) per pipeline chunk), the module
+    docstring's approximation; under ZeRO (``zero_units`` > 0) two flat shards a unit
+    over ``sharded_params``. None when the tensors are not known (a traced model)."""
+    if zero_units > 0:
+        return [(sharded_params * bytes_per_param / zero_units, zero_units, zero_units), (0.0, zero_units, 0)]
+    groups = []
+    for params, tensors, matrices in chunks:
+        if tensors <= 0:
+            return None
+        carriers = matrices if matrices > 0 else tensors
+        groups.append((params * bytes_per_param / carriers, carriers, matrices))
+        if matrices > 0 and tensors > matrices:
+            groups.append((0.0, tensors - matrices, 0))
+    return groups or None
 
 
 def norm_kernels(device, tensors: int) -> int:
