@@ -2,13 +2,20 @@
 plan's price of the same layout, a drift flagged with the part that caused it.
 
 One 2-process run (pp=2, a tiny float64 GPT) twice in one world: plain, then with a
-data source sleeping DATA_SLEEP_S per batch and an optimizer whose step sleeps
-OPTIMIZER_SLEEP_S. time.sleep(N) sleeps at least N, so the injected run's data part
-per step is >= the plain one's + N (less the plain run's own data time, which is
-< 1 ms) and its optimizer part likewise; a late wake-up or the shared machine adds at
-most SLACK_S. The other parts are not touched by the sleeps: they stay within
-SLACK_S of the plain run's per step. The parts add up to the wall by construction
-(other = the rest): checked to float64 rounding (1e-9 relative over a few additions).
+data source sleeping DATA_SLEEP_S per batch, an optimizer whose step sleeps
+OPTIMIZER_SLEEP_S, and the first stage's backward sleeping BACKWARD_SLEEP_S per
+micro-batch (a gradient hook on one of its parameters). time.sleep(N) sleeps at least
+N, so the injected run's data part per step is >= the plain one's + N (less the plain
+run's own data time, which is < 1 ms) and its optimizer part likewise; a late wake-up
+or the shared machine adds at most SLACK_S. The backward sleeps are the first stage's
+compute (M per step on pp rank 0, M micro-batches) and, as 1F1B's first stage runs the
+last backward, the pipeline's drain on pp rank 1: it waits M x BACKWARD_SLEEP_S longer
+for the step's closing loss sum, which is pp_bubble (it waits before pp rank 0 posted
+its part; plait.train.step_breakdown), not dp_comm: dp_comm stays within SLACK_S of the
+plain run's (the collectives' own cost, < 1 ms here, not the wait for the drain). The
+other parts are not touched by the sleeps: they stay within SLACK_S of the plain run's
+per step. The parts add up to the wall by construction (other = the rest): checked to
+float64 rounding (1e-9 relative over a few additions).
 """
 
 from __future__ import annotations
@@ -21,7 +28,7 @@ import pytest
 import torch
 
 from plait.cli.main import main
-from plait.names.step_parts import DATA, OPTIMIZER, STEP_PARTS
+from plait.names.step_parts import COMPUTE, DATA, DP_COMM, OPTIMIZER, PP_BUBBLE, STEP_PARTS
 from plait.testing import run_distributed
 from plait.train.build import batch
 from plait.train.config import TrainConfig
@@ -30,6 +37,8 @@ from plait.train.plan_compare import comparison_lines
 
 DATA_SLEEP_S = 0.080
 OPTIMIZER_SLEEP_S = 0.040
+BACKWARD_SLEEP_S = 0.040  # per micro-batch backward of the first stage
+MICROBATCHES = 2  # global_batch 4 / micro_batch 2
 SLACK_S = 0.030  # a sleeping process woken late, or a time slice lost on the shared 2-core machine
 STEPS = 5
 
@@ -64,6 +73,9 @@ def _plain_and_injected(rank, world_size, plain_out, injected_out):
 
     trainer = Trainer(config, resume="never", log=lambda _: None, batch_source=sleepy_source,
                       optimizer_factory=_sleepy_optimizer)
+    stages = trainer.hybrid.engine.stages
+    if 0 in stages:  # the first stage's backward sleeps once per micro-batch (its first parameter's gradient)
+        next(stages[0].parameters()).register_hook(lambda grad: time.sleep(BACKWARD_SLEEP_S))
     trainer.train()
 
 
@@ -77,22 +89,30 @@ def runs(tmp_path_factory):
 
 
 def _per_step_s(report, part) -> list[float]:
-    """Each rank's mean seconds per steady step in ``part``."""
+    """Each rank's mean seconds per steady step in ``part``, in pipeline-rank order."""
     per_rank = report["step_parts"]["measured"]["per_rank_ms"]
-    return [row[part] / 1e3 for _, row in sorted(per_rank.items())]
+    pp_of = {str(rank["rank"]): rank["coords"]["pp"] for rank in report["ranks"]}
+    return [row[part] / 1e3 for rank, row in sorted(per_rank.items(), key=lambda item: pp_of[item[0]])]
 
 
 @pytest.mark.slow
 def test_injected_delays_show_in_their_parts_only(runs):
     plain, injected = runs["plain"], runs["injected"]
-    for name, sleep_s in ((DATA, DATA_SLEEP_S), (OPTIMIZER, OPTIMIZER_SLEEP_S)):
-        for base_s, slow_s in zip(_per_step_s(plain, name), _per_step_s(injected, name)):
-            assert sleep_s - 1e-3 <= slow_s - base_s <= sleep_s + SLACK_S, (name, base_s, slow_s)
+    drain_s = MICROBATCHES * BACKWARD_SLEEP_S
+    # (part, pipeline rank) -> the sleep it must gain per step
+    expected = {(DATA, 0): DATA_SLEEP_S, (DATA, 1): DATA_SLEEP_S, (OPTIMIZER, 0): OPTIMIZER_SLEEP_S,
+                (OPTIMIZER, 1): OPTIMIZER_SLEEP_S, (COMPUTE, 0): drain_s, (PP_BUBBLE, 1): drain_s}
     for name in STEP_PARTS:
-        if name in (DATA, OPTIMIZER):
-            continue
-        for base_s, slow_s in zip(_per_step_s(plain, name), _per_step_s(injected, name)):
-            assert abs(slow_s - base_s) <= SLACK_S, (name, base_s, slow_s)
+        for pp, (base_s, slow_s) in enumerate(zip(_per_step_s(plain, name), _per_step_s(injected, name))):
+            sleep_s = expected.get((name, pp))
+            if sleep_s is None:
+                assert abs(slow_s - base_s) <= SLACK_S, (name, pp, base_s, slow_s)
+            elif name == PP_BUBBLE:  # a wait: the other rank's sleep (its post of the loss sum), not this rank's
+                assert abs(slow_s - base_s - sleep_s) <= SLACK_S, (name, pp, base_s, slow_s)
+            else:
+                assert sleep_s - 1e-3 <= slow_s - base_s <= sleep_s + SLACK_S, (name, pp, base_s, slow_s)
+    # the drain is not the loss sum's cost: dp_comm stays small on both ranks
+    assert all(seconds <= SLACK_S for seconds in _per_step_s(injected, DP_COMM)), _per_step_s(injected, DP_COMM)
 
 
 @pytest.mark.slow

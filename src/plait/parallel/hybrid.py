@@ -24,7 +24,7 @@ model (``names``) wherever they live, which is what checkpoints are keyed by.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -37,6 +37,7 @@ from plait.parallel.mesh import DeviceMesh
 from plait.memory.offload import ActivationOffloader
 from plait.parallel.pipeline import build as build_schedule, PipelineEngine
 from plait.parallel.pipeline.partition import build_stage, split_layers
+from plait.parallel.step_times import StepTimes, TIMED_PARTS
 from plait.memory.precision import AUTOCAST_DTYPE, GRAD_REDUCE_DTYPES, PRECISIONS, REDUCE_DTYPE, autocast
 from plait.memory.recompute import set_block_recompute
 from plait.comm.ops import dtype_from_code
@@ -167,69 +168,6 @@ def _drop_unheld(model: nn.Module, held_ids: set[int]) -> None:
                 blocks[index] = nn.Identity()
 
 
-@dataclass
-class StepTimes:
-    """Where one step's time went on this rank (seconds), in the parts of
-    ``plait.names.step_parts``, each from a timer around the real calls:
-
-    - ``compute_s``: the engine's forward/backward intervals minus the tensor-parallel
-      collectives run inside them (plait.comm's time on the tp group meanwhile);
-      ``stage_compute_s``: the same per pipeline stage (model chunk) this rank runs
-      (each interval's share of the collectives in proportion to its length);
-    - ``tp_comm_s``: tp-group collectives during the engine's step (synchronous calls);
-    - ``pp_comm_s``: posting sends and waiting for them at the flush;
-    - ``receive_s``: waiting in pipeline receives: the peer still computing (the bubble)
-      and the message's transfer together (``plait.train.step_breakdown`` splits it
-      with the senders' post times into pp_bubble and pp_comm);
-    - ``dp_comm_s``: the engine's closing collectives (loss sum, shared and Chimera
-      replica gradients), the dp sync (gradient averaging or ZeRO's reduce-scatter,
-      unscale, the gradient-norm and loss reductions) and the dp collectives inside
-      the optimizer step (ZeRO's parameter all-gather);
-    - ``optimizer_s``: the optimizer step without those collectives;
-    - ``data_s``: fetching the batch (the caller's timer: ``with_data``);
-    - ``other_s``: wall - every part above (bookkeeping: the engine's own between its
-      actions, zeroing gradients, the learning rate), so the parts add up to wall.
-
-    The coarse split of earlier reports is kept as properties: ``comm_s`` = tp + dp,
-    ``bubble_s`` = pp_comm + receive waits, ``rest_s`` = optimizer + data + other."""
-
-    wall_s: float = 0.0
-    compute_s: float = 0.0
-    tp_comm_s: float = 0.0
-    pp_comm_s: float = 0.0
-    receive_s: float = 0.0
-    dp_comm_s: float = 0.0
-    optimizer_s: float = 0.0
-    data_s: float = 0.0
-    other_s: float = 0.0
-    stage_compute_s: dict = field(default_factory=dict)  # pipeline stage -> compute seconds
-
-    @property
-    def comm_s(self) -> float:
-        return self.tp_comm_s + self.dp_comm_s
-
-    @property
-    def bubble_s(self) -> float:
-        return self.pp_comm_s + self.receive_s
-
-    @property
-    def rest_s(self) -> float:
-        return self.optimizer_s + self.data_s + self.other_s
-
-    def with_data(self, data_s: float) -> "StepTimes":
-        """These times with ``data_s`` of batch fetching before the step (added to wall)."""
-        return replace(self, data_s=self.data_s + data_s, wall_s=self.wall_s + data_s)
-
-    def as_dict(self) -> dict:
-        return {**{name: getattr(self, name) for name in TIMED_PARTS},
-                "stage_compute_s": {str(stage): value for stage, value in self.stage_compute_s.items()}}
-
-
-# the StepTimes fields that add up to wall_s
-TIMED_PARTS = ("wall_s", "compute_s", "tp_comm_s", "pp_comm_s", "receive_s", "dp_comm_s",
-               "optimizer_s", "data_s", "other_s")
-
-
 def _axis_comm_s(hybrid: HybridModel, axis: str) -> float:
     """Seconds plait.comm has recorded in collectives on ``axis``'s group (0 for a group of one)."""
     if hybrid.mesh.size(axis) == 1:
@@ -290,7 +228,7 @@ def train_step(hybrid: HybridModel, inputs, targets, optimizer, *, step: int, gr
     times = StepTimes(wall_s=wall_s, compute_s=compute_s, tp_comm_s=tp_s, pp_comm_s=record.send_s,
                       receive_s=record.receive_s,
                       dp_comm_s=record.closing_s + sync_s + optimizer_dp_s, optimizer_s=optimizer_s - optimizer_dp_s,
-                      stage_compute_s=stage_compute_s)
+                      stage_compute_s=stage_compute_s, closing_s=record.closing_s)
     accounted_s = sum(getattr(times, name) for name in TIMED_PARTS[1:-1])
     times.other_s = max(wall_s - accounted_s, 0.0)
     return loss, norm, times

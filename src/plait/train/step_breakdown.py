@@ -17,6 +17,26 @@ computed over the engine's recorded steps (its last 100) and applied, as a fract
 to each rank's receive time over the whole run; ranks on different hosts (no common
 clock) count the whole wait as bubble, and the report says so.
 
+The pipeline's drain is waiting too. The engine closes each step with a loss sum over
+the pipeline group (and the sums of parameters shared between stages), posted by each
+rank once its own last action is done; a rank that finishes before the others (every
+rank but the first, in 1F1B: the first stage runs the last backward) waits there for
+the slowest stage, not for the collective. With P_r the time rank r posted its part and
+L = max_r P_r over the ranks of its pipeline (the same step, the same host clock), a
+closing from P_r to its end e_r holds
+
+    drain = clamp(L - P_r, 0, e_r - P_r)     (pp_bubble: the last stage still computing)
+    rest  = (e_r - P_r) - drain              (dp_comm: the collectives' own time after the last post)
+
+summed over the recorded steps and applied, as a fraction of the engine's closing time
+(``StepTimes.closing_s``, part of dp_comm_s), to each rank's closing time over its
+steady steps. The collectives after the engine (the gradient norm's sums over tp and pp,
+the dp sync) start once every pipeline rank has left the loss sum, so they do not wait
+for the drain: they stay dp_comm. On several hosts the closing stays dp_comm (no common
+clock), and the report says so. The engine's closing holds only collectives under plait
+train (it passes the engine no optimizer): a caller stepping its optimizer inside the
+engine's closing would have that step counted as waiting.
+
 Per step: the first step of a process (shapes announced, caches warmed) is left out when
 more than one ran (``steady``), as the throughput is.
 """
@@ -27,7 +47,7 @@ import socket
 
 from plait.names.step_parts import (COMPUTE, DATA, DP_COMM, OPTIMIZER, OTHER, PP_BUBBLE, PP_COMM, STEP_PARTS,
                                     TP_COMM)
-from plait.parallel.hybrid import StepTimes, TIMED_PARTS
+from plait.parallel.step_times import StepTimes, TIMED_PARTS
 from plait.parallel.pipeline.schedules import RECV_ACT, RECV_GRAD, SEND_ACT, SEND_GRAD
 
 # StepTimes field -> step part (receive_s is split between pp_comm and pp_bubble)
@@ -45,13 +65,17 @@ class StepTotals:
         self.steady_steps = 0
         self.stage_compute_s: dict[str, float] = {}
         self.steady_stage_compute_s: dict[str, float] = {}
+        self.closing_s = 0.0  # of dp_comm_s: the engine's closing collectives (StepTimes.closing_s)
+        self.steady_closing_s = 0.0
 
     def add(self, times: StepTimes) -> None:
         self.steps += 1
         targets = [(self.total, self.stage_compute_s)]
+        self.closing_s += times.closing_s
         if self.steps > 1:
             self.steady_steps += 1
             targets.append((self.steady, self.steady_stage_compute_s))
+            self.steady_closing_s += times.closing_s
         for totals, stages in targets:
             for name in TIMED_PARTS:
                 totals[name] += getattr(times, name)
@@ -61,19 +85,38 @@ class StepTotals:
     def report(self, history) -> dict:
         """This rank's entry for the report: the coarse split of earlier reports
         (compute_s, comm_s, bubble_s, other_s; other = optimizer + data + bookkeeping),
-        the fine parts, per-stage compute, and the engine's recent message times."""
+        the fine parts, per-stage compute, the engine's closing time (of dp_comm), and the
+        engine's recent message times and closing post/end times."""
         total = self.total
         steady = self.steady if self.steady_steps else self.total
         return {"wall_s": total["wall_s"], "compute_s": total["compute_s"],
                 "comm_s": total["tp_comm_s"] + total["dp_comm_s"],
                 "bubble_s": total["pp_comm_s"] + total["receive_s"],
                 "other_s": total["optimizer_s"] + total["data_s"] + total["other_s"],
-                "parts_s": dict(total), "stage_compute_s": dict(self.stage_compute_s),
+                "parts_s": dict(total), "stage_compute_s": dict(self.stage_compute_s), "closing_s": self.closing_s,
                 "steady": {"steps": self.steady_steps or self.steps, "parts_s": dict(steady),
                            "stage_compute_s": dict(self.steady_stage_compute_s if self.steady_steps
-                                                   else self.stage_compute_s)},
+                                                   else self.stage_compute_s),
+                           "closing_s": self.steady_closing_s if self.steady_steps else self.closing_s},
                 "host": socket.gethostname(),
-                "messages": [(list(record.receives), list(record.sends)) for record in history]}
+                "messages": [(list(record.receives), list(record.sends),
+                              (record.closing_posted_s, record.closing_end_s, record.closing_s))
+                             for record in history]}
+
+
+def _pipelines(ranks: list[dict]) -> list[tuple[dict[int, dict], int]]:
+    """The ranks of each pipeline (same dp and tp coordinates) by pipeline rank, with the
+    number of recorded steps every member has (their last ones: the same steps)."""
+    pipelines: dict[tuple, dict[int, dict]] = {}
+    for rank in ranks:
+        coords = rank["coords"]
+        pipelines.setdefault((coords["dp"], coords["tp"]), {})[coords["pp"]] = rank
+    return [(members, min(len(member.get("messages") or []) for member in members.values()))
+            for members in pipelines.values()]
+
+
+def _recorded(member: dict, steps: int) -> list:
+    return member["messages"][-steps:] if steps else []
 
 
 def _receive_split(ranks: list[dict]) -> tuple[dict[int, float], str]:
@@ -81,23 +124,16 @@ def _receive_split(ranks: list[dict]) -> tuple[dict[int, float], str]:
     the peer still computing), from the senders' post times (module docstring)."""
     if len({rank.get("host") for rank in ranks}) > 1:
         return {}, "ranks on several hosts: no common clock, every receive wait counted as bubble"
-    pipelines: dict[tuple, dict[int, dict]] = {}
-    for rank in ranks:
-        coords = rank["coords"]
-        pipelines.setdefault((coords["dp"], coords["tp"]), {})[coords["pp"]] = rank
     fractions = {}
-    for members in pipelines.values():
-        steps = min(len(member.get("messages") or []) for member in members.values())
+    for members, steps in _pipelines(ranks):
         posted: list[dict] = [{} for _ in range(steps)]
         for member in members.values():
-            log = member["messages"][-steps:] if steps else []
-            for index, (_, sends) in enumerate(log):
+            for index, (_, sends, *_) in enumerate(_recorded(member, steps)):
                 for kind, microbatch, stage, posted_s in sends:
                     posted[index][(kind, microbatch, stage)] = posted_s
         for member in members.values():
             waited_s = transfer_s = 0.0
-            log = member["messages"][-steps:] if steps else []
-            for index, (receives, _) in enumerate(log):
+            for index, (receives, *_) in enumerate(_recorded(member, steps)):
                 for kind, microbatch, stage, start_s, end_s in receives:
                     sent_s = posted[index].get((_MATCHING_SEND.get(kind), microbatch, stage))
                     if sent_s is None:
@@ -109,13 +145,42 @@ def _receive_split(ranks: list[dict]) -> tuple[dict[int, float], str]:
     return fractions, "receive waits split by the senders' post times (one host's clock)"
 
 
-def rank_parts(rank: dict, fraction: float, steady: bool = True) -> dict[str, float]:
+def _closing_split(ranks: list[dict]) -> tuple[dict[int, float], str]:
+    """Per global rank, the fraction of its engine closing time that was the pipeline's
+    drain: waiting before the last rank of its pipeline posted its part of the loss sum
+    (module docstring). Recorded steps without closing times (an older report) count 0."""
+    if len({rank.get("host") for rank in ranks}) > 1:
+        return {}, "ranks on several hosts: no common clock, the pipeline's closing waits counted as dp_comm"
+    fractions = {}
+    for members, steps in _pipelines(ranks):
+        closings = {pp: [entry[2] if len(entry) > 2 else None for entry in _recorded(member, steps)]
+                    for pp, member in members.items()}
+        for pp, member in members.items():
+            drain_s = closing_s = 0.0
+            for index, mine in enumerate(closings[pp]):
+                posts = [closing[index][0] for closing in closings.values() if closing[index] is not None]
+                if mine is None:
+                    continue
+                posted_s, end_s, seconds = mine
+                drain_s += min(max(max(posts) - posted_s, 0.0), end_s - posted_s)
+                closing_s += seconds
+            fractions[member["rank"]] = min(drain_s / closing_s, 1.0) if closing_s > 0 else 0.0
+    return fractions, ("closing waits before the pipeline's last post of the loss sum counted as bubble "
+                       "(one host's clock)")
+
+
+def rank_parts(rank: dict, fraction: float, steady: bool = True, drain_fraction: float = 0.0) -> dict[str, float]:
     """One rank's step parts (seconds, summed over its steps) with its receive waits
-    split: ``fraction`` of them transfer (pp_comm), the rest bubble."""
+    split: ``fraction`` of them transfer (pp_comm), the rest bubble; and
+    ``drain_fraction`` of its engine closing time (part of dp_comm) moved to bubble."""
     source = rank["steady"]["parts_s"] if steady else rank["parts_s"]
     parts = {part: source[name] for name, part in FIELD_PART.items()}
     parts[PP_COMM] += fraction * source["receive_s"]
     parts[PP_BUBBLE] = (1.0 - fraction) * source["receive_s"]
+    closing_s = (rank["steady"] if steady else rank).get("closing_s", 0.0)
+    drain_s = min(drain_fraction * closing_s, parts[DP_COMM])
+    parts[DP_COMM] -= drain_s
+    parts[PP_BUBBLE] += drain_s
     return parts
 
 
@@ -127,10 +192,11 @@ def measured_breakdown(ranks: list[dict]) -> dict | None:
     if not timed:
         return None
     fractions, split_source = _receive_split(timed)
+    drains, closing_source = _closing_split(timed)
     per_rank = {}
     for rank in timed:
         steps = rank["steady"]["steps"]
-        parts = rank_parts(rank, fractions.get(rank["rank"], 0.0))
+        parts = rank_parts(rank, fractions.get(rank["rank"], 0.0), drain_fraction=drains.get(rank["rank"], 0.0))
         per_rank[rank["rank"]] = {**{part: 1e3 * seconds / steps for part, seconds in parts.items()},
                                   "wall": 1e3 * rank["steady"]["parts_s"]["wall_s"] / steps}
     parts = {}
@@ -145,5 +211,5 @@ def measured_breakdown(ranks: list[dict]) -> dict | None:
     return {"parts_ms": parts, "per_rank_ms": {str(rank): row for rank, row in per_rank.items()},
             "stage_compute_ms": {stage: sum(values) / len(values) for stage, values in sorted(stages.items())},
             "steps": {str(rank["rank"]): rank["steady"]["steps"] for rank in timed},
-            "receive_split": split_source,
+            "receive_split": split_source, "closing_split": closing_source,
             "first_step_excluded": any(rank["steady"]["steps"] < rank.get("steps", 0) for rank in timed)}

@@ -93,6 +93,11 @@ class StepRecord:
     # peer's compute (bubble) and the message's transfer with them)
     receives: list = field(default_factory=list)
     sends: list = field(default_factory=list)
+    # when this rank posted its part of the closing loss sum over the pipeline group and
+    # when its closing collectives ended (perf_counter): a rank posting before the last one
+    # waits there for the pipeline's drain (plait.train.step_breakdown: that wait is bubble)
+    closing_posted_s: float = 0.0
+    closing_end_s: float = 0.0
     stage_busy_s: dict = field(default_factory=dict)  # stage -> seconds of its forward/backward/weight intervals
 
 
@@ -221,7 +226,8 @@ class PipelineEngine:
             if optimizer is not None:
                 optimizer.step()
             reduction.wait()
-            record.closing_s += time.perf_counter() - closing_start_s
+            record.closing_posted_s, record.closing_end_s = closing_start_s, time.perf_counter()
+            record.closing_s += record.closing_end_s - closing_start_s
         except Exception:
             self.messages.forget()
             raise
