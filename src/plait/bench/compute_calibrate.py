@@ -22,7 +22,10 @@ twice as fast as each of 4 running together). What is timed, in the layout of
   so the ranks' states together exceed the last-level cache as plait train's do between
   steps: the first touch of each tensor comes from memory), steps over 1 and 64 tiny
   tensors, decayed and not (the per-step, per-tensor and decay costs), and a step over
-  each tensor list of ``adamw_lists`` (plait train's GPT: ``gpt_adamw_tensors``);
+  each tensor list of ``adamw_lists`` (plait train's GPT: ``gpt_adamw_tensors``), in
+  sweeps of their own after the kernels' (every rank stepping at once, as plait train's
+  ranks step after their common gradient sync, not beside the other ranks' GEMMs), at
+  least ADAMW_MIN_REPS sweeps;
 - per-call costs: a tiny in-place add (dispatch), a 1x1x1 mm and bmm (a product's fixed
   cost, the fit's t_mm), a chain of tiny autograd ops forward and backward (eager
   dispatch plus autograd per kernel);
@@ -46,7 +49,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from functools import partial
 from typing import Callable
 
@@ -68,6 +71,7 @@ LAYERNORM_ROW = 128  # plait train's GPT hidden: the rows LayerNorm and softmax 
 ADAMW_NUMELS = tuple(1 << e for e in range(10, 23, 2))
 ADAMW_SPAN_ELEMENTS = 1 << 20
 ADAMW_TINY_NUMEL, ADAMW_TINY_TENSORS = 64, 64
+ADAMW_MIN_REPS = 7  # the steps' sweeps (~0.6 s each on 2 cores): their median rides out a busy machine's bursts
 ADAMW_BYTES_PER_PARAM = 28  # float32: param, grad, exp_avg, exp_avg_sq read; param and both moments written
 
 
@@ -319,13 +323,15 @@ def run_compute_calibration(config: ComputeCalibrateConfig, *, group=None, devic
     for numel in config.memory_numels:  # inputs that need no gradient: no autograd graph but LayerNorm's own
         for name, nbytes, call in memory_ops(dtype, numel):
             memory.append(({"op": name, "numel": numel, "bytes": nbytes}, clock.add(call)))
-    for tensors in adamw_cases(config):
-        row, call = adamw_step(tensors)
-        memory.append((row, clock.add(call)))
     times = clock.run(emit)
+    # AdamW in sweeps of its own: every rank steps at once, as plait train's ranks do after their common
+    # gradient sync (module docstring)
+    optimizer_clock = _Clock(replace(config, reps=max(config.reps, ADAMW_MIN_REPS)), torch_group, clock.filler)
+    steps = [(row, optimizer_clock.add(call)) for row, call in map(adamw_step, adamw_cases(config))]
+    optimizer_times = optimizer_clock.run(emit)
     kernels_s = time.perf_counter() - started_s
 
-    def timed(row: dict, index: int) -> dict:
+    def timed(row: dict, index: int, times=times) -> dict:
         seconds, worst = times[index]
         extra = {"gbps": row["bytes"] / seconds / 1e9} if "bytes" in row else {"gflops": row["flops"] / seconds / 1e9}
         return {**row, "seconds": seconds, "seconds_max": worst, **extra}
@@ -341,7 +347,8 @@ def run_compute_calibration(config: ComputeCalibrateConfig, *, group=None, devic
         "launch": {name: times[index][0] / per_call for name, (index, per_call) in launch.items()},
         "matmul": [timed(row, index) for row, index in matmul],
         "attention": [timed(row, index) for row, index in attention],
-        "memory": [timed(row, index) for row, index in memory],
+        "memory": ([timed(row, index) for row, index in memory]
+                   + [timed(row, index, optimizer_times) for row, index in steps]),
         "copies": [],
         "seconds": {"kernels": kernels_s},
     }
