@@ -109,6 +109,8 @@ def test_injected_delays_show_in_their_parts_only(runs):
                 assert abs(slow_s - base_s) <= SLACK_S, (name, pp, base_s, slow_s)
             elif name == PP_BUBBLE:  # a wait: the other rank's sleep (its post of the loss sum), not this rank's
                 assert abs(slow_s - base_s - sleep_s) <= SLACK_S, (name, pp, base_s, slow_s)
+            elif name == COMPUTE:  # the sleeps are in it; its own kernels (8 ms) may run faster beside an idle peer
+                assert sleep_s <= slow_s <= base_s + sleep_s + SLACK_S, (name, pp, base_s, slow_s)
             else:
                 assert sleep_s - 1e-3 <= slow_s - base_s <= sleep_s + SLACK_S, (name, pp, base_s, slow_s)
     # the drain is not the loss sum's cost: dp_comm stays small on both ranks

@@ -19,11 +19,13 @@ clock) count the whole wait as bubble, and the report says so.
 
 The pipeline's drain is waiting too. The engine closes each step with a loss sum over
 the pipeline group (and the sums of parameters shared between stages), posted by each
-rank once its own last action is done; a rank that finishes before the others (every
-rank but the first, in 1F1B: the first stage runs the last backward) waits there for
-the slowest stage, not for the collective. With P_r the time rank r posted its part and
-L = max_r P_r over the ranks of its pipeline (the same step, the same host clock), a
-closing from P_r to its end e_r holds
+rank once its own last action is done (Chimera first exchanges its replicas' gradients
+with the partner rank); a rank that finishes before the others (every rank but the
+first, in 1F1B: the first stage runs the last backward) waits there for the slowest
+stage, not for the collective. With P_r the time rank r posted its part of an exchange
+and L = max P over the exchange's ranks (the pipeline for the loss sum, the pair for
+Chimera's exchange; the same step, the same host clock), the exchange from P_r to its
+end e_r holds
 
     drain = clamp(L - P_r, 0, e_r - P_r)     (pp_bubble: the last stage still computing)
     rest  = (e_r - P_r) - drain              (dp_comm: the collectives' own time after the last post)
@@ -99,8 +101,7 @@ class StepTotals:
                                                    else self.stage_compute_s),
                            "closing_s": self.steady_closing_s if self.steady_steps else self.closing_s},
                 "host": socket.gethostname(),
-                "messages": [(list(record.receives), list(record.sends),
-                              (record.closing_posted_s, record.closing_end_s, record.closing_s))
+                "messages": [(list(record.receives), list(record.sends), (record.closing_s, list(record.closings)))
                              for record in history]}
 
 
@@ -147,26 +148,31 @@ def _receive_split(ranks: list[dict]) -> tuple[dict[int, float], str]:
 
 def _closing_split(ranks: list[dict]) -> tuple[dict[int, float], str]:
     """Per global rank, the fraction of its engine closing time that was the pipeline's
-    drain: waiting before the last rank of its pipeline posted its part of the loss sum
-    (module docstring). Recorded steps without closing times (an older report) count 0."""
+    drain: in each closing exchange, waiting before the last of its ranks posted (module
+    docstring). Recorded steps without closing times (an older report) count 0."""
     if len({rank.get("host") for rank in ranks}) > 1:
         return {}, "ranks on several hosts: no common clock, the pipeline's closing waits counted as dp_comm"
     fractions = {}
     for members, steps in _pipelines(ranks):
+        # per pipeline rank and recorded step: (closing seconds, [(what, posted_s, end_s), ...]) or None
         closings = {pp: [entry[2] if len(entry) > 2 else None for entry in _recorded(member, steps)]
                     for pp, member in members.items()}
+        size = len(members)
         for pp, member in members.items():
             drain_s = closing_s = 0.0
             for index, mine in enumerate(closings[pp]):
-                posts = [closing[index][0] for closing in closings.values() if closing[index] is not None]
                 if mine is None:
                     continue
-                posted_s, end_s, seconds = mine
-                drain_s += min(max(max(posts) - posted_s, 0.0), end_s - posted_s)
+                seconds, exchanges = mine
                 closing_s += seconds
+                peers = {"loss": list(members), "replicas": [pp, size - 1 - pp]}
+                for what, posted_s, end_s in exchanges:
+                    posts = [posted for peer in peers[what] if closings.get(peer) and closings[peer][index]
+                             for name, posted, _ in closings[peer][index][1] if name == what]
+                    drain_s += min(max(max(posts) - posted_s, 0.0), end_s - posted_s)
             fractions[member["rank"]] = min(drain_s / closing_s, 1.0) if closing_s > 0 else 0.0
-    return fractions, ("closing waits before the pipeline's last post of the loss sum counted as bubble "
-                       "(one host's clock)")
+    return fractions, ("closing waits before the last post of the loss sum (Chimera: of the replica exchange) "
+                       "counted as bubble (one host's clock)")
 
 
 def rank_parts(rank: dict, fraction: float, steady: bool = True, drain_fraction: float = 0.0) -> dict[str, float]:

@@ -93,11 +93,12 @@ class StepRecord:
     # peer's compute (bubble) and the message's transfer with them)
     receives: list = field(default_factory=list)
     sends: list = field(default_factory=list)
-    # when this rank posted its part of the closing loss sum over the pipeline group and
-    # when its closing collectives ended (perf_counter): a rank posting before the last one
-    # waits there for the pipeline's drain (plait.train.step_breakdown: that wait is bubble)
-    closing_posted_s: float = 0.0
-    closing_end_s: float = 0.0
+    # the step's closing exchanges, (what, posted_s, end_s) (perf_counter): when this rank
+    # posted its part and when the exchange ended here; what: "replicas" (Chimera's gradient
+    # exchange with the partner rank) or "loss" (the loss sum over the pipeline group, with the
+    # shared parameters' sums). A rank posting before its peers waits there for the pipeline's
+    # drain (plait.train.step_breakdown counts that wait as bubble)
+    closings: list = field(default_factory=list)
     stage_busy_s: dict = field(default_factory=dict)  # stage -> seconds of its forward/backward/weight intervals
 
 
@@ -226,8 +227,9 @@ class PipelineEngine:
             if optimizer is not None:
                 optimizer.step()
             reduction.wait()
-            record.closing_posted_s, record.closing_end_s = closing_start_s, time.perf_counter()
-            record.closing_s += record.closing_end_s - closing_start_s
+            closing_end_s = time.perf_counter()
+            record.closings.append(("loss", closing_start_s, closing_end_s))
+            record.closing_s += closing_end_s - closing_start_s
         except Exception:
             self.messages.forget()
             raise
@@ -293,7 +295,9 @@ class PipelineEngine:
         elif action.kind == ALL_REDUCE:
             t0 = time.perf_counter()
             self._sum_replicas()
-            record.closing_s += time.perf_counter() - t0
+            t1 = time.perf_counter()
+            record.closings.append(("replicas", t0, t1))
+            record.closing_s += t1 - t0
         else:
             assert action.kind == STEP
 
