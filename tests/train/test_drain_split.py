@@ -79,5 +79,7 @@ def test_chimera_replica_exchange_waits_for_its_partner():
     partner = _rank(0, 0, [("replicas", 3.0, 3.05), ("loss", 3.06, 3.061)], dp_comm_s=0.06)
     drained = _rank(1, 1, [("replicas", 2.96, 3.05), ("loss", 3.055, 3.061)], dp_comm_s=0.1)
     rows = measured_breakdown([partner, drained])["per_rank_ms"]
-    assert rows["1"][PP_BUBBLE] == pytest.approx(45.0, rel=1e-9) and rows["1"][DP_COMM] == pytest.approx(55.0, rel=1e-9)
-    assert rows["0"][PP_BUBBLE] == pytest.approx(0.0, abs=1e-12) and rows["0"][DP_COMM] == pytest.approx(60.0, rel=1e-12)
+    assert rows["1"][PP_BUBBLE] == pytest.approx(45.0, rel=1e-9)
+    assert rows["1"][DP_COMM] == pytest.approx(55.0, rel=1e-9)
+    assert rows["0"][PP_BUBBLE] == pytest.approx(0.0, abs=1e-12)
+    assert rows["0"][DP_COMM] == pytest.approx(60.0, rel=1e-12)
