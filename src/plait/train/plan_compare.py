@@ -245,4 +245,6 @@ def comparison_lines(section: dict | None) -> list[str]:
                  + (f"; host {sources['host']}" if sources.get("host") else ""))
     lines += [f"note: {note}" for note in sources.get("notes", [])]
     lines.append(f"pipeline receive waits: {measured.get('receive_split')}")
+    if measured.get("closing_split"):
+        lines.append(f"pipeline closing waits: {measured['closing_split']}")
     return lines
