@@ -11,7 +11,7 @@ import math
 import pytest
 
 from plait.cost.profile import machine_identity
-from plait.plan.cpu_profile import (CPU_EFFICIENCY_OPS, compute_profile_path, fit_cpu_profile, fixed_and_rate,
+from plait.plan.cpu_profile import (CPU_EFFICIENCY_OPS, _rescaled, compute_profile_path, fit_cpu_profile, fixed_and_rate,
                                     host_model_from_profile, load_compute_profile, threads_per_rank)
 from plait.plan.device_profile import efficiency, profile_device
 from plait.plan.layers import backward_matmuls
@@ -159,3 +159,11 @@ def test_rows_that_do_not_determine_the_asymptote_still_give_a_device():
     assert profile["matmul"]["asymptote_bounded"] and not profile["attention"]["asymptote_bounded"]
     assert 0 < profile["matmul"]["eta_max"] <= 1.0
     assert profile_device(profile).matmul_fit[0] == profile["matmul"]["eta_max"]
+
+
+def test_a_scale_rounded_below_zero_is_zero():
+    """The solver can leave a scale at its bound 0 less rounding (a calibration gave n0 =
+    -3.5e-15, which DeviceSpec refuses): the rescaled fit holds 0."""
+    fit = {"eta_max": 0.5, "m0": 3.5, "n0": -3.469446951953614e-15, "k0": 4.9, "efficiency_flop_weighted": 0.4}
+    rescaled = _rescaled(fit, 2.0, 1.0)
+    assert (rescaled["eta_max"], rescaled["m0"], rescaled["n0"], rescaled["k0"]) == (1.0, 3.5, 0.0, 4.9)

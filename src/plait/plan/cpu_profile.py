@@ -103,8 +103,10 @@ def _rescaled(fit: dict, nominal: float, peak: float) -> dict:
     """``fit`` relative to ``peak`` instead of ``nominal``: η and the flop-weighted η scale
     by nominal/peak, peak·η (what the model uses) is unchanged."""
     ratio = nominal / peak
-    # peak >= eta_max·nominal, so eta_max·ratio <= 1 but for rounding (DeviceSpec requires eta_max <= 1)
+    # peak >= eta_max·nominal, so eta_max·ratio <= 1 but for rounding (DeviceSpec requires eta_max <= 1); a scale
+    # the solver left at -1e-15 (its bound 0 less rounding) is 0 (DeviceSpec requires m0, n0, k0 >= 0)
     return {**fit, "eta_max": min(fit["eta_max"] * ratio, 1.0), "peak_flops_per_s": peak,
+            **{key: max(float(fit[key]), 0.0) for key in ("m0", "n0", "k0")},
             "efficiency_flop_weighted": fit["efficiency_flop_weighted"] * ratio}
 
 
