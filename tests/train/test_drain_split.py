@@ -83,3 +83,11 @@ def test_chimera_replica_exchange_waits_for_its_partner():
     assert rows["1"][DP_COMM] == pytest.approx(55.0, rel=1e-9)
     assert rows["0"][PP_BUBBLE] == pytest.approx(0.0, abs=1e-12)
     assert rows["0"][DP_COMM] == pytest.approx(60.0, rel=1e-12)
+
+
+def test_a_replica_exchange_without_its_partner_is_refused_by_name():
+    # a pipeline whose reports hold pp 0 and pp 2 only: pp 0's Chimera partner (pp 1 of 2 members) is missing
+    first = _rank(0, 0, [("replicas", 3.0, 3.05)], dp_comm_s=0.05)
+    last = _rank(1, 2, [("replicas", 3.0, 3.05)], dp_comm_s=0.05)
+    with pytest.raises(AssertionError, match="Chimera partner 1 is not among the pipeline's members"):
+        measured_breakdown([first, last])

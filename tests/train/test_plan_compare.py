@@ -90,3 +90,15 @@ def test_receive_waits_split_by_the_senders_post_times():
     second["host"] = "other"
     apart = measured_breakdown([first, second])
     assert apart["per_rank_ms"]["1"][PP_BUBBLE] == pytest.approx(500.0, rel=1e-12) and "hosts" in apart["receive_split"]
+
+
+def test_assumed_eager_costs_are_a_note_of_the_report(tmp_path):
+    config = _config()
+    _, measured_sources = _plan(tmp_path)  # the run's eager costs given: nothing assumed
+    assert not any("assumes" in note for note in measured_sources["notes"]), measured_sources["notes"]
+    plan, sources = price_run(config, world_size=2, vocab=32, peak_flops_per_s=RATE, eager=None,
+                              cache_dir=tmp_path)
+    assert any("4 µs a kernel" in note and "10 GB/s" in note for note in sources["notes"]), sources["notes"]
+    measured = _measured({}, 1.0)
+    lines = comparison_lines({"measured": measured, "comparison": compare(plan, measured, sources)})
+    assert any(line.startswith("note: the run measured no eager kernel costs") for line in lines), lines

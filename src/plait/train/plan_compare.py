@@ -48,10 +48,22 @@ from plait.plan.device_spec import DeviceSpec
 from plait.plan.search import PlanError
 
 
+ASSUMED_KERNEL_S = 4e-6  # a CPU eager kernel's launch and dispatch, when the run measured none
+ASSUMED_BANDWIDTH_BYTES_PER_S = 1e10  # one rank's memory bandwidth, when the run measured none
+
+
+def assumed_eager_note() -> str:
+    """The report's note when the run measured no eager kernel costs."""
+    return (f"the run measured no eager kernel costs: the plan assumes {ASSUMED_KERNEL_S * 1e6:g} µs a kernel and "
+            f"{ASSUMED_BANDWIDTH_BYTES_PER_S / 1e9:g} GB/s of memory bandwidth a rank")
+
+
 def run_device(peak_flops_per_s: float, eager: tuple[float, float] | None, world_size: int) -> DeviceSpec:
     """One rank of the run as the planner's device: its measured matmul rate, per-kernel
-    cost and bandwidth (float32: the planner's fp32 precision), η = 1 (rates achieved)."""
-    kernel_s, bandwidth = eager if eager else (4e-6, 1e10)
+    cost and bandwidth (float32: the planner's fp32 precision), η = 1 (rates achieved).
+    Without ``eager`` (kernel seconds, bytes/s) the kernel cost and bandwidth are the
+    ASSUMED_ ones (``price_run`` then says so in its notes)."""
+    kernel_s, bandwidth = eager if eager else (ASSUMED_KERNEL_S, ASSUMED_BANDWIDTH_BYTES_PER_S)
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / max(world_size, 1)
     return DeviceSpec(name="cpu (the run's measured rates)", peak_flops_per_s=(("float32", peak_flops_per_s),),
                       memory_bytes=float(memory), memory_bandwidth_bytes_per_s=bandwidth, matmul_efficiency=1.0,
@@ -126,6 +138,8 @@ def price_run(config: dict, *, world_size: int, vocab: int, peak_flops_per_s: fl
                            tied_head=bool(config.get("tied_head", False)), dropout=config.get("dropout", 0.0) > 0)
     result = search(TransformerModel(spec), cluster, request, suggest=False)
     notes = []
+    if compute is None and not eager:  # run_device's assumed kernel cost and bandwidth priced it
+        notes.append(assumed_eager_note())
     if config.get("dtype", "float32") != "float32":
         notes.append(f"the run computes in {config['dtype']}; the plan prices the float32 matmul rate")
     if config.get("stage_layers"):

@@ -168,6 +168,9 @@ def _closing_split(ranks: list[dict]) -> tuple[dict[int, float], str]:
                 closing_s += seconds
                 peers = {"loss": list(members), "replicas": [pp, size - 1 - pp]}
                 for what, posted_s, end_s in exchanges:
+                    assert what != "replicas" or size - 1 - pp in members, (
+                        f"closing exchange 'replicas' of pipeline rank {pp}: its Chimera partner {size - 1 - pp} is "
+                        f"not among the pipeline's members {sorted(members)}")
                     posts = [posted for peer in peers[what] if closings.get(peer) and closings[peer][index]
                              for name, posted, _ in closings[peer][index][1] if name == what]
                     drain_s += min(max(max(posts) - posted_s, 0.0), end_s - posted_s)
