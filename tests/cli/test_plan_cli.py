@@ -177,3 +177,15 @@ def test_absurd_values_are_clear_errors_before_any_work(capsys, argv, message):
     captured = capsys.readouterr()
     assert captured.err.startswith("plait plan: error: ") and message in captured.err
     assert "measured this machine" not in captured.out  # refused before measuring anything
+
+
+def test_explain_run_refuses_a_non_run_with_status_2_and_says_what_it_prices_with(tmp_path, capsys):
+    assert main(["plan", "--explain-run", str(tmp_path)]) == 2
+    assert "not a finished plait train run (no config.toml or report.json)" in capsys.readouterr().err
+    (tmp_path / "config.toml").write_text("")
+    (tmp_path / "report.json").write_text(json.dumps({"ranks": []}))  # an older plait's report: no step parts
+    assert main(["plan", "--explain-run", str(tmp_path)]) == 2
+    assert "has no measured step parts" in capsys.readouterr().err
+    assert main(["plan", "--help"]) == 0
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "re-priced now with today's saved profiles" in help_text and "every other flag is ignored" in help_text

@@ -1,13 +1,16 @@
 """`plait plan --explain-run RUN_DIR`: a finished `plait train` run's step parts, measured,
-beside the plan's price of the same layout, priced again now (with the profiles saved
-today: `plait calibrate`'s link; the compute rates the run measured).
+beside the plan's price of the same layout, priced again now with the profiles saved
+TODAY in the cache (`plait calibrate`'s link and compute profile, not the ones the run
+was priced with when it ran: a calibration since then changes the plan side), else the
+compute rates the run measured. Every other `plait plan` flag is ignored.
 
     plait plan --explain-run runs/gpt-small
 
 Reads RUN_DIR/config.toml (the layout and model) and RUN_DIR/report.json (each rank's
 measured parts, the run's measured rates); prints the table the run's report holds
 (plait.train.plan_compare). A directory without both, or a report without step parts
-(a run of an older plait, or one still running), is refused (exit status 2).
+(a run of an older plait, or one still running), is refused: a one-line error, exit
+status 2 (plait.cli.main's for a ValueError).
 """
 
 from __future__ import annotations
@@ -22,8 +25,9 @@ from plait.train.plan_compare import comparison_lines, step_parts_section
 
 def add_arguments(parser) -> None:
     parser.add_argument("--explain-run", default=None, metavar="RUN_DIR",
-                        help="a finished plait train run's measured step parts beside the plan's price of its layout "
-                             "(re-priced now); every other flag is ignored")
+                        help="a finished plait train run's measured step parts beside the plan's price of its layout, "
+                             "re-priced now with today's saved profiles (plait calibrate's link and compute profile "
+                             "in the cache), not the ones the run was priced with; every other flag is ignored")
 
 
 def _finished_run(directory: Path) -> tuple[dict, dict]:
