@@ -96,3 +96,33 @@ def test_clusters_beyond_the_limit_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=r"nodes\(4,194,304\) \* devices_per_node\(8\) = 33,554,432 devices is "
                                          "above the limit of 16,777,216"):
         _cluster(1 << 22, 8)
+
+
+def test_a_fitted_transport_prices_collectives_and_messages_within_a_host():
+    """With the profile's transport model (format 2) a local cluster prices an all_reduce
+    as call_s[all_reduce] + the cheapest closed form on the link at beta(n), and a
+    pipeline message as call_s[p2p] + n beta(n) (no alpha); without one, the flat link
+    and the mean call cost as before. Hand formulas, float64: rel 1e-12."""
+    from plait.cost.transport_model import TransportModel
+
+    transport = TransportModel(alpha_s=5e-6, beta_cache_s_per_byte=1e-10, beta_dram_s_per_byte=4e-10,
+                               cache_bytes=1e5, gamma_s_per_byte=2e-10, base_call_s=2e-5,
+                               call_s={"all_reduce": 3e-5, "all_gather": 7e-5, "p2p": 1e-5})
+    device, link = device_preset("a100-80gb"), LinkModel(1e-5, 1e-9)
+    fitted = cluster_preset("local", nprocs=2, device=device, local_link=link, call_overhead_s=4e-4,
+                            p2p_call_s=1e-5, transport=transport)
+    flat = cluster_preset("local", nprocs=2, device=device, local_link=link, call_overhead_s=4e-4, p2p_call_s=1e-5)
+    n = 1e5
+    beta = 1e-10 + (4e-10 - 1e-10) * n / (1e5 + n)  # 2.5e-10 s/byte: half in cache
+    a, g = 5e-6, 2e-10
+    # p = 2: direct / recursive doubling (a + n b + n g) or ring / halving-doubling (2a + n b + n g / 2)
+    expected = 3e-5 + min(a + n * beta + n * g, 2 * a + n * beta + n * g / 2)
+    assert fitted.collective_time_s("all_reduce", n, 2, 1)[0] == pytest.approx(expected, rel=1e-12)
+    assert fitted.p2p_time_s(n, False) == pytest.approx(1e-5 + n * beta, rel=1e-12)
+    # no transport: the flat link, alpha 1e-5 and 1 ns/byte, the mean call cost
+    flat_expected = 4e-4 + min(1e-5 + n * 1e-9, 2e-5 + n * 1e-9)
+    assert flat.collective_time_s("all_reduce", n, 2, 1)[0] == pytest.approx(flat_expected, rel=1e-12)
+    with pytest.raises(ValueError, match=r"transport= is for cluster 'local'"):
+        cluster_preset("dgx-h100", gpus=8, transport=transport)
+    with pytest.raises(TypeError, match=r"transport=.* must be a plait.cost.transport_model.TransportModel"):
+        cluster_preset("local", nprocs=2, device=device, local_link=link, transport={"alpha_s": 1e-6})

@@ -96,13 +96,13 @@ def test_local_cluster_carries_the_host():
 
 
 def test_p2p_call_cost():
-    """A pipeline message pays alpha + n beta + its own call cost (p2p_call_s), not a
-    collective call's, when given."""
+    """A pipeline message pays n beta + its own fitted call cost (p2p_call_s, latency
+    included: no alpha) when given, else alpha + n beta + a collective call's cost."""
     device, link = device_preset("a100-80gb"), LinkModel(1e-5, 1e-9)
     plain = cluster_preset("local", nprocs=2, device=device, local_link=link, call_overhead_s=4e-4)
     fitted = cluster_preset("local", nprocs=2, device=device, local_link=link, call_overhead_s=4e-4, p2p_call_s=3e-5)
     assert plain.p2p_time_s(1000, False) == pytest.approx(1e-5 + 1000 * 1e-9 + 4e-4, rel=1e-12)
-    assert fitted.p2p_time_s(1000, False) == pytest.approx(1e-5 + 1000 * 1e-9 + 3e-5, rel=1e-12)
+    assert fitted.p2p_time_s(1000, False) == pytest.approx(1000 * 1e-9 + 3e-5, rel=1e-12)
     assert fitted.collective_time_s("all_reduce", 1000, 2, 1)[0] == plain.collective_time_s("all_reduce", 1000, 2, 1)[0]
     with pytest.raises(ValueError, match=r"p2p_call_s=-1"):
         cluster_preset("local", nprocs=2, device=device, local_link=link, p2p_call_s=-1)

@@ -256,18 +256,21 @@ def _local_cluster(args, precision_name: str, emit, model=None, dtype: str | Non
         if args.profile:
             raise ValueError(f"no calibration profile at {args.profile}; run plait calibrate --output {args.profile}")
         link, overhead, source = PLACEHOLDER_LOCAL_LINK, 0.0, "placeholder link (run `plait calibrate` to measure)"
-        p2p_call_s = None  # a pipeline message pays the per-call cost
+        p2p_call_s, transport = None, None  # a pipeline message pays the per-call cost
     else:
         link, overhead, source = profile.link, profile.call_overhead_s, "calibration profile"
         p2p_call_s = profile.collective_call_s("p2p")  # its own fitted software cost, when the profile has one
+        transport = profile.transport_model  # format 2: beta(n) and each call kind's own cost
     emit(f"link: {source}: alpha {link.alpha_s * 1e6:.3g} us, {1e-9 / link.beta_s_per_byte:.3g} GB/s, "
          f"{overhead * 1e6:.3g} us per call" + ("" if p2p_call_s is None else f", {p2p_call_s * 1e6:.3g} us per p2p"))
+    if transport is not None:
+        emit(f"transport model (prices the collectives and pipeline messages within a host): {transport.describe()}")
     if args.topology is None:
         return cluster_preset("local", nprocs=nprocs, device=device, local_link=link, call_overhead_s=overhead,
-                              link_source=source, host=host, p2p_call_s=p2p_call_s)
+                              link_source=source, host=host, p2p_call_s=p2p_call_s, transport=transport)
     return topology_cluster(load_topology(args.topology), nprocs=nprocs, device=device, local_link=link,
                             call_overhead_s=overhead, link_source=f"{source}; between hosts: {args.topology}",
-                            host=host, p2p_call_s=p2p_call_s)
+                            host=host, p2p_call_s=p2p_call_s, transport=transport)
 
 
 def _device_text(device) -> str:

@@ -219,8 +219,9 @@ class Profile:
 
     def p2p_time_s(self, nbytes: float) -> float:
         """One point-to-point exchange of ``nbytes`` (a pipeline's message): the transport
-        model's call_s[p2p] + alpha + n beta(n); without one, what the planner charged
-        before: alpha + n beta + call_overhead_s."""
+        model's call_s[p2p] + n beta(n) (no alpha: the fitted call_s[p2p] holds the
+        exchange's latency); without one, what the planner charged before: alpha + n beta
+        + call_overhead_s."""
         if self.transport_model is None:
             return self.link.alpha_s + nbytes * self.link.beta_s_per_byte + self.call_overhead_s
         return self.transport_model.p2p_time_s(nbytes)

@@ -24,6 +24,7 @@ from functools import lru_cache
 from plait.cost import LinkModel
 from plait.cost.alpha_beta import closed_form_algorithms, level_terms, pipeline_segments
 from plait.cost.presets import preset
+from plait.cost.transport_model import TransportModel
 from plait.plan.device import device_preset, DeviceSpec
 from plait.plan.host import HostModel
 
@@ -62,7 +63,15 @@ class Cluster:
     software cost of one collective call, ``p2p_call_s`` that of one pipeline message
     (None: ``call_overhead_s``; a fitted transport prices a p2p exchange ~10x below a
     collective call), ``host`` how the ranks share a host's cores (None: one device per
-    rank, no time-slicing; ``plait.plan.host``)."""
+    rank, no time-slicing; ``plait.plan.host``).
+
+    ``transport``: the calibration profile's fitted transport model (format 2,
+    ``plait.cost.transport_model``). With one, a collective within a node costs
+    call_s[K] + closed form on the link at beta(n) (``TransportModel.link_at``, the
+    pricing of ``plait bench --predict``), and a message between pipeline neighbours on
+    one node call_s[p2p] + n beta(n) (``TransportModel.p2p_time_s``); groups and messages
+    crossing nodes keep the flat links. None (a format-1 profile, a GPU preset): the
+    flat ``intra_link``/``inter_link`` and ``call_overhead_s``."""
 
     name: str
     nodes: int
@@ -74,6 +83,7 @@ class Cluster:
     link_source: str = ""
     host: HostModel | None = None
     p2p_call_s: float | None = None
+    transport: TransportModel | None = None
     _cache: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -85,6 +95,8 @@ class Cluster:
             value = getattr(self, key)
             if value is not None and not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
                 raise ValueError(f"{key}={value!r} must be a finite number of seconds >= 0")
+        if self.transport is not None and not isinstance(self.transport, TransportModel):
+            raise TypeError(f"transport={self.transport!r} must be a plait.cost.transport_model.TransportModel or None")
         if self.world_size > MAX_DEVICES:
             raise ValueError(f"nodes({self.nodes:,}) * devices_per_node({self.devices_per_node}) = "
                              f"{self.world_size:,} devices is above the limit of {MAX_DEVICES:,}: plan a part of "
@@ -149,6 +161,9 @@ class Cluster:
             return hit
         shape = self.group_shape(size, stride)
         flat_link = self.inter_link if shape.nodes > 1 else self.intra_link
+        call_s = self.call_overhead_s
+        if self.transport is not None and shape.nodes == 1:  # the fitted transport: beta(n), this kind's call cost
+            flat_link, call_s = self.transport.link_at(nbytes), self.transport.call_overhead_s(collective)
         best = (math.inf, "none")
         segments = pipeline_segments(int(nbytes))
         for algorithm in (_LOCAL_CANDIDATES if self.name == "local" else _CANDIDATES)[collective]:
@@ -163,7 +178,7 @@ class Cluster:
                           for level, terms in _unit_terms(collective, algorithm, size, segments, hierarchy, nbytes))
             if seconds < best[0]:
                 best = (seconds, algorithm)
-        result = (best[0] + self.call_overhead_s, best[1])
+        result = (best[0] + call_s, best[1])
         self._remember(key, result)
         return result
 
@@ -175,13 +190,23 @@ class Cluster:
         return self.host.wait_s(size, segment_s)
 
     def p2p_time_s(self, nbytes: float, crosses_node: bool) -> float:
-        """One message between pipeline neighbours: alpha + n·beta on the link it takes,
-        plus the per-message software cost (``p2p_call_s``, else ``call_overhead_s``)."""
+        """One message between pipeline neighbours on the link it takes:
+
+        - with a ``transport`` and within a node: call_s[p2p] + n·beta(n)
+          (``TransportModel.p2p_time_s``);
+        - with ``p2p_call_s`` (a fitted exchange's fixed cost, latency included: no alpha):
+          p2p_call_s + n·beta, plus, crossing nodes, the latency the inter-node link has
+          beyond the intra-node one (inter alpha − intra alpha, >= 0);
+        - else alpha + n·beta + ``call_overhead_s``."""
         if nbytes <= 0:
             return 0.0
+        if self.transport is not None and not crosses_node:
+            return self.transport.p2p_time_s(nbytes)
         link = self.inter_link if crosses_node else self.intra_link
-        call_s = self.call_overhead_s if self.p2p_call_s is None else self.p2p_call_s
-        return link.alpha_s + nbytes * link.beta_s_per_byte + call_s
+        if self.p2p_call_s is None:
+            return link.alpha_s + nbytes * link.beta_s_per_byte + self.call_overhead_s
+        extra_latency_s = max(0.0, link.alpha_s - self.intra_link.alpha_s)
+        return self.p2p_call_s + extra_latency_s + nbytes * link.beta_s_per_byte
 
 
 # priced collectives and group shapes one Cluster keeps (a few hundred bytes each)
@@ -274,13 +299,14 @@ CLUSTER_PRESETS = {
 def cluster_preset(name: str, *, gpus: int | None = None, nodes: int | None = None, nprocs: int | None = None,
                    device: DeviceSpec | None = None, local_link: LinkModel | None = None,
                    call_overhead_s: float = 0.0, link_source: str = "", host: HostModel | None = None,
-                   p2p_call_s: float | None = None) -> Cluster:
+                   p2p_call_s: float | None = None, transport: TransportModel | None = None) -> Cluster:
     """A cluster by name. DGX presets have 8 GPUs per node: give ``gpus`` (a multiple
     of 8) or ``nodes``. ``local`` is this machine: ``nprocs`` processes on one node,
     ``device`` the measured per-process DeviceSpec, ``local_link`` the calibrated link,
     ``host`` how those processes share its cores (``plait.plan.host.HostModel``; its
     ``ranks`` must be ``nprocs``), ``p2p_call_s`` a pipeline message's software cost (None:
-    ``call_overhead_s``). A DGX preset has a device per rank: no host model."""
+    ``call_overhead_s``), ``transport`` the profile's fitted transport model (``Cluster``).
+    A DGX preset has a device per rank: no host model, no transport model."""
     if name not in CLUSTER_PRESETS:
         raise ValueError(f"unknown cluster {name!r}; valid: {', '.join(CLUSTER_PRESETS)}")
     if name == "local":
@@ -293,7 +319,10 @@ def cluster_preset(name: str, *, gpus: int | None = None, nodes: int | None = No
         _check_host(host, count)
         return Cluster(name="local", nodes=1, devices_per_node=count, device=device, intra_link=local_link,
                        inter_link=local_link, call_overhead_s=call_overhead_s, link_source=link_source, host=host,
-                       p2p_call_s=p2p_call_s)
+                       p2p_call_s=p2p_call_s, transport=transport)
+    if transport is not None:
+        raise ValueError(f"transport= is for cluster 'local' (a calibrated transport of this machine); {name!r} "
+                         "prices its preset links: leave transport out")
     if host is not None:
         raise ValueError(f"host= is for cluster 'local' (ranks sharing this machine's cores); {name!r} has a "
                          "device per rank: leave host out")
@@ -341,12 +370,14 @@ def _check_host(host: HostModel | None, nprocs: int) -> None:
 
 
 def topology_cluster(topology, *, nprocs: int, device: DeviceSpec, local_link: LinkModel, call_overhead_s: float,
-                     link_source: str, host: HostModel | None = None, p2p_call_s: float | None = None) -> Cluster:
+                     link_source: str, host: HostModel | None = None, p2p_call_s: float | None = None,
+                     transport: TransportModel | None = None) -> Cluster:
     """This machine's ranks grouped into the hosts of ``topology`` (e.g. `plait testbed
     probe`'s, whose hosts share this machine's cores): within a host ``local_link``
     (the calibrated one), between hosts the topology's slowest host pair, its latency
     added to the local link's per-message cost; ``host`` how all ``nprocs`` ranks share
-    this machine's cores (as in ``cluster_preset('local', host=...)``)."""
+    this machine's cores (as in ``cluster_preset('local', host=...)``), ``transport`` the
+    calibrated transport within a host (``Cluster``)."""
     groups = topology.hierarchy()
     sizes = {len(group) for group in groups}
     if topology.world_size != nprocs or len(sizes) != 1:
@@ -359,4 +390,4 @@ def topology_cluster(topology, *, nprocs: int, device: DeviceSpec, local_link: L
     _check_host(host, nprocs)
     return Cluster(name="local", nodes=len(groups), devices_per_node=sizes.pop(), device=device,
                    intra_link=local_link, inter_link=inter, call_overhead_s=call_overhead_s, link_source=link_source,
-                   host=host, p2p_call_s=p2p_call_s)
+                   host=host, p2p_call_s=p2p_call_s, transport=transport)
