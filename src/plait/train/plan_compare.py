@@ -82,13 +82,18 @@ def _device(world_size: int, peak_flops_per_s: float, eager, cache_dir) -> tuple
     return run_device(peak_flops_per_s, eager, world_size), None
 
 
-def _link(cache_dir):
+def _link(cache_dir) -> tuple[dict, str]:
+    """As ``plait plan --cluster local``: the saved calibration profile's link, call costs
+    and (format 2) transport model, as cluster_preset's keyword arguments, and their source."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ProfileMismatchWarning)
         profile = load_profile(None, backend=DEFAULT_PROFILE_BACKEND, cache_dir=cache_dir)
     if profile is None:
-        return PLACEHOLDER_LOCAL_LINK, 0.0, "none saved: a placeholder link (run `plait calibrate`)"
-    return profile.link, profile.call_overhead_s, f"calibration profile (p={profile.world_size})"
+        return ({"local_link": PLACEHOLDER_LOCAL_LINK, "call_overhead_s": 0.0},
+                "none saved: a placeholder link (run `plait calibrate`)")
+    return ({"local_link": profile.link, "call_overhead_s": profile.call_overhead_s,
+             "p2p_call_s": profile.collective_call_s("p2p"), "transport": profile.transport_model},
+            f"calibration profile (p={profile.world_size})")
 
 
 def unpriceable(config: dict) -> str | None:
@@ -116,10 +121,10 @@ def price_run(config: dict, *, world_size: int, vocab: int, peak_flops_per_s: fl
     if not (isinstance(peak_flops_per_s, (int, float)) and peak_flops_per_s > 0):
         raise ValueError(f"no measured matmul rate (peak_flops_per_s={peak_flops_per_s!r}) to price compute with")
     device, compute = _device(world_size, float(peak_flops_per_s), eager, cache_dir)
-    link, overhead_s, link_source = _link(cache_dir)
+    link_prices, link_source = _link(cache_dir)
     host = host_model_from_profile(compute, nprocs=world_size)
-    cluster = cluster_preset("local", nprocs=world_size, device=device, local_link=link, call_overhead_s=overhead_s,
-                             link_source=link_source, host=host)
+    cluster = cluster_preset("local", nprocs=world_size, device=device, **link_prices, link_source=link_source,
+                             host=host)
     pp = config["pp"]
     schedule = NO_PIPELINE if pp == 1 else config["schedule"]
     request = PlanRequest(
