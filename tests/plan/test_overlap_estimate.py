@@ -129,3 +129,26 @@ def test_each_synchronising_call_waits_for_the_slowest_rank():
     assert waiting.time_s[DP_COMM] - plain.time_s[DP_COMM] == pytest.approx(per_call, rel=1e-9)
     gpu = estimate_layout(spec, "dgx-a100", layout, gpus=4)
     assert gpu.hidden_s[DP_COMM] == 0 and gpu.hidden_s[TP_COMM] == 0  # ZeRO 0 after the flush, tp synchronous
+
+
+def test_full_recompute_spreads_the_sync_waits_over_the_recomputed_forward_too():
+    """A tp block's synchronous calls each wait b·segment (HostModel with a = 0, b = 0.1,
+    measured at the group's size: no scaling), the segment being the block's compute over
+    its calls. Under full recompute the block's compute holds the recomputed forward and
+    its calls the recomputed forward's: the waits add up to b x the whole compute (forward
+    twice + backward), with or without recompute. float64: rel 1e-12."""
+    from plait.plan.estimate import _unit_costs
+
+    chosen = precision_for("fp32", "plait")
+    model = TransformerModel(model_preset("gpt-125m"))
+    block = model.groups(1, 2, False, chosen, "plait")[1][0]
+    assert block.recomputable and block.comm.recompute, "a block re-runs its forward's tp calls"
+    waits = HostModel(ranks=2, cores=1, sync_wait_s=0.0, sync_wait_per_compute=0.1)
+    bare = cluster_preset("local", nprocs=2, device=device_preset("a100-80gb"), local_link=LINK, call_overhead_s=1e-4)
+    host = cluster_preset("local", nprocs=2, device=device_preset("a100-80gb"), local_link=LINK, call_overhead_s=1e-4,
+                          host=waits)
+    for recompute in ("none", "full"):
+        plain = _unit_costs(block, 2, recompute, bare, chosen.dtype, {})
+        waited = _unit_costs(block, 2, recompute, host, chosen.dtype, {})
+        assert waited.compute_s == plain.compute_s
+        assert waited.tp_comm_s - plain.tp_comm_s == pytest.approx(0.1 * plain.compute_s, rel=EXACT), recompute

@@ -192,8 +192,10 @@ def _unit_costs(unit: Unit, tp: int, recompute: str, cluster: Cluster, dtype: st
     comm = forward_comm + _comm_time_s(cluster, unit.comm.backward, tp, algorithms)
     if cluster.host is not None and tp > 1:  # each synchronous tp call waits for the slowest rank of its group
         calls = len(unit.comm.forward) + len(unit.comm.backward)
-        recomputed = len(unit.comm.recompute) if recompute == FULL and unit.recomputable else 0
-        segment_s = compute / max(calls + recomputed, 1)
+        recomputes = recompute == FULL and unit.recomputable
+        recomputed = len(unit.comm.recompute) if recomputes else 0
+        # the compute between calls: the recomputed forward too, as its calls are counted
+        segment_s = (compute + (forward if recomputes else 0.0)) / max(calls + recomputed, 1)
         forward_comm += len(unit.comm.forward) * cluster.sync_wait_s(tp, segment_s)
         comm += calls * cluster.sync_wait_s(tp, segment_s)
     # a linear layer's backward is two GEMMs of equal FLOPs: input gradient and weight gradient
