@@ -359,7 +359,12 @@ def estimate(groups: list[list[Unit]], layout: Layout, cluster: Cluster, precisi
     ``split``, ``chunks`` (the split's combined groups) and ``algorithms`` let a search
     reuse ``summarize`` and ``split_groups``; ``dp_overlap``: ZeRO 0's gradients
     all-reduced in buckets during the backward, as plait's DataParallel runs them
-    (plait train all-reduces after the flush)."""
+    (plait train all-reduces after the flush); ZeRO 0 only (ValueError with ZeRO >= 1,
+    whose own overlap the stage already prices)."""
+    if dp_overlap and layout.zero_stage >= 1:
+        raise ValueError(f"dp_overlap=True with zero_stage={layout.zero_stage}: dp_overlap prices plait's DataParallel "
+                         "(ZeRO 0's bucketed all-reduce); ZeRO >= 1 overlaps as its stage does: leave dp_overlap "
+                         "False, or use zero_stage=0")
     dtype = precision.dtype
     algorithms = dict(algorithms or {})
     if summaries is None:
