@@ -130,6 +130,15 @@ def test_a_profile_for_other_ranks_dtype_or_machine_is_not_used(tmp_path):
     assert "measured on another machine (cpu_model: stored 'another CPU'" in load_compute_profile(
         path, nprocs=4, dtype="float32")[1]
     assert load_compute_profile(tmp_path / "none.json", nprocs=4, dtype="float32")[0] is None
+    # a CPU's profile runs the optimizer and the norm eagerly (DeviceSpec.eager), one saved
+    # before the field too; a GPU's profile (bench/gpu's) is fused
+    assert profile_device(fit_cpu_profile(synthetic_kernels(), name="cpu-p4")).eager is True
+    profile["facts"]["machine"]["cpu_model"] = machine_identity().cpu_model
+    del profile["device"]["eager"]
+    path.write_text(json.dumps(profile))
+    loaded, why = load_compute_profile(path, nprocs=4, dtype="float32")
+    assert why == "" and profile_device(loaded).eager is True
+    assert profile_device({**profile, "name": "gpu-like"}).eager is False
     path.write_text("{not json")
     with pytest.raises(ValueError, match="cannot be read"):
         load_compute_profile(path, nprocs=4, dtype="float32")

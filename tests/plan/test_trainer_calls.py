@@ -37,7 +37,7 @@ FP32 = PRECISIONS["fp32"]
 KERNEL_S = 5e-6
 CPU = DeviceSpec(name="cpu-p4", peak_flops_per_s=(("float32", 5e10),), memory_bytes=8e9,
                  memory_bandwidth_bytes_per_s=5e10, matmul_efficiency=0.5, memory_efficiency=0.25,
-                 kernel_overhead_s=KERNEL_S, optimizer_memory_efficiency=0.05)
+                 kernel_overhead_s=KERNEL_S, optimizer_memory_efficiency=0.05, eager=True)
 GPU = DeviceSpec(name="a100-like", peak_flops_per_s=(("float32", 5e10),), memory_bytes=8e9,
                  memory_bandwidth_bytes_per_s=5e10, matmul_efficiency=0.5, memory_efficiency=0.25,
                  kernel_overhead_s=KERNEL_S, optimizer_memory_efficiency=0.05)
@@ -123,6 +123,12 @@ def test_optimizer_kernels_by_hand():
     assert cpu.time_s["optimizer"] == pytest.approx((9 * tensors + matrices) * KERNEL_S + bandwidth_s, rel=1e-12)
     gpu, _ = _priced(GPU, layout)
     assert gpu.time_s["optimizer"] == pytest.approx(KERNEL_S + bandwidth_s, rel=1e-12)
+    # eager or fused is the device's own property, not its name
+    assert optimizer_kernels(dataclasses.replace(CPU, eager=False), tensors, matrices) == 1
+    assert optimizer_kernels(dataclasses.replace(GPU, name="cpu-like", eager=True), tensors, matrices) == \
+        9 * tensors + matrices
+    with pytest.raises(ValueError, match=r"eager=1 must be True or False"):
+        dataclasses.replace(GPU, eager=1)
 
 
 # ----- a real run: plait.comm's call counts per group against the priced calls -------------------

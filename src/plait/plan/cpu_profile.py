@@ -131,7 +131,7 @@ def fixed_and_rate(nbytes, seconds) -> tuple[float, float]:
 def _memory(rows, where: str) -> dict:
     """Per op its streaming rate (``fixed_and_rate`` over the measured sizes: the fixed
     cost is the per-kernel cost the planner charges apart), bandwidth = the best rate,
-    efficiency = rate/bandwidth; η_mem the mean over CPU_EFFICIENCY_OPS."""
+    efficiency = rate/bandwidth; η_mem the harmonic mean over CPU_EFFICIENCY_OPS."""
     by_op: dict[str, list[dict]] = {}
     for index, row in enumerate(rows):
         for key in ("op", "numel", "bytes", "seconds"):
@@ -203,6 +203,7 @@ def fit_cpu_profile(kernels: dict, *, name: str, source: str = "") -> dict:
         "device": {"peak_flops_per_s": {dtype: peak},
                    "memory_bytes": float(_require(facts, "memory_bytes", f"{where}: facts")) / nprocs,
                    "memory_bandwidth_bytes_per_s": memory["bandwidth_bytes_per_s"],
+                   "eager": True,  # a kernel per tensor: the optimizer and the norm run eagerly (DeviceSpec.eager)
                    "vendor_source": f"measured: best rates of {len(matmul_rows) + len(attention_rows)} products and "
                                     f"{len(memory['per_op'])} memory-bound kernels, {nprocs} ranks at once"},
         "launch": {"kernel_overhead_s": eager_s, "kernel_s": float(launch.get("kernel_s", dispatch_s)),
@@ -250,6 +251,7 @@ def load_compute_profile(path, *, nprocs: int, dtype: str) -> tuple[dict | None,
     problems = machine_problems(profile)
     if problems:
         return None, f"compute profile {path} was measured on another machine ({'; '.join(problems)})"
+    profile["device"]["eager"] = True  # a CPU's: profiles fitted before the field was written run eagerly too
     return profile, ""
 
 

@@ -186,6 +186,7 @@ def measure_device(*, device: str = "cpu", dtype: str = "float32", threads: int 
     spec = DeviceSpec(name=f"{device} (measured)", peak_flops_per_s=((dtype, rate),), memory_bytes=float(memory),
                       memory_bandwidth_bytes_per_s=share / seconds_per_byte, matmul_efficiency=1.0,
                       memory_efficiency=1.0, kernel_overhead_s=max(kernel_s, overhead_s) / share,
+                      eager=device == "cpu",
                       source=f"measured: {len(shapes)} matmul {'shapes of the model' if matmul_shapes else 'sizes'}, "
                              f"5 add sizes, an autograd chain, {threads} thread(s), "
                              f"{processes} process(es) on {cores} core(s)")

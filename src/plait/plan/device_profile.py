@@ -308,6 +308,7 @@ def profile_device(profile: dict, *, vendor=None, where: str = "", name: str | N
                           matmul_efficiency=_efficiency(scalar), memory_efficiency=memory_efficiency,
                           kernel_overhead_s=overhead, matmul_fit=matmul_fit, attention_fit=attention_fit,
                           optimizer_memory_efficiency=optimizer, optimizer_law=optimizer_law,
+                          eager=profile["device"].get("eager", False) is True,  # a CPU's (cpu_profile)
                           source=f"calibrated: device profile {where} (fitted from {label})")
     same = vendor.name == profile.get("vendor")
     how = "" if same else f", derived by peak ratio from {profile.get('vendor', '?')}"

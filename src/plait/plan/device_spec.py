@@ -36,6 +36,9 @@ class DeviceSpec:
     attention_fit: tuple[float, float, float, float] | None = None
     optimizer_memory_efficiency: float | None = None
     optimizer_law: OptimizerLaw | None = None  # an eager optimizer's cost by tensor size (a calibrated CPU)
+    # runs the optimizer and the gradient norm eagerly, a kernel per tensor (a CPU: measure_device, a compute
+    # profile); False: fused (a GPU)
+    eager: bool = False
 
     def __post_init__(self) -> None:
         problems = []
@@ -64,6 +67,8 @@ class DeviceSpec:
                 isinstance(self.optimizer_memory_efficiency, (int, float)) and 0 < self.optimizer_memory_efficiency <= 1):
             problems.append(f"optimizer_memory_efficiency={self.optimizer_memory_efficiency!r} must be in (0, 1] "
                             "or None")
+        if not isinstance(self.eager, bool):
+            problems.append(f"eager={self.eager!r} must be True or False")
         if self.optimizer_law is not None and not isinstance(self.optimizer_law, OptimizerLaw):
             problems.append(f"optimizer_law={self.optimizer_law!r} must be a plait.plan.optimizer_cost.OptimizerLaw "
                             "or None")

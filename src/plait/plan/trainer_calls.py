@@ -116,9 +116,9 @@ def closing_calls(layout, precision_name: str, *, tied_embedding_bytes: float = 
 
 def eager_device(device) -> bool:
     """Whether ``device`` (a DeviceSpec) runs the optimizer and the norm eagerly, one
-    kernel per tensor: a CPU (``measure_device``'s "cpu (measured)", a ``plait
-    calibrate --compute`` profile's "cpu-pN"); GPUs run them fused."""
-    return device.name.startswith("cpu")
+    kernel per tensor: ``DeviceSpec.eager``, set on a CPU (``measure_device``, a ``plait
+    calibrate --compute`` profile as ``load_compute_profile`` reads it); GPUs run them fused."""
+    return device.eager
 
 
 def optimizer_kernels(device, tensors: int, matrices: int) -> int:

@@ -67,7 +67,7 @@ def run_device(peak_flops_per_s: float, eager: tuple[float, float] | None, world
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / max(world_size, 1)
     return DeviceSpec(name="cpu (the run's measured rates)", peak_flops_per_s=(("float32", peak_flops_per_s),),
                       memory_bytes=float(memory), memory_bandwidth_bytes_per_s=bandwidth, matmul_efficiency=1.0,
-                      memory_efficiency=1.0, kernel_overhead_s=kernel_s,
+                      memory_efficiency=1.0, kernel_overhead_s=kernel_s, eager=True,
                       source="the run's own rates: matmul (report peak_flops_per_s) and eager kernels, every "
                              "rank at once" + ("" if eager else "; kernel cost and bandwidth assumed"))
 
