@@ -29,6 +29,8 @@ import torch
 
 from plait.cli.main import main
 from plait.names.step_parts import COMPUTE, DATA, DP_COMM, OPTIMIZER, PP_BUBBLE, STEP_PARTS
+from plait.parallel.hybrid import remainder_s
+from plait.parallel.step_times import StepTimes
 from plait.testing import run_distributed
 from plait.train.build import batch
 from plait.train.config import TrainConfig
@@ -157,3 +159,15 @@ def test_explain_run_prints_the_table_and_refuses_a_non_run(runs, tmp_path, caps
     assert "plan priced with" in out
     assert main(["plan", "--explain-run", str(tmp_path)]) == 2
     assert "not a finished plait train run" in capsys.readouterr().err
+
+
+def test_other_is_the_honest_remainder():
+    # parts of 1.5 + 0.5 s: within float rounding of a 2 s wall the remainder is 0, not -ulp
+    rounded = StepTimes(wall_s=2.0, compute_s=1.5, dp_comm_s=0.5 + 1e-12)
+    assert remainder_s(rounded) == 0.0
+    assert remainder_s(StepTimes(wall_s=2.0, compute_s=1.5, dp_comm_s=0.25)) == 0.25
+    # an over-count (two timers overlapping by 0.1 s) is kept: the parts still add up to the wall
+    over = StepTimes(wall_s=2.0, compute_s=1.5, dp_comm_s=0.6)
+    over.other_s = remainder_s(over)
+    assert over.other_s == pytest.approx(-0.1, rel=1e-12)
+    assert sum(getattr(over, name) for name in ("compute_s", "dp_comm_s", "other_s")) == pytest.approx(2.0, rel=1e-15)

@@ -29,12 +29,17 @@ class StepTimes:
       with the senders' post times into pp_bubble and pp_comm);
     - ``dp_comm_s``: the engine's closing collectives (loss sum, shared and Chimera
       replica gradients), the dp sync (gradient averaging or ZeRO's reduce-scatter,
-      unscale, the gradient-norm and loss reductions) and the dp collectives inside
-      the optimizer step (ZeRO's parameter all-gather);
+      unscale, the gradient-norm and loss reductions), the dp collectives inside
+      the optimizer step (ZeRO's parameter all-gather) and ZeRO's waits inside the
+      forwards and backwards (``zero_wait_s``: stage 3's parameter gathers made ready,
+      stage 2/3's reduce-scatters waited for at the next backward's start; taken out of
+      the engine's busy intervals, so not in ``compute_s``);
     - ``optimizer_s``: the optimizer step without those collectives;
     - ``data_s``: fetching the batch (the caller's timer: ``with_data``);
     - ``other_s``: wall - every part above (bookkeeping: the engine's own between its
-      actions, zeroing gradients, the learning rate), so the parts add up to wall.
+      actions, zeroing gradients, the learning rate), so the parts add up to wall. It is
+      >= 0 (float rounding clamped); a negative one is kept as measured: two timers
+      overlapped (``plait.parallel.hybrid.remainder_s``).
 
     ``closing_s`` is not a part of its own: it is the share of ``dp_comm_s`` spent in the
     engine's closing collectives. With pp > 1 it holds the pipeline drain on every rank
@@ -56,6 +61,7 @@ class StepTimes:
     other_s: float = 0.0
     stage_compute_s: dict = field(default_factory=dict)  # pipeline stage -> compute seconds
     closing_s: float = 0.0  # of dp_comm_s: the engine's closing collectives (not added to wall again)
+    zero_wait_s: float = 0.0  # of dp_comm_s: ZeRO's waits inside forward/backward (not added to wall again)
 
     @property
     def comm_s(self) -> float:
@@ -75,6 +81,7 @@ class StepTimes:
 
     def as_dict(self) -> dict:
         return {**{name: getattr(self, name) for name in TIMED_PARTS}, "closing_s": self.closing_s,
+                "zero_wait_s": self.zero_wait_s,
                 "stage_compute_s": {str(stage): value for stage, value in self.stage_compute_s.items()}}
 
 

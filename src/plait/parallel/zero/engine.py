@@ -28,6 +28,7 @@ accumulates the full gradients.
 from __future__ import annotations
 
 import contextlib
+import time
 
 import torch
 from torch import nn
@@ -77,6 +78,7 @@ class ShardEngine:
         self.on_backward_end = None  # called after each backward's end (the ZeRO module exposes gradients)
         self.reduced = False  # some average was added into the shards' gradients since zero_grad
         self._in_flight: list = []  # (unit, out, flat, handle) of reduce-scatters not yet waited for
+        self._reduce_waited_s = 0.0  # seconds in wait_in_flight (waiting for reduce-scatters, adding them in)
         self._done: set[int] = set()  # units complete this backward
         self._where = {id(param): (unit, slot) for unit in units for slot, param in enumerate(unit.params)}
         self._siblings = {unit.index: module_units for _, module_units in gathered_modules for unit in module_units}
@@ -151,9 +153,24 @@ class ShardEngine:
     def wait_in_flight(self) -> None:
         """The average of every reduce-scatter issued, added into its shard's gradient."""
         in_flight, self._in_flight = self._in_flight, []
-        add_reduced(in_flight, self.world_size)
+        start_s = time.perf_counter()
+        try:
+            add_reduced(in_flight, self.world_size)
+        finally:
+            self._reduce_waited_s += time.perf_counter() - start_s
         if in_flight:
             self.reduced = True
+
+    @property
+    def waited_s(self) -> float:
+        """Seconds (perf_counter, cumulative since construction) this rank has waited for
+        communication inside the engine's own calls: reduce-scatters waited for and added in
+        (``wait_in_flight``: stage 2/3's at each backward's start, and at ``reduce_gradients``)
+        and stage 3's gathers made ready before a module's forward or backward. A caller
+        timing a span (plait train's forward/backward intervals) takes the difference over
+        it: that much of the span was data-parallel communication, not compute."""
+        gathered_s = self.gatherer.waited_s if self.gatherer is not None else 0.0
+        return self._reduce_waited_s + gathered_s
 
     def reduce_gradients(self) -> None:
         """This rank's shard of the average gradient in each unit's ``shard.grad``: the

@@ -12,6 +12,7 @@ and tensor-parallel kind)."""
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable
 
 import torch
@@ -47,6 +48,9 @@ class UnitGatherer:
         self.paused = False  # ZeRO.full_parameters(): every unit gathered, the hooks stand aside
         # ZeRO's own forward running (None: no wrapper, plait train's ShardedOptimizer runs the model itself)
         self.wrapper_forward: bool | None = None
+        # seconds spent making modules' units ready before their forward or backward (prefetch
+        # waits and synchronous gathers): communication the caller's compute timers enclose
+        self.waited_s = 0.0
         for index, module in enumerate(modules):
             module.register_forward_pre_hook(lambda _m, _a, index=index: self._before_forward(index))
             module.register_forward_hook(lambda _m, _a, out, index=index: self._after_forward(index, out))
@@ -65,7 +69,15 @@ class UnitGatherer:
             unit.gather(self.group, self.algorithm)
 
     def _ready_all(self, index: int) -> None:
-        """Module ``index``'s units gathered: prefetches waited for, the rest in one call."""
+        """Module ``index``'s units gathered: prefetches waited for, the rest in one call
+        (the time it takes added to ``waited_s``)."""
+        start_s = time.perf_counter()
+        try:
+            self._gather_now(index)
+        finally:
+            self.waited_s += time.perf_counter() - start_s
+
+    def _gather_now(self, index: int) -> None:
         with _named_mismatch(self.units[index]):
             missing = []
             for unit in self.units[index]:

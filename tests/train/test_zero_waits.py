@@ -1,0 +1,65 @@
+"""ZeRO's communication waits inside the forward and backward are dp_comm, not compute.
+
+One 2-process run (dp=2, ZeRO stage 3, pp=1, a tiny float64 GPT) twice in one world:
+plain, then with dp rank 1's first gathered module (the embedding) sleeping SLEEP_S after
+each forward. Stage 3 prefetches module k+1 while module k computes, so dp rank 1 posts
+its part of module 2's gather SLEEP_S late and dp rank 0 waits that long for it inside
+its forward (plait.parallel.zero.unit_gathering: a prefetch waited for, or on the first
+step a synchronous gather): the engine's busy interval holds the wait, and train_step
+moves it (the ZeRO engine's waited seconds over the step) from compute to dp_comm. So
+dp rank 0 gains >= SLEEP_S of dp_comm per step and no compute (within SLACK_S: a late
+wake-up or a time slice lost on the shared machine); dp rank 1 gains it as compute (the
+sleep is in its forward). The parts still add up to the wall (float64 rounding, 1e-9).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from plait.names.step_parts import COMPUTE, DP_COMM, STEP_PARTS
+from plait.testing import run_distributed
+from plait.train.config import TrainConfig
+from plait.train.loop import Trainer
+
+SLEEP_S = 0.080
+SLACK_S = 0.030
+STEPS = 4
+
+
+def _config(out) -> TrainConfig:
+    return TrainConfig(layers=2, hidden=16, heads=2, seq_len=8, data_max_bytes=20_000, global_batch=4, micro_batch=2,
+                       dp=2, tp=1, pp=1, zero_stage=3, steps=STEPS, warmup_steps=0, dtype="float64", eval_interval=0,
+                       grad_clip=0.0, checkpoint_interval=0, keep_checkpoints=0, log_interval=STEPS,
+                       out=str(out), timeout_s=60.0)
+
+
+def _plain_and_sleepy(rank, world_size, plain_out, sleepy_out):
+    Trainer(_config(plain_out), resume="never", log=lambda _: None).train()
+    trainer = Trainer(_config(sleepy_out), resume="never", log=lambda _: None)
+    if trainer.mesh.coords["dp"] == 1:
+        stage = next(iter(trainer.hybrid.engine.stages.values()))
+        first = next(child for child in stage.children() if any(True for _ in child.parameters()))
+        first.register_forward_hook(lambda *_: time.sleep(SLEEP_S))
+    trainer.train()
+
+
+@pytest.mark.slow
+def test_zero3_gather_waits_are_dp_comm_not_compute(tmp_path):
+    plain, sleepy = tmp_path / "plain", tmp_path / "sleepy"
+    run_distributed(_plain_and_sleepy, 2, str(plain), str(sleepy), timeout_s=120)
+    reports = [json.loads((path / "report.json").read_text()) for path in (plain, sleepy)]
+    for report in reports:
+        for row in report["step_parts"]["measured"]["per_rank_ms"].values():
+            assert sum(row[part] for part in STEP_PARTS) == pytest.approx(row["wall"], rel=1e-9), row
+    dp_of = {str(rank["rank"]): rank["coords"]["dp"] for rank in reports[0]["ranks"]}
+    base, slow = ({dp_of[rank]: row for rank, row in report["step_parts"]["measured"]["per_rank_ms"].items()}
+                  for report in reports)
+    sleep_ms, slack_ms = 1e3 * SLEEP_S, 1e3 * SLACK_S
+    # dp rank 0 waited for dp rank 1's late post: dp communication, not compute
+    assert slow[0][DP_COMM] - base[0][DP_COMM] >= sleep_ms - slack_ms, (base[0], slow[0])
+    assert slow[0][COMPUTE] - base[0][COMPUTE] <= slack_ms, (base[0], slow[0])
+    # dp rank 1 slept in its forward: compute
+    assert slow[1][COMPUTE] - base[1][COMPUTE] >= sleep_ms - 1.0, (base[1], slow[1])
