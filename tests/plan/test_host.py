@@ -196,6 +196,8 @@ def test_fit_refuses_by_name():
         fit_sync_wait([row for row in rows if row["segment_s"] > 0])
     with pytest.raises(ValueError, match="< 2 distinct segments"):
         fit_sync_wait([row for row in rows if row["segment_s"] in (0.0, 1 * MS)])
+    with pytest.raises(ValueError, match=r"every row has segment_s 0 .* at least two segments > 0"):
+        fit_sync_wait([row for row in rows if row["segment_s"] == 0.0])
     with pytest.raises(ValueError, match=r"worlds \[3, 4\]"):
         fit_sync_wait(rows + [{**rows[0], "world_size": 3}])
 

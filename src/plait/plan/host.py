@@ -58,7 +58,7 @@ def sharing(ranks: int, cores: int, threads_per_rank: int = 1) -> float:
 
 
 def lateness_factor(size: int) -> float:
-    """f(n) = (n − 1) / (n + 1): twice E[max] − E[mean] of n i.i.d. uniform lateness on
+    """f(n) = (n − 1) / (n + 1) = 2·(E[max] − E[mean]) of n i.i.d. uniform lateness on
     [0, 1] (E[max] = n/(n+1), E[mean] = 1/2); 0 for one rank. Only ratios are used."""
     return (size - 1) / (size + 1) if size > 1 else 0.0
 
@@ -155,7 +155,7 @@ class HostModel:
     def wait_s(self, size: int, segment_s: float) -> float:
         """The wait for the slowest of ``size`` ranks at one synchronising call, after
         ``segment_s`` seconds of compute since the group last synchronised: a measured
-        size's own terms, else the reference terms scaled by f(size) / f(n_ref). None
+        size's own terms, else the reference terms scaled by f(size) / f(n_ref). 0
         with no compute before the call (``segment_s`` <= 0: a call right after the
         group's previous one, which the link's back-to-back calibration already prices)."""
         if size <= 1 or segment_s <= 0:
@@ -259,6 +259,9 @@ def fit_sync_wait(rows) -> SyncWaitFit:
                 work_s = sum(row["work_s"] for row in found) / len(found)
                 wait_s = sum(row["blocked_s"] for row in found) / len(found) - latency_s
                 points.append((len(ranks), segment, work_s, wait_s))
+    if not points:
+        raise ValueError("fit_sync_wait: every row has segment_s 0 (the call's own latency): no segment > 0 to fit "
+                         "the wait on; measure with segments_s holding 0 and at least two segments > 0")
     by_size = {}
     for size in sorted({point[0] for point in points}):
         mine = [(1.0, work_s, wait_s) for n, _, work_s, wait_s in points if n == size]
