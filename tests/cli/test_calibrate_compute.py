@@ -55,6 +55,10 @@ def test_a_pipeline_message_pays_the_link_profiles_fitted_p2p_cost(tmp_path):
     cluster = _local_cluster(_args(2), "fp32", lines.append, cache_directory=tmp_path)
     assert (cluster.call_overhead_s, cluster.p2p_call_s) == (300e-6, 30e-6)
     assert lines[2].endswith("300 us per call, 30 us per p2p")
+    # the profile's transport model prices within the host: call_s[p2p] + n beta(n), no alpha (rel 1e-12)
+    assert cluster.transport == model and lines[3].startswith("transport model (prices the collectives")
+    n = 1e6  # beta(n) = 1e-10 + (2e-10 - 1e-10) n / (1e6 + n) = 1.5e-10 s/byte
+    assert cluster.p2p_time_s(n, False) == pytest.approx(30e-6 + n * 1.5e-10, rel=1e-12)
 
 
 def test_without_a_profile_for_these_ranks_the_machine_is_measured_and_the_line_says_why(tmp_path):

@@ -9,6 +9,7 @@ import tracemalloc
 import pytest
 
 from plait.cost import LinkModel
+from plait.cost.transport_model import TransportModel
 from plait.plan import cluster_preset, device_preset
 from plait.plan.cluster import MAX_DEVICES, Cluster
 
@@ -103,8 +104,6 @@ def test_a_fitted_transport_prices_collectives_and_messages_within_a_host():
     as call_s[all_reduce] + the cheapest closed form on the link at beta(n), and a
     pipeline message as call_s[p2p] + n beta(n) (no alpha); without one, the flat link
     and the mean call cost as before. Hand formulas, float64: rel 1e-12."""
-    from plait.cost.transport_model import TransportModel
-
     transport = TransportModel(alpha_s=5e-6, beta_cache_s_per_byte=1e-10, beta_dram_s_per_byte=4e-10,
                                cache_bytes=1e5, gamma_s_per_byte=2e-10, base_call_s=2e-5,
                                call_s={"all_reduce": 3e-5, "all_gather": 7e-5, "p2p": 1e-5})

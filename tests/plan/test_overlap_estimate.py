@@ -10,7 +10,7 @@ from plait.cost import LinkModel
 from plait.cost.alpha_beta import level_terms
 from plait.names.step_parts import DP_COMM, PRICED_PARTS, TP_COMM
 from plait.plan import Layout, cluster_preset, device_preset, estimate_layout, model_preset
-from plait.plan.estimate import estimate
+from plait.plan.estimate import _unit_costs, estimate
 from plait.plan.models import TransformerModel
 from plait.plan.precision import precision_for
 from plait.plan.host import HostModel
@@ -140,8 +140,6 @@ def test_full_recompute_spreads_the_sync_waits_over_the_recomputed_forward_too()
     its calls. Under full recompute the block's compute holds the recomputed forward and
     its calls the recomputed forward's: the waits add up to b x the whole compute (forward
     twice + backward), with or without recompute. float64: rel 1e-12."""
-    from plait.plan.estimate import _unit_costs
-
     chosen = precision_for("fp32", "plait")
     model = TransformerModel(model_preset("gpt-125m"))
     block = model.groups(1, 2, False, chosen, "plait")[1][0]

@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import pytest
 
+from plait.cost import LinkModel
+from plait.cost.profile import DEFAULT_PROFILE_BACKEND, Profile, save_profile
+from plait.cost.transport_model import TransportModel
 from plait.names.step_parts import DATA, OTHER, PP_BUBBLE, PP_COMM, PRICED_PARTS, STEP_PARTS
 from plait.parallel.pipeline.schedules import RECV_ACT, RECV_GRAD, SEND_ACT, SEND_GRAD
 from plait.train.config import TrainConfig
-from plait.train.plan_compare import compare, comparison_lines, price_run, step_parts_section
+from plait.train.plan_compare import _link, compare, comparison_lines, price_run, run_device, step_parts_section
 from plait.train.step_breakdown import measured_breakdown
 
 RATE = 2e10  # FLOP/s: a given device, not a measurement
@@ -102,3 +105,17 @@ def test_assumed_eager_costs_are_a_note_of_the_report(tmp_path):
     measured = _measured({}, 1.0)
     lines = comparison_lines({"measured": measured, "comparison": compare(plan, measured, sources)})
     assert any(line.startswith("note: the run measured no eager kernel costs") for line in lines), lines
+
+
+def test_the_run_is_priced_with_the_profiles_transport_model_and_eager_kernels(tmp_path):
+    """As plait plan --cluster local: a saved format-2 profile's fitted p2p call cost and
+    transport model price the run's link; the run's own device runs eagerly."""
+    model = TransportModel(alpha_s=20e-6, beta_cache_s_per_byte=1e-10, beta_dram_s_per_byte=2e-10, cache_bytes=1e6,
+                           gamma_s_per_byte=1e-10, base_call_s=5e-6, call_s={"all_reduce": 300e-6, "p2p": 30e-6})
+    save_profile(Profile(link=LinkModel(alpha_s=20e-6, beta_s_per_byte=1e-10), call_overhead_s=300e-6,
+                         backend=DEFAULT_PROFILE_BACKEND, device="cpu", world_size=2, sizes_nbytes=(1024, 2048),
+                         samples=(), transport_model=model), cache_dir=tmp_path)
+    prices, source = _link(tmp_path)
+    assert prices["transport"] == model and prices["p2p_call_s"] == 30e-6 and prices["call_overhead_s"] == 300e-6
+    assert "calibration profile (p=2)" in source
+    assert run_device(RATE, EAGER, 2).eager and run_device(RATE, None, 2).eager
