@@ -239,6 +239,30 @@ _GRID_POINTS_PER_OCTAVE = 4
 _GOLDEN = (math.sqrt(5.0) - 1.0) / 2.0
 
 
+def minimize_log_knee(score, lo: float, hi: float, *, steps: int = 60) -> float:
+    """The log L in [lo, hi] minimising ``score(log L)`` (a fit's error with its knee at
+    L): a scan at 4 points an octave, then a golden-section search between the best
+    point's neighbours, ``steps`` times (the bracket shrinks by 0.618 a step: 40 reach
+    float precision on a 2^40 range); the best point seen is returned."""
+    points = max(2, int(round((hi - lo) / math.log(2) * _GRID_POINTS_PER_OCTAVE)) + 1)
+    grid = [lo + (hi - lo) * i / (points - 1) for i in range(points)]
+    scores = [score(x) for x in grid]
+    best = int(np.argmin(scores))
+    a, b = grid[max(0, best - 1)], grid[min(points - 1, best + 1)]
+    c, d = b - _GOLDEN * (b - a), a + _GOLDEN * (b - a)
+    score_c, score_d = score(c), score(d)
+    for _ in range(steps):
+        if score_c < score_d:
+            b, d, score_d = d, c, score_c
+            c = b - _GOLDEN * (b - a)
+            score_c = score(c)
+        else:
+            a, c, score_c = c, d, score_d
+            d = a + _GOLDEN * (b - a)
+            score_d = score(d)
+    return min([(scores[best], grid[best]), (score_c, c), (score_d, d)])[1]
+
+
 def _cache_design(shift: list[Sample], cache_bytes: float) -> np.ndarray:
     return np.array([[1.0, s.steps, s.steps * s.nbytes, s.steps * s.nbytes**2 / (cache_bytes + s.nbytes),
                       s.steps * s.nbytes * float(s.reduce)] for s in shift])
@@ -264,25 +288,7 @@ def fit_cache_link(samples) -> tuple[LinearFit, float] | None:
         fit = fit_nonnegative(design, times_s, CACHE_PARAMETERS, name="cache")
         return _relative_sse(fit, design, times_s), fit
 
-    lo, hi = math.log(sizes[0]), math.log(sizes[-1])
-    points = max(2, int(round((hi - lo) / math.log(2) * _GRID_POINTS_PER_OCTAVE)) + 1)
-    grid = [lo + (hi - lo) * i / (points - 1) for i in range(points)]
-    scores = [fit_at(x)[0] for x in grid]
-    best = int(np.argmin(scores))
-    a, b = grid[max(0, best - 1)], grid[min(points - 1, best + 1)]
-    c, d = b - _GOLDEN * (b - a), a + _GOLDEN * (b - a)
-    score_c, score_d = fit_at(c)[0], fit_at(d)[0]
-    for _ in range(40):  # the bracket shrinks by 0.618 a step: 40 steps reach float precision
-        if score_c < score_d:
-            b, d, score_d = d, c, score_c
-            c = b - _GOLDEN * (b - a)
-            score_c = fit_at(c)[0]
-        else:
-            a, c, score_c = c, d, score_d
-            d = a + _GOLDEN * (b - a)
-            score_d = fit_at(d)[0]
-    candidates = [(scores[best], grid[best]), (score_c, c), (score_d, d)]
-    _, log_l = min(candidates)
+    log_l = minimize_log_knee(lambda x: fit_at(x)[0], math.log(sizes[0]), math.log(sizes[-1]), steps=40)
     _, fit = fit_at(log_l)
     return fit, math.exp(log_l)
 

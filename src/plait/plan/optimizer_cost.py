@@ -34,13 +34,11 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from plait.cost.calibration import fit_nonnegative
+from plait.cost.calibration import fit_nonnegative, minimize_log_knee
 
 __all__ = ["OptimizerLaw", "fit_optimizer_law", "law_design_row", "LAW_PARAMETERS"]
 
 LAW_PARAMETERS = ("step_s", "tensor_s", "decay_s", "beta_cache_s_per_byte", "beta_excess_s_per_byte")
-_GRID_POINTS_PER_OCTAVE = 4
-_GOLDEN = (math.sqrt(5.0) - 1.0) / 2.0
 
 
 def _groups(groups) -> list[tuple[float, float, float]]:
@@ -141,24 +139,7 @@ def fit_optimizer_law(rows) -> tuple[OptimizerLaw, dict]:
         fit = fit_nonnegative(design, times_s, LAW_PARAMETERS, name="optimizer law")
         return float(np.sum(((fit.predict(design) - times_s) / times_s) ** 2)), fit
 
-    lo, hi = math.log(sizes[0]), math.log(sizes[-1])
-    points = max(2, int(round((hi - lo) / math.log(2) * _GRID_POINTS_PER_OCTAVE)) + 1)
-    grid = [lo + (hi - lo) * i / (points - 1) for i in range(points)]
-    scores = [fit_at(x)[0] for x in grid]
-    best = int(np.argmin(scores))
-    a, b = grid[max(0, best - 1)], grid[min(points - 1, best + 1)]
-    c, d = b - _GOLDEN * (b - a), a + _GOLDEN * (b - a)
-    score_c, score_d = fit_at(c)[0], fit_at(d)[0]
-    for _ in range(60):  # the bracket shrinks by 0.618 a step: 60 steps reach float precision
-        if score_c < score_d:
-            b, d, score_d = d, c, score_c
-            c = b - _GOLDEN * (b - a)
-            score_c = fit_at(c)[0]
-        else:
-            a, c, score_c = c, d, score_d
-            d = a + _GOLDEN * (b - a)
-            score_d = fit_at(d)[0]
-    _, log_l = min([(scores[best], grid[best]), (score_c, c), (score_d, d)])
+    log_l = minimize_log_knee(lambda x: fit_at(x)[0], math.log(sizes[0]), math.log(sizes[-1]), steps=60)
     _, fit = fit_at(log_l)
     beta_cache = fit.value("beta_cache_s_per_byte")
     law = OptimizerLaw(step_s=fit.value("step_s"), tensor_s=fit.value("tensor_s"), decay_s=fit.value("decay_s"),
