@@ -56,7 +56,7 @@ import numpy as np
 from plait.plan.device_profile import calibrated_presets, load_device_profile
 from plait.plan.device_spec import DTYPE_BYTES, GIB, DeviceSpec, matmul_efficiency_fit
 
-__all__ = ["DeviceSpec", "DEVICE_PRESETS", "VENDOR_PRESETS", "device_preset", "measure_device", "DTYPE_BYTES",
+__all__ = ["DeviceSpec", "DEVICE_PRESETS", "VENDOR_PRESETS", "device_preset", "measure_device", "autograd_chain", "DTYPE_BYTES",
            "load_device_profile", "matmul_efficiency_fit"]
 
 
@@ -99,6 +99,24 @@ def _least_squares(xs: list[float], ys: list[float]) -> tuple[float, float]:
     if b == 0.0:
         b = max(y / x for x, y in zip(xs, ys))
     return a, b
+
+
+def autograd_chain(*, device: str = "cpu", dtype=None, chain: int = 32):
+    """(step, kernels): a chain of ``chain`` tiny multiplies run forward and backward, the
+    per-kernel cost of eager training (dispatch, autograd bookkeeping and the launch
+    together) when timed; ``kernels`` = 3 per link (a multiply forward; its backward a
+    multiply and an add)."""
+    import torch  # plait.plan stays torch-free at import
+
+    leaf = torch.ones(8, dtype=dtype, device=device, requires_grad=True)
+
+    def step():
+        z = leaf
+        for _ in range(chain):
+            z = z * 1.0001
+        z.sum().backward()
+
+    return step, 3 * chain
 
 
 def measure_device(*, device: str = "cpu", dtype: str = "float32", threads: int | None = 1, processes: int = 1,
@@ -164,16 +182,8 @@ def measure_device(*, device: str = "cpu", dtype: str = "float32", threads: int 
         _, seconds_per_byte = _least_squares(byte_counts, add_s)
         # the per-kernel cost of eager training: a chain of tiny autograd ops, forward
         # and backward (dispatch, autograd bookkeeping and the kernel launch together)
-        leaf = torch.ones(8, dtype=torch_dtype, device=device, requires_grad=True)
-        chain = 32
-
-        def tiny_step():
-            z = leaf
-            for _ in range(chain):
-                z = z * 1.0001
-            z.sum().backward()
-
-        kernel_s = timed(tiny_step) / (3 * chain)  # a multiply forward; its backward a multiply and an add
+        tiny_step, kernels = autograd_chain(device=device, dtype=torch_dtype)
+        kernel_s = timed(tiny_step) / kernels
     finally:
         torch.set_num_threads(previous_threads)
     cores = cores or os.cpu_count() or 1

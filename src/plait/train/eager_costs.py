@@ -10,21 +10,16 @@ import time
 
 import torch
 
+from plait.plan.device import autograd_chain
+
 
 def measure_eager_costs(*, device="cpu", seconds: float = 0.02) -> tuple[float, float]:
     """(seconds per eager autograd kernel, elementwise bytes/s) of this process: a chain of
     tiny multiplies forward and backward (dispatch, autograd and launch: 3 kernels per link)
     and an out-of-place add over 4 MiB (read + write), each repeated for ``seconds``."""
-    leaf = torch.ones(8, device=device, requires_grad=True)
+    tiny_step, kernels = autograd_chain(device=device)
     x = torch.randn(1 << 20, device=device)
     y = torch.empty_like(x)
-    chain = 32
-
-    def tiny_step():
-        z = leaf
-        for _ in range(chain):
-            z = z * 1.0001
-        z.sum().backward()
 
     def best_s(call) -> float:
         call()
@@ -35,6 +30,6 @@ def measure_eager_costs(*, device="cpu", seconds: float = 0.02) -> tuple[float, 
             best = min(best, time.perf_counter() - t0)
         return best
 
-    kernel_s = best_s(tiny_step) / (3 * chain)
+    kernel_s = best_s(tiny_step) / kernels
     add_s = best_s(lambda: torch.add(x, 1.0, out=y))
     return kernel_s, 2.0 * x.numel() * x.element_size() / add_s
