@@ -117,7 +117,7 @@ class Communicator:
             self.transport.use_shm(establish(
                 self.transport, self.rank, self.size, directory=self.config.shm_dir,
                 ring_bytes=self.config.shm_ring_bytes, spin_s=self.config.shm_spin_us * 1e-6,
-                required=self.config.transport == "shm", timeout_s=self.config.timeout_s))
+                spin_max_s=self.config.shm_spin_max_us * 1e-6, required=self.config.transport == "shm", timeout_s=self.config.timeout_s))
 
     def _agree(self) -> None:
         """Every rank sends its config key to group rank 0, which waits for all of them

@@ -39,6 +39,10 @@ build one from flags and ``PLAIT_COMM_*`` variables
     shm_spin_us             how long a waiting rank polls its rings before it blocks on
                             its doorbell (20 us; none when the host's ranks outnumber its
                             cores; bench/shm_wait.py measures the choice)
+    shm_spin_max_us         the poll stretches up to twice the recent typical wait while
+                            that is at most this (500 us): a peer's per-call time is then
+                            covered by polling instead of a block and a wake-up (50-300 us
+                            each); longer waits poll shm_spin_us only (0: never stretch)
     shm_dir                 where the segments are created (and unlinked at once): /dev/shm
 """
 
@@ -71,6 +75,7 @@ class CommConfig:
     transport: str = "auto"
     shm_ring_bytes: int = 4 << 20
     shm_spin_us: float = 20.0
+    shm_spin_max_us: float = 500.0
     shm_dir: str = "/dev/shm"
 
     def __post_init__(self):
@@ -99,6 +104,10 @@ class CommConfig:
         if (isinstance(self.shm_spin_us, bool) or not isinstance(self.shm_spin_us, (int, float))
                 or not 0 <= self.shm_spin_us <= 1e6):
             problems.append(f"shm_spin_us={self.shm_spin_us!r}: must be a number of microseconds in [0, 1e6]")
+        if (isinstance(self.shm_spin_max_us, bool) or not isinstance(self.shm_spin_max_us, (int, float))
+                or not 0 <= self.shm_spin_max_us <= 1e6):
+            problems.append(f"shm_spin_max_us={self.shm_spin_max_us!r}: must be a number of microseconds in "
+                            "[0, 1e6], e.g. 500")
         if self.local_world_size is not None and (isinstance(self.local_world_size, bool) or not isinstance(
                 self.local_world_size, int) or self.local_world_size < 1):
             problems.append(f"local_world_size={self.local_world_size!r}: must be a whole number of ranks per host "

@@ -198,7 +198,7 @@ def _reason(code: int, directory: str, need: int, free: int) -> str:
 
 
 def establish(gloo, rank: int, size: int, *, directory: str, ring_bytes: int, spin_s: float, required: bool,
-              timeout_s: float) -> ShmOutcome:
+              timeout_s: float, spin_max_s: float = 0.0) -> ShmOutcome:
     """Set up this rank's shared-memory transport with the group's other ranks (all
     of them call this together); see the module docstring."""
     rounds = _Rounds(gloo, rank, size, timeout_s)
@@ -257,7 +257,7 @@ def establish(gloo, rank: int, size: int, *, directory: str, ring_bytes: int, sp
         return ShmOutcome(None, f"gloo (shared memory failed: {status})")
     if not local:
         return ShmOutcome(None, f"gloo (no shared memory: {_reason(ALONE, directory, need, free)})")
-    transport = connect(rank, local, segment, opened, bell, bells, spin_s)
+    transport = connect(rank, local, segment, opened, bell, bells, spin_s, spin_max_s)
     return ShmOutcome(transport, f"shm with group ranks {local} ({ring_bytes} B rings)")
 
 
@@ -291,17 +291,19 @@ def attach_peers(directory: str, nonce: int, peers: list[int], opened: dict, bel
 
 
 def connect(rank: int, local: list[int], segment: Segment, opened: dict, bell: int, bells: dict,
-            spin_s: float) -> ShmTransport:
+            spin_s: float, spin_max_s: float = 0.0) -> ShmTransport:
     """The transport of ``rank`` among the ranks ``local`` (sorted; rings are ordered
-    by the other ranks' order in it)."""
+    by the other ranks' order in it). ``spin_s``/``spin_max_s``: its waits' polling
+    (ShmTransport._spin_budget_s), none when the local ranks outnumber the cores."""
     others = [peer for peer in local if peer != rank]
     ring_index = {peer: others.index(peer) for peer in others}
     their_index = {peer: [other for other in local if other != peer].index(rank) for peer in others}
     # polling only pays while every local rank can have a core: with more ranks than
     # cores a polling rank holds the core its peer needs to send what it waits for
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return ShmTransport(rank, segment, opened, ring_index, their_index, bell, bells,
-                        spin_s if len(local) <= cores else 0.0)
+    polls = len(local) <= cores
+    return ShmTransport(rank, segment, opened, ring_index, their_index, bell, bells, spin_s if polls else 0.0,
+                        spin_max_s if polls else 0.0)
 
 
 def _round_status(rounds: _Rounds, failure: str | None, size: int) -> str | None:

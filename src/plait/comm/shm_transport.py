@@ -15,10 +15,12 @@ and receive of this rank (as an MPI progress engine does), so a rank blocked on 
 message still drains and fills its rings for the others, and no thread of its own
 competes with the ranks for the cores.
 
-Waiting: poll the rings for ``spin_s`` (no syscall: a ``sched_yield`` between polls
-handed the core to any other busy process for a whole scheduler slice, about 5 ms
-on this machine under load, measured; and no polling at all when the host's ranks
-outnumber its cores), then set this rank's ``sleeping`` word and block on its
+Waiting: poll the rings for ``spin_s``, stretched to twice the recent typical wait
+while that is at most ``spin_max_s`` (``_spin_budget_s``: a peer's per-call time is
+polled through instead of paying a block and a wake-up each call; no syscall: a
+``sched_yield`` between polls handed the core to any other busy process for a whole
+scheduler slice, about 5 ms on this machine under load, measured; and no polling at
+all when the host's ranks outnumber its cores), then set this rank's ``sleeping`` word and block on its
 doorbell FIFO, at most ``_NAP_S`` at a time; a peer that moves bytes this rank
 waits for rings the bell when the word is set. The cap bounds the cost of the one
 race plain loads and stores allow (the word set just as the peer checked it). While
@@ -121,7 +123,8 @@ class ShmTransport:
     doorbell (read end), ``bells[peer]``: the peers' (write ends)."""
 
     def __init__(self, rank: int, inbox: Segment, outboxes: dict[int, Segment], ring_index: dict[int, int],
-                 their_index: dict[int, int], bell: int, bells: dict[int, int], spin_s: float):
+                 their_index: dict[int, int], bell: int, bells: dict[int, int], spin_s: float,
+                 spin_max_s: float = 0.0):
         self.rank = rank
         self.peers = sorted(outboxes)
         self.inbox = inbox
@@ -131,6 +134,8 @@ class ShmTransport:
         self.bell = bell
         self.bells = bells
         self.spin_s = spin_s
+        self.spin_max_s = max(spin_max_s, spin_s)  # the adaptive poll's cap (_spin_budget_s)
+        self._typical_wait_s = 0.0  # recent waits, averaged (_note_wait)
         self._lock = threading.RLock()
         self._sends: dict[int, deque[_Send]] = {peer: deque() for peer in self.peers}
         self._recvs: dict[int, deque[_Recv]] = {peer: deque() for peer in self.peers}
@@ -345,9 +350,15 @@ class ShmTransport:
     def wait(self, work: ShmWork, timeout_s: float | None) -> None:
         """Make progress until ``work`` is done; raise RuntimeError (its message says
         "timed out" on the deadline) if a peer died, closed or never came."""
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        idle_since = time.monotonic()
+        if work.done:  # already there (a send into a ring with room, a message read while posting)
+            if work.error is not None:
+                raise RuntimeError(work.error)
+            return
+        started = time.monotonic()
+        deadline = None if timeout_s is None else started + timeout_s
+        idle_since = started
         next_check = idle_since + _LIVENESS_S
+        spin_s = self._spin_budget_s()
         while not work.done:
             if self._closed:
                 raise RuntimeError(f"the shared-memory transport of this group was closed while waiting for "
@@ -361,14 +372,37 @@ class ShmTransport:
             if deadline is not None and now >= deadline:
                 raise RuntimeError(f"timed out after {timeout_s:g}s waiting for {work.description} over shared "
                                    "memory")
-            if now - idle_since < self.spin_s:
+            if now - idle_since < spin_s:
                 continue
             if now >= next_check:
                 next_check = now + _LIVENESS_S
                 self._check_peers()
             self._nap(min(_NAP_S, deadline - now) if deadline is not None else _NAP_S, work)
+        if self.spin_s > 0:
+            self._note_wait(time.monotonic() - started)
         if work.error is not None:
             raise RuntimeError(work.error)
+
+    def _spin_budget_s(self) -> float:
+        """How long this wait polls before it blocks: ``spin_s``, stretched to twice the
+        recent typical wait (the peers' per-call time) while that is at most
+        ``spin_max_s``: a wait that would end within the stretch never pays a block and
+        a wake-up (a syscall each side plus the scheduler's wake latency, 50-300 us on
+        this machine), and a long wait (a peer computing) costs at most ``spin_s`` of
+        polling before it sleeps. ``spin_s`` = 0 (more local ranks than cores: a poller
+        holds the core its peer needs) never polls."""
+        if self.spin_s <= 0:
+            return 0.0
+        typical_s = self._typical_wait_s
+        if typical_s > self.spin_max_s:
+            return self.spin_s
+        return max(self.spin_s, min(2.0 * typical_s, self.spin_max_s))
+
+    def _note_wait(self, waited_s: float) -> None:
+        """Fold one wait into the typical wait: an exponential average (weight 1/8) of
+        the waits, each clipped at 4 ``spin_max_s`` so one long stall fades within a
+        few calls."""
+        self._typical_wait_s += (min(waited_s, 4.0 * self.spin_max_s) - self._typical_wait_s) * 0.125
 
     def _nap(self, nap_s: float, work: ShmWork) -> None:
         """Block until a peer rings this rank's doorbell (or ``nap_s`` passes). One
