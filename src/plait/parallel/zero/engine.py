@@ -14,7 +14,10 @@ happens to them between a forward and the next one, parameterised by the ZeRO st
 - **Reduce**: ``reduce_gradients()`` reduce-scatters the units that are not early
   (stage 1, and plait train's ``late`` ones) and adds every average into its shard's
   gradient (``wait_in_flight``); ``collect_at_backward_end`` does that wait at each
-  backward's end instead of before the next backward or the step.
+  backward's end instead of before the next backward or the step. With
+  ``speculate_late`` (the ZeRO module's stage 1) a late unit's reduce-scatter is also
+  issued during the backward, its full gradients kept, and the step uses that result
+  where the gradients did not change since (``plait.parallel.zero.speculative``).
 - **Step**: the optimizer steps this rank's shards (a parameter no rank gave a
   gradient since ``zero_grad`` keeps its value and state), one unit at a time with
   ``offload``, then every gathered unit is all-gathered.
@@ -36,6 +39,7 @@ from torch import nn
 from plait.parallel.data.weak_hooks import weak_method
 from plait import comm
 from plait.parallel.zero.flat_units import FlatUnit, add_reduced, reduce_units
+from plait.parallel.zero.speculative import SpeculativeReduces
 from plait.parallel.zero.state_offload import StateFiles
 from plait.parallel.zero.unit_gathering import UnitGatherer
 
@@ -63,7 +67,7 @@ class ShardEngine:
     def __init__(self, units: list[FlatUnit], optimizer: torch.optim.Optimizer, group, algorithm: str, stage: int,
                  *, offload: StateFiles | None = None, early: list[bool] | None = None,
                  kept: list[bool] | None = None, gathered_modules=(), reduce_every_unit: bool,
-                 collect_at_backward_end: bool, rest_released: bool = False):
+                 collect_at_backward_end: bool, rest_released: bool = False, speculate_late: bool = False):
         self.units, self.optimizer, self.group, self.algorithm, self.stage = units, optimizer, group, algorithm, stage
         self.world_size, self.rank = units[0].world_size, units[0].rank
         self.offload = offload
@@ -78,6 +82,8 @@ class ShardEngine:
         self.on_backward_end = None  # called after each backward's end (the ZeRO module exposes gradients)
         self.reduced = False  # some average was added into the shards' gradients since zero_grad
         self._in_flight: list = []  # (unit, out, flat, handle) of reduce-scatters not yet waited for
+        # late units' reduce-scatters issued during the backward (stage 1 of the ZeRO module)
+        self.speculative = SpeculativeReduces(group, algorithm, self.world_size) if speculate_late else None
         self._reduce_waited_s = 0.0  # seconds in wait_in_flight (waiting for reduce-scatters, adding them in)
         self._done: set[int] = set()  # units complete this backward
         self._where = {id(param): (unit, slot) for unit in units for slot, param in enumerate(unit.params)}
@@ -102,6 +108,8 @@ class ShardEngine:
             return
         self.in_backward = True
         self.wait_in_flight()  # the previous backward's, long done by now
+        if self.speculative is not None:  # this backward changes the gradients they sent
+            self.speculative.discard()
         self._done = set()
         for unit in self.units:
             unit.ready = [False] * len(unit.params)
@@ -124,6 +132,8 @@ class ShardEngine:
         self._done.update(unit.index for unit in units)
         if self.sync and self.early[units[0].index]:
             self.reduce(units, async_op=True)
+        elif self.sync and self.speculative is not None:
+            self.speculative.issue(units)
         if self.stage == 3:
             for unit in units:
                 if not self.kept[unit.index]:
@@ -176,8 +186,12 @@ class ShardEngine:
         """This rank's shard of the average gradient in each unit's ``shard.grad``: the
         units that are not early reduce-scattered now (one call each), every reduction
         in flight waited for."""
-        for unit, early in zip(self.units, self.early):
-            if not early:
+        late = [unit for unit, early in zip(self.units, self.early) if not early]
+        taken = self.speculative.take(late) if self.speculative is not None and late else {}
+        for unit in late:
+            if unit.index in taken:
+                self._in_flight.append(taken[unit.index])
+            else:
                 self.reduce([unit], async_op=False)
         self.wait_in_flight()
 
@@ -203,6 +217,8 @@ class ShardEngine:
 
     def zero_grad(self) -> None:
         """Drop the shards' and the parameters' gradients; no parameter used yet."""
+        if self.speculative is not None:
+            self.speculative.discard()
         for unit in self.units:
             unit.shard.grad = None
             for param in unit.params:

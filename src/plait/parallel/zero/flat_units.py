@@ -216,16 +216,19 @@ def gather_units(units: list[FlatUnit], group, algorithm, async_op: bool = False
     return combined
 
 
-def reduce_units(units: list[FlatUnit], group, algorithm, async_op: bool) -> list:
+def reduce_units(units: list[FlatUnit], group, algorithm, async_op: bool, keep_grads: bool = False) -> list:
     """Reduce-scatter several units' gradients in one call (rank-major: rank r's
-    slice of every unit, back to back); the full gradients are dropped. Returns
-    (unit, out, flat, handle) per unit, ``out`` this rank's summed slice once the
-    handle is waited for (``add_reduced``)."""
+    slice of every unit, back to back); the full gradients are dropped and the units'
+    ``used`` flags set (``keep_grads``: neither, stage 1's speculative reduction).
+    Returns (unit, out, flat, handle) per unit, ``out`` this rank's summed slice once
+    the handle is waited for (``add_reduced``)."""
     world_size = units[0].world_size
     flats = []
     for unit in units:
-        unit.used = [was or param.grad is not None for was, param in zip(unit.used, unit.params)]
         flats.append(unit.flat_grad())
+        if keep_grads:
+            continue
+        unit.used = [was or param.grad is not None for was, param in zip(unit.used, unit.params)]
         for param in unit.params:
             param.grad = None
     sizes = [unit.shard_numel for unit in units]

@@ -134,6 +134,10 @@ def _apply(target, write) -> None:
         piece = tensor.piece() if isinstance(tensor, ShardedGrad) else tensor
         if piece is not None:
             write(piece)
+            if isinstance(tensor, ShardedGrad) and tensor._pending:
+                # written below autograd (inside __torch_dispatch__), where torch moves no version
+                # counter: moved here, so that stage 1's reduction issued before (speculative) is stale
+                torch.autograd.graph.increment_version(piece)
     return target if isinstance(target, torch.Tensor) else None
 
 

@@ -24,7 +24,10 @@ with, gradients reduced in ``reduce_dtype`` (``plait.parallel.zero.mixed_precisi
 - **Stage 1**: units are buckets of at most ``bucket_mb`` MiB in reverse registration
   order. Backward leaves full gradients in ``.grad``; ``step()`` reduce-scatters each
   bucket's flat gradient (sum / N: the average), steps the rank's shards and
-  all-gathers the updated shards into the buffers.
+  all-gathers the updated shards into the buffers. The reduce-scatters are issued
+  during the backward already, on plait's comm thread, as each bucket's gradients
+  are in; the step uses them where the gradients did not change since (exactly:
+  ``plait.parallel.zero.speculative``).
 - **Stage 2**: the same buckets, but each bucket's gradient is reduce-scattered on
   plait's comm thread as soon as its last gradient is ready *during* the backward
   (overlapped, as DataParallel's all-reduce), and the full gradients are dropped:
@@ -161,7 +164,8 @@ class ZeRO(ZeroStateDicts, NoSync, nn.Module):
                                   gathered_modules=[(module, [unit for unit in self.units
                                                               if self._unit_modules[unit.index] is module])
                                                     for module in modules],
-                                  reduce_every_unit=True, collect_at_backward_end=True, rest_released=True)
+                                  reduce_every_unit=True, collect_at_backward_end=True, rest_released=True,
+                                  speculate_late=stage == 1)
         # each synchronised backward leaves every .grad a view of this rank's piece (grad_views):
         # torch's clip_grad_norm_ on them reduces over the ranks
         self.grads = ZeroGrads(self.units, self.engine, group, stage, module)
