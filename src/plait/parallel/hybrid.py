@@ -9,8 +9,12 @@ pipeline rank runs. A training step is then:
 1. the pipeline engine runs the schedule over this rank's pp group on its dp
    rank's share of the global batch, split into m micro-batches (tensor-parallel
    collectives run inside each chunk's forward and backward on the tp group);
-2. gradients are averaged over the dp group (flat buckets, plait.comm's
-   all-reduce with the configured algorithm, or a plait.compress compressor);
+2. gradients are averaged over the dp group: flat buckets, each bucket's all-reduce
+   (the configured algorithm) queued on plait's comm thread as soon as the last
+   micro-batch's backward has finished its gradients, while the backward goes on
+   (``plait.parallel.data.grad_average``; exactly the sums of one all-reduce after the
+   backward); with a plait.compress compressor, or a schedule whose gradients change
+   after the backward (Chimera's replica sum, zero bubble's split W), after the flush;
 3. the global gradient norm is clipped (sums of squares over tp and pp: sharded
    parameters counted on every tp rank, replicated ones on tp rank 0 only);
 4. the optimiser steps.
@@ -35,10 +39,12 @@ from plait.memory.loss_scale import LossScaler
 from plait.names.schedules import INTERLEAVED_1F1B
 from plait.parallel.mesh import DeviceMesh
 from plait.memory.offload import ActivationOffloader
+from plait.parallel.data.grad_average import average_after_backward, GradAverage
 from plait.parallel.pipeline import build as build_schedule, PipelineEngine
+from plait.parallel.pipeline.actions import ALL_REDUCE
 from plait.parallel.pipeline.partition import build_stage, split_layers
 from plait.parallel.step_times import StepTimes, TIMED_PARTS
-from plait.memory.precision import AUTOCAST_DTYPE, GRAD_REDUCE_DTYPES, PRECISIONS, REDUCE_DTYPE, autocast
+from plait.memory.precision import AUTOCAST_DTYPE, GRAD_REDUCE_DTYPES, PRECISIONS, autocast
 from plait.memory.recompute import set_block_recompute
 from plait.comm.ops import dtype_from_code
 from plait.names.axes import AXES, DP, PP, TP
@@ -47,7 +53,6 @@ from plait.names.precision import FP16_MIXED, FP32
 from plait.parallel.tensor.dropout import ConsistentDropout
 from plait.parallel.zero.optimizer import ShardedOptimizer
 
-BUCKET_BYTES = 25 << 20  # DDP's default bucket cap
 _EVAL_TAG = tags.EVALUATION.start  # evaluation's own tag range (plait.comm.tags)
 
 
@@ -68,6 +73,7 @@ class HybridModel:
     precision: str = FP32  # fp32 | bf16-mixed | fp16-mixed (plait.names.precision)
     grad_reduce_dtype: str = FP32  # what the dp gradient all-reduce sends
     scaler: LossScaler | None = None  # fp16's dynamic loss scaling, over every rank of the run
+    grad_average: GradAverage | None = None  # the overlapped dp average, made by the first step that uses it
 
     def parameters(self):
         return self.engine.parameters()
@@ -188,7 +194,15 @@ def train_step(hybrid: HybridModel, inputs, targets, optimizer, *, step: int, gr
     if sharded:  # shard gradients dropped, offloaded state asked for, stage 3's prefetch order
         optimizer.begin_step()
     zero_before_s = optimizer.engine.waited_s if sharded else 0.0
-    loss = hybrid.engine.train_step(inputs, targets, optimizer=None)
+    overlapped = None if sharded else overlapped_average(hybrid)
+    if overlapped is not None:
+        overlapped.begin_step()
+    try:
+        loss = hybrid.engine.train_step(inputs, targets, optimizer=None)
+    except BaseException:
+        if overlapped is not None:
+            overlapped.abort()
+        raise
     record = hybrid.engine.history[-1]
     tp_s = _axis_comm_s(hybrid, TP) - tp_before_s
     # ZeRO's waits inside the forwards and backwards (stage 3's gathers, stage 2/3's reduce-scatters
@@ -197,6 +211,8 @@ def train_step(hybrid: HybridModel, inputs, targets, optimizer, *, step: int, gr
     sync_start_s = time.perf_counter()
     if sharded:
         optimizer.reduce_gradients()
+    elif overlapped is not None:
+        overlapped.finish()  # the buckets the backward left, then every one waited for
     else:
         average_gradients(hybrid, step)
     overflow = False
@@ -258,61 +274,42 @@ def _mean_over(mesh: DeviceMesh, axis: str, value: float) -> float:
     return float(total) / mesh.size(axis)
 
 
+def overlapped_average(hybrid: HybridModel) -> GradAverage | None:
+    """The hybrid model's overlapped dp average (made and its hooks registered on first
+    use), or None where the average runs after the flush (``average_gradients``): one dp
+    rank, a compressor (kept on the path whose exactness it has: its own buckets,
+    compressed after the backward), or a schedule that changes gradients after the
+    backward (Chimera's replica sum) or accumulates them outside one backward per
+    micro-batch (zero bubble's split W). A parameter is final after ``m`` accumulations
+    per stage chunk of this rank holding it; one that other pipeline ranks hold too is
+    summed over them after the flush, so its bucket waits for ``finish``."""
+    if hybrid.grad_average is not None:
+        return hybrid.grad_average
+    engine, dp = hybrid.engine, hybrid.mesh.size(DP)
+    schedule = engine.schedule
+    if dp == 1 or hybrid.compressor is not None or schedule.split_backward or \
+            any(action.kind == ALL_REDUCE for action in schedule.actions[engine.rank]):
+        return None
+    holders: dict[int, int] = {}
+    for module in engine.stages.values():
+        for param in module.parameters():  # once per chunk (a chunk lists a parameter once)
+            holders[id(param)] = holders.get(id(param), 0) + 1
+    named = [(name, param) for name, param in hybrid.names.items() if param.requires_grad]
+    expected = {name: schedule.microbatches * holders[id(param)] for name, param in named
+                if name not in engine.shared_parameters and id(param) in holders}
+    hybrid.grad_average = GradAverage(named, hybrid.mesh.group[DP], dp, algorithm=hybrid.algorithm,
+                                      grad_reduce_dtype=hybrid.grad_reduce_dtype, expected=expected)
+    return hybrid.grad_average
+
+
 def average_gradients(hybrid: HybridModel, step: int) -> None:
-    """Average every gradient over the dp group in flat buckets of <= 25 MiB (one
-    all-reduce each: 2(dp-1)/dp · n bytes per rank with a ring), or through the
-    compressor, which reports its own bytes."""
+    """Average every gradient over the dp group after the backward: flat buckets of
+    <= 25 MiB, or through the compressor (``plait.parallel.data.grad_average``)."""
     dp = hybrid.mesh.size(DP)
-    if dp == 1:
-        return
-    group = hybrid.mesh.group[DP]
-    params = [(name, param) for name, param in hybrid.names.items() if param.requires_grad]
-    if hybrid.compressor is not None:
-        # tp-replicated parameters in buckets of their own, first: every tp rank then
-        # compresses them identically (same bucket index, seed and residual), so lossy
-        # compression cannot make the replicas drift apart
-        sharded = [(name, param) for name, param in params if getattr(param, "tp_shard", None) is not None]
-        replicated = [(name, param) for name, param in params if getattr(param, "tp_shard", None) is None]
-        buckets = [*_buckets(replicated), *_buckets(sharded)]
-    else:  # an exact average needs no such split: as few all-reduces as the 25 MiB cap allows
-        buckets = list(_buckets(params))
-    for index, bucket in enumerate(buckets):
-        grads = [param.grad if param.grad is not None else torch.zeros_like(param) for _, param in bucket]
-        flat = torch.cat([grad.reshape(-1) for grad in grads])
-        if hybrid.compressor is not None:
-            from plait.compress import GradBucket
-
-            views, offset = [], 0
-            for name, param in bucket:
-                views.append((name, flat[offset:offset + param.numel()].view_as(param)))
-                offset += param.numel()
-            hybrid.compressor.reduce(GradBucket(index, flat, views, step), group, algorithm=hybrid.algorithm)
-        else:
-            # "fp32": at least float32 (a float64 model's gradients are not rounded); bf16 / fp16: a 16-bit copy
-            reduce_dtype = REDUCE_DTYPE[hybrid.grad_reduce_dtype]
-            if hybrid.grad_reduce_dtype == FP32:
-                reduce_dtype = torch.promote_types(flat.dtype, reduce_dtype)
-            sent = flat.to(reduce_dtype)
-            comm.all_reduce(sent, group=group, algorithm=hybrid.algorithm)
-            flat = sent.to(flat.dtype) if sent is not flat else flat
-            flat /= dp
-        offset = 0
-        for _, param in bucket:
-            param.grad = flat[offset:offset + param.numel()].view_as(param).clone()
-            offset += param.numel()
-
-
-def _buckets(params):
-    bucket, size, dtype = [], 0, None
-    for name, param in params:
-        nbytes = param.numel() * param.element_size()
-        if bucket and (size + nbytes > BUCKET_BYTES or param.dtype != dtype):
-            yield bucket
-            bucket, size = [], 0
-        bucket.append((name, param))
-        size, dtype = size + nbytes, param.dtype
-    if bucket:
-        yield bucket
+    if dp > 1:
+        params = [(name, param) for name, param in hybrid.names.items() if param.requires_grad]
+        average_after_backward(params, hybrid.mesh.group[DP], dp, algorithm=hybrid.algorithm,
+                               grad_reduce_dtype=hybrid.grad_reduce_dtype, compressor=hybrid.compressor, step=step)
 
 
 def clip_grad_norm(hybrid: HybridModel, max_norm: float) -> float:
