@@ -19,7 +19,12 @@ Rules that keep results bit-identical to the virtual executor:
   it lands from scratch), every earlier send reading R completes (write after read)
   and every earlier receive into R lands (write after write);
 - reductions landing together on one region in one step (direct, star) go through
-  ``apply_receives``, which combines them in rank order.
+  ``apply_receives``, which combines them in rank order;
+- a streamed reduction the transport can combine straight from its ring (shared
+  memory's ``recv_reduce``: no copy out, no scratch) writes its region from the moment
+  it is posted, so it is posted like a direct copy: after every earlier send reading
+  the region completes and every earlier receive into it lands. Its bits are those of
+  combining a copied-out payload (same operands, same order, element by element).
 """
 
 from __future__ import annotations
@@ -29,6 +34,10 @@ from dataclasses import dataclass, field
 import torch
 
 DIRECT, STREAM_REDUCE, SCRATCH = "direct", "reduce", "scratch"
+# a STREAM_REDUCE segment the transport combines into the buffer straight from its ring as
+# the bytes arrive (shared memory's recv_reduce): posted like a direct copy (after earlier
+# sends reading its region complete and earlier receives into it land), landed by its wait
+REDUCED = "reduced"
 
 
 @dataclass
@@ -108,4 +117,4 @@ def chunks(works, parts):
         position += len(msgs)
 
 
-__all__ = ["DIRECT", "SCRATCH", "STREAM_REDUCE", "ScratchPool", "chunks", "units_for_step"]
+__all__ = ["DIRECT", "REDUCED", "SCRATCH", "STREAM_REDUCE", "ScratchPool", "chunks", "units_for_step"]

@@ -34,7 +34,7 @@ from datetime import timedelta
 import torch
 
 from plait.comm.errors import CommError, CommTimeoutError
-from plait.comm.dataflow import DIRECT, STREAM_REDUCE, ScratchPool, chunks, units_for_step
+from plait.comm.dataflow import DIRECT, REDUCED, STREAM_REDUCE, ScratchPool, chunks, units_for_step
 from plait.comm.inband import InbandCall
 from plait.comm.ops import apply_receives
 from plait.comm.schedule import Schedule, Transfer
@@ -169,6 +169,7 @@ class Executor:
             # (bench/frame_depth.py counts them)
             pool: ScratchPool = self.pool
             checked = transport if isinstance(transport, InbandCall) else None
+            recv_reduce = getattr(transport, "recv_reduce", None)  # shared memory: reduce from the ring
             max_scratch_numel = 2 * buffer.numel() + 1
             posted: deque = deque()  # units of receives not yet landed, in posting order
             sends: list = []  # (lo, hi, work, peer, step): sends not yet known complete
@@ -202,7 +203,7 @@ class Executor:
                 for (transfer, msgs), in_flight in zip(unit.parts, chunks(unit.works, unit.parts)):
                     for (peer, _, _, _), work in zip(msgs, in_flight):
                         wait(work, unit.step, peer)
-                if unit.kind == DIRECT:
+                if unit.kind == DIRECT or unit.kind == REDUCED:  # landed in the buffer as it arrived
                     return
                 settle(unit.lo, unit.hi)
                 if unit.kind == STREAM_REDUCE:
@@ -229,6 +230,22 @@ class Executor:
 
             for plan in plans:
                 for unit in units_for_step(plan):
+                    if unit.kind == STREAM_REDUCE and recv_reduce is not None:
+                        # reduced straight from the ring as it arrives (no scratch, no copy out): the
+                        # region is written from the post on, so earlier sends reading it complete and
+                        # earlier receives into it land first, as for a direct copy
+                        (peer, lo, hi, tag), = unit.parts[0][1]
+                        settle(lo, hi)
+                        land_overlapping(lo, hi, plan.index)
+                        try:
+                            work = recv_reduce(buffer[lo:hi], peer, tag, combine)
+                        except RuntimeError as error:
+                            raise comm_error(error, step=plan.index, peer=transport.describe(peer), **context) from error
+                        if work is not None:  # None: a message with a header, or over gloo: through scratch
+                            unit.kind = REDUCED
+                            unit.works.append(work)
+                            posted.append(unit)
+                            continue
                     if unit.kind == DIRECT:
                         settle(unit.lo, unit.hi)
                         land_overlapping(unit.lo, unit.hi, plan.index)

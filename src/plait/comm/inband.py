@@ -161,6 +161,16 @@ class InbandCall:
             return self.transport.recv(tensor, peer, tag)
         return self._recv_checked(tensor, peer, HEADER_TAG, self.transport.recv(tensor, peer, tag))
 
+    def recv_reduce(self, tensor: torch.Tensor, peer: int, tag: int, combine):
+        """A receive reduced into ``tensor`` as it arrives (the transport's
+        ``recv_reduce``), or None where this message carries a header (the packed form,
+        or the first message from ``peer``) or the transport cannot reduce from it: the
+        caller then receives through :meth:`recv` into scratch, so every header is checked."""
+        reduce = getattr(self.transport, "recv_reduce", None)
+        if self.small or peer not in self._received_from or reduce is None:
+            return None
+        return reduce(tensor, peer, tag, combine)
+
     def _recv_checked(self, target: torch.Tensor, peer: int, tag: int, payload):
         """A receive whose message carries a header, into a staging buffer long enough
         for any header message; :meth:`landed` checks it and lands the payload."""

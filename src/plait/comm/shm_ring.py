@@ -198,28 +198,43 @@ class Ring:
         return self.words[index], self.words[index + 1]
 
     def copy_in(self, position: int, source: torch.Tensor) -> None:
-        """Copy the uint8 tensor ``source`` to stream bytes [position, position + len)."""
-        self._copy(position, source, into_ring=True)
+        """Copy the uint8 tensor ``source`` to stream bytes [position, position + len):
+        one ``copy_`` per contiguous piece (two when it wraps around the ring's end)."""
+        for at, offset, count in self._pieces(position, source.numel()):
+            self.data[at : at + count].copy_(source[offset : offset + count])
 
     def copy_out(self, position: int, target: torch.Tensor) -> None:
         """Copy stream bytes [position, position + len) into the uint8 tensor ``target``."""
-        self._copy(position, target, into_ring=False)
+        for at, offset, count in self._pieces(position, target.numel()):
+            target[offset : offset + count].copy_(self.data[at : at + count])
 
-    def _copy(self, position: int, other: torch.Tensor, into_ring: bool) -> None:
-        nbytes = other.numel()
+    def reduce_out(self, position: int, target: torch.Tensor, combine) -> None:
+        """Combine stream bytes [position, position + len) into ``target`` (a 1-D tensor of
+        the reduced dtype, len = its bytes) straight from the ring, with no copy out:
+        ``combine(target[piece], ring bytes of the piece viewed as target.dtype)`` per
+        contiguous piece (two when it wraps), the operand order of ``ops.apply_receives``,
+        so the result is bit-identical to combining a copied-out payload. The ring's
+        capacity and ``position`` are multiples of the element size (frames and their
+        payloads start 64-aligned, readers take whole elements), so no element
+        straddles the ring's end and every view is aligned. Cost: one pass reading both
+        operands and writing ``target`` (a copy out and a pass less than through scratch)."""
+        element_bytes = target.element_size()
+        nbytes = target.numel() * element_bytes
+        assert position % element_bytes == 0 and self.capacity % element_bytes == 0, (position, element_bytes)
+        for at, offset, count in self._pieces(position, nbytes):
+            first = offset // element_bytes
+            combine(target[first : first + count // element_bytes], self.data[at : at + count].view(target.dtype))
+
+    def _pieces(self, position: int, nbytes: int) -> list[tuple[int, int, int]]:
+        """(byte in the segment, offset in the tensor, count) of the contiguous pieces of
+        stream bytes [position, position + nbytes): one, or two when they pass the end."""
         start = position % self.capacity
         first = min(nbytes, self.capacity - start)
-        pieces = [(self._base + start, 0, first)]
-        if first < nbytes:  # wraps around the end of the ring
-            pieces.append((self._base, first, nbytes - first))
-            self.wraps += 1
-            self.last_wrap_at = position
-        for at, offset, count in pieces:
-            ring_part = self.data[at : at + count]
-            if into_ring:
-                ring_part.copy_(other[offset : offset + count])
-            else:
-                other[offset : offset + count].copy_(ring_part)
+        if first == nbytes:
+            return [(self._base + start, 0, nbytes)]
+        self.wraps += 1  # wraps around the end of the ring
+        self.last_wrap_at = position
+        return [(self._base + start, 0, first), (self._base, first, nbytes - first)]
 
 
 __all__ = ["FRAME_ALIGN", "FRAME_HEADER_BYTES", "MAGIC", "Ring", "Segment", "frame_bytes", "ordering_is_safe",

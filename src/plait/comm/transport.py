@@ -106,6 +106,14 @@ class Transport:
             return self.shm.recv(tensor, peer, tag)
         return self._polled(self.group.recv([tensor], peer, tag))
 
+    def recv_reduce(self, tensor: torch.Tensor, peer: int, tag: int, combine):
+        """A receive from ``peer`` combined into ``tensor`` as it arrives, straight from
+        the shared-memory ring (``ShmTransport.recv_reduce``: no copy out); None for a
+        peer reached through gloo (the caller receives into scratch and combines)."""
+        if peer in self._local:
+            return self.shm.recv_reduce(tensor, peer, tag, combine)
+        return None
+
     def recv_any(self, tensor: torch.Tensor, tag: int):
         """A receive from any rank of the group (``work._source_rank()`` says who)."""
         if self.shm is None:
