@@ -103,8 +103,8 @@ def exchange(communicator, signature: CallSignature, device, *, seq: int | None 
     transport = communicator.transport
     if seq is not None:
         small = table.numel() <= INLINE_BYTES
-        transport = InbandCall(transport, signature, seq, rank, label, communicator.known_calls(), small,
-                               deferred=("root",))
+        transport = InbandCall(transport, signature, seq, rank, label, communicator.known_calls, small,
+                               deferred=("root",), buffers=communicator.executor.inband)
     sent, messages = communicator.executor.run(build_schedule("all_gather", "bruck", p, p * block), rank, transport,
                                                table, COMBINE["sum"], timeout_s=config.timeout_s, label=label,
                                                grouped=device.type != "cpu")

@@ -7,16 +7,20 @@ The life of an all_reduce. ``all_reduce(t, op, group, async_op, algorithm=...)``
    holds the deadline, check mode, segment sizes and algorithm choice;
 2. checks this rank's arguments as torch does (dtype, op, sizes) and resolves
    ``algorithm`` ("auto": the config's override, else its tuner, else the measured
-   default table, ``plait.comm.choice``);
+   default table, ``plait.comm.choice``); a call like an earlier one on the group (same
+   collective, algorithm argument, dtype, elements, device, op, root) reuses what that
+   one derived (``Communicator.call_plans``) and only prepares its buffer;
 3. lays the tensors out in one flat buffer (``plait.comm.layout``; a view of ``t``
    when it is contiguous, so results land in place);
 4. submits a job to the communicator's own comm thread (inline when nothing is queued
    on the group and ``async_op`` is False), which numbers the call on the group;
 5. the job builds the algorithm's schedule (``plait.comm.algorithms``: plain data,
    cached) and runs this rank's part of it with the executor
-   (``plait.comm.executor``): over gloo as a dataflow of single messages, each first
-   message to a peer carrying the in-band header (``plait.comm.inband``) that the peer
-   checks against its own call; over NCCL as one grouped post per step;
+   (``plait.comm.executor``): a small call (at most ``INLINE_BYTES``) in lock step from
+   a cached step list (``run_small``); a larger one over gloo as a dataflow of single
+   messages; each first message to a peer carries the in-band header
+   (``plait.comm.inband``) that the peer checks against its own call; over NCCL as
+   one grouped post per step;
 6. copies results back if the buffer was not a view, records the call's bytes,
    messages, time and algorithm, and completes the Handle.
 
@@ -49,30 +53,10 @@ from plait.cost.alpha_beta import pipeline_segments
 
 ReduceOp = dist.ReduceOp
 
+_CALL_PLANS = 256  # derived calls kept per communicator (_launch)
+
 _TORCH_OPS = {"sum": ReduceOp.SUM, "avg": ReduceOp.SUM, "min": ReduceOp.MIN, "max": ReduceOp.MAX,
               "prod": ReduceOp.PRODUCT, "band": ReduceOp.BAND, "bor": ReduceOp.BOR, "bxor": ReduceOp.BXOR}
-
-
-def _group_root(communicator: Communicator, global_root, group_root, name: str) -> int:
-    """The group rank of a rooted collective's root: torch's ``src``/``dst`` are global
-    ranks, ``group_src``/``group_dst`` group ranks (give one of them)."""
-    if global_root is not None and group_root is not None:
-        raise ValueError(f"{name}={global_root} and group_{name}={group_root} both given: pass the global rank as "
-                         f"{name} or the group rank as group_{name}, not both")
-    if group_root is not None:
-        if isinstance(group_root, bool) or not isinstance(group_root, int):
-            raise TypeError(f"group_{name} must be an int group rank, got {type(group_root).__name__}")
-        if not 0 <= group_root < communicator.size:
-            raise ValueError(f"group_{name}={group_root} is not a rank of this group of {communicator.size} ranks "
-                             f"(0..{communicator.size - 1})")
-        return group_root
-    root = 0 if global_root is None else global_root
-    if isinstance(root, bool) or not isinstance(root, int):
-        raise TypeError(f"{name} must be an int rank, got {type(root).__name__}")
-    if root not in communicator.ranks:
-        raise ValueError(f"{name}={root} (a global rank) is not a member of this {communicator.describe()}; "
-                         f"pass one of its global ranks, or its group rank as group_{name}=")
-    return communicator.ranks.index(root)
 
 
 def _carried_signature(signature: CallSignature, carried: int | None) -> CallSignature:
@@ -125,6 +109,16 @@ def _launch(collective, communicator, async_op, algorithm, prepare, *, tensor, n
         return None  # this rank is not in the group, as torch does
     rank, p, config = communicator.rank, communicator.size, communicator.config
     dtype = tensor.dtype
+    # a call like an earlier one (same arguments, dtype, size, device) takes what that one
+    # derived (checks passed, algorithm, signature): only its buffer is prepared again
+    key = (collective, algorithm, dtype, tensor.numel(), tensor.device, nbytes, op, root, check_numel)
+    known = communicator.call_plans.get(key) if hierarchy is None and (algorithm is None or type(algorithm) is str) \
+        else None
+    if known is not None:
+        algorithm, signature, description, staged, grouped, check = known
+        prepared = prepare(rank, p) if algorithm != TORCH else None
+        return _submit(collective, communicator, async_op, algorithm, signature, description, prepared, staged,
+                       grouped, check, nbytes, op, root, torch_call, output, tensor.device)
     check_carried(dtype, collective)  # refused by name before any message (plait.names.wire)
     if collective in REDUCING:
         check_reducible(dtype, op, collective)
@@ -173,6 +167,23 @@ def _launch(collective, communicator, async_op, algorithm, prepare, *, tensor, n
                               op, REFUSED_ROOT if refused is not None else root,
                               0 if shape is None else agreement_code(shape), config.segment_bytes,
                               config.pipeline_segment_bytes)
+    description = signature.describe()
+    if not (pending or agree_first or refused or carried or shape) and hierarchy is None and (
+            key[1] is None or type(key[1]) is str):
+        if len(communicator.call_plans) >= _CALL_PLANS:
+            communicator.call_plans.clear()
+        communicator.call_plans[key] = (algorithm, signature, description, staged, grouped, check)
+    return _submit(collective, communicator, async_op, algorithm, signature, description, prepared, staged, grouped,
+                   check, nbytes, op, root, torch_call, output, tensor.device, pending=pending,
+                   agree_first=agree_first, refused=refused, carried=carried, tree=tree)
+
+
+def _submit(collective, communicator, async_op, algorithm, signature, description, prepared, staged, grouped, check,
+            nbytes, op, root, torch_call, output, device, *, pending=False, agree_first=False, refused=None,
+            carried=None, tree=None):
+    """Submit the call's job (see the module docstring, steps 4-6) to the communicator's
+    comm thread; returns None or a Handle."""
+    rank, p, config = communicator.rank, communicator.size, communicator.config
 
     def job(seq):
         nonlocal algorithm, signature
@@ -180,7 +191,7 @@ def _launch(collective, communicator, async_op, algorithm, prepare, *, tensor, n
             settled = settled_algorithm(collective, nbytes, communicator)
             if settled != algorithm:
                 algorithm, signature = settled, dataclasses.replace(signature, algorithm=settled)
-        host_or_device = torch.device("cpu") if staged else tensor.device
+        host_or_device = torch.device("cpu") if staged else device
         if refused is not None:  # the peers learn it from the exchange (and raise), then this rank raises
             try:
                 exchange(communicator, _carried_signature(signature, carried), host_or_device, seq=seq,
@@ -212,11 +223,18 @@ def _launch(collective, communicator, async_op, algorithm, prepare, *, tensor, n
             transport = communicator.transport
             if check == "inband" and not agree_first:  # an agreed call's messages need no header
                 small = buffer.numel() * buffer.element_size() <= INLINE_BYTES
-                transport = InbandCall(transport, signature, seq, rank, collective, communicator.known_calls(), small)
+                transport = InbandCall(transport, signature, seq, rank, collective, communicator.known_calls, small,
+                                       buffers=communicator.executor.inband)
             segment_numel = config.segment_bytes // buffer.element_size() if config.segment_bytes else 0
-            payload_sent, payload_messages = communicator.executor.run(
-                schedule, rank, transport, buffer, COMBINE[op if op != "none" else "sum"], timeout_s=config.timeout_s,
-                label=collective, grouped=grouped, segment_numel=segment_numel)
+            combine = COMBINE[op if op != "none" else "sum"]
+            if not grouped and buffer.numel() * buffer.element_size() <= INLINE_BYTES:  # latency-bound
+                payload_sent, payload_messages = communicator.executor.run_small(
+                    schedule, rank, transport, buffer, combine, timeout_s=config.timeout_s, label=collective,
+                    segment_numel=segment_numel)
+            else:
+                payload_sent, payload_messages = communicator.executor.run(
+                    schedule, rank, transport, buffer, combine, timeout_s=config.timeout_s, label=collective,
+                    grouped=grouped, segment_numel=segment_numel)
             sent, messages = sent + payload_sent, messages + payload_messages
         prepared.finish(buffer)  # a staged call finishes (averages) on the host, as on a CPU
         if device_buffer is not None:
@@ -226,7 +244,7 @@ def _launch(collective, communicator, async_op, algorithm, prepare, *, tensor, n
                             time.perf_counter() - start)
         return sent
 
-    handle = communicator.submit(job, signature.describe(), async_op, signature)
+    handle = communicator.submit(job, description, async_op, signature)
     if handle is not None:
         handle.output = output
     return handle
@@ -311,7 +329,7 @@ def broadcast(tensor, src=None, group=None, async_op=False, group_src=None, *, a
     communicator = communicator_for(group)
     if communicator is None:
         return None
-    root = _group_root(communicator, src, group_src, "src")
+    root = layout.group_root(communicator, src, group_src, "src")
 
     def torch_call(comm, global_root):
         _torch_wait(dist.broadcast(tensor.detach(), global_root, group=comm.group, async_op=True), "broadcast", comm)
@@ -329,7 +347,7 @@ def reduce(tensor, dst=None, op=ReduceOp.SUM, group=None, async_op=False, group_
     communicator = communicator_for(group)
     if communicator is None:
         return None
-    root = _group_root(communicator, dst, group_dst, "dst")
+    root = layout.group_root(communicator, dst, group_dst, "dst")
 
     def torch_call(comm, global_root):
         data = tensor.detach() if comm.rank == root else tensor.detach().clone()
@@ -348,7 +366,7 @@ def gather(tensor, gather_list=None, dst=None, group=None, async_op=False, group
     communicator = communicator_for(group)
     if communicator is None:
         return None
-    root = _group_root(communicator, dst, group_dst, "dst")
+    root = layout.group_root(communicator, dst, group_dst, "dst")
 
     def torch_call(comm, global_root):
         targets = [t.detach() for t in gather_list] if comm.rank == root else None
@@ -368,7 +386,7 @@ def scatter(tensor, scatter_list=None, src=None, group=None, async_op=False, gro
     communicator = communicator_for(group)
     if communicator is None:
         return None
-    root = _group_root(communicator, src, group_src, "src")
+    root = layout.group_root(communicator, src, group_src, "src")
 
     def torch_call(comm, global_root):
         sources = [t.detach() for t in scatter_list] if comm.rank == root else None
@@ -392,7 +410,7 @@ def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=
         # torch hands these to gloo unchecked: a negative size corrupted the heap (SIGABRT)
         for name, sizes, tensor in (("output_split_sizes", output_split_sizes, output),
                                     ("input_split_sizes", input_split_sizes, input)):
-            _check_split_sizes(name, sizes, tensor, communicator.size)
+            layout.check_split_sizes(name, sizes, tensor, communicator.size)
     if uneven:
         if algorithm not in DEFAULT_NAMES and algorithm != TORCH:
             raise ValueError(
@@ -410,29 +428,6 @@ def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=
                    lambda rank, p: layout.prepare_all_to_all(output, input, rank, p),
                    tensor=input, nbytes=_nbytes(input), torch_call=torch_call,
                    check_numel=-1 if uneven else None, output=[output])
-
-
-def _check_split_sizes(name: str, sizes, tensor, p: int) -> None:
-    """torch's rules for one side of an uneven all-to-all, checked before any message: None
-    (equal chunks of dim 0), or p whole numbers >= 0 adding up to the tensor's dim 0."""
-    if sizes is None or (isinstance(sizes, (list, tuple)) and len(sizes) == 0):
-        if tensor.dim() == 0 or tensor.shape[0] % p:
-            raise ValueError(f"all_to_all: {name} not given, so dim 0 of the tensor ({tuple(tensor.shape)}) must "
-                             f"split into {p} equal chunks; give {name} (p = {p} sizes)")
-        return
-    if not isinstance(sizes, (list, tuple)):
-        raise TypeError(f"all_to_all: {name} must be a list of {p} whole numbers (rows of dim 0 per rank), got "
-                        f"{type(sizes).__name__}")
-    bad = [value for value in sizes if isinstance(value, bool) or not isinstance(value, int) or value < 0]
-    if bad:
-        raise ValueError(f"all_to_all: {name}={list(sizes)!r} holds {bad[0]!r}: every size is a whole number of "
-                         "rows >= 0")
-    if len(sizes) != p:
-        raise ValueError(f"all_to_all: {name} has {len(sizes)} sizes for a group of {p} ranks: give one per rank")
-    rows = tensor.shape[0] if tensor.dim() else 1
-    if sum(sizes) != rows:
-        raise ValueError(f"all_to_all: {name}={list(sizes)!r} adds up to {sum(sizes)} rows, but dim 0 of the "
-                         f"tensor has {rows}: they must be equal")
 
 
 def barrier(group=None, async_op=False, *, algorithm=None, device=None):

@@ -97,6 +97,7 @@ class Communicator:
         if self.size == 1:
             self.transport.description = "none (a group of one rank sends nothing)"
         self.executor = Executor()
+        self.call_plans: dict[tuple, tuple] = {}  # what earlier calls derived (plait.comm.collectives._launch)
         self.engine = Engine(name=f"plait-comm{self.ranks if len(self.ranks) <= 8 else ''}")
         self._stats = Stats()
         self.submit = self.engine.submit
@@ -382,6 +383,9 @@ def communicator_for(group) -> Communicator | None:
     torch). A TypeError names a ``group=`` that is none of these."""
     if isinstance(group, Communicator):
         return group
+    if group is None:  # the world (every rank is a member): the common case, in the fewest calls
+        _require_initialized()
+        return REGISTRY.get(dist.group.WORLD)
     group = process_group(group)
     _require_initialized()
     group = dist.group.WORLD if group is None else group

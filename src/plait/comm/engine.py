@@ -181,11 +181,12 @@ class Engine:
         self._history: OrderedDict[int, object] = OrderedDict()  # seq -> signature, the recent ones
         self._queued: list = []  # signatures of numbered calls submitted but not yet started, in order
 
-    def _start(self, description: str, signature) -> tuple:
+    def _start(self, description: str, signature, queued: bool = True) -> tuple:
         """The arguments of a job about to run: refused if the group is broken; a
-        numbered call gets its number (it leaves the queued list, enters the history)."""
+        numbered call gets its number (it leaves the queued list unless it ran at once,
+        ``queued`` False, and enters the history)."""
         if self._broken is not None:
-            if signature is not None:
+            if signature is not None and queued:
                 with self._calls_lock:
                     self._queued.remove(signature)
             failed, error = self._broken
@@ -197,10 +198,11 @@ class Engine:
         if signature is None:
             return ()
         with self._calls_lock:
-            self._queued.remove(signature)
+            if queued:
+                self._queued.remove(signature)
             self._seq += 1
             self._history[self._seq] = signature
-            while len(self._history) > _HISTORY:
+            if len(self._history) > _HISTORY:
                 self._history.popitem(last=False)
             return (self._seq,)
 
@@ -226,9 +228,6 @@ class Engine:
         runs inline, on the caller's thread, when nothing is queued."""
         if self._closed is not None:
             raise RuntimeError(f"{description}: not run: {self._closed}")
-        if signature is not None:
-            with self._calls_lock:
-                self._queued.append(signature)
         on_thread = threading.current_thread() is self._thread
         inline = on_thread
         if not on_thread and not async_op:
@@ -238,9 +237,10 @@ class Engine:
                     self._run_lock.acquire()
         if inline:
             # a composite job (``enqueue``) calling collectives already holds the run lock
-            # and runs in queue order, so its collectives run inline too
+            # and runs in queue order, so its collectives run inline too; it starts at once,
+            # so it never enters the queued list
             try:
-                args = self._start(description, signature)
+                args = self._start(description, signature, queued=False)
                 try:
                     result = job(*args)
                 except BaseException as error:
@@ -257,6 +257,9 @@ class Engine:
             handle._finish(None)
             return handle
         handle = Handle(description)
+        if signature is not None:
+            with self._calls_lock:
+                self._queued.append(signature)
         with self._lock:
             if self._closed is not None:  # closed since the check above: never start a thread again
                 if signature is not None:

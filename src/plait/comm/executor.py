@@ -35,9 +35,12 @@ import torch
 
 from plait.comm.errors import CommError, CommTimeoutError
 from plait.comm.dataflow import DIRECT, REDUCED, STREAM_REDUCE, ScratchPool, chunks, units_for_step
-from plait.comm.inband import InbandCall
+from plait.comm.inband import InbandBuffers, InbandCall
 from plait.comm.ops import apply_receives
 from plait.comm.schedule import Schedule, Transfer
+
+
+_SMALL_PLANS = 64  # run_small's cached step lists per executor
 
 
 @dataclass(frozen=True)
@@ -135,6 +138,8 @@ class Executor:
     def __init__(self):
         self._scratch: dict[tuple, torch.Tensor] = {}
         self.pool = ScratchPool()
+        self.inband = InbandBuffers()  # small in-band calls' packed messages (plait.comm.inband)
+        self._small: dict[tuple, tuple] = {}  # run_small's step lists (_small_steps)
 
     def scratch(self, numel: int, dtype: torch.dtype, device) -> torch.Tensor:
         key = (dtype, str(device))
@@ -147,6 +152,8 @@ class Executor:
     def release(self) -> None:
         self._scratch.clear()
         self.pool.clear()
+        self.inband.clear()
+        self._small.clear()
 
     def run(self, schedule: Schedule, rank: int, transport, buffer: torch.Tensor, combine, *, timeout_s: float,
             label: str | None = None, grouped: bool = False, segment_numel: int = 0) -> tuple[int, int]:
@@ -288,6 +295,77 @@ class Executor:
             # are dropped rather than reused
             self.release()
             raise
+
+    def run_small(self, schedule: Schedule, rank: int, transport, buffer: torch.Tensor, combine, *,
+                  timeout_s: float, label: str | None = None, segment_numel: int = 0) -> tuple[int, int]:
+        """``run``'s result for a small call (a latency-bound one: its messages are a few
+        KiB, nothing to stream) over a message-by-message transport, with the least
+        Python per call: the lock-step order of the grouped path (every receive of a step
+        posted, then its sends, all waited for, then ``apply_receives`` lands them: the
+        same bits, as both paths give the virtual executor's), from a per-rank step list
+        built once per (schedule, rank, dtype) with its scratch views. Steps of a small
+        call depend on each other anyway (a star's, a doubling's), so streaming within a
+        call buys nothing here; ``run`` streams the large calls."""
+        steps = self._small_steps(schedule, rank, segment_numel, buffer)
+        deadline = time.monotonic() + timeout_s
+        checked = transport if isinstance(transport, InbandCall) else None
+        sent_numel = messages = 0
+        index = peer = None
+        try:
+            for index, recv_posts, send_posts, landed, step_numel in steps:
+                recvs = [(transport.recv(buffer[lo:hi] if target is None else target, peer, tag), peer)
+                         for target, lo, hi, peer, tag in recv_posts]
+                sends = [(transport.send(buffer[lo:hi], peer, tag), peer) for peer, lo, hi, tag in send_posts]
+                for work, peer in recvs:
+                    work.wait(timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
+                    if checked is not None:  # a receive that carried a header: checked, its payload landed
+                        checked.landed(work, deadline)
+                for work, peer in sends:
+                    work.wait(timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
+                if landed:
+                    apply_receives(buffer, rank, landed, combine)
+                sent_numel += step_numel
+                messages += len(send_posts)
+            return sent_numel * buffer.element_size(), messages
+        except RuntimeError as error:
+            self.release()  # receives of the failed step may still land later
+            raise comm_error(error, rank=rank, collective=label or schedule.collective, algorithm=schedule.algorithm,
+                             step=index, peer=transport.describe(peer), timeout_s=timeout_s) from error
+        except BaseException:
+            self.release()
+            raise
+
+    def _small_steps(self, schedule: Schedule, rank: int, segment_numel: int, buffer: torch.Tensor) -> list:
+        """``rank``'s steps of ``schedule`` for :meth:`run_small`: (index, receives as
+        (scratch view or None, lo, hi, peer, tag), sends as (peer, lo, hi, tag), what
+        ``apply_receives`` lands, elements sent), with scratch of this executor's own
+        (not shared with another communicator's thread). Cached per (schedule, rank,
+        segments, dtype, device), at most ``_SMALL_PLANS`` of them."""
+        key = (id(schedule), rank, segment_numel, buffer.dtype, buffer.device)
+        cached = self._small.get(key)
+        if cached is not None and cached[0] is schedule:
+            return cached[1]
+        steps = []
+        for plan in plan_rank(schedule, rank, segment_numel):
+            scratch = (torch.empty(plan.scratch_numel, dtype=buffer.dtype, device=buffer.device)
+                       if plan.scratch_numel else None)
+            recv_posts, landed = [], []
+            for recv in plan.recvs:
+                transfer = recv.transfer
+                for lo, hi, tag in recv.messages:
+                    target = None
+                    if recv.scratch_lo is not None:
+                        start = recv.scratch_lo + lo - transfer.dst_offset
+                        target = scratch[start : start + hi - lo]
+                    recv_posts.append((target, lo, hi, transfer.src, tag))
+                landed.append((transfer, None if recv.scratch_lo is None
+                               else scratch[recv.scratch_lo : recv.scratch_lo + transfer.numel]))
+            steps.append((plan.index, tuple(recv_posts), plan.sends, tuple(landed),
+                          sum(hi - lo for _, lo, hi, _ in plan.sends)))
+        if len(self._small) >= _SMALL_PLANS:
+            self._small.clear()
+        self._small[key] = (schedule, steps)
+        return steps
 
     def _run_grouped(self, plans, buffer, rank, transport, combine, deadline, context) -> tuple[int, int]:
         sent_numel = 0

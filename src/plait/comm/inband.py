@@ -37,6 +37,7 @@ import zlib
 from dataclasses import dataclass
 from datetime import timedelta
 
+import numpy as np
 import torch
 
 from plait.comm.algorithms import ALGORITHMS, COLLECTIVES, TORCH
@@ -108,28 +109,95 @@ def describe_codes(codes: list[int]) -> str:
     return f"{_name(_COLLECTIVES, fields['collective'])}({', '.join(parts)})"
 
 
+class InbandBuffers:
+    """The host buffers of small in-band calls, kept between the calls of one
+    communicator (its executor owns one): a packed ``[header | payload]`` send buffer
+    and a ``HEADER_BYTES + INLINE_BYTES`` staging receive per message of a call, each
+    with a NumPy view of its header (writing or reading 12 int64 through it costs
+    ~1 us, where ``torch.tensor(list)`` and ``torch.empty`` cost several each), and the
+    header codes of recent signatures. A call takes its buffers in order from index 0
+    (:meth:`begin`); the executor's run waits for every send and receive of a call
+    before it returns, and drops these buffers (:meth:`clear`) when a call fails, as a
+    failed call's receives may still land."""
+
+    _MAX_SIGNATURES = 64
+
+    def __init__(self):
+        self._sends: list[tuple[torch.Tensor, np.ndarray]] = []
+        self._recvs: list[tuple[torch.Tensor, np.ndarray]] = []
+        self._codes: dict[CallSignature, list[int]] = {}
+        self.send_index = 0
+        self.recv_index = 0
+
+    def begin(self) -> None:
+        self.send_index = self.recv_index = 0
+
+    def codes(self, signature: CallSignature) -> list[int]:
+        """``signature.codes(0)`` (seq left 0), computed once per signature."""
+        codes = self._codes.get(signature)
+        if codes is None:
+            if len(self._codes) >= self._MAX_SIGNATURES:
+                self._codes.clear()
+            codes = self._codes[signature] = signature.codes(0)
+        return codes
+
+    @staticmethod
+    def _new(nbytes: int) -> tuple[torch.Tensor, np.ndarray]:
+        tensor = torch.empty(nbytes, dtype=torch.uint8)
+        return tensor, tensor[:HEADER_BYTES].numpy().view(np.int64)
+
+    def send_buffer(self) -> tuple[torch.Tensor, np.ndarray]:
+        """The next packed send buffer (``HEADER_BYTES + INLINE_BYTES``) and its header view."""
+        if self.send_index == len(self._sends):
+            self._sends.append(self._new(HEADER_BYTES + INLINE_BYTES))
+        self.send_index += 1
+        return self._sends[self.send_index - 1]
+
+    def recv_buffer(self) -> tuple[torch.Tensor, np.ndarray]:
+        """The next staging receive and its header view."""
+        if self.recv_index == len(self._recvs):
+            self._recvs.append(self._new(HEADER_BYTES + INLINE_BYTES))
+        self.recv_index += 1
+        return self._recvs[self.recv_index - 1]
+
+    def clear(self) -> None:
+        self._sends.clear()
+        self._recvs.clear()
+        self._codes.clear()
+        self.begin()
+
+
 class InbandCall:
     """One call's messages with headers, over a :class:`~plait.comm.transport.Transport`
     (same ``send``/``recv``/``describe`` interface, so the executors do not know).
-    ``small``: every message of the call fits ``INLINE_BYTES`` (the packed form)."""
+    ``small``: every message of the call fits ``INLINE_BYTES`` (the packed form).
+    ``history``: seq -> CallSignature of this rank's recent and queued calls, or a
+    function returning it (asked only when a mismatch is named). ``buffers``: an
+    :class:`InbandBuffers` to take the packed messages' buffers from (None: fresh ones)."""
 
     def __init__(self, transport, signature: CallSignature, seq: int, rank: int, label: str, history, small: bool,
-                 deferred: tuple[str, ...] = ()):
+                 deferred: tuple[str, ...] = (), buffers: InbandBuffers | None = None):
         self.transport = transport
         self.signature = signature
         self.seq = seq
         self.rank = rank
         self.label = label
-        self.history = history  # seq -> CallSignature of this rank's recent and queued calls
+        self.history = history
         self.small = small
-        self._codes = signature.codes(seq)
+        if buffers is None:
+            buffers = InbandBuffers()
+        buffers.begin()
+        self._buffers = buffers
+        self._codes = list(buffers.codes(signature))
+        self._codes[1] = seq
         # fields not compared here: the call's own exchange compares them across every rank
         # (a rooted call's argument agreement names each rank's root; plait.comm.collectives)
         self._compared = [i for i, name in enumerate(HEADER_FIELDS[: len(self._codes)]) if name not in deferred]
+        self._whole = not deferred  # every field compared: one list comparison
         self._sent_to: set[int] = set()
         self._received_from: set[int] = set()
         # receives whose message carries a header, by id of their work: (work, target, peer,
-        # staging buffer, the raw payload's own receive or None when packed in the message)
+        # staging buffer, its header view, the raw payload's own receive or None when packed)
         self._checked: dict[int, tuple] = {}
 
     def describe(self, peer) -> str:
@@ -143,8 +211,10 @@ class InbandCall:
         self._sent_to.add(peer)
         nbytes = tensor.numel() * tensor.element_size()
         if self.small:
-            packed = torch.empty(HEADER_BYTES + nbytes, dtype=torch.uint8)
-            packed[:HEADER_BYTES].copy_(self._header(nbytes).view(torch.uint8))
+            buffer, header = self._buffers.send_buffer()
+            header[:-1] = self._codes
+            header[-1] = nbytes
+            packed = buffer[: HEADER_BYTES + nbytes]
             packed[HEADER_BYTES:].copy_(tensor.reshape(-1).view(torch.uint8))
             return _Sent([self.transport.send(packed, peer, HEADER_TAG if first else tag + PACKED_TAG_OFFSET)], packed)
         if not first:
@@ -174,9 +244,9 @@ class InbandCall:
     def _recv_checked(self, target: torch.Tensor, peer: int, tag: int, payload):
         """A receive whose message carries a header, into a staging buffer long enough
         for any header message; :meth:`landed` checks it and lands the payload."""
-        staging = torch.empty(HEADER_BYTES + INLINE_BYTES, dtype=torch.uint8)
+        staging, header = self._buffers.recv_buffer()
         work = self.transport.recv(staging, peer, tag)
-        self._checked[id(work)] = (work, target, peer, staging, payload)
+        self._checked[id(work)] = (work, target, peer, staging, header, payload)
         return work
 
     def landed(self, work, deadline_s: float) -> None:
@@ -187,8 +257,8 @@ class InbandCall:
         entry = self._checked.pop(id(work), None)
         if entry is None:
             return
-        _, target, peer, staging, payload = entry
-        codes = staging[:HEADER_BYTES].view(torch.int64).tolist()
+        _, target, peer, staging, header, payload = entry
+        codes = header.tolist()
         self._verify(peer, codes)
         payload_bytes = codes[-1]
         if payload_bytes >= 0:
@@ -197,7 +267,7 @@ class InbandCall:
             payload.wait(timedelta(seconds=max(deadline_s - time.monotonic(), 0.001)))
 
     def _verify(self, peer: int, codes: list[int]) -> None:
-        if all(codes[i] == self._codes[i] for i in self._compared):
+        if codes[:-1] == self._codes if self._whole else all(codes[i] == self._codes[i] for i in self._compared):
             return
         if peer not in self._sent_to:  # let the peer, maybe waiting for our header, name it too
             self._sent_to.add(peer)
@@ -213,7 +283,8 @@ class InbandCall:
                 "group differ (or other traffic uses plait's header tag)")
         theirs, their_seq = describe_codes(codes), codes[1]
         order = ""
-        for seq, signature in list(self.history.items()):
+        history = self.history() if callable(self.history) else self.history
+        for seq, signature in list(history.items()):
             if seq != their_seq and signature.describe() == theirs:
                 order = (f"; rank {who}'s call {their_seq} is this rank's call {seq}: the ranks issued their calls "
                          "on this group in different orders")
@@ -245,5 +316,5 @@ class _Sent:
         return True
 
 
-__all__ = ["CallSignature", "HEADER_BYTES", "HEADER_FIELDS", "HEADER_TAG", "INLINE_BYTES", "InbandCall",
-           "PACKED_TAG_OFFSET"]
+__all__ = ["CallSignature", "HEADER_BYTES", "HEADER_FIELDS", "HEADER_TAG", "INLINE_BYTES", "InbandBuffers",
+           "InbandCall", "PACKED_TAG_OFFSET"]

@@ -246,3 +246,48 @@ def prepare_all_to_all(output, input, rank: int, p: int) -> Prepared:
 
 def prepare_barrier(device) -> Prepared:
     return Prepared(1, lambda: torch.zeros(1, dtype=torch.int32, device=device), lambda buffer: None)
+
+
+def check_split_sizes(name: str, sizes, tensor, p: int) -> None:
+    """torch's rules for one side of an uneven all-to-all, checked before any message: None
+    (equal chunks of dim 0), or p whole numbers >= 0 adding up to the tensor's dim 0."""
+    if sizes is None or (isinstance(sizes, (list, tuple)) and len(sizes) == 0):
+        if tensor.dim() == 0 or tensor.shape[0] % p:
+            raise ValueError(f"all_to_all: {name} not given, so dim 0 of the tensor ({tuple(tensor.shape)}) must "
+                             f"split into {p} equal chunks; give {name} (p = {p} sizes)")
+        return
+    if not isinstance(sizes, (list, tuple)):
+        raise TypeError(f"all_to_all: {name} must be a list of {p} whole numbers (rows of dim 0 per rank), got "
+                        f"{type(sizes).__name__}")
+    bad = [value for value in sizes if isinstance(value, bool) or not isinstance(value, int) or value < 0]
+    if bad:
+        raise ValueError(f"all_to_all: {name}={list(sizes)!r} holds {bad[0]!r}: every size is a whole number of "
+                         "rows >= 0")
+    if len(sizes) != p:
+        raise ValueError(f"all_to_all: {name} has {len(sizes)} sizes for a group of {p} ranks: give one per rank")
+    rows = tensor.shape[0] if tensor.dim() else 1
+    if sum(sizes) != rows:
+        raise ValueError(f"all_to_all: {name}={list(sizes)!r} adds up to {sum(sizes)} rows, but dim 0 of the "
+                         f"tensor has {rows}: they must be equal")
+
+
+def group_root(communicator, global_root, group_root, name: str) -> int:
+    """The group rank of a rooted collective's root: torch's ``src``/``dst`` are global
+    ranks, ``group_src``/``group_dst`` group ranks (give one of them)."""
+    if global_root is not None and group_root is not None:
+        raise ValueError(f"{name}={global_root} and group_{name}={group_root} both given: pass the global rank as "
+                         f"{name} or the group rank as group_{name}, not both")
+    if group_root is not None:
+        if isinstance(group_root, bool) or not isinstance(group_root, int):
+            raise TypeError(f"group_{name} must be an int group rank, got {type(group_root).__name__}")
+        if not 0 <= group_root < communicator.size:
+            raise ValueError(f"group_{name}={group_root} is not a rank of this group of {communicator.size} ranks "
+                             f"(0..{communicator.size - 1})")
+        return group_root
+    root = 0 if global_root is None else global_root
+    if isinstance(root, bool) or not isinstance(root, int):
+        raise TypeError(f"{name} must be an int rank, got {type(root).__name__}")
+    if root not in communicator.ranks:
+        raise ValueError(f"{name}={root} (a global rank) is not a member of this {communicator.describe()}; "
+                         f"pass one of its global ranks, or its group rank as group_{name}=")
+    return communicator.ranks.index(root)
