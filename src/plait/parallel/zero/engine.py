@@ -85,6 +85,8 @@ class ShardEngine:
         # late units' reduce-scatters issued during the backward (stage 1 of the ZeRO module)
         self.speculative = SpeculativeReduces(group, algorithm, self.world_size) if speculate_late else None
         self._reduce_waited_s = 0.0  # seconds in wait_in_flight (waiting for reduce-scatters, adding them in)
+        # the current (or last) backward's reduce-scatters issued during it: (unit indices, handle), timing only
+        self.reductions: list[tuple] = []
         self._done: set[int] = set()  # units complete this backward
         self._where = {id(param): (unit, slot) for unit in units for slot, param in enumerate(unit.params)}
         self._siblings = {unit.index: module_units for _, module_units in gathered_modules for unit in module_units}
@@ -108,6 +110,7 @@ class ShardEngine:
             return
         self.in_backward = True
         self.wait_in_flight()  # the previous backward's, long done by now
+        self.reductions = []
         if self.speculative is not None:  # this backward changes the gradients they sent
             self.speculative.discard()
         self._done = set()
@@ -132,6 +135,7 @@ class ShardEngine:
         self._done.update(unit.index for unit in units)
         if self.sync and self.early[units[0].index]:
             self.reduce(units, async_op=True)
+            self.reductions.append(([unit.index for unit in units], self._in_flight[-1][3]))
         elif self.sync and self.speculative is not None:
             self.speculative.issue(units)
         if self.stage == 3:

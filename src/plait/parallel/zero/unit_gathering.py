@@ -5,6 +5,14 @@ its backward), and freed by the owner once their gradients are reduced. While on
 module computes, the next one (in the order the last step's forwards ran them; in the
 backward the one before) is already being gathered on plait's comm thread.
 
+The last module of that order is not freed after a forward that records a graph: its
+backward is the first to come (what follows it in the forward is the root's own
+computation and the loss), so freeing it would only gather the same bytes again, on
+the critical path, a moment later (DeepSpeed's ``stage3_max_reuse_distance``; FSDP2
+keeps its root for the same reason). It holds no more than the backward's start
+holds anyway (that module plus the one prefetched); one unit's bytes, Ψ_unit(N-1)/N, less
+sent per step.
+
 Built by ``plait.parallel.zero.engine`` for both fronts: ``ZeRO`` (one unit a module)
 and ``ShardedOptimizer`` (plait train: a module's units split by optimizer param group
 and tensor-parallel kind)."""
@@ -19,7 +27,7 @@ import torch
 from torch import nn
 
 from plait.comm.errors import MismatchError
-from plait.parallel.zero.flat_units import FlatUnit, gather_units
+from plait.parallel.zero.flat_units import FlatUnit, _Scattered, gather_units
 
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
 
@@ -51,6 +59,10 @@ class UnitGatherer:
         # seconds spent making modules' units ready before their forward or backward (prefetch
         # waits and synchronous gathers): communication the caller's compute timers enclose
         self.waited_s = 0.0
+        # this step's prefetches: (module index, "forward" or "backward", the gather's handle, whose
+        # started_s / finished_s the comm thread sets), cleared by new_step (timing only, for tests and
+        # profiles)
+        self.prefetched: list[tuple] = []
         for index, module in enumerate(modules):
             module.register_forward_pre_hook(lambda _m, _a, index=index: self._before_forward(index))
             module.register_forward_hook(lambda _m, _a, out, index=index: self._after_forward(index, out))
@@ -60,6 +72,7 @@ class UnitGatherer:
         if self._order_now:
             self._order = self._order_now
         self._order_now = []
+        self.prefetched = []
 
     def ready(self, unit: FlatUnit) -> None:
         """``unit``'s parameters gathered: its prefetch waited for, or gathered now."""
@@ -88,7 +101,7 @@ class UnitGatherer:
             if missing:
                 gather_units(missing, self.group, self.algorithm)
 
-    def _prefetch(self, index: int | None) -> None:
+    def _prefetch(self, index: int | None, direction: str) -> None:
         """Start gathering module ``index``'s units (one call) on the comm thread."""
         if index is None:
             return
@@ -96,6 +109,8 @@ class UnitGatherer:
         if missing:
             with _named_mismatch(missing):
                 gather_units(missing, self.group, self.algorithm, async_op=True)
+            handle = missing[0].handle  # several units: the one gather they share, its comm handle inside
+            self.prefetched.append((index, direction, handle.handle if isinstance(handle, _Scattered) else handle))
 
     def _neighbour(self, index: int, step: int) -> int | None:
         if index not in self._order:
@@ -116,7 +131,7 @@ class UnitGatherer:
         self._ready_all(index)
         if index not in self._order_now:
             self._order_now.append(index)
-        self._prefetch(self._neighbour(index, 1))
+        self._prefetch(self._neighbour(index, 1), "forward")
 
     def _after_forward(self, index: int, output) -> None:
         if self.paused or self._taken(index):
@@ -126,6 +141,8 @@ class UnitGatherer:
             if tensors:
                 torch.autograd.graph.register_multi_grad_hook(
                     tensors, lambda _grads, index=index: self._before_backward(index), mode="any")
+        if torch.is_grad_enabled() and self._order and index == self._order[-1]:
+            return  # its backward comes first: kept gathered for it (see the module docstring)
         for unit in self.units[index]:
             unit.free(keep_views=True)  # autograd's saved views of it wait for its backward's gather
 
@@ -134,7 +151,7 @@ class UnitGatherer:
             return
         self.on_backward()
         self._ready_all(index)
-        self._prefetch(self._neighbour(index, -1))  # the backward runs the forward's order in reverse
+        self._prefetch(self._neighbour(index, -1), "backward")  # the backward runs the forward's order in reverse
 
 
 @contextlib.contextmanager
