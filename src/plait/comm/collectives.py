@@ -48,7 +48,7 @@ from plait.comm.engine import merge_stats
 from plait.comm.errors import CommError, CommTimeoutError, MismatchError
 from plait.comm.inband import INLINE_BYTES, CallSignature, InbandCall
 from plait.comm.ops import COMBINE, check_carried, check_reducible, op_name
-from plait.comm.transport import stages_through_host
+from plait.comm.transport import stages_through_host, stream_segment_bytes
 from plait.cost.alpha_beta import pipeline_segments
 
 ReduceOp = dist.ReduceOp
@@ -225,7 +225,8 @@ def _submit(collective, communicator, async_op, algorithm, signature, descriptio
                 small = buffer.numel() * buffer.element_size() <= INLINE_BYTES
                 transport = InbandCall(transport, signature, seq, rank, collective, communicator.known_calls, small,
                                        buffers=communicator.executor.inband)
-            segment_numel = config.segment_bytes // buffer.element_size() if config.segment_bytes else 0
+            segment_bytes = stream_segment_bytes(config, communicator.backend)  # a quarter ring at most on shm
+            segment_numel = segment_bytes // buffer.element_size() if segment_bytes else 0
             combine = COMBINE[op if op != "none" else "sum"]
             if not grouped and buffer.numel() * buffer.element_size() <= INLINE_BYTES:  # latency-bound
                 payload_sent, payload_messages = communicator.executor.run_small(

@@ -14,7 +14,9 @@ build one from flags and ``PLAIT_COMM_*`` variables
                             call (debugging; also what NCCL's grouped steps use);
                             "off": no check
     segment_bytes           messages above this are split so reductions stream (4 MiB;
-                            0 never splits); every rank of the group must agree
+                            0 never splits; on shared memory at most a quarter of
+                            shm_ring_bytes: plait.comm.transport.stream_segment_bytes);
+                            every rank of the group must agree
     pipeline_segment_bytes  segment size of pipelined chains and binary trees (256 KiB)
     hierarchy               default hierarchy of algorithm="hierarchical"
     local_world_size        ranks per host: algorithm="hierarchical" on the world with no
