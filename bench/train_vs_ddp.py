@@ -2,11 +2,21 @@
 global batch, optimizer and learning rate, at dp=4 (4 local processes, gloo on CPU).
 
     flock /work/bench.lock .venv/bin/python bench/train_vs_ddp.py [--rounds 7] [--steps 100] \\
-        [--warmup 10] [--dp 4] [--out bench-results/train-vs-ddp] [-- more plait train flags]
+        [--warmup 10] [--dp 4] [--transport auto|shm|gloo] [--busy] [--before SRC] \\
+        [--out bench-results/train-vs-ddp] [-- more plait train flags]
 
-Each round runs both, one after the other, in fresh worlds of dp processes; the
-order alternates between rounds (plait first in even rounds), so a slow spell of a
-shared machine hits both sides:
+``--transport``: how plait's collectives travel (``plait train --transport``; the plain
+loop is DDP over gloo whatever it says): gloo compares the two over the same wire, shm
+with plait on its shared-memory transport. ``--busy``: a process spinning at nice 19
+beside the ranks throughout (plait.bench.busy). ``--before SRC``: a third side, the
+same ``plait train`` run from another source tree (``PYTHONPATH=SRC``, e.g. the code
+before a change), in the same rounds, so before, after and the plain loop meet the
+same spells of a shared machine; its ratio to the plain loop and after/before per
+round are reported too.
+
+Each round runs both (all three with ``--before``), one after the other, in fresh
+worlds of dp processes; the order rotates between rounds, so a slow spell of a shared
+machine hits every side:
 
 - plait: `plait train --dp N --tp 1 --pp 1 --micro-batch global/N` (one micro-batch
   per rank: the same work per step as the plain loop), no evaluation and no
@@ -55,8 +65,11 @@ import sys
 import time
 from pathlib import Path
 
+from plait.bench.busy import busy_loop
+
 LOSS_TOLERANCE = 2e-3  # max |plait - plain| over the steps, absolute, on a loss of ~2.5-4.5
 SIDES = ("plait", "plain")
+BEFORE = "before"  # --before's side: plait train from another source tree
 
 
 # ----- the plain loop (one process of the torchrun world) ----------------------------------
@@ -125,24 +138,29 @@ def _config(args, extra):
 
 def _train_flags(args, extra) -> list[str]:
     return ["--dp", str(args.dp), "--tp", "1", "--pp", "1", "--steps", str(args.steps), "--eval-interval", "0",
-            "--checkpoint-interval", "0", *extra]
+            "--checkpoint-interval", "0", "--transport", getattr(args, "transport", "auto"), *extra]
 
 
-def _environment() -> dict:
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+def _environment(source: str | None = None) -> dict:
+    """The children's environment; ``source``: a source tree put first on PYTHONPATH."""
+    environment = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    if source is not None:
+        environment["PYTHONPATH"] = os.pathsep.join(filter(None, [source, os.environ.get("PYTHONPATH")]))
+    return environment
 
 
-def _run(command: list[str], what: str) -> None:
-    result = subprocess.run(command, env=_environment(), capture_output=True, text=True)
+def _run(command: list[str], what: str, source: str | None = None) -> None:
+    result = subprocess.run(command, env=_environment(source), capture_output=True, text=True)
     if result.returncode:
         raise RuntimeError(f"{what} failed (exit {result.returncode}): {' '.join(command)}\n"
                            f"{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
 
 
-def run_plait(args, extra, out: Path) -> dict:
+def run_plait(args, extra, out: Path, source: str | None = None) -> dict:
+    """``plait train`` (from the source tree ``source`` when given) into ``out``."""
     config = _config(args, extra)
     _run([sys.executable, "-m", "plait", "train", *_train_flags(args, extra), "--micro-batch", str(config.micro_batch),
-          "--sample-chars", "0", "--out", str(out), "--resume", "never", "--force-fresh"], "plait train")
+          "--sample-chars", "0", "--out", str(out), "--resume", "never", "--force-fresh"], "plait train", source)
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return {"losses": [record["loss"] for record in records], "stamps_s": [record["elapsed_s"] for record in records]}
 
@@ -207,8 +225,9 @@ def compare(rounds: list[dict], *, warmup: int, tokens_per_step: int, tolerance:
 
 
 def render(summary: dict, args) -> str:
-    lines = [f"plait train vs plain DDP, dp={args.dp}, {args.steps} steps ({args.warmup} warm-up), "
-             f"{len(summary['round_ratios'])} rounds",
+    lines = [f"plait train (--transport {args.transport}) vs plain DDP (gloo), dp={args.dp}, {args.steps} steps "
+             f"({args.warmup} warm-up), {len(summary['round_ratios'])} rounds, "
+             f"{'busy host (a nice -n 19 busy loop)' if args.busy else 'quiet host'}",
              f"{'round':<7}{'plait tok/s':>13}{'plain tok/s':>13}{'ratio':>8}"]
     for index, (p, q) in enumerate(zip(summary["tokens_per_s"]["plait"], summary["tokens_per_s"]["plain"])):
         lines.append(f"{index:<7}{p:>13.0f}{q:>13.0f}{p / q:>8.3f}")
@@ -233,6 +252,10 @@ def main(argv=None) -> int:
     parser.add_argument("--dp", type=int, default=4)
     parser.add_argument("--block", type=int, default=10,
                         help="steps per block of the robust figure (plait's --log-interval, default 10)")
+    parser.add_argument("--transport", default="auto", choices=("auto", "shm", "gloo"),
+                        help="plait train --transport (the plain loop is DDP over gloo)")
+    parser.add_argument("--busy", action="store_true", help="a nice -n 19 busy loop beside the ranks throughout")
+    parser.add_argument("--before", metavar="SRC", help="also run plait train from this source tree, each round")
     parser.add_argument("--out", default="bench-results/train-vs-ddp")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # one rank of the plain loop
     parser.add_argument("--result", help=argparse.SUPPRESS)
@@ -250,17 +273,29 @@ def main(argv=None) -> int:
 
     load_data(config)  # tokenised and cached once here: neither side's ranks race to write the cache
     out = Path(args.out)
+    sides = [*SIDES, *([BEFORE] if args.before else [])]
     rounds = []
-    for index in range(args.rounds):
-        entry = {}
-        for side in (SIDES if index % 2 == 0 else SIDES[::-1]):
-            run = run_plait if side == "plait" else run_plain
-            entry[side] = run(args, args.extra, out / f"round{index}-{side}")
-            print(f"round {index} {side}: {tokens_per_s(entry[side]['stamps_s'], args.warmup, _tokens(config)):.0f} "
-                  "tokens/s", file=sys.stderr, flush=True)
-        rounds.append(entry)
+    with busy_loop(args.busy):
+        for index in range(args.rounds):
+            entry = {}
+            for side in sides[index % len(sides):] + sides[:index % len(sides)]:  # rotated each round
+                where = out / f"round{index}-{side}"
+                entry[side] = run_plain(args, args.extra, where) if side == "plain" else \
+                    run_plait(args, args.extra, where, args.before if side == BEFORE else None)
+                print(f"round {index} {side}: {tokens_per_s(entry[side]['stamps_s'], args.warmup, _tokens(config)):.0f}"
+                      " tokens/s", file=sys.stderr, flush=True)
+            rounds.append(entry)
     summary = compare(rounds, warmup=args.warmup, tokens_per_step=_tokens(config), block=args.block)
     text = render(summary, args)
+    if args.before:
+        before = compare([{"plait": entry[BEFORE], "plain": entry["plain"]} for entry in rounds], warmup=args.warmup,
+                         tokens_per_step=_tokens(config), block=args.block)
+        after_before = [p / q for p, q in zip(summary["tokens_per_s"]["plait"], before["tokens_per_s"]["plait"])]
+        summary["before"] = {**before, "after_over_before": after_before}
+        text += (f"\nbefore ({args.before}) / plain: per-round ratio median {before['median_round_ratio']:.3f}, "
+                 f"min {before['round_ratio_min']:.3f}, max {before['round_ratio_max']:.3f}; block median "
+                 f"{before['median_block_round_ratio']:.3f}\nafter / before per round: median "
+                 f"{statistics.median(after_before):.3f}, min {min(after_before):.3f}, max {max(after_before):.3f}")
     print(text)
     out.mkdir(parents=True, exist_ok=True)
     (out / "summary.json").write_text(json.dumps({"args": vars(args), **summary, "rounds": rounds}, indent=1))

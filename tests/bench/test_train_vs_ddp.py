@@ -75,7 +75,8 @@ def test_loss_curves_that_differ_beyond_the_tolerance_do_not_agree(bench):
 @pytest.mark.slow
 def test_one_tiny_round_of_both_sides_runs_and_their_losses_agree(bench, tmp_path, capsys):
     out = tmp_path / "bench"
-    code = bench.main(["--rounds", "1", "--steps", "4", "--warmup", "1", "--block", "1", "--dp", "2", "--out", str(out), "--",
+    code = bench.main(["--rounds", "1", "--steps", "4", "--warmup", "1", "--block", "1", "--dp", "2", "--out", str(out),
+                       "--transport", "gloo", "--",
                        "--layers", "1", "--hidden", "32", "--heads", "2", "--seq-len", "16", "--global-batch", "4",
                        "--data-max-bytes", "60000", "--timeout-s", "120"])
     summary = json.loads((out / "summary.json").read_text())
@@ -84,7 +85,8 @@ def test_one_tiny_round_of_both_sides_runs_and_their_losses_agree(bench, tmp_pat
     for side in ("plait", "plain"):
         assert len(entry[side]["losses"]) == len(entry[side]["stamps_s"]) == 4, side
         assert all(math.isfinite(loss) and 2.0 < loss < 6.0 for loss in entry[side]["losses"]), entry[side]
-    assert (out / "round0-plait" / "report.json").exists()  # the plait side is a real `plait train` run
+    report = json.loads((out / "round0-plait" / "report.json").read_text())  # a real `plait train` run
+    assert report["run"]["config"]["transport"] == "gloo"  # --transport reaches plait train
     assert summary["losses_agree"] and summary["max_loss_difference"] <= bench.LOSS_TOLERANCE
     assert summary["ratio_of_medians"] > 0 and len(summary["round_ratios"]) == 1
     assert "ratio" in (out / "summary.txt").read_text()
