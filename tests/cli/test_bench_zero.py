@@ -28,6 +28,11 @@ def test_every_variant_runs_and_zero3_holds_less(tmp_path, capsys):
     for stage in (1, 2, 3):
         assert state[f"zero{stage}-disk"] < state[f"zero{stage}"]
     assert "throughput zero2-disk / zero2" in out
+    # which transport each side used: plait's shared memory (2 ranks on this host), torch's gloo
+    transports = {row["variant"]: row["transport"] for row in result["rows"]}
+    assert transports["zero3"].startswith("plait.comm: shm "), transports
+    assert transports["fsdp2"] == transports["ddp"] == "torch.distributed: gloo"
+    assert "# zero3: collectives over plait.comm: " in out
 
 
 @pytest.mark.parametrize("argv,message", [

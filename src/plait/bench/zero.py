@@ -25,7 +25,8 @@ their local shards; offloaded state not counted); the resident set after the las
 per round, plait against its peer run in the same round: zero3 / fsdp2, zero2 /
 fsdp2-keep and zero1, zero2 / dataparallel, and each zeroN-disk / zeroN (throughput:
 the peer's step time over plait's, so > 1 means plait is faster; for offload, the time
-it adds).
+it adds). Each row says what carried its collectives (``transport``): plait.comm's
+transport for plait's wrappers (shared memory by default), gloo for DDP and FSDP2.
 """
 
 from __future__ import annotations
@@ -131,6 +132,14 @@ class _Runner:
             self.optimizer.zero_grad(set_to_none=True)
         dist.barrier()
 
+    def transport(self) -> str:
+        """What carried this variant's collectives: plait.comm's transport (shared memory by
+        default) for plait's wrappers, torch.distributed's gloo for DDP and FSDP2."""
+        communicator = getattr(self.zero if self.zero is not None else self.wrapped, "communicator", None)
+        if communicator is not None:
+            return f"plait.comm: {communicator.transport.description}"
+        return f"torch.distributed: {dist.get_backend()}"
+
     def state_bytes(self) -> int:
         """Parameters, gradients and optimizer state this rank holds (live storages, once each)."""
         if self.zero is not None:
@@ -184,7 +193,7 @@ def run_zero_bench(config: ZeroBenchConfig, *, device=None, emit=None) -> list[d
                 peaks.append(read_peak_resident_bytes() or 0)
             row = {"round": round_index, "variant": variant, "step_s": _largest(statistics.median(times)),
                    "state_bytes": _largest(runner.state_bytes()), "resident_peak_bytes": _largest(max(peaks)),
-                   "resident_after_bytes": _largest(read_resident_bytes() or 0)}
+                   "resident_after_bytes": _largest(read_resident_bytes() or 0), "transport": runner.transport()}
             rows.append(row)
             if rank == 0 and emit:
                 emit("row", row)

@@ -5,6 +5,7 @@ peers (plait.bench.zero).
 
     plait bench zero                          # 4 processes, every variant, 3 rounds
     plait bench zero --variants zero3,fsdp2 --rounds 5
+    plait bench zero --busy                   # with a process spinning at nice 19 beside the ranks
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import argparse
 import os
 
+from plait.bench.busy import busy_loop
 from plait.bench.launch import in_torchrun, run_in_fresh_worlds
 from plait.bench.report import mib, write_json_document
 from plait.bench.zero import VARIANTS, ZeroBenchConfig, run_zero_bench, summarize
@@ -29,6 +31,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     for name in ("nprocs", "layers", "hidden", "heads", "seq_len", "vocab", "batch", "rounds", "steps"):
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(d, name),
                             help=f"(default {getattr(d, name)})")
+    parser.add_argument("--busy", action="store_true",
+                        help="run beside a process spinning at nice 19 (a busy host; default: off)")
     parser.add_argument("--json", default=None, metavar="PATH", help="write every row and the summary ('-': stdout)")
     add_oversubscribe_flag(parser)
     parser.set_defaults(run=run)
@@ -48,15 +52,22 @@ def run(args) -> int:
     prepare_output_paths(output_file("--json", args.json, stdout_allowed=True))
     print(f"# plait bench zero: GPT {config.layers} layers, h {config.hidden}, {config.heads} heads, s {config.seq_len}, "
           f"vocab {config.vocab}; {config.batch} sequences per rank; AdamW; {config.nprocs} gloo processes on "
-          f"{os.cpu_count()} cores, 1 thread each; {config.rounds} rounds x {config.steps} steps (after 1 warm-up)")
+          f"{os.cpu_count()} cores, 1 thread each; {config.rounds} rounds x {config.steps} steps (after 1 warm-up)"
+          f"{'; a busy loop at nice 19 beside them' if args.busy else ''}")
     print(f"{'round':>5} {'variant':<14}{'step ms':>9}{'state MiB':>11}{'RSS after MiB':>15}{'peak RSS MiB':>14}")
 
+    transports: dict[str, str] = {}
+
     def on_event(kind, row):
+        if kind == "row" and row["variant"] not in transports:
+            transports[row["variant"]] = row["transport"]
+            print(f"# {row['variant']}: collectives over {row['transport']}")
         if kind == "row":
             print(f"{row['round']:>5} {row['variant']:<14}{row['step_s'] * 1e3:>9.1f}{mib(row['state_bytes']):>11}"
                   f"{mib(row['resident_after_bytes']):>15}{mib(row['resident_peak_bytes']):>14}", flush=True)
 
-    rows = run_in_fresh_worlds(run_zero_bench, config, [config.nprocs], on_event, "plait bench zero")
+    with busy_loop(args.busy):
+        rows = run_in_fresh_worlds(run_zero_bench, config, [config.nprocs], on_event, "plait bench zero")
     if rows is None:
         return 1
     result = summarize(rows, config.variants)
