@@ -8,11 +8,14 @@ Every rank of a world of exactly tp processes runs ``run_tp_bench``:
    (no optimizer; gradients zeroed each step) on token batches drawn before the
    clock starts from one seeded generator, the same on every rank. Each timed step
    starts after a barrier. comm = the step's increase of Σ_collectives
-   ``plait.comm.stats()[c]["time_s"]``: the mappings run their collectives
-   synchronously inside forward and backward, so this is time on the critical path
-   (waiting for a slower peer included; the comm layer's per-call argument check,
-   when on, is not in it). compute = step - comm. Reported: the median over steps of
-   step time, comm time and comm/step, each then averaged over ranks.
+   ``plait.comm.stats()[c]["time_s"]``: the layers run their collectives inside
+   forward and backward, synchronously but for the column-parallel layers' backward
+   all-reduce of dX, which runs while dW is computed (plait.parallel.tensor.linear_ops);
+   so comm is time on the critical path (waiting for a slower peer included; the comm
+   layer's per-call argument check, when on, is not in it) plus the part of those
+   backward all-reduces hidden behind dW, and compute = step - comm is a lower bound.
+   Reported: the median over steps of step time, comm time and comm/step, each then
+   averaged over ranks.
 2. Bytes per layer. ``blocks[0]`` alone on a random (s, b, h) input ((s/p, b, h)
    under sequence parallelism): one forward, then one backward of a random output
    gradient, with the counters reset around each; calls and bytes sent per

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from plait.parallel.tensor.group import UNSHARDED, TensorParallel
-from plait.parallel.tensor.mappings import all_reduced_copy, gather_from_region
+from plait.parallel.tensor.mappings import all_reduce_owned, gather_from_region
 
 
 def _vocab_start(local_vocab: int, tp: TensorParallel) -> int:
@@ -29,16 +29,17 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     def forward(ctx, logits, targets, tp, vocab_size):
         local_vocab = logits.shape[-1]
         start = _vocab_start(local_vocab, tp)
-        columns = torch.arange(start, start + local_vocab, device=logits.device)
-        logits = logits.masked_fill(columns >= vocab_size, float("-inf"))  # padded rows
-        maximum = all_reduced_copy(logits.detach().amax(dim=-1), tp, op="max")  # (...)
+        if start + local_vocab > vocab_size:  # this rank holds padded columns: masked (a copy)
+            columns = torch.arange(start, start + local_vocab, device=logits.device)
+            logits = logits.masked_fill(columns >= vocab_size, float("-inf"))
+        maximum = all_reduce_owned(logits.detach().amax(dim=-1), tp, op="max")  # (...); amax's own tensor
         shifted = logits - maximum.unsqueeze(-1)
         local_target = targets - start
         held = (local_target >= 0) & (local_target < local_vocab)
         index = local_target.masked_fill(~held, 0).unsqueeze(-1)
         target_logit = shifted.gather(-1, index).squeeze(-1).masked_fill(~held, 0.0)
         exp = shifted.exp()
-        sums = all_reduced_copy(torch.stack([exp.sum(dim=-1), target_logit]), tp)  # (2, ...)
+        sums = all_reduce_owned(torch.stack([exp.sum(dim=-1), target_logit]), tp)  # (2, ...)
         sum_exp, target_logit = sums[0], sums[1]
         ctx.save_for_backward(exp.div_(sum_exp.unsqueeze(-1)), index, held)
         return sum_exp.log() - target_logit
@@ -46,8 +47,10 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss):
         softmax, index, held = ctx.saved_tensors
-        grad = softmax.clone()
+        grad = softmax.clone()  # softmax stays saved (a second backward with retain_graph reads it)
         grad.scatter_add_(-1, index, -held.unsqueeze(-1).to(grad.dtype))
+        if grad_loss.dtype == grad.dtype:
+            return grad.mul_(grad_loss.unsqueeze(-1)), None, None, None  # the clone is ours: in place
         return grad * grad_loss.unsqueeze(-1), None, None, None
 
 

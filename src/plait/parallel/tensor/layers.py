@@ -7,6 +7,10 @@ thus costs two all-reduces of (s, b, h) forward (after attention and after the
 MLP) and two backward (at their inputs): with a ring, 4 · 2(p-1)/p · s·b·h
 elements sent per rank per layer per step. Under sequence parallelism each
 all-reduce becomes a reduce-scatter (output) and an all-gather (next input).
+The linear layers run the product and its collective as one autograd function
+(``linear_ops``): the reductions work in place on tensors the function owns, and
+a column-parallel backward's all-reduce of dX runs while dW is computed, with
+results bit for bit those of the composed mappings.
 
 Activations are (sequence, batch, features), sequence-first. Without sequence
 parallelism a layer's input is replicated: the same (s, b, h) on every rank of
@@ -35,6 +39,7 @@ from plait.memory.recompute import recompute
 from plait.parallel.tensor.dropout import ConsistentDropout
 from plait.parallel.tensor.group import UNSHARDED, TensorParallel
 from plait.parallel.tensor.layout import REPLICATED, LayoutCheck, column_input_check
+from plait.parallel.tensor.linear_ops import column_parallel_linear, reduce_partial, row_parallel_linear
 from plait.parallel.tensor.mappings import (
     copy_to_region,
     gather_from_region,
@@ -127,7 +132,7 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (s, b, in) or (s/p, b, in) under SP
         self.layout_check(x, self.tp)
-        y = F.linear(parallel_input(x, self.tp), self.weight, self.bias)  # (s, b, out/p)
+        y = column_parallel_linear(x, self.weight, self.bias, self.tp)  # (s, b, out/p)
         return gather_from_region(y, self.tp) if self.gather_output else y
 
     def extra_repr(self) -> str:
@@ -167,7 +172,7 @@ class RowParallelLinear(nn.Module):
         if not self.input_is_parallel:
             self.layout_check(x, self.tp)
             x = scatter_to_region(x, self.tp)
-        y = parallel_output(F.linear(x, self.weight), self.tp)  # (s, b, out) or (s/p, b, out)
+        y = row_parallel_linear(x, self.weight, self.tp)  # (s, b, out) or (s/p, b, out)
         if self.skip_bias_add:
             return y, self.bias
         if self.bias is None:
@@ -218,7 +223,7 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:  # tokens (s, b) -> (s, b, h) or (s/p, b, h)
         self.layout_check(tokens, self.tp)
-        return parallel_output(self.partial(tokens), self.tp)
+        return reduce_partial(self.partial(tokens), self.tp)
 
     def extra_repr(self) -> str:
         return f"vocab={self.vocab_size} (rows {self.vocab_start}..{self.vocab_start + self.weight.shape[0]}), " \
@@ -228,7 +233,7 @@ class VocabParallelEmbedding(nn.Module):
 def parallel_logits(x: torch.Tensor, weight: torch.Tensor, tp: TensorParallel, bias=None) -> torch.Tensor:
     """Vocab-parallel logits X Eᵀ with E split by vocabulary rows (a tied embedding
     or an untied head): (s, b, h) -> (s, b, V'/p), never gathered."""
-    return F.linear(parallel_input(x, tp), weight, bias)
+    return column_parallel_linear(x, weight, bias, tp)
 
 
 class _BiasedOutput(nn.Module):

@@ -40,11 +40,17 @@ def _fresh(tensor: torch.Tensor) -> torch.Tensor:
 
 def all_reduced_copy(tensor: torch.Tensor, tp: TensorParallel, op: str = "sum") -> torch.Tensor:
     """A copy of ``tensor`` all-reduced over the tensor-parallel group (the input is left as it was)."""
-    out = _fresh(tensor)
+    return all_reduce_owned(_fresh(tensor), tp, op)
+
+
+def all_reduce_owned(tensor: torch.Tensor, tp: TensorParallel, op: str = "sum") -> torch.Tensor:
+    """``tensor`` all-reduced in place over the tensor-parallel group and returned: for a
+    contiguous tensor the caller just made and nothing else holds (no copy, unlike
+    ``all_reduced_copy``)."""
     if tp.size > 1:
         reduce_op = {"sum": comm.ReduceOp.SUM, "max": comm.ReduceOp.MAX}[op]
-        comm.all_reduce(out, reduce_op, group=tp.group, algorithm=tp.algorithm)
-    return out
+        comm.all_reduce(tensor, reduce_op, group=tp.group, algorithm=tp.algorithm)
+    return tensor
 
 
 def all_gather_dim0(tensor: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
@@ -57,16 +63,22 @@ def all_gather_dim0(tensor: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
     return out
 
 
-def _reduce_scatter_dim0(tensor: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
-    """(p*n, ...) on each rank -> the sum over ranks of rows [r*n, (r+1)*n)."""
+def reduce_scatter_dim0(tensor: torch.Tensor, tp: TensorParallel, async_op: bool = False):
+    """(p*n, ...) on each rank -> (the sum over ranks of rows [r*n, (r+1)*n), the
+    collective's handle): with ``async_op`` the output is complete once the handle is
+    waited for (else the handle is None)."""
     full = tensor.contiguous()
     rows = full.shape[0]
     if rows % tp.size:
         raise ValueError(f"sequence length {rows} is not divisible by tp={tp.size}: with sequence parallelism "
                          f"use a sequence length that is a multiple of {tp.size}")
     out = torch.empty((rows // tp.size, *full.shape[1:]), dtype=full.dtype, device=full.device)
-    comm.reduce_scatter_single(out, full, group=tp.group, algorithm=tp.algorithm)
-    return out
+    handle = comm.reduce_scatter_single(out, full, group=tp.group, async_op=async_op, algorithm=tp.algorithm)
+    return out, handle
+
+
+def _reduce_scatter_dim0(tensor: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    return reduce_scatter_dim0(tensor, tp)[0]
 
 
 def _split(tensor: torch.Tensor, tp: TensorParallel, dim: int) -> torch.Tensor:
@@ -238,7 +250,7 @@ class _SumGradsInBackward(torch.autograd.Function):
     def backward(ctx, *grads):
         filled = [torch.zeros(shape, dtype=ctx.dtype, device=ctx.device) if grad is None else grad
                   for grad, shape in zip(grads, ctx.shapes)]
-        flat = all_reduced_copy(torch.cat([grad.reshape(-1) for grad in filled]), ctx.tp)
+        flat = all_reduce_owned(torch.cat([grad.reshape(-1) for grad in filled]), ctx.tp)  # cat: a new tensor
         pieces = flat.split([shape.numel() for shape in ctx.shapes])
         return (None, *[piece.view(shape) for piece, shape in zip(pieces, ctx.shapes)])
 
