@@ -1,7 +1,8 @@
 """`plait bench pp` end to end on a spawned world of 2 ranks (a tiny MLP): one row
 per schedule, the replay and formula bubbles, the measured peak activation bytes (live saved storages)
 equal to the schedule's prediction; user errors. `--vs-torch`: a ratio row per schedule
-with its spread and the losses agreeing (no timing asserted), the summary's arithmetic."""
+with its spread and the losses agreeing (no timing asserted), plait over gloo and over shared
+memory each its own rows, the summary's arithmetic."""
 
 import io
 import json
@@ -50,17 +51,22 @@ def test_bench_pp_user_errors():
 def test_bench_pp_vs_torch_rows(tmp_path):
     out = io.StringIO()
     with redirect_stdout(out):
-        status = main(["bench", "pp", "--vs-torch", *TINY, "--rounds", "2", "--json", str(tmp_path / "vs.json")])
+        status = main(["bench", "pp", "--vs-torch", *TINY, "--rounds", "2", "--busy-loop", "off",
+                       "--json", str(tmp_path / "vs.json")])
     text = out.getvalue()
     assert status == 0, text
-    rows = {row["schedule"]: row for row in json.loads((tmp_path / "vs.json").read_text())["rows"]}
-    assert sorted(rows) == ["1f1b", "gpipe", "interleaved_1f1b", "zero_bubble"]  # chimera has no torch twin
-    assert rows["zero_bubble"]["torch_schedule"] == "ScheduleInterleavedZeroBubble"
-    for name, row in rows.items():
+    rows = {(row["schedule"], row["transport"]): row for row in json.loads((tmp_path / "vs.json").read_text())["rows"]}
+    # chimera has no torch twin; plait over gloo and over shared memory, each its own rows
+    assert sorted(rows) == [(name, transport) for name in ["1f1b", "gpipe", "interleaved_1f1b", "zero_bubble"]
+                            for transport in ("gloo", "shm")]
+    assert rows[("zero_bubble", "shm")]["torch_schedule"] == "ScheduleInterleavedZeroBubble"
+    for (name, transport), row in rows.items():
+        assert not row["busy_loop"] and len(row["plait_compute_ms"]) == 2
+        assert row["ceiling"] == pytest.approx(row["torch_ms"] / row["compute_floor_ms"])
         assert len(row["ratios"]) == 2 and row["ratio_min"] <= row["ratio"] <= row["ratio_max"]
         assert row["losses_agree"] and len(row["plait_losses"]) == len(row["torch_losses"]) == 0 + 2 * 1  # warm-up + rounds x steps
         assert row["plait_losses"][0] == row["torch_losses"][0]  # the same float32 forward: bitwise
-        line = next(line for line in text.splitlines() if line.startswith(f" 2 {name} "))
+        line = next(line for line in text.splitlines() if line.startswith(f" 2 {name:<17}{transport} "))
         assert f"{row['ratio']:.3f}x ({row['ratio_min']:.3f}-{row['ratio_max']:.3f})" in line and "agree" in line
     assert "# losses agree on every row" in text
 
@@ -80,6 +86,8 @@ def test_bench_pp_vs_torch_summary_and_errors():
                          [{"plait": [1.0], "torch": [1.0 + 2e-5]}, {"plait": [1.0], "torch": [None]}])["losses_agree"]
     with pytest.raises(ValueError, match=r"torch.distributed.pipelining has no counterpart of \['chimera'\]"):
         PpVsTorchConfig(schedules=("gpipe", "chimera"))
+    with pytest.raises(ValueError, match=r"transports=\['nccl'\]: choose from \['gloo', 'shm'\]"):
+        PpVsTorchConfig(transports=("nccl",))
     with pytest.raises(ValueError, match=r"rounds=0 must be an int >= 1"):
         PpVsTorchConfig(rounds=0)
     with pytest.raises(ValueError, match=r"no counterpart of \['chimera'\].*batch=7 does not split"):

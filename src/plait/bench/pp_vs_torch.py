@@ -21,6 +21,18 @@ on both sides, on the same rank), each with its own SGD. Schedule pairs:
 
 Chimera has no torch counterpart and is left out.
 
+Transports: torch's stages always message over gloo; plait's engine runs once per
+``transports`` entry, the world's communicator made with that ``CommConfig.transport``
+before the engines: ``gloo`` (plait's messages through gloo too: the engines alone
+differ) and ``shm`` (plait on its best transport, shared memory between the
+processes of this host). Each is its own row, against torch timed in the same rounds.
+
+Where the time goes: each row carries plait's compute per rank (median over the
+timed steps of the engine's forward/backward/weight intervals) and ``ceiling``:
+torch's step over the slowest rank's compute, the ratio an engine that hid every
+bubble and message behind the same computations would reach (with more ranks than
+cores, the cores' share: the ranks' compute summed over ``os.cpu_count()``).
+
 Timing: ``warmup`` untimed steps per side (both sides settle shapes in their first
 step), then ``rounds`` rounds; in each round both sides run ``steps`` steps, plait
 first in even rounds and torch first in odd ones, so a slow spell of the shared
@@ -44,6 +56,7 @@ difference of at most ``LOSS_RTOL`` = 1e-5 (about 80 float32 ulps) on every step
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from dataclasses import dataclass, fields
@@ -53,6 +66,9 @@ import torch.distributed as dist
 from torch.distributed import pipelining
 
 from plait.bench.pp import PpBenchConfig, _mlp, _mse
+from plait.comm.communicator import init_communicator
+from plait.comm.config import CommConfig
+from plait.names.transports import GLOO, SHM
 from plait.names.schedules import GPIPE, INTERLEAVED_1F1B, ONE_F_ONE_B, ZERO_BUBBLE
 from plait.parallel.pipeline import build
 from plait.parallel.pipeline.engine import PipelineEngine
@@ -62,6 +78,7 @@ VS_TORCH_SCHEDULES = (GPIPE, ONE_F_ONE_B, INTERLEAVED_1F1B, ZERO_BUBBLE)
 # plait's schedule -> torch.distributed.pipelining's class (torch's names, not a second plait vocabulary)
 TORCH_SCHEDULES = {GPIPE: "ScheduleGPipe", ONE_F_ONE_B: "Schedule1F1B", INTERLEAVED_1F1B: "ScheduleInterleaved1F1B",
                    ZERO_BUBBLE: "ScheduleInterleavedZeroBubble"}
+VS_TORCH_TRANSPORTS = (GLOO, SHM)  # plait's side; torch's stages always use gloo
 LOSS_RTOL = 1e-5
 _LEARNING_RATE = 1e-3
 
@@ -73,6 +90,7 @@ class PpVsTorchConfig(PpBenchConfig):
 
     schedules: tuple[str, ...] = VS_TORCH_SCHEDULES
     rounds: int = 5
+    transports: tuple[str, ...] = VS_TORCH_TRANSPORTS
 
     def __post_init__(self):
         problems = []
@@ -82,6 +100,9 @@ class PpVsTorchConfig(PpBenchConfig):
         if missing or not self.schedules:
             problems.append(f"--vs-torch: torch.distributed.pipelining has no counterpart of {missing}; "
                             f"choose from {list(VS_TORCH_SCHEDULES)}")
+        if not self.transports or any(name not in VS_TORCH_TRANSPORTS for name in self.transports):
+            problems.append(f"transports={list(self.transports)}: choose from {list(VS_TORCH_TRANSPORTS)}, "
+                            "e.g. --transports gloo,shm")
         known = tuple(name for name in self.schedules if name in VS_TORCH_SCHEDULES) or VS_TORCH_SCHEDULES
         try:  # `plait bench pp`'s checks of the rest, over the schedules torch has (every problem at once)
             PpBenchConfig(**{**{spec.name: getattr(self, spec.name) for spec in fields(PpBenchConfig)},
@@ -135,7 +156,7 @@ def _timed(side, inputs, targets, count: int, times: list, losses: list) -> None
         losses.append(loss)
 
 
-def compare_schedule(config: PpVsTorchConfig, name: str, device=None) -> dict | None:
+def compare_schedule(config: PpVsTorchConfig, name: str, device=None, transport: str = SHM) -> dict | None:
     """One schedule on both sides in the current world; the row on rank 0, None elsewhere."""
     rank, p = dist.get_rank(), dist.get_world_size()
     device = torch.device("cpu") if device is None else device
@@ -157,11 +178,17 @@ def compare_schedule(config: PpVsTorchConfig, name: str, device=None) -> dict | 
         order = ("plait", "torch") if round_index % 2 == 0 else ("torch", "plait")
         for label in order:
             _timed(sides[label], inputs, targets, config.steps, times[label], losses[label])
+    timed = list(sides["plait"].engine.history)[-config.rounds * config.steps:]
+    compute_s = statistics.median(sum(record.stage_busy_s.values()) for record in timed)
     everyone: list = [None] * p
-    dist.all_gather_object(everyone, (times, losses))
+    dist.all_gather_object(everyone, (times, losses, compute_s))
     if rank != 0:
         return None
-    return summarise(name, p, config, [entry[0] for entry in everyone], [entry[1] for entry in everyone])
+    row = summarise(name, p, config, [entry[0] for entry in everyone], [entry[1] for entry in everyone])
+    compute_ms = [1e3 * entry[2] for entry in everyone]
+    floor_ms = max(max(compute_ms), sum(compute_ms) / (os.cpu_count() or 1))
+    return {**row, "transport": transport, "plait_compute_ms": compute_ms, "compute_floor_ms": floor_ms,
+            "ceiling": row["torch_ms"] / floor_ms}
 
 
 def summarise(name: str, p: int, config: PpVsTorchConfig, rank_times: list[dict], rank_losses: list[dict]) -> dict:
@@ -192,13 +219,15 @@ def summarise(name: str, p: int, config: PpVsTorchConfig, rank_times: list[dict]
 
 
 def run_pp_vs_torch(config: PpVsTorchConfig, *, device=None, emit=None) -> list[dict]:
-    """Every schedule at p = world size; rank 0 emits ("row", dict) per schedule."""
+    """Every transport and schedule at p = world size; rank 0 emits ("row", dict) per row."""
     torch.set_num_threads(1)
     rows = []
-    for name in config.schedules:
-        row = compare_schedule(config, name, device)
-        if row is not None:
-            rows.append(row)
-            if emit:
-                emit("row", row)
+    for transport in config.transports:
+        init_communicator(None, CommConfig(transport=transport))  # plait's messages (torch's stay on gloo)
+        for name in config.schedules:
+            row = compare_schedule(config, name, device, transport)
+            if row is not None:
+                rows.append(row)
+                if emit:
+                    emit("row", row)
     return rows

@@ -1,7 +1,9 @@
 """`plait bench pp`: run GPipe, 1F1B, interleaved 1F1B, Chimera and zero bubble for
 real and compare their bubble and activation memory with the theory (plait.bench.pp).
 `plait bench pp --vs-torch`: plait's engine against torch.distributed.pipelining on
-the same model, split and processes, rounds alternating (plait.bench.pp_vs_torch)."""
+the same model, split and processes, rounds alternating (plait.bench.pp_vs_torch),
+plait over gloo and over shared memory (--transports), on a quiet host and beside a
+nice -n 19 busy loop (--busy-loop)."""
 
 from __future__ import annotations
 
@@ -10,9 +12,11 @@ import os
 
 import torch
 
+from plait.bench.busy import busy_loop
 from plait.bench.launch import in_torchrun, run_in_fresh_worlds
 from plait.bench.pp import SCHEDULE_NAMES, PpBenchConfig, run_pp_bench
-from plait.bench.pp_vs_torch import LOSS_RTOL, VS_TORCH_SCHEDULES, PpVsTorchConfig, run_pp_vs_torch
+from plait.bench.pp_vs_torch import (LOSS_RTOL, VS_TORCH_SCHEDULES, VS_TORCH_TRANSPORTS, PpVsTorchConfig,
+                                    run_pp_vs_torch)
 from plait.bench.report import write_json_document
 from plait.cli.local_ranks import add_oversubscribe_flag, check_spawn
 from plait.cli.output_paths import output_directory, output_file, prepare_output_paths
@@ -40,12 +44,19 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         help="time plait's engine against torch.distributed.pipelining instead (--steps per side per round)")
     parser.add_argument("--rounds", type=int, default=PpVsTorchConfig().rounds,
                         help="with --vs-torch: rounds, each running both sides, alternating which goes first")
+    parser.add_argument("--transports", type=lambda text: tuple(text.split(",")), default=VS_TORCH_TRANSPORTS,
+                        help="with --vs-torch: plait's transports, each its own rows (default gloo,shm; torch: gloo)")
+    parser.add_argument("--busy-loop", choices=BUSY_LOOP_MODES, default="also",
+                        help="with --vs-torch: also (default): quiet, then beside a nice -n 19 busy loop; only; off")
     parser.add_argument("--timeline-out", default=None, metavar="DIR",
                         help="write each run's measured timeline as JSON (plait schedule --timeline draws it)")
     parser.add_argument("--json", default=None, metavar="PATH", help="write every row as JSON ('-': stdout)")
     add_oversubscribe_flag(parser)
     parser.set_defaults(run=run)
     return parser
+
+
+BUSY_LOOP_MODES = ("also", "only", "off")
 
 
 def _kib(values) -> str:
@@ -101,7 +112,7 @@ def run_vs_torch(args) -> int:
     config = PpVsTorchConfig(stages=args.stages, schedules=args.schedules or VS_TORCH_SCHEDULES,
                              microbatches=args.microbatches, virtual=args.virtual, layers=args.layers,
                              width=args.width, batch=args.batch, steps=args.steps, warmup=args.warmup,
-                             rounds=args.rounds)
+                             rounds=args.rounds, transports=args.transports)
     prepare_output_paths(output_file("--json", args.json, stdout_allowed=True))
     print(f"# plait bench pp --vs-torch: MLP {config.layers} x Linear({config.width},{config.width})+Tanh, batch "
           f"{config.batch} in m={config.microbatches} micro-batches, float32, SGD; v={config.virtual} for interleaved")
@@ -111,24 +122,35 @@ def run_vs_torch(args) -> int:
           "side (plait first in even rounds, torch in odd); a step: the slowest rank's time from a barrier")
     print("# ms: median over rounds of each side's median step; torch/plait: median of per-round ratios "
           "(> 1: plait faster), (min-max) over rounds")
+    print("# compute: plait's forward/backward/weight time on the slowest rank (more ranks than cores: their sum "
+          "over the cores); ceiling: torch ms / compute, the most any engine reaches on these computations")
     print(f"# losses: step by step, plait's mean micro-batch loss vs torch's, agree within relative {LOSS_RTOL:g}")
-    print(f"# load average before: {' '.join(f'{value:.2f}' for value in os.getloadavg())}")
-    print(f"{'p':>2} {'schedule':<17}{'torch schedule':<31}{'plait ms':>9}{'torch ms':>9}  "
-          f"{'torch/plait (min-max)':<23}{'loss rel diff':>14}  losses")
+    print(f"{'p':>2} {'schedule':<17}{'plait over':<11}{'torch schedule':<31}{'plait ms':>9}{'torch ms':>9}  "
+          f"{'torch/plait (min-max)':<23}{'compute':>8}{'ceiling':>8}{'loss rel diff':>14}  losses")
 
     def on_event(kind, row):
         if kind != "row":
             return
         spread = f"{row['ratio']:.3f}x ({row['ratio_min']:.3f}-{row['ratio_max']:.3f})"
-        print(f"{row['p']:>2} {row['schedule']:<17}{row['torch_schedule']:<31}{row['plait_ms']:>9.1f}"
-              f"{row['torch_ms']:>9.1f}  {spread:<23}{row['loss_max_rel_diff']:>14.1e}  "
+        print(f"{row['p']:>2} {row['schedule']:<17}{row['transport']:<11}{row['torch_schedule']:<31}"
+              f"{row['plait_ms']:>9.1f}{row['torch_ms']:>9.1f}  {spread:<23}{row['compute_floor_ms']:>8.1f}"
+              f"{row['ceiling']:>7.3f}x{row['loss_max_rel_diff']:>14.1e}  "
               f"{'agree' if row['losses_agree'] else 'DIFFER'} ({len(row['plait_losses'])} steps)", flush=True)
 
-    rows = run_in_fresh_worlds(run_pp_vs_torch, config, config.stages, on_event, "plait bench pp --vs-torch")
-    if rows is None:
-        return 1
+    rows = []
+    for busy in {"also": (False, True), "only": (True,), "off": (False,)}[args.busy_loop]:
+        with busy_loop(busy) as spinner_pid:
+            load = f"beside a nice -n 19 busy loop (pid {spinner_pid})" if busy else "no load added"
+            print(f"# {load}; load average before: {' '.join(f'{value:.2f}' for value in os.getloadavg())}",
+                  flush=True)
+            measured = run_in_fresh_worlds(run_pp_vs_torch, config, config.stages, on_event,
+                                           "plait bench pp --vs-torch")
+        if measured is None:
+            return 1
+        rows += [{**row, "busy_loop": busy} for row in measured]
     print(f"# load average after: {' '.join(f'{value:.2f}' for value in os.getloadavg())}")
-    differ = [f"p={row['p']} {row['schedule']}" for row in rows if not row["losses_agree"]]
+    differ = [f"p={row['p']} {row['schedule']} over {row['transport']}{' busy' if row['busy_loop'] else ''}"
+              for row in rows if not row["losses_agree"]]
     print("# losses agree on every row" if not differ else f"# losses DIFFER: {', '.join(differ)}")
     if args.json:
         write_json_document({"config": config.__dict__, "rows": rows}, args.json)

@@ -38,6 +38,14 @@ carries a gradient back; its header carries the parts' specs too, up to ``MAX_PA
 of them (a longer header: a one-tensor header stays 11 int64s, received into a
 zeroed buffer of the longest). The receiver unpacks copies of the parts.
 
+Receive buffers are reused: an agreed payload is received into a buffer of that spec
+kept from an earlier receive whose tensor nobody holds any more (the storage's use
+count says only this pool refers to it), else a new one. A fresh buffer each time
+costs the kernel's page faults: a 256 KiB activation is allocated by mmap and faulted
+in page by page (64 faults, ~1 us each, plus zeroing) and unmapped again when freed,
+which torch's stages avoid by allocating their receive buffers once. The pool holds
+at most as many buffers per spec as were alive at once (the in-flight receives).
+
 Both ranks of a stream update its agreed spec only after a step that succeeded on
 this rank, and forget every spec after a failed one; a header says whether the
 agreed payload receive was filled, so a receiver that still expects a spec the
@@ -74,6 +82,10 @@ TAGS_PER_MESSAGE = 3  # header, payload in the agreed spec, payload in a new spe
 STEP_SLOTS = 1024  # the step number (mod 1024) is part of every tag: a failed step's stray message is never read later
 RECEIVES_AHEAD = 2  # receives posted beyond the one waited for: one buffer per message in flight to this rank
 ABORT_GRACE_S = 2.0  # after a failure, how long posted messages get to complete before we raise
+# the storage use count of a pooled buffer no one else refers to: the pool's tensor and
+# the storage object asking (the StorageImpl reference count)
+_use_count = torch._C._storage_Use_Count
+_POOL_ONLY = 2
 _KIND_CODE = {SEND_ACT: 0, RECV_ACT: 0, SEND_GRAD: 1, RECV_GRAD: 1}
 
 
@@ -110,6 +122,7 @@ class StageMessages:
         self._headers: dict[tuple, torch.Tensor] = {}  # (status, filled, spec) -> header (only ever read)
         self.receives = tuple(action for action in schedule.actions[rank] if action.kind in (RECV_ACT, RECV_GRAD))
         self._orphans: list = []  # receives a disagreeing peer will never fill: kept alive, never read
+        self._pool: dict[tuple, list] = {}  # (dtype, shape, device) -> receive buffers to reuse
         self._begin_step(0, torch.device("cpu"))
 
     # ----- a step ----------------------------------------------------------------------
@@ -236,7 +249,7 @@ class StageMessages:
         buffer = payload_message = None
         try:
             if spec is not None:
-                buffer = torch.empty(spec[1], dtype=spec[0], device=self.device)
+                buffer = self._buffer(spec)
                 payload_message = comm.irecv(buffer, group=self.group, tag=tag + 1, group_src=action.peer,
                                              label=label, timeout_s=self.timeout_s)
             # zeros: a one-tensor header is shorter than the buffer, its part count reads 0
@@ -246,6 +259,19 @@ class StageMessages:
         except CommError as error:
             raise PipelineError(f"{self._waited(action)}: {error}") from error
         self.posted[action] = _Posted(header, header_message, buffer, payload_message, spec)
+
+    def _buffer(self, spec) -> torch.Tensor:
+        """A receive buffer of an agreed spec: a view of a pooled one that nothing else
+        holds (neither a posted receive nor a tensor handed out earlier, nor a view or
+        a graph saving it), else a new one joining the pool. The view is a tensor of
+        its own (its flags, its grad) on the pooled storage, and counts as a holder."""
+        pool = self._pool.setdefault((spec[0], spec[1], self.device), [])
+        for buffer in pool:
+            if _use_count(buffer.untyped_storage()._cdata) <= _POOL_ONLY:
+                return buffer.detach()
+        buffer = torch.empty(spec[1], dtype=spec[0], device=self.device)
+        pool.append(buffer)
+        return buffer.detach()
 
     def _post_ahead(self, index: int) -> None:
         for action in self.receives[index:index + RECEIVES_AHEAD + 1]:
