@@ -44,6 +44,7 @@ from plait.comm.communicator import Communicator, init_communicator, process_gro
 from plait.comm.config import CommConfig
 from plait.comm.ops import COMBINE
 from plait.comm.schedule import Schedule, Step, Transfer, make_schedule
+from plait.comm.transport import stream_segment_bytes
 from plait.cost.profile import Sample
 
 ELEMENT_SIZE = 4  # float32, as plait bench's default
@@ -160,7 +161,8 @@ def _shift_call(schedule: Schedule, buffer: torch.Tensor, communicator: Communic
     engine (inline), over its transport, with its segment size (no argument check:
     the raw messages are what is measured)."""
     config = communicator.config
-    segment_numel = config.segment_bytes // buffer.element_size() if config.segment_bytes else 0
+    segment_bytes = stream_segment_bytes(config, communicator.backend)
+    segment_numel = segment_bytes // buffer.element_size() if segment_bytes else 0
 
     def job():
         communicator.executor.run(schedule, communicator.rank, communicator.transport, buffer, COMBINE["sum"],
