@@ -2,7 +2,8 @@
 gloo processes: bit for bit what the composed mappings give (forward values and every
 gradient, with and without sequence parallelism, float32 / float64 / bfloat16, a
 non-contiguous upstream gradient), and the backward's input-gradient collective issued
-asynchronously before the weight-gradient GEMM and waited for after it.
+asynchronously before the weight-gradient GEMM and waited for after it with
+``async_grad_reduce=True`` (synchronously, on the CPU's default).
 
 The order is read with sys.setprofile on the thread running the backward (the autograd
 engine runs a CPU graph's Python backward on the caller's thread): the calls to
@@ -17,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from plait import comm
-from plait.parallel.tensor import new_tensor_parallel, parallel_input, parallel_output
+from plait.parallel.tensor import UNSHARDED, new_tensor_parallel, parallel_input, parallel_output
 from plait.parallel.tensor.linear_ops import column_parallel_linear, reduce_partial, row_parallel_linear
 from plait.testing import run_distributed
 
@@ -74,10 +75,11 @@ def fused_against_composed(rank, world_size):
         torch.distributed.destroy_process_group(base.group)
 
 
-def backward_order(rank, world_size, sequence_parallel):
+def backward_order(rank, world_size, sequence_parallel, async_grad_reduce):
     """The calls the column-parallel backward makes, in order: ("mm",), (collective,
     async_op), ("wait",)."""
-    tp = new_tensor_parallel(world_size, sequence_parallel=sequence_parallel)
+    base = new_tensor_parallel(world_size, sequence_parallel=sequence_parallel)
+    tp = dataclasses.replace(base, async_grad_reduce=async_grad_reduce)
     try:
         rows = S // world_size if sequence_parallel else S
         x = _draw(1, rows, B, IN, dtype=torch.float32).requires_grad_(True)
@@ -102,7 +104,7 @@ def backward_order(rank, world_size, sequence_parallel):
             sys.setprofile(None)
         return events
     finally:
-        torch.distributed.destroy_process_group(tp.group)
+        torch.distributed.destroy_process_group(base.group)
 
 
 @pytest.mark.slow
@@ -121,5 +123,16 @@ def test_fused_linear_maps_are_bitwise_the_composed_mappings():
 @pytest.mark.parametrize("sequence_parallel", [False, True])
 def test_input_gradient_collective_is_issued_before_the_weight_gradient_gemm(sequence_parallel):
     collective = "reduce_scatter" if sequence_parallel else "all_reduce"
-    for rank, events in enumerate(run_distributed(backward_order, 2, sequence_parallel)):
+    for rank, events in enumerate(run_distributed(backward_order, 2, sequence_parallel, True)):
         assert events == [("mm",), (collective, True), ("mm",), ("wait",)], f"rank {rank}: {events}"
+    # the CPU default: synchronous, done before dW (plait's comm thread would compete for the cores)
+    for rank, events in enumerate(run_distributed(backward_order, 2, sequence_parallel, None)):
+        calls = [event for event in events if event != ("wait",)]  # a sync call may wait inside plait.comm
+        assert calls == [("mm",), (collective, False), ("mm",)], f"rank {rank}: {events}"
+
+
+def test_async_grad_reduce_is_a_bool_or_none():
+    with pytest.raises(TypeError, match="async_grad_reduce must be True, False or None"):
+        dataclasses.replace(UNSHARDED, async_grad_reduce="yes")
+    assert UNSHARDED.overlaps_grad_reduce(torch.device("cuda")) and not UNSHARDED.overlaps_grad_reduce(
+        torch.device("cpu"))

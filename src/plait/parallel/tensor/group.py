@@ -52,13 +52,20 @@ class TensorParallel:
     extra message, so there is little to gain). ``check_layout``: when each layer
     checks that its input has the layout it expects (sharded along the sequence
     under sequence parallelism, else replicated; see plait.parallel.tensor.layout):
-    "first" forward (default), "always" or "off"."""
+    "first" forward (default), "always" or "off". ``async_grad_reduce``: whether a
+    column-parallel layer's backward issues its all-reduce (reduce-scatter under
+    sequence parallelism) of dX asynchronously and computes dW while it runs
+    (Megatron's async tensor-parallel all-reduce; plait.parallel.tensor.linear_ops);
+    None (default): on for tensors on an accelerator, off on the CPU, where plait's
+    collective would run on its comm thread, competing with the GEMM for the same
+    cores (measured slower there). Either way the results are the same bits."""
 
     group: object = None
     algorithm: str = "auto"
     sequence_parallel: bool = False
     check_args: bool = True
     check_layout: str = FIRST
+    async_grad_reduce: bool | None = None
 
     def __post_init__(self):
         if not isinstance(self.algorithm, str):
@@ -71,6 +78,9 @@ class TensorParallel:
             value = getattr(self, name)
             if not isinstance(value, bool):  # 'no' is truthy: sequence parallelism would be on
                 raise TypeError(f"TensorParallel: {name} must be True or False, got {value!r}")
+        if self.async_grad_reduce is not None and not isinstance(self.async_grad_reduce, bool):
+            raise TypeError(f"TensorParallel: async_grad_reduce must be True, False or None (on for accelerator "
+                            f"tensors only), got {self.async_grad_reduce!r}")
         if self.check_layout not in LAYOUT_CHECKS:
             raise ValueError(f"TensorParallel: check_layout={self.check_layout!r} must be one of "
                              f"{', '.join(map(repr, LAYOUT_CHECKS))}")
@@ -97,6 +107,12 @@ class TensorParallel:
     @property
     def rank(self) -> int:
         return 0 if self.group is LOCAL else dist.get_rank(self._process_group)
+
+    def overlaps_grad_reduce(self, device: torch.device) -> bool:
+        """Whether a column-parallel backward on ``device`` reduces dX asynchronously."""
+        if self.async_grad_reduce is None:
+            return device.type != "cpu"
+        return self.async_grad_reduce
 
     def agreement_fields(self) -> dict[str, int]:
         """What every rank of the group must agree on, as ints (see check_agreement)."""

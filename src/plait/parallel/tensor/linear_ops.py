@@ -14,6 +14,9 @@ orders the backward as Megatron does:
     launch all-reduce(dX), async   (reduce-scatter along dim 0 under sequence parallelism)
     dAᵣ = dYᵀ X, dbᵣ = Σ dY   (N·out/p·in multiply-adds: run while the collective moves)
     wait
+  (``TensorParallel.async_grad_reduce``; by default async only for accelerator tensors:
+  on the CPU plait's async collective runs on its comm thread, whose hand-offs cost
+  more there than the overlap hides, so it runs synchronously after dX)
   row-parallel, Y = Σᵣ Xᵣ Bᵣ: the partial product is reduced in place (reduce-scattered
   under sequence parallelism); backward (all-gather of dY under sequence parallelism)
   dXᵣ = dY Bᵣ, dBᵣ = dYᵀ Xᵣ, no communication without sequence parallelism.
@@ -67,7 +70,7 @@ def _weight_grads(ctx, grad_2d: torch.Tensor, total: torch.Tensor):
 
 class ColumnParallelLinearFunction(torch.autograd.Function):
     """Y = X Aᵣ + bᵣ; backward reduces dX over the group (asynchronously, while dAᵣ and
-    dbᵣ are computed). Under sequence parallelism X is this rank's (s/p, b, in) and is
+    dbᵣ are computed, where ``tp.overlaps_grad_reduce``). Under sequence parallelism X is this rank's (s/p, b, in) and is
     all-gathered first; dX is then reduce-scattered back to (s/p, b, in)."""
 
     @staticmethod
@@ -85,10 +88,11 @@ class ColumnParallelLinearFunction(torch.autograd.Function):
         grad_x = handle = None
         if ctx.needs_input_grad[0]:
             grad_total = grad_2d.mm(weight).view(total.shape)  # ours: reduced without a copy
+            overlap = tp.overlaps_grad_reduce(grad_total.device)  # else the collective is done on return
             if tp.sequence_parallel:
-                grad_x, handle = reduce_scatter_dim0(grad_total, tp, async_op=True)
+                grad_x, handle = reduce_scatter_dim0(grad_total, tp, async_op=overlap)
             else:
-                grad_x, handle = grad_total, _reduce_in_place(grad_total, tp, async_op=True)
+                grad_x, handle = grad_total, _reduce_in_place(grad_total, tp, async_op=overlap)
         grad_weight, grad_bias = _weight_grads(ctx, grad_2d, total)  # while the collective runs
         if handle is not None:
             handle.wait()
