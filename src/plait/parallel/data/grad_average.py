@@ -32,6 +32,10 @@ Cost per step: the same all-reduce bytes as one after the backward (2(p-1)/p · 
 rank with a ring, in ``ceil(n / 25 MiB)`` (+1) calls); a hook call per parameter per
 micro-batch (~1 µs); what is exposed is what the comm thread has not finished when
 the backward (and the pipeline's flush) ends: at least the last bucket's all-reduce.
+Overlap hides waiting (a peer's skew, latency), not the reduction's own CPU work: on a
+host whose cores all compute (2 ranks on 2 cores) the comm thread's copies and sums
+take the rank's core, and a step alternating with the non-overlapped one measured
+2.3-3.3 ms less dp time for 3.3-4.5 ms more compute (dp2, gloo and shm alike).
 """
 
 from __future__ import annotations
