@@ -294,7 +294,8 @@ def connect(rank: int, local: list[int], segment: Segment, opened: dict, bell: i
             spin_s: float, spin_max_s: float = 0.0) -> ShmTransport:
     """The transport of ``rank`` among the ranks ``local`` (sorted; rings are ordered
     by the other ranks' order in it). ``spin_s``/``spin_max_s``: its waits' polling
-    (ShmTransport._spin_budget_s), none when the local ranks outnumber the cores."""
+    (ShmTransport._spin_budget_s); with more local ranks than cores ``spin_s`` is 0 and
+    a wait yields its core between polls for up to ``spin_max_s`` instead."""
     others = [peer for peer in local if peer != rank]
     ring_index = {peer: others.index(peer) for peer in others}
     their_index = {peer: [other for other in local if other != peer].index(rank) for peer in others}
@@ -303,7 +304,7 @@ def connect(rank: int, local: list[int], segment: Segment, opened: dict, bell: i
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     polls = len(local) <= cores
     return ShmTransport(rank, segment, opened, ring_index, their_index, bell, bells, spin_s if polls else 0.0,
-                        spin_max_s if polls else 0.0)
+                        spin_max_s)
 
 
 def _round_status(rounds: _Rounds, failure: str | None, size: int) -> str | None:

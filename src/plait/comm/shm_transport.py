@@ -17,13 +17,15 @@ and receive of this rank (as an MPI progress engine does), so a rank blocked on 
 message still drains and fills its rings for the others, and no thread of its own
 competes with the ranks for the cores.
 
-Waiting: poll the rings for ``spin_s``, stretched to twice the recent typical wait
-while that is at most ``spin_max_s`` (``_spin_budget_s``: a peer's per-call time is
-polled through instead of paying a block and a wake-up each call; no syscall: a
-``sched_yield`` between polls handed the core to any other busy process for a whole
-scheduler slice, about 5 ms on this machine under load, measured; and no polling at
-all when the host's ranks outnumber its cores), then set this rank's ``sleeping`` word and block on its
-doorbell FIFO, at most ``_NAP_S`` at a time; a peer that moves bytes this rank
+Waiting: poll the rings for up to ``spin_max_s`` while recent waits are short
+(``_spin_budget_s``: a peer's per-call time is polled through instead of paying a
+block and a wake-up each call), else ``spin_s``. Polling makes no syscall while
+every local rank has a core; with more local ranks than cores a waiting rank calls
+``sched_yield`` between polls (the core goes to a peer it may wait for), until one
+yield is away over ``_YIELD_STALL_S``: another process took the core for a scheduler
+slice (about 5 ms on this machine under load, measured), and the rank then blocks at
+once for ``_YIELD_OFF_S``. After the poll it sets this rank's ``sleeping`` word and
+blocks on its doorbell FIFO, at most ``_NAP_S`` at a time; a peer that moves bytes this rank
 waits for rings the bell when the word is set. The cap bounds the cost of the one
 race plain loads and stores allow (the word set just as the peer checked it). While
 blocked, the peers involved are checked: a peer whose process died or whose
@@ -45,6 +47,9 @@ from plait.comm.shm_ring import FRAME_HEADER_BYTES, Ring, Segment, frame_bytes
 
 _NAP_S = 0.001  # longest single block on the doorbell (bounds a missed wake-up)
 _LIVENESS_S = 0.2  # how often a blocked rank checks that its peers' processes live
+_PROBE_EVERY = 16  # a rank whose waits grew long still polls every this many waits (_spin_budget_s)
+_YIELD_STALL_S = 0.001  # a sched_yield away this long: another process held the core (stop yielding)
+_YIELD_OFF_S = 0.5  # how long a rank that saw such a stall blocks instead of yielding
 
 
 def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
@@ -156,6 +161,8 @@ class ShmTransport:
         self.spin_s = spin_s
         self.spin_max_s = max(spin_max_s, spin_s)  # the adaptive poll's cap (_spin_budget_s)
         self._typical_wait_s = 0.0  # recent waits, averaged (_note_wait)
+        self._waits = 0  # waits that polled (_spin_budget_s)
+        self._yield_off_until = 0.0  # time.monotonic() before which a rank with spin_s = 0 does not yield
         self._lock = threading.RLock()
         self._sends: dict[int, deque[_Send]] = {peer: deque() for peer in self.peers}
         self._recvs: dict[int, deque[_Recv]] = {peer: deque() for peer in self.peers}
@@ -424,6 +431,13 @@ class ShmTransport:
                                    "memory")
             if now - idle_since < spin_s:
                 continue
+            if spin_s == 0 and now - idle_since < self.spin_max_s and now >= self._yield_off_until:
+                # more local ranks than cores: hand the core to a peer that may be what this
+                # rank waits for, unless that just handed it to another process for a slice
+                os.sched_yield()
+                if time.monotonic() - now > _YIELD_STALL_S:
+                    self._yield_off_until = now + _YIELD_OFF_S
+                continue
             if now >= next_check:
                 next_check = now + _LIVENESS_S
                 self._check_peers()
@@ -434,25 +448,27 @@ class ShmTransport:
             raise RuntimeError(work.error)
 
     def _spin_budget_s(self) -> float:
-        """How long this wait polls before it blocks: ``spin_s``, stretched to twice the
-        recent typical wait (the peers' per-call time) while that is at most
-        ``spin_max_s``: a wait that would end within the stretch never pays a block and
-        a wake-up (a syscall each side plus the scheduler's wake latency, 50-300 us on
-        this machine), and a long wait (a peer computing) costs at most ``spin_s`` of
-        polling before it sleeps. ``spin_s`` = 0 (more local ranks than cores: a poller
-        holds the core its peer needs) never polls."""
+        """How long this wait polls before it blocks: ``spin_max_s`` while the recent
+        typical wait is at most 4 ``spin_max_s`` (a peer's per-call time: a wait that
+        ends within the poll never pays a block and a wake-up, a syscall each side plus
+        the scheduler's wake latency, 50-300 us on this machine), else ``spin_s`` (waits
+        for a peer that computes: they sleep soon), except every ``_PROBE_EVERY``-th
+        wait, which polls ``spin_max_s`` again: waits that only grew long because each
+        paid a wake-up (a burst of load) shrink back once polled through, instead of
+        keeping the rank blocking. ``spin_s`` = 0 (more local ranks than cores: a plain
+        poller holds the core its peer needs): 0, the wait yields between polls instead."""
         if self.spin_s <= 0:
             return 0.0
-        typical_s = self._typical_wait_s
-        if typical_s > self.spin_max_s:
-            return self.spin_s
-        return max(self.spin_s, min(2.0 * typical_s, self.spin_max_s))
+        self._waits += 1
+        if self._typical_wait_s <= 4.0 * self.spin_max_s or self._waits % _PROBE_EVERY == 0:
+            return self.spin_max_s
+        return self.spin_s
 
     def _note_wait(self, waited_s: float) -> None:
         """Fold one wait into the typical wait: an exponential average (weight 1/8) of
-        the waits, each clipped at 4 ``spin_max_s`` so one long stall fades within a
+        the waits, each clipped at 8 ``spin_max_s`` so one long stall fades within a
         few calls."""
-        self._typical_wait_s += (min(waited_s, 4.0 * self.spin_max_s) - self._typical_wait_s) * 0.125
+        self._typical_wait_s += (min(waited_s, 8.0 * self.spin_max_s) - self._typical_wait_s) * 0.125
 
     def _nap(self, nap_s: float, work: ShmWork) -> None:
         """Block until a peer rings this rank's doorbell (or ``nap_s`` passes). One
