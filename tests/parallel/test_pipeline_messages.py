@@ -149,3 +149,45 @@ def test_a_receiver_expecting_a_spec_its_sender_forgot_refuses_by_name():
                       "afresh after a failed step: rebuild the engines on every rank after a PipelineError")
     assert first == ("PipelineError: rank 0 (stage 0) waited for the gradient of micro-batch 0 from rank 1 "
                      "(stage 1): that rank failed (see its error) and aborted the step")
+
+
+class Keeping(nn.Module):
+    """Keeps every input it is given (as a user's hook might), with a copy of its values."""
+
+    def __init__(self, module):
+        super().__init__()
+        self.module, self.kept = module, []
+
+    def forward(self, x):
+        self.kept.append((x, x.detach().clone()))
+        return self.module(x)
+
+
+def pooled_receives(rank, world_size):
+    """GPipe over 2 ranks and 2 micro-batches, 3 steps: rank 1's stage keeps the inputs
+    it received. Returns whether every kept input still holds its values, how many
+    pooled buffers rank 1 made, and the losses."""
+    schedule = build("gpipe", 2, 2)
+    layers = list(_model())
+    modules = {0: nn.Sequential(*layers[:2]), 1: Keeping(nn.Sequential(*layers[2:]))}
+    engine = PipelineEngine(schedule, {rank: modules[rank]}, F.cross_entropy, timeout_s=30)
+    losses = [engine.train_step(*_batch(step, 4)) for step in range(3)]
+    kept = modules[1].kept if rank == 1 else []
+    intact = all(torch.equal(tensor.detach(), values) for tensor, values in kept)
+    storages = {tensor.untyped_storage().data_ptr() for tensor, _ in kept}
+    pooled = sum(len(buffers) for buffers in engine.messages._pool.values())
+    del kept
+    modules[1].kept = []  # nothing holds the received inputs now: the next step reuses the pool
+    losses.append(engine.train_step(*_batch(3, 4)))
+    reused = sum(len(buffers) for buffers in engine.messages._pool.values()) == pooled
+    return intact, len(storages), pooled, reused, losses
+
+
+@pytest.mark.slow
+def test_received_buffers_are_reused_only_when_no_one_holds_them():
+    (_, _, _, _, losses0), (intact, storages, pooled, reused, losses1) = run_distributed(pooled_receives, 2)
+    assert losses0 == losses1
+    # step 0 announces the spec (fresh tensors); steps 1 and 2 receive into pooled buffers, and the inputs
+    # the stage kept from step 1 are never overwritten by step 2: four distinct storages, all intact
+    assert intact and storages == 2 * 3 and pooled == 4
+    assert reused  # once released, step 3 receives into the same buffers (no new ones)
