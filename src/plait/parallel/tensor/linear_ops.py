@@ -70,8 +70,9 @@ def _weight_grads(ctx, grad_2d: torch.Tensor, total: torch.Tensor):
 
 class ColumnParallelLinearFunction(torch.autograd.Function):
     """Y = X Aᵣ + bᵣ; backward reduces dX over the group (asynchronously, while dAᵣ and
-    dbᵣ are computed, where ``tp.overlaps_grad_reduce``). Under sequence parallelism X is this rank's (s/p, b, in) and is
-    all-gathered first; dX is then reduce-scattered back to (s/p, b, in)."""
+    dbᵣ are computed, where ``tp.overlaps_grad_reduce``). Under sequence parallelism X
+    is this rank's (s/p, b, in) and is all-gathered first; dX is then reduce-scattered
+    back to (s/p, b, in)."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, tp: TensorParallel):
