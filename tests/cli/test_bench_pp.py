@@ -6,6 +6,7 @@ memory each its own rows, the summary's arithmetic."""
 
 import io
 import json
+import os
 from contextlib import redirect_stdout, redirect_stderr
 
 import pytest
@@ -62,7 +63,10 @@ def test_bench_pp_vs_torch_rows(tmp_path):
     assert rows[("zero_bubble", "shm")]["torch_schedule"] == "ScheduleInterleavedZeroBubble"
     for (name, transport), row in rows.items():
         assert not row["busy_loop"] and len(row["plait_compute_ms"]) == 2
-        assert row["ceiling"] == pytest.approx(row["torch_ms"] / row["compute_floor_ms"])
+        if os.cpu_count() >= 2:  # else no floor: a computation's wall time includes the other rank's turns
+            assert row["ceiling"] == pytest.approx(row["torch_ms"] / row["compute_floor_ms"])
+        else:
+            assert row["ceiling"] is None and row["compute_floor_ms"] is None
         assert len(row["ratios"]) == 2 and row["ratio_min"] <= row["ratio"] <= row["ratio_max"]
         assert row["losses_agree"] and len(row["plait_losses"]) == len(row["torch_losses"]) == 0 + 2 * 1  # warm-up + rounds x steps
         assert row["plait_losses"][0] == row["torch_losses"][0]  # the same float32 forward: bitwise

@@ -30,8 +30,9 @@ processes of this host). Each is its own row, against torch timed in the same ro
 Where the time goes: each row carries plait's compute per rank (median over the
 timed steps of the engine's forward/backward/weight intervals) and ``ceiling``:
 torch's step over the slowest rank's compute, the ratio an engine that hid every
-bubble and message behind the same computations would reach (with more ranks than
-cores, the cores' share: the ranks' compute summed over ``os.cpu_count()``).
+bubble and message behind the same computations would reach. With more ranks than
+cores neither is given (None): a computation's wall time then includes the other
+ranks' turns on its core.
 
 Timing: ``warmup`` untimed steps per side (both sides settle shapes in their first
 step), then ``rounds`` rounds; in each round both sides run ``steps`` steps, plait
@@ -186,9 +187,10 @@ def compare_schedule(config: PpVsTorchConfig, name: str, device=None, transport:
         return None
     row = summarise(name, p, config, [entry[0] for entry in everyone], [entry[1] for entry in everyone])
     compute_ms = [1e3 * entry[2] for entry in everyone]
-    floor_ms = max(max(compute_ms), sum(compute_ms) / (os.cpu_count() or 1))
+    # with more ranks than cores an interval's wall time includes the other rank's turns on the core: no floor
+    floor_ms = max(compute_ms) if p <= (os.cpu_count() or 1) else None
     return {**row, "transport": transport, "plait_compute_ms": compute_ms, "compute_floor_ms": floor_ms,
-            "ceiling": row["torch_ms"] / floor_ms}
+            "ceiling": None if floor_ms is None else row["torch_ms"] / floor_ms}
 
 
 def summarise(name: str, p: int, config: PpVsTorchConfig, rank_times: list[dict], rank_losses: list[dict]) -> dict:

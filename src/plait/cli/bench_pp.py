@@ -59,6 +59,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 BUSY_LOOP_MODES = ("also", "only", "off")
 
 
+def _optional(value, spec: str, unit: str) -> str:
+    return "-" if value is None else f"{value:{spec}}{unit}"
+
+
 def _kib(values) -> str:
     return "/".join(f"{value / 1024:.0f}" for value in values)
 
@@ -122,8 +126,8 @@ def run_vs_torch(args) -> int:
           "side (plait first in even rounds, torch in odd); a step: the slowest rank's time from a barrier")
     print("# ms: median over rounds of each side's median step; torch/plait: median of per-round ratios "
           "(> 1: plait faster), (min-max) over rounds")
-    print("# compute: plait's forward/backward/weight time on the slowest rank (more ranks than cores: their sum "
-          "over the cores); ceiling: torch ms / compute, the most any engine reaches on these computations")
+    print("# compute: plait's forward/backward/weight time on the slowest rank ("
+          "-: more ranks than cores); ceiling: torch ms / compute, the most any engine reaches on these computations")
     print(f"# losses: step by step, plait's mean micro-batch loss vs torch's, agree within relative {LOSS_RTOL:g}")
     print(f"{'p':>2} {'schedule':<17}{'plait over':<11}{'torch schedule':<31}{'plait ms':>9}{'torch ms':>9}  "
           f"{'torch/plait (min-max)':<23}{'compute':>8}{'ceiling':>8}{'loss rel diff':>14}  losses")
@@ -133,8 +137,8 @@ def run_vs_torch(args) -> int:
             return
         spread = f"{row['ratio']:.3f}x ({row['ratio_min']:.3f}-{row['ratio_max']:.3f})"
         print(f"{row['p']:>2} {row['schedule']:<17}{row['transport']:<11}{row['torch_schedule']:<31}"
-              f"{row['plait_ms']:>9.1f}{row['torch_ms']:>9.1f}  {spread:<23}{row['compute_floor_ms']:>8.1f}"
-              f"{row['ceiling']:>7.3f}x{row['loss_max_rel_diff']:>14.1e}  "
+              f"{row['plait_ms']:>9.1f}{row['torch_ms']:>9.1f}  {spread:<23}{_optional(row['compute_floor_ms'], '.1f', ''):>8}"
+              f"{_optional(row['ceiling'], '.3f', 'x'):>8}{row['loss_max_rel_diff']:>14.1e}  "
               f"{'agree' if row['losses_agree'] else 'DIFFER'} ({len(row['plait_losses'])} steps)", flush=True)
 
     rows = []
