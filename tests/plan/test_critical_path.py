@@ -56,19 +56,20 @@ def test_reductions_longer_than_the_rest_of_the_backward_queue_up():
 
 def test_zero3_prefetch_exposes_only_what_a_gather_does_not_hide():
     """ZeRO 3, one micro-batch, 3 units, forward 2 s and backward 2 s per unit, a
-    gather of 3 s before each unit's forward and before its backward, reductions of
-    1 s. Forward: G0 [0,3] F0 [3,5]; G1 issued at 3 [3,6] F1 [6,8]; G2 [6,9] F2 [9,11]:
-    5 s exposed. Backward: G'2 [11,14] B2 [14,16]; G'1 issued at 14 [14,17]; R2 issued
-    at 16 runs [17,18]; B1 [17,19]; G'0 issued at 17 waits for R2: [18,21]; R1 [21,22];
-    B0 [21,23]; R0 [23,24]: 6 s exposed in the backward and 1 s after it: 12 in all."""
+    gather of 3 s before each unit's forward and before its backward (but the last
+    unit's: it stays gathered from its forward), reductions of 1 s. Forward: G0 [0,3]
+    F0 [3,5]; G1 issued at 3 [3,6] F1 [6,8]; G2 [6,9] F2 [9,11]: 5 s exposed. Backward:
+    B2 [11,13] at once; G'1 issued at 11 [11,14]; R2 issued at 13 runs [14,15]; B1
+    [14,16]; G'0 issued at 14 waits for R2: [15,18]; R1 [18,19]; B0 [18,20]; R0 [20,21]:
+    3 s exposed in the backward and 1 s after it: 9 in all."""
     tasks = zero_tasks(1, 3, 6.0, 6.0, gather_s=3.0, backward_gather_s=3.0, reduce_s=1.0)
     timeline = schedule(tasks)
-    assert timeline.makespan_s == pytest.approx(24.0, abs=EXACT)
-    assert timeline.exposed_s[DP_COMM] == pytest.approx(12.0, abs=EXACT)
-    assert timeline.hidden_s[DP_COMM] == pytest.approx(3 * (3 + 3 + 1) - 12.0, abs=EXACT)
-    assert zero3_exposed_s(1, 3, 6.0, 6.0, 3.0, 3.0, 1.0) == pytest.approx(12.0, abs=EXACT)
+    assert timeline.makespan_s == pytest.approx(21.0, abs=EXACT)
+    assert timeline.exposed_s[DP_COMM] == pytest.approx(9.0, abs=EXACT)
+    assert timeline.hidden_s[DP_COMM] == pytest.approx(3 * (3 + 1) + 2 * 3 - 9.0, abs=EXACT)
+    assert zero3_exposed_s(1, 3, 6.0, 6.0, 3.0, 3.0, 1.0) == pytest.approx(9.0, abs=EXACT)
     # a gather shorter than a unit's compute hides entirely after the first one
-    assert zero3_exposed_s(1, 3, 6.0, 6.0, 1.0, 1.0, 0.5) == pytest.approx(1.0 + 1.0 + 0.5, abs=EXACT)
+    assert zero3_exposed_s(1, 3, 6.0, 6.0, 1.0, 1.0, 0.5) == pytest.approx(1.0 + 0.5, abs=EXACT)
 
 
 def test_pipeline_receive_is_exposed_only_when_the_data_is_not_there():

@@ -31,11 +31,12 @@ with the input gradient.
 Overlap (``plait.plan.overlap``, ``plait.plan.critical_path``): the step is a
 critical path, not a sum; each part's time is what the rank's compute stream waits
 for it (``time_s``, adding up to ``step_time_s``), and what ran under compute is
-``hidden_s``. As plait's runtime does: ZeRO 0 all-reduces the gradients after the
-pipeline flush and ZeRO 1 reduce-scatters them there and all-gathers the updated
-parameters after the step, neither overlapped (plait train's ``average_gradients`` /
-``reduce_gradients``; ``dp_overlap=True`` prices plait's DataParallel instead, whose
-25 MiB buckets are all-reduced during the last backward); ZeRO 2 reduce-scatters each
+``hidden_s``. As plait's runtime does: ZeRO 0 all-reduces the gradients in buckets
+of <= 25 MiB during the last backward, as each bucket's gradients are final (plait
+train's ``plait.parallel.data.grad_average``, as plait's DataParallel), but after the
+pipeline flush under Chimera and zero bubble; ZeRO 1 reduce-scatters them after the
+flush and all-gathers the updated parameters after the step, not overlapped (plait
+train's ``reduce_gradients``); ZeRO 2 reduce-scatters each
 micro-batch's buckets on the comm thread as their gradients complete, hidden under the
 rest of the backward and the next forward; ZeRO 3 also gathers each unit before its
 forward and backward, the next unit's prefetched while one computes. Tensor-parallel
@@ -300,9 +301,10 @@ def estimate(groups: list[list[Unit]], layout: Layout, cluster: Cluster, precisi
     first and the last stage). ``summaries``,
     ``split``, ``chunks`` (the split's combined groups) and ``algorithms`` let a search
     reuse ``summarize`` and ``split_groups``; ``dp_overlap``: ZeRO 0's gradients
-    all-reduced in buckets during the backward, as plait's DataParallel runs them
-    (plait train all-reduces after the flush); ZeRO 0 only (ValueError with ZeRO >= 1,
-    whose own overlap the stage already prices)."""
+    all-reduced in buckets during the backward, as plait's DataParallel runs them, under
+    every schedule (plait train does so too, but after the flush under Chimera and zero
+    bubble); ZeRO 0 only (ValueError with ZeRO >= 1, whose own overlap the stage
+    already prices)."""
     if dp_overlap and layout.zero_stage >= 1:
         raise ValueError(f"dp_overlap=True with zero_stage={layout.zero_stage}: dp_overlap prices plait's DataParallel "
                          "(ZeRO 0's bucketed all-reduce); ZeRO >= 1 overlaps as its stage does: leave dp_overlap "
@@ -393,7 +395,8 @@ def estimate(groups: list[list[Unit]], layout: Layout, cluster: Cluster, precisi
         cluster, zero_stage=layout.zero_stage, dp=dp, stride=stride, grad_bytes=grad_bytes, param_bytes=param_bytes,
         microbatches=m, zero_units=holder["units"], forward_s=forward_mb,
         backward_s=max(holder["compute"] + holder["tp_comm"] - forward_mb, 0.0),
-        gathers=3 if layout.recompute == FULL else 2, dp_overlap=dp_overlap, algorithms=algorithms)
+        gathers=3 if layout.recompute == FULL else 2, algorithms=algorithms,
+        dp_overlap=dp_overlap or (layout.zero_stage == 0 and layout.schedule not in (CHIMERA, ZERO_BUBBLE)))
     segment_s = m * (holder["compute"] + holder["tp_comm"])
     if chimera:  # the two replicas of each stage (ranks r and p-1-r) sum their gradients
         seconds, algorithms["chimera replicas"] = cluster.collective_time_s(

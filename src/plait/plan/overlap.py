@@ -14,10 +14,13 @@ What the runtime does (read from the code, not assumed):
   before its forward (waited for), and the next module's gather is issued then (the
   previous one's in the backward); the backward reduce-scatters each module's units as
   in stage 2, on the same comm thread, so a gather queues behind the reductions issued
-  before it.
-- plait's DataParallel (``plait.parallel.data``): buckets of <= 25 MiB in reverse
-  layer order, each all-reduced as its gradients are ready, waited for at the
-  backward's end; with accumulation only the last backward all-reduces.
+  before it. The last module of the forward stays gathered for its backward, which
+  comes first: the backward starts without a gather.
+- plait's DataParallel (``plait.parallel.data``) and plait train's ZeRO 0
+  (``plait.parallel.data.grad_average``; after the flush instead under Chimera and
+  zero bubble, or with a compressor): buckets of <= 25 MiB, each all-reduced as its
+  gradients are final, waited for at the backward's end; with accumulation only the
+  last backward all-reduces.
 
 Uniform units. A rank's micro-batch is forward f and backward b (compute plus its
 tensor-parallel collectives), cut into U equal units (b_u = b/U, f_u = f/U); each unit
@@ -34,7 +37,7 @@ step are
     ZeRO 2:  (m - 1)·max(0, tail - f) + tail          (the next forward hides the tail)
     DDP:     tail                                     (the last backward only)
     ZeRO 3:  m·[ g + (U-1)·max(0, g - f_u)                               forward
-               + g_b + max(0, g_b - b_u) + (U-2)·max(0, r + g_b - b_u)  backward (U >= 2)
+               + max(0, g_b - b_u) + (U-2)·max(0, r + g_b - b_u)        backward (U >= 2)
                + r + max(0, r - b_u) ]                                  tail
 
 ZeRO 3's tail is always exposed: the next forward's first gather queues behind it (one
@@ -89,7 +92,7 @@ def zero3_exposed_s(microbatches: int, units: int, forward_s: float, backward_s:
     """Exposed seconds of ZeRO 3's prefetched gathers and reductions (module docstring)."""
     f_u, b_u, g, g_b, r = forward_s / units, backward_s / units, gather_s, backward_gather_s, reduce_s
     forward = g + (units - 1) * max(0.0, g - f_u)
-    backward = g_b
+    backward = 0.0  # the last unit of the forward is still gathered: its backward starts at once
     if units >= 2:
         backward += max(0.0, g_b - b_u) + (units - 2) * max(0.0, r + g_b - b_u)
         tail = r + max(0.0, r - b_u)
@@ -118,7 +121,8 @@ def zero_tasks(microbatches: int, units: int, forward_s: float, backward_s: floa
 
     def run_units(kind: str, order: list[int], seconds: float, gather: float, reduce: bool, k: int) -> None:
         nonlocal last_compute
-        pending = add("comm", gather, DP_COMM, [last_compute], f"{kind}{k} gather {order[0]}") if gather else None
+        first_gathered = gather and kind == "F"  # the backward's first unit is the forward's last: still gathered
+        pending = add("comm", gather, DP_COMM, [last_compute], f"{kind}{k} gather {order[0]}") if first_gathered else None
         for position, unit in enumerate(order):
             start_after = [last_compute, pending]
             if gather and position + 1 < len(order):  # issued as this unit starts: after what it starts after
@@ -165,9 +169,9 @@ def data_parallel_s(cluster: Cluster, *, zero_stage: int, dp: int, stride: int, 
     """(exposed, hidden) seconds of the step's data-parallel collectives on a rank
     whose micro-batch is ``forward_s`` + ``backward_s``, as plait runs them:
 
-    - ZeRO 0: one all-reduce after the pipeline flush (plait train's
-      ``average_gradients``), not overlapped; ``dp_overlap``: as plait's DataParallel
-      (DDP) runs it instead, buckets all-reduced during the last backward.
+    - ZeRO 0: ``dp_overlap`` (plait's DataParallel, and plait train but under Chimera
+      and zero bubble): buckets all-reduced during the last backward; else one
+      all-reduce after the pipeline flush (``average_after_backward``), not overlapped.
     - ZeRO 1: reduce-scatter after the flush, all-gather after the step: not overlapped.
     - ZeRO 2: per micro-batch, bucket reductions during the backward (module
       docstring); the all-gather after the step.
@@ -216,7 +220,8 @@ def data_parallel_s(cluster: Cluster, *, zero_stage: int, dp: int, stride: int, 
         reduce_s = call("reduce_scatter", grad_bytes / units, unit_s)
         gather_s = call("all_gather", param_bytes / units, unit_s)
         exposed = zero3_exposed_s(m, units, forward_s, backward_s, gather_s, (gathers - 1) * gather_s, reduce_s)
-        total = m * units * (reduce_s + gathers * gather_s)
+        # the forward's last unit stays gathered for its backward: its backward gathers are not made
+        total = m * units * (reduce_s + gathers * gather_s) - m * (gathers - 1) * gather_s
         share = ((cpu_s("reduce_scatter", grad_bytes / units) + gathers * cpu_s("all_gather", param_bytes / units))
                  / max(reduce_s + gathers * gather_s, 1e-300))
     hidden = max(total - exposed, 0.0)
