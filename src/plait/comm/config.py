@@ -41,8 +41,8 @@ build one from flags and ``PLAIT_COMM_*`` variables
     shm_spin_us             how long a waiting rank polls its rings before it blocks on
                             its doorbell (20 us; none when the host's ranks outnumber its
                             cores; bench/shm_wait.py measures the choice)
-    shm_spin_max_us         how long a waiting rank polls while its recent waits are short
-                            (at most 4x this; 500 us): a peer's per-call time is then
+    shm_spin_max_us         how long a waiting rank polls while its recent long polls
+                            ended their waits without blocking (500 us): a peer's per-call time is then
                             covered by polling instead of a block and a wake-up (50-300 us
                             each); with more local ranks than cores it polls with
                             sched_yield this long (0: shm_spin_us only, never yields)

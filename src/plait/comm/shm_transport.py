@@ -17,8 +17,8 @@ and receive of this rank (as an MPI progress engine does), so a rank blocked on 
 message still drains and fills its rings for the others, and no thread of its own
 competes with the ranks for the cores.
 
-Waiting: poll the rings for up to ``spin_max_s`` while recent waits are short
-(``_spin_budget_s``: a peer's per-call time is polled through instead of paying a
+Waiting: poll the rings for up to ``spin_max_s`` while recent long polls ended their
+waits (``_spin_budget_s``: a peer's per-call time is polled through instead of paying a
 block and a wake-up each call), else ``spin_s``. Polling makes no syscall while
 every local rank has a core; with more local ranks than cores a waiting rank calls
 ``sched_yield`` between polls (the core goes to a peer it may wait for), until one
@@ -47,7 +47,8 @@ from plait.comm.shm_ring import FRAME_HEADER_BYTES, Ring, Segment, frame_bytes
 
 _NAP_S = 0.001  # longest single block on the doorbell (bounds a missed wake-up)
 _LIVENESS_S = 0.2  # how often a blocked rank checks that its peers' processes live
-_PROBE_EVERY = 16  # a rank whose waits grew long still polls every this many waits (_spin_budget_s)
+_PROBE_EVERY = 8  # a rank whose polls stopped paying still polls every this many waits (_spin_budget_s)
+_HIT_WEIGHT = 0.25  # weight of one polled wait in the poll's hit rate (_note_wait)
 _YIELD_STALL_S = 0.001  # a sched_yield away this long: another process held the core (stop yielding)
 _YIELD_OFF_S = 0.5  # how long a rank that saw such a stall blocks instead of yielding
 
@@ -160,7 +161,7 @@ class ShmTransport:
         self.bells = bells
         self.spin_s = spin_s
         self.spin_max_s = max(spin_max_s, spin_s)  # the adaptive poll's cap (_spin_budget_s)
-        self._typical_wait_s = 0.0  # recent waits, averaged (_note_wait)
+        self._poll_hit = 1.0  # recent long polls that ended the wait without a block, averaged (_note_wait)
         self._waits = 0  # waits that polled (_spin_budget_s)
         self._yield_off_until = 0.0  # time.monotonic() before which a rank with spin_s = 0 does not yield
         self._lock = threading.RLock()
@@ -416,6 +417,7 @@ class ShmTransport:
         idle_since = started
         next_check = idle_since + _LIVENESS_S
         spin_s = self._spin_budget_s()
+        blocked = False
         while not work.done:
             if self._closed:
                 raise RuntimeError(f"the shared-memory transport of this group was closed while waiting for "
@@ -441,34 +443,36 @@ class ShmTransport:
             if now >= next_check:
                 next_check = now + _LIVENESS_S
                 self._check_peers()
+            blocked = True
             self._nap(min(_NAP_S, deadline - now) if deadline is not None else _NAP_S, work)
-        if self.spin_s > 0:
-            self._note_wait(time.monotonic() - started)
+        if self.spin_s > 0 and spin_s >= self.spin_max_s:
+            self._note_wait(blocked)
         if work.error is not None:
             raise RuntimeError(work.error)
 
     def _spin_budget_s(self) -> float:
-        """How long this wait polls before it blocks: ``spin_max_s`` while the recent
-        typical wait is at most 4 ``spin_max_s`` (a peer's per-call time: a wait that
-        ends within the poll never pays a block and a wake-up, a syscall each side plus
-        the scheduler's wake latency, 50-300 us on this machine), else ``spin_s`` (waits
-        for a peer that computes: they sleep soon), except every ``_PROBE_EVERY``-th
-        wait, which polls ``spin_max_s`` again: waits that only grew long because each
-        paid a wake-up (a burst of load) shrink back once polled through, instead of
-        keeping the rank blocking. ``spin_s`` = 0 (more local ranks than cores: a plain
-        poller holds the core its peer needs): 0, the wait yields between polls instead."""
+        """How long this wait polls before it blocks: ``spin_max_s`` while recent long
+        polls paid (at least half of them ended the wait without a block: a peer's
+        per-call time polled through saves a block and a wake-up, a syscall each side plus
+        the scheduler's wake latency, 50-300 us on this machine), else ``spin_s``: waits
+        for a peer that computes, or a host whose cores are taken (a poll that fails
+        burns the core a peer or this rank's other thread needs); every
+        ``_PROBE_EVERY``-th wait polls ``spin_max_s`` again, so polling comes back once
+        it pays. The decision rests on whether polls succeed, not on how long waits are:
+        waits that are long only because each paid a wake-up would otherwise keep a rank
+        blocking. ``spin_s`` = 0 (more local ranks than cores: a plain poller holds the
+        core its peer needs): 0, the wait yields between polls instead."""
         if self.spin_s <= 0:
             return 0.0
         self._waits += 1
-        if self._typical_wait_s <= 4.0 * self.spin_max_s or self._waits % _PROBE_EVERY == 0:
+        if self._poll_hit >= 0.5 or self._waits % _PROBE_EVERY == 0:
             return self.spin_max_s
         return self.spin_s
 
-    def _note_wait(self, waited_s: float) -> None:
-        """Fold one wait into the typical wait: an exponential average (weight 1/8) of
-        the waits, each clipped at 8 ``spin_max_s`` so one long stall fades within a
-        few calls."""
-        self._typical_wait_s += (min(waited_s, 8.0 * self.spin_max_s) - self._typical_wait_s) * 0.125
+    def _note_wait(self, blocked: bool) -> None:
+        """Fold one long poll's outcome into the hit rate: an exponential average (weight
+        ``_HIT_WEIGHT``) of 1 for a wait that ended while polling, 0 for one that blocked."""
+        self._poll_hit += ((0.0 if blocked else 1.0) - self._poll_hit) * _HIT_WEIGHT
 
     def _nap(self, nap_s: float, work: ShmWork) -> None:
         """Block until a peer rings this rank's doorbell (or ``nap_s`` passes). One
