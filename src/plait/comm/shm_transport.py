@@ -39,11 +39,11 @@ import select
 import threading
 import time
 from collections import deque
-from datetime import timedelta
 
 import torch
 
 from plait.comm.shm_ring import FRAME_HEADER_BYTES, Ring, Segment, frame_bytes
+from plait.comm.shm_messages import Inbound, PendingRecv, PendingSend, ShmWork, Unexpected, as_bytes, refusal
 
 _NAP_S = 0.001  # longest single block on the doorbell (bounds a missed wake-up)
 _LIVENESS_S = 0.2  # how often a blocked rank checks that its peers' processes live
@@ -51,93 +51,6 @@ _PROBE_EVERY = 8  # a rank whose polls stopped paying still polls every this man
 _HIT_WEIGHT = 0.25  # weight of one polled wait in the poll's hit rate (_note_wait)
 _YIELD_STALL_S = 0.001  # a sched_yield away this long: another process held the core (stop yielding)
 _YIELD_OFF_S = 0.5  # how long a rank that saw such a stall blocks instead of yielding
-
-
-def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
-    if not tensor.is_contiguous():
-        raise ValueError(f"shared-memory transport: tensors must be contiguous (got shape {tuple(tensor.shape)} with "
-                         f"strides {tensor.stride()}); call .contiguous() first, as torch.distributed requires")
-    if tensor.device.type != "cpu":
-        raise ValueError(f"shared-memory transport moves host memory only, got a tensor on {tensor.device}")
-    return tensor.reshape(-1).view(torch.uint8)
-
-
-def _refusal(recv: _Recv, payload_bytes: int) -> str | None:
-    """Why ``recv`` cannot take a message of ``payload_bytes`` (the end of the error's
-    sentence), or None: larger than the receive, or for a reducing receive not whole
-    elements of its dtype."""
-    if payload_bytes > recv.target.numel():
-        kind = "reducing receive" if recv.combine is not None else "receive"
-        return f"{kind} of {recv.target.numel()} bytes"
-    if recv.combine is not None and payload_bytes % recv.reduced.element_size():
-        return (f"reducing receive of {recv.target.numel()} bytes of {recv.reduced.dtype} (not whole "
-                f"{recv.reduced.element_size()}-byte elements)")
-    return None
-
-
-class ShmWork:
-    """A posted send or receive, shaped like torch's Work: ``wait(timeout)``,
-    ``is_completed()``, ``_source_rank()`` (the sender of a receive)."""
-
-    __slots__ = ("transport", "done", "error", "source", "description", "peer")
-
-    def __init__(self, transport: ShmTransport, peer, description: str):
-        self.transport = transport
-        self.done = False
-        self.error: str | None = None
-        self.source = peer
-        self.peer = peer
-        self.description = description
-
-    def wait(self, timeout: timedelta | None = None) -> bool:
-        self.transport.wait(self, None if timeout is None else timeout.total_seconds())
-        return True
-
-    def is_completed(self) -> bool:
-        if not self.done:
-            self.transport.progress()
-        return self.done
-
-    def _source_rank(self) -> int:
-        return self.source
-
-
-class _Send:
-    __slots__ = ("work", "source", "tag", "frame", "written")
-
-    def __init__(self, work, source, tag):
-        self.work, self.source, self.tag = work, source, tag
-        self.frame = frame_bytes(source.numel())
-        self.written = 0  # frame bytes written so far
-
-
-class _Recv:
-    """A posted receive; ``reduced``: the typed tensor a reducing receive combines into
-    (``target`` is then its bytes), with ``combine`` (None: a plain receive)."""
-
-    __slots__ = ("work", "target", "tag", "peer", "reduced", "combine")
-
-    def __init__(self, work, target, tag, peer, reduced=None, combine=None):
-        self.work, self.target, self.tag, self.peer = work, target, tag, peer
-        self.reduced, self.combine = reduced, combine
-
-
-class _Inbound:
-    """The frame being read from one peer's ring: where its payload goes (``target``
-    bytes; for a reducing receive, ``recv.reduced`` is combined with it instead)."""
-
-    __slots__ = ("target", "payload", "read", "recv", "unexpected")
-
-    def __init__(self, target, payload, recv, unexpected):
-        self.target, self.payload, self.recv, self.unexpected = target, payload, recv, unexpected
-        self.read = 0  # payload bytes copied out
-
-
-class _Unexpected:
-    __slots__ = ("tag", "buffer", "complete", "claimed")
-
-    def __init__(self, tag, buffer):
-        self.tag, self.buffer, self.complete, self.claimed = tag, buffer, False, None
 
 
 class ShmTransport:
@@ -165,11 +78,11 @@ class ShmTransport:
         self._waits = 0  # waits that polled (_spin_budget_s)
         self._yield_off_until = 0.0  # time.monotonic() before which a rank with spin_s = 0 does not yield
         self._lock = threading.RLock()
-        self._sends: dict[int, deque[_Send]] = {peer: deque() for peer in self.peers}
-        self._recvs: dict[int, deque[_Recv]] = {peer: deque() for peer in self.peers}
-        self._any: deque[_Recv] = deque()
-        self._unexpected: dict[int, deque[_Unexpected]] = {peer: deque() for peer in self.peers}
-        self._reading: dict[int, _Inbound | None] = {peer: None for peer in self.peers}
+        self._sends: dict[int, deque[PendingSend]] = {peer: deque() for peer in self.peers}
+        self._recvs: dict[int, deque[PendingRecv]] = {peer: deque() for peer in self.peers}
+        self._any: deque[PendingRecv] = deque()
+        self._unexpected: dict[int, deque[Unexpected]] = {peer: deque() for peer in self.peers}
+        self._reading: dict[int, Inbound | None] = {peer: None for peer in self.peers}
         self._wanting = {peer: False for peer in self.peers}  # what this rank last said in outbound[peer]
         self._pids = {peer: outboxes[peer].owner_pid for peer in self.peers}
         self._closed = False
@@ -185,20 +98,20 @@ class ShmTransport:
 
     # ----- posting ----------------------------------------------------------------------
     def send(self, tensor: torch.Tensor, peer: int, tag: int) -> ShmWork:
-        source = _as_bytes(tensor)
+        source = as_bytes(tensor)
         work = ShmWork(self, peer, f"a send of {source.numel()} bytes to rank {peer} (tag {tag})")
         with self._lock:
             self._check_open()
-            self._sends[peer].append(_Send(work, source, tag))
+            self._sends[peer].append(PendingSend(work, source, tag))
             self._progress_locked()
         return work
 
     def recv(self, tensor: torch.Tensor, peer: int | None, tag: int) -> ShmWork:
         """Receive into ``tensor`` from ``peer`` (None: any local peer)."""
-        target = _as_bytes(tensor)
+        target = as_bytes(tensor)
         who = "any rank" if peer is None else f"rank {peer}"
         work = ShmWork(self, peer, f"a receive of up to {target.numel()} bytes from {who} (tag {tag})")
-        return self._post_recv(_Recv(work, target, tag, peer))
+        return self._post_recv(PendingRecv(work, target, tag, peer))
 
     def recv_reduce(self, tensor: torch.Tensor, peer: int, tag: int, combine) -> ShmWork:
         """Receive a message from ``peer`` and reduce it into ``tensor`` straight from the
@@ -209,11 +122,11 @@ class ShmTransport:
         until the work completes (the executor's dataflow rules hold it). A message
         smaller than ``tensor`` combines into its front; one that is larger, or not whole
         elements, fails the work naming both sizes."""
-        target = _as_bytes(tensor)
+        target = as_bytes(tensor)
         work = ShmWork(self, peer, f"a reducing receive of up to {target.numel()} bytes from rank {peer} (tag {tag})")
-        return self._post_recv(_Recv(work, target, tag, peer, tensor.reshape(-1), combine))
+        return self._post_recv(PendingRecv(work, target, tag, peer, tensor.reshape(-1), combine))
 
-    def _post_recv(self, recv: _Recv) -> ShmWork:
+    def _post_recv(self, recv: PendingRecv) -> ShmWork:
         with self._lock:
             self._check_open()
             if not self._claim_unexpected(recv):
@@ -221,7 +134,7 @@ class ShmTransport:
             self._progress_locked()
         return recv.work
 
-    def _claim_unexpected(self, recv: _Recv) -> bool:
+    def _claim_unexpected(self, recv: PendingRecv) -> bool:
         for peer in self.peers if recv.peer is None else [recv.peer]:
             for held in self._unexpected[peer]:
                 if held.tag == recv.tag and held.claimed is None:
@@ -232,13 +145,13 @@ class ShmTransport:
                     return True
         return False
 
-    def _deliver_unexpected(self, peer: int, held: _Unexpected) -> None:
+    def _deliver_unexpected(self, peer: int, held: Unexpected) -> None:
         recv = held.claimed
         self._unexpected[peer].remove(held)
         self._fill(recv, held.buffer)
 
-    def _fill(self, recv: _Recv, payload: torch.Tensor) -> None:
-        reason = _refusal(recv, payload.numel())
+    def _fill(self, recv: PendingRecv, payload: torch.Tensor) -> None:
+        reason = refusal(recv, payload.numel())
         if reason is not None:
             self._fail(recv.work, f"rank {recv.work.source} sent {payload.numel()} bytes (tag {recv.tag}) into a "
                                   f"{reason}")
@@ -365,23 +278,23 @@ class ShmTransport:
             self._ring(peer)
         return True
 
-    def _match(self, peer: int, tag: int, payload: int) -> _Inbound | None:
+    def _match(self, peer: int, tag: int, payload: int) -> Inbound | None:
         for queue in (self._recvs[peer], self._any):
             for recv in queue:
                 if recv.tag == tag:
                     queue.remove(recv)
                     recv.work.source = peer
-                    if _refusal(recv, payload) is not None:  # read it (to keep the stream framed), then fail the receive
-                        return _Inbound(None, payload, recv, None)
-                    return _Inbound(recv.target, payload, recv, None)
+                    if refusal(recv, payload) is not None:  # read it (to keep the stream framed), then fail the receive
+                        return Inbound(None, payload, recv, None)
+                    return Inbound(recv.target, payload, recv, None)
         if not self._recvs[peer]:
             return None
         # the owner waits for a later message of this peer: hold this one aside
-        held = _Unexpected(tag, torch.empty(payload, dtype=torch.uint8))
+        held = Unexpected(tag, torch.empty(payload, dtype=torch.uint8))
         self._unexpected[peer].append(held)
-        return _Inbound(held.buffer, payload, None, held)
+        return Inbound(held.buffer, payload, None, held)
 
-    def _finish(self, peer: int, inbound: _Inbound) -> None:
+    def _finish(self, peer: int, inbound: Inbound) -> None:
         if inbound.unexpected is not None:
             held = inbound.unexpected
             held.complete = True
@@ -391,7 +304,7 @@ class ShmTransport:
         recv = inbound.recv
         if inbound.target is None:
             self._fail(recv.work, f"rank {peer} sent {inbound.payload} bytes (tag {recv.tag}) into a "
-                                  f"{_refusal(recv, inbound.payload)}: the ranks disagree about the message's size")
+                                  f"{refusal(recv, inbound.payload)}: the ranks disagree about the message's size")
             return
         recv.work.done = True
         recv.target = None
