@@ -68,9 +68,9 @@ def test_commconfig_replace_changes_only_what_it_names():
     base = CommConfig(timeout_s=9.0, check="deep", segment_bytes=123, pipeline_segment_bytes=456, hierarchy="2x2",
                       local_world_size=2, topology=preset("local"), algorithms={"all_reduce": "ring"},
                       tuner=Tuner(LinkModel(1e-3, 1e-9)), transport="shm", shm_ring_bytes=8192, shm_spin_us=7.0,
-                      shm_dir="/tmp")
+                      shm_spin_max_us=99.0, shm_dir="/tmp")
     names = [field.name for field in dataclasses.fields(CommConfig)]
-    assert len(names) == 13
+    assert len(names) == 14
     for name in names:
         changed = base.replace(**{name: getattr(CommConfig(), name)})
         for other in names:

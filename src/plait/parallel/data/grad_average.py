@@ -150,8 +150,10 @@ class GradAverage:
         self._where = {id(param): (index, name) for index, bucket in enumerate(self.buckets)
                        for name, param in bucket}
         self._expected = {id(param): expected.get(name) for bucket in self.buckets for name, param in bucket}
-        # parameters of each bucket whose gradient a hook finalises (the late ones wait for finish)
-        self._hooked = [sum(self._expected[id(param)] is not None for _, param in bucket) for bucket in self.buckets]
+        # parameters of each bucket not yet final: a hook finalises its own; a bucket holding a late
+        # one (summed over other pipeline ranks after the flush, or not reached) never reaches 0 in
+        # the backward, so it and every bucket after it in launch order go in finish
+        self._hooked = [len(bucket) for bucket in self.buckets]
         self._armed = False
         self._calls: dict[int, int] = {}
         self._pending: list[int] = []
