@@ -1,4 +1,5 @@
-"""The busy host every speed ratio is also reported on: one process spinning at nice 19."""
+"""The busy host every speed ratio is also reported on: one process spinning at nice 19
+(``busy_loop``), or several (``busy_loops``: the per-call benchmark's two)."""
 
 from __future__ import annotations
 
@@ -21,3 +22,11 @@ def busy_loop(enabled: bool):
     finally:
         spinner.kill()
         spinner.wait(timeout=10)
+
+
+@contextlib.contextmanager
+def busy_loops(count: int):
+    """``count`` processes spinning at nice 19 for the block (yields their pids), all
+    ended whatever the block raises."""
+    with contextlib.ExitStack() as stack:
+        yield [stack.enter_context(busy_loop(True)) for _ in range(count)]
